@@ -1,0 +1,155 @@
+//! Random attention problems: the proptest strategies every equivalence test draws from.
+//!
+//! A [`Case`] is small and printable (sizes, options and a seed); its tensors are generated from
+//! the seed, so proptest shrinks a failure down to the smallest shape and options that still
+//! fail, and the report names a case anyone can rerun. The GPU rungs reuse these strategies with
+//! their own [`CaseSpace`].
+
+use std::ops::RangeInclusive;
+
+use ladder_reference::{AttentionOptions, AttentionShape, Element, TileSizes};
+use ndarray::Array4;
+use proptest::prelude::*;
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rand_distr::StandardNormal;
+
+/// One attention problem: sizes, options, and the seed of its tensors.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Case {
+    pub shape: AttentionShape,
+    pub causal: bool,
+    /// Standard deviation of the logits `scale · q · k`: 1 is a trained model's regime,
+    /// thousands stress overflow (the scale is `logit_std / √d` on unit-normal inputs).
+    pub logit_std: f64,
+    pub tiles: TileSizes,
+    pub splits: usize,
+    pub seed: u64,
+}
+
+/// The tensors of a case: inputs and an upstream gradient, all unit-normal.
+#[derive(Debug, Clone)]
+pub struct Inputs<T> {
+    pub q: Array4<T>,
+    pub k: Array4<T>,
+    pub v: Array4<T>,
+    /// Upstream gradient `dO` for the backward rungs (shape of `q`).
+    pub d_o: Array4<T>,
+}
+
+impl Case {
+    /// The softmax scale giving logits of standard deviation `logit_std`.
+    pub fn scale(&self) -> f64 {
+        self.logit_std / (self.shape.d as f64).sqrt()
+    }
+
+    pub fn attention(&self) -> AttentionOptions {
+        AttentionOptions { causal: self.causal, scale: Some(self.scale()) }
+    }
+
+    /// Unit-normal tensors from the case's seed.
+    pub fn inputs<T: Element>(&self) -> Inputs<T> {
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
+        let mut normal = |dims: [usize; 4]| {
+            Array4::from_shape_simple_fn(dims, || T::of(rng.sample(StandardNormal)))
+        };
+        let s = &self.shape;
+        Inputs {
+            q: normal(s.q_dims()),
+            k: normal(s.kv_dims()),
+            v: normal(s.kv_dims()),
+            d_o: normal(s.q_dims()),
+        }
+    }
+
+    /// Like [`Case::inputs`], plus outliers: each entry of `Q, K, V` independently, with
+    /// probability `p`, gets an extra normal term of standard deviation `std` (the FA3 paper's
+    /// `N(0,1) + N(0,100)·Bernoulli(0.001)` is `p = 0.001, std = 10`).
+    pub fn inputs_with_outliers<T: Element>(&self, p: f64, std: f64) -> Inputs<T> {
+        let mut inputs = self.inputs::<T>();
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ 0x9E37_79B9_7F4A_7C15);
+        for x in [&mut inputs.q, &mut inputs.k, &mut inputs.v] {
+            x.mapv_inplace(|v| {
+                if rng.random_bool(p) {
+                    v + T::of(std * rng.sample::<f64, _>(StandardNormal))
+                } else {
+                    v
+                }
+            });
+        }
+        inputs
+    }
+}
+
+/// The space a strategy draws cases from.
+#[derive(Debug, Clone)]
+pub struct CaseSpace {
+    pub batch: RangeInclusive<usize>,
+    pub heads_kv: RangeInclusive<usize>,
+    /// q heads per kv head (GQA group size).
+    pub group: RangeInclusive<usize>,
+    pub n_q: RangeInclusive<usize>,
+    pub n_kv: RangeInclusive<usize>,
+    pub head_dims: Vec<usize>,
+    pub block: RangeInclusive<usize>,
+    pub splits: RangeInclusive<usize>,
+    /// Largest logit standard deviation drawn (log-uniformly from 0.1; half the cases use 1).
+    pub max_logit_std: f64,
+}
+
+impl CaseSpace {
+    /// Small problems for the CPU rungs: any length and head dim from 1, blocks from 1,
+    /// more splits than keys, logits up to the ±10⁴ range.
+    pub fn cpu() -> Self {
+        Self {
+            batch: 1..=2,
+            heads_kv: 1..=2,
+            group: 1..=3,
+            n_q: 1..=40,
+            n_kv: 1..=40,
+            head_dims: (1..=24).collect(),
+            block: 1..=17,
+            splits: 1..=12,
+            max_logit_std: 3000.0,
+        }
+    }
+
+    /// Decoding: a few query rows against a longer cache.
+    pub fn decode() -> Self {
+        Self { n_q: 1..=4, n_kv: 1..=200, ..Self::cpu() }
+    }
+
+    /// Only logits in a trained model's range (standard deviation up to 3).
+    pub fn moderate_logits(self) -> Self {
+        Self { max_logit_std: 3.0, ..self }
+    }
+}
+
+/// Cases drawn from `space`.
+pub fn cases(space: CaseSpace) -> impl Strategy<Value = Case> {
+    let sizes = (
+        space.batch,
+        space.heads_kv,
+        space.group,
+        space.n_q,
+        space.n_kv,
+        prop::sample::select(space.head_dims),
+    );
+    let max_exp = space.max_logit_std.log10();
+    let logit_std = prop_oneof![Just(1.0), (-1.0..=max_exp).prop_map(|e: f64| 10f64.powf(e))];
+    let options =
+        (any::<bool>(), logit_std, space.block.clone(), space.block, space.splits, any::<u64>());
+    (sizes, options).prop_map(
+        |((batch, heads_kv, group, n_q, n_kv, d), (causal, logit_std, br, bc, splits, seed))| {
+            Case {
+                shape: AttentionShape::new(batch, heads_kv * group, heads_kv, n_q, n_kv, d)
+                    .expect("sizes from ranges ≥ 1"),
+                causal,
+                logit_std,
+                tiles: TileSizes::new(br, bc).expect("blocks from a range ≥ 1"),
+                splits,
+                seed,
+            }
+        },
+    )
+}

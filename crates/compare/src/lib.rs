@@ -1,0 +1,21 @@
+//! # ladder-compare: the attention ladder, checked rung by rung
+//!
+//! - [`metrics`]: error against the float64 oracle and the tolerances derived from it;
+//! - [`cases`]: the proptest strategies that draw random attention problems;
+//! - [`rungs`]: every rung by name, behind one call;
+//! - [`oracle`]: the float64 oracle and the per-case tolerances the suite checks against;
+//! - [`verify`]: the table `ladder verify` prints;
+//! - [`npy`]: `.npy` input and output for `ladder run`;
+//! - [`memory`]: the extra heap memory a rung allocates.
+
+pub mod cases;
+pub mod memory;
+pub mod metrics;
+pub mod npy;
+pub mod oracle;
+pub mod rungs;
+pub mod verify;
+
+pub use cases::{Case, CaseSpace, Inputs, cases};
+pub use metrics::{ErrorStats, Tolerance, error};
+pub use rungs::{Rung, RungConfig};

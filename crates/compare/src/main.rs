@@ -1,0 +1,257 @@
+//! `ladder`: run and verify the rungs of the attention ladder.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, bail};
+use clap::{Args, Parser, Subcommand};
+use ladder_compare::memory::{PeakAlloc, human_bytes};
+use ladder_compare::npy::{self, DType};
+use ladder_compare::verify::{self, VerifyCase};
+use ladder_compare::{Rung, RungConfig};
+use ladder_reference::{
+    AttentionOptions, AttentionOutput, AttentionShape, Element, Phi, TileSizes,
+};
+use ndarray::Array4;
+
+// Counts heap use so `verify` can report the extra memory each rung allocates.
+#[global_allocator]
+static ALLOC: PeakAlloc = PeakAlloc;
+
+#[derive(Parser)]
+#[command(
+    name = "ladder",
+    version,
+    about = "The attention ladder: naive attention to FlashDecoding++, rung by rung"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run every rung on a prefill and a decode problem and check each against the rung before
+    /// it and the float64 oracle; exits non-zero if any is out of tolerance.
+    Verify(VerifyArgs),
+    /// Run one rung on your own tensors (.npy, float16/32/64, shape [batch, heads, seq, head_dim]).
+    Run(RunArgs),
+}
+
+/// Options shared by the rungs.
+#[derive(Args)]
+struct RungArgs {
+    /// Softmax scale [default: 1/√d].
+    #[arg(long)]
+    scale: Option<f64>,
+    /// Query rows per tile.
+    #[arg(long, default_value_t = 64)]
+    br: usize,
+    /// Key columns per tile.
+    #[arg(long, default_value_t = 64)]
+    bc: usize,
+    /// K/V splits of the decoding rungs.
+    #[arg(long, default_value_t = 8)]
+    splits: usize,
+    /// FlashDecoding++'s unified max φ [default: estimated per head from 64 sampled keys].
+    #[arg(long)]
+    phi: Option<f64>,
+    /// Turn off incoherent processing on the FP8 path.
+    #[arg(long)]
+    no_incoherent: bool,
+}
+
+impl RungArgs {
+    fn config(&self, causal: bool) -> anyhow::Result<RungConfig> {
+        let defaults = RungConfig::default();
+        if self.splits == 0 {
+            bail!("--splits must be at least 1");
+        }
+        if let Some(phi) = self.phi.filter(|p| !p.is_finite()) {
+            bail!("--phi must be finite, got {phi}");
+        }
+        Ok(RungConfig {
+            attention: AttentionOptions { causal, scale: self.scale },
+            tiles: TileSizes::new(self.br, self.bc)?,
+            splits: self.splits,
+            phi: self.phi.map_or(defaults.phi, Phi::Given),
+            fp8: ladder_reference::Fp8Options {
+                incoherent: if self.no_incoherent { None } else { defaults.fp8.incoherent },
+                ..defaults.fp8
+            },
+        })
+    }
+}
+
+#[derive(Args)]
+struct VerifyArgs {
+    /// Batch size (any shape flag replaces the two default problems by one custom problem).
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Query heads.
+    #[arg(long)]
+    heads_q: Option<usize>,
+    /// Key/value heads (heads_q must be a multiple).
+    #[arg(long)]
+    heads_kv: Option<usize>,
+    /// Query length.
+    #[arg(long)]
+    n_q: Option<usize>,
+    /// Key/value length.
+    #[arg(long)]
+    n_kv: Option<usize>,
+    /// Head dim.
+    #[arg(long)]
+    d: Option<usize>,
+    /// Causal masking, bottom-right aligned (the default).
+    #[arg(long, overrides_with = "no_causal")]
+    causal: bool,
+    /// No mask.
+    #[arg(long)]
+    no_causal: bool,
+    /// Seed of the random inputs.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[command(flatten)]
+    rung: RungArgs,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// The rung to run.
+    #[arg(long, value_enum)]
+    rung: Rung,
+    /// Queries, [batch, heads_q, n_q, d].
+    #[arg(long)]
+    q: PathBuf,
+    /// Keys, [batch, heads_kv, n_kv, d].
+    #[arg(long)]
+    k: PathBuf,
+    /// Values, [batch, heads_kv, n_kv, d].
+    #[arg(long)]
+    v: PathBuf,
+    /// Where to write O (in the dtype of q).
+    #[arg(long)]
+    out: PathBuf,
+    /// Where to write the log-sum-exp, [batch, heads_q, n_q], float32.
+    #[arg(long)]
+    lse: Option<PathBuf>,
+    /// Causal masking, bottom-right aligned.
+    #[arg(long)]
+    causal: bool,
+    #[command(flatten)]
+    rung_args: RungArgs,
+}
+
+fn main() -> ExitCode {
+    match Cli::parse().command {
+        Command::Verify(args) => match verify_cmd(&args) {
+            Ok(true) => ExitCode::SUCCESS,
+            Ok(false) => ExitCode::from(1),
+            Err(e) => fail(e),
+        },
+        Command::Run(args) => match run_cmd(&args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => fail(e),
+        },
+    }
+}
+
+fn fail(e: anyhow::Error) -> ExitCode {
+    eprintln!("error: {e:#}");
+    ExitCode::from(2)
+}
+
+fn verify_cmd(args: &VerifyArgs) -> anyhow::Result<bool> {
+    let config = args.rung.config(!args.no_causal)?;
+    let shape_flags = [args.batch, args.heads_q, args.heads_kv, args.n_q, args.n_kv, args.d];
+    let cases = if shape_flags.iter().any(Option::is_some) {
+        let base = VerifyCase::prefill().shape;
+        let shape = AttentionShape::new(
+            args.batch.unwrap_or(base.batch),
+            args.heads_q.unwrap_or(base.heads_q),
+            args.heads_kv.unwrap_or(base.heads_kv),
+            args.n_q.unwrap_or(base.n_q),
+            args.n_kv.unwrap_or(base.n_kv),
+            args.d.unwrap_or(base.d),
+        )?;
+        vec![VerifyCase { name: "custom".into(), shape }]
+    } else {
+        vec![VerifyCase::prefill(), VerifyCase::decode()]
+    };
+    for case in &cases {
+        let s = case.shape;
+        eprintln!(
+            "verify: {} — batch {}, heads {}/{}, n_q {}, n_kv {}, d {}, {}",
+            case.name,
+            s.batch,
+            s.heads_q,
+            s.heads_kv,
+            s.n_q,
+            s.n_kv,
+            s.d,
+            if config.attention.causal { "causal" } else { "no mask" }
+        );
+    }
+    let total = cases.len() * (Rung::ALL.len() + 2);
+    let mut done = 0;
+    let rows = verify::run(&cases, &config, args.seed, |row| {
+        done += 1;
+        let extra = row.extra_bytes.map_or("n/a".into(), human_bytes);
+        eprintln!(
+            "  [{done:>2}/{total}] {:<8} {:<18} {:>10.1} ms  extra {extra}",
+            row.case,
+            row.label,
+            row.elapsed.as_secs_f64() * 1e3
+        );
+    })?;
+    print!("{}", verify::render(&rows));
+    let failed: Vec<String> =
+        rows.iter().filter(|r| !r.pass).map(|r| format!("{}/{}", r.case, r.label)).collect();
+    if failed.is_empty() {
+        println!("all {} rows within tolerance (err/tol ≤ 1)", rows.len());
+        Ok(true)
+    } else {
+        println!("OUT OF TOLERANCE: {}", failed.join(", "));
+        Ok(false)
+    }
+}
+
+fn run_cmd(args: &RunArgs) -> anyhow::Result<()> {
+    let config = args.rung_args.config(args.causal)?;
+    let (q, k, v) = (npy::read(&args.q)?, npy::read(&args.k)?, npy::read(&args.v)?);
+    AttentionShape::of(&q.data.view(), &k.data.view(), &v.data.view()).with_context(|| {
+        format!("q {:?}, k {:?}, v {:?}", q.data.shape(), k.data.shape(), v.data.shape())
+    })?;
+    // Compute in f64 if any input is f64 (exact), otherwise in f32 (exact for f16 and f32 inputs).
+    let wide = [q.dtype, k.dtype, v.dtype].contains(&DType::F64);
+    let (o, lse) = if wide {
+        let out = args.rung.forward(q.data.view(), k.data.view(), v.data.view(), &config)?;
+        (out.o, out.lse)
+    } else {
+        let narrow = |x: &Array4<f64>| x.mapv(|v| v as f32);
+        let (q32, k32, v32) = (narrow(&q.data), narrow(&k.data), narrow(&v.data));
+        widen(args.rung.forward(q32.view(), k32.view(), v32.view(), &config)?)
+    };
+    npy::write(&args.out, &o, q.dtype)?;
+    if let Some(path) = &args.lse {
+        npy::write(path, &lse, DType::F32)?;
+    }
+    eprintln!(
+        "{}: wrote {} {:?} to {}{}",
+        args.rung,
+        match q.dtype {
+            DType::F16 => "float16",
+            DType::F32 => "float32",
+            DType::F64 => "float64",
+        },
+        o.shape(),
+        args.out.display(),
+        args.lse.as_ref().map_or(String::new(), |p| format!(" and lse to {}", p.display()))
+    );
+    Ok(())
+}
+
+fn widen<T: Element>(out: AttentionOutput<T>) -> (Array4<f64>, ndarray::Array3<f64>) {
+    (out.o.mapv(|x| x.as_f64()), out.lse.mapv(|x| x.as_f64()))
+}

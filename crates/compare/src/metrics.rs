@@ -1,0 +1,204 @@
+//! Error metrics against the float64 oracle, and the tolerances derived from them.
+//!
+//! Every comparison is made against the `f64` oracle ([`ladder_reference::naive`] run in
+//! `f64`): the relative L2 error `‖out − ref‖ / ‖ref‖` and the max absolute error.
+//!
+//! A rung run in precision `T` passes when its error is no worse than about twice the error of
+//! the naive algorithm run in the same precision (how FlashAttention's own tests set their
+//! tolerances, see `LADDER.md`), plus a small floor for problems where the naive algorithm
+//! happens to be exact (a single key, say) while a reordered computation is not:
+//!
+//! ```text
+//! tol = 2 · err(naive in T) + floor,    floor_abs = 4 · u · (d + 1 + L) · M
+//! ```
+//!
+//! with `u` the unit roundoff of `T`, `L = scale · maxᵢ‖qᵢ‖ · maxⱼ‖kⱼ‖` the largest possible
+//! logit magnitude (each logit carries an absolute rounding error up to about `d · u · L`
+//! through the dot product and the max subtraction), and `M` the magnitude of the quantity
+//! compared (`max |V|` for the output). The relative floor is `floor_abs · √len / ‖ref‖`. In
+//! `f64` the floor is ~10⁻¹³: the `f64` suite checks every rung to rounding, so an algorithmic
+//! mistake cannot hide under it.
+
+use std::fmt;
+
+use ladder_reference::Element;
+use ndarray::{ArrayBase, ArrayView4, Data, Dimension, Zip};
+
+/// How far an output is from a reference.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct ErrorStats {
+    /// `‖out − ref‖₂ / ‖ref‖₂` (absolute when the reference is all zeros).
+    pub rel_l2: f64,
+    /// `max |out − ref|`.
+    pub max_abs: f64,
+}
+
+impl ErrorStats {
+    /// The larger of each metric.
+    pub fn worst(self, other: Self) -> Self {
+        Self { rel_l2: self.rel_l2.max(other.rel_l2), max_abs: self.max_abs.max(other.max_abs) }
+    }
+}
+
+impl fmt::Display for ErrorStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:.2e} / {:.2e}", self.rel_l2, self.max_abs)
+    }
+}
+
+/// The error of `out` against `reference`, element by element.
+///
+/// Non-finite entries must match exactly: where both are NaN, or both the same infinity (a row
+/// with no key has `lse = −∞`), the entry counts as exact; any other mismatch makes both metrics
+/// infinite.
+pub fn error<A, B, D>(out: &ArrayBase<A, D>, reference: &ArrayBase<B, D>) -> ErrorStats
+where
+    A: Data,
+    A::Elem: Element,
+    B: Data<Elem = f64>,
+    D: Dimension,
+{
+    assert_eq!(out.shape(), reference.shape(), "error(): shapes differ");
+    let (mut diff2, mut ref2, mut max_abs) = (0.0f64, 0.0f64, 0.0f64);
+    let mut mismatch = false;
+    Zip::from(out).and(reference).for_each(|&o, &r| {
+        let o = o.as_f64();
+        if o.is_finite() && r.is_finite() {
+            let e = (o - r).abs();
+            diff2 += e * e;
+            ref2 += r * r;
+            max_abs = max_abs.max(e);
+        } else if !(o.is_nan() && r.is_nan() || o == r) {
+            mismatch = true;
+        }
+    });
+    if mismatch {
+        return ErrorStats { rel_l2: f64::INFINITY, max_abs: f64::INFINITY };
+    }
+    let rel_l2 = if ref2 > 0.0 { (diff2 / ref2).sqrt() } else { diff2.sqrt() };
+    ErrorStats { rel_l2, max_abs }
+}
+
+/// The error of `out` against `reference`, both in the precision under test, measured relative
+/// to the oracle's norm (used for "against the rung before").
+pub fn error_between<A, D>(out: &ArrayBase<A, D>, other: &ArrayBase<A, D>) -> ErrorStats
+where
+    A: Data,
+    A::Elem: Element,
+    D: Dimension,
+{
+    error(out, &other.mapv(|x| x.as_f64()))
+}
+
+/// Bounds on [`ErrorStats`] that a result must stay within.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Tolerance {
+    pub rel_l2: f64,
+    pub max_abs: f64,
+}
+
+impl Tolerance {
+    /// `2 · baseline + floor`: the baseline is the naive algorithm's error in the same precision.
+    pub fn from_baseline(baseline: ErrorStats, floor: Floor) -> Self {
+        Self {
+            rel_l2: 2.0 * baseline.rel_l2 + floor.rel_l2,
+            max_abs: 2.0 * baseline.max_abs + floor.abs,
+        }
+    }
+
+    /// Whether `err` is within the bounds (a NaN error never is).
+    pub fn admits(&self, err: ErrorStats) -> bool {
+        err.rel_l2 <= self.rel_l2 && err.max_abs <= self.max_abs
+    }
+
+    /// The tolerance for comparing two results that each satisfy one of these: their sum.
+    pub fn plus(self, other: Self) -> Self {
+        Self { rel_l2: self.rel_l2 + other.rel_l2, max_abs: self.max_abs + other.max_abs }
+    }
+}
+
+impl fmt::Display for Tolerance {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:.2e} / {:.2e}", self.rel_l2, self.max_abs)
+    }
+}
+
+/// The rounding floor of a comparison (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Floor {
+    pub abs: f64,
+    pub rel_l2: f64,
+}
+
+impl Floor {
+    /// `2 · u · (d + 1 + L) · magnitude`, and its relative form for a reference of `len`
+    /// elements with L2 norm `ref_norm`.
+    pub fn new(
+        unit_roundoff: f64,
+        d: usize,
+        logit_bound: f64,
+        magnitude: f64,
+        len: usize,
+        ref_norm: f64,
+    ) -> Self {
+        let abs = 2.0 * unit_roundoff * (d as f64 + 1.0 + logit_bound) * magnitude;
+        let rel_l2 = if ref_norm > 0.0 {
+            abs * (len as f64).sqrt() / ref_norm
+        } else {
+            abs * (len as f64).sqrt()
+        };
+        Self { abs, rel_l2 }
+    }
+}
+
+/// `L = scale · maxᵢ‖qᵢ‖ · maxⱼ‖kⱼ‖`: a bound on every logit's magnitude (Cauchy–Schwarz).
+pub fn logit_bound<T: Element>(q: ArrayView4<T>, k: ArrayView4<T>, scale: f64) -> f64 {
+    let max_norm = |x: ArrayView4<T>| {
+        x.rows()
+            .into_iter()
+            .map(|r| r.iter().map(|v| v.as_f64().powi(2)).sum::<f64>().sqrt())
+            .fold(0.0, f64::max)
+    };
+    scale.abs() * max_norm(q) * max_norm(k)
+}
+
+/// `max |x|` over the finite entries.
+pub fn max_abs<S: Data, D: Dimension>(x: &ArrayBase<S, D>) -> f64
+where
+    S::Elem: Element,
+{
+    x.iter().map(|v| v.as_f64().abs()).filter(|v| v.is_finite()).fold(0.0, f64::max)
+}
+
+/// `‖x‖₂` over the finite entries.
+pub fn l2_norm<S: Data, D: Dimension>(x: &ArrayBase<S, D>) -> f64
+where
+    S::Elem: Element,
+{
+    x.iter().map(|v| v.as_f64()).filter(|v| v.is_finite()).map(|v| v * v).sum::<f64>().sqrt()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::array;
+
+    #[test]
+    fn errors_are_relative_and_non_finite_entries_must_match() {
+        let r = array![3.0f64, 4.0, f64::NEG_INFINITY];
+        let e = error(&array![3.0f32, 4.5, f32::NEG_INFINITY], &r);
+        assert!((e.rel_l2 - 0.1).abs() < 1e-12 && (e.max_abs - 0.5).abs() < 1e-12);
+        assert_eq!(error(&array![3.0f32, 4.0, 0.0], &r).rel_l2, f64::INFINITY);
+        assert_eq!(error(&array![f64::NAN], &array![f64::NAN]).max_abs, 0.0);
+        assert_eq!(error(&array![f64::NAN], &array![1.0]).max_abs, f64::INFINITY);
+    }
+
+    #[test]
+    fn tolerance_admits_twice_the_baseline_plus_the_floor() {
+        let floor = Floor { abs: 1e-9, rel_l2: 1e-9 };
+        let tol = Tolerance::from_baseline(ErrorStats { rel_l2: 1e-6, max_abs: 1e-5 }, floor);
+        assert!(tol.admits(ErrorStats { rel_l2: 2e-6, max_abs: 2e-5 }));
+        assert!(!tol.admits(ErrorStats { rel_l2: 2.1e-6, max_abs: 1e-5 }));
+        assert!(!tol.admits(ErrorStats { rel_l2: f64::NAN, max_abs: 0.0 }));
+    }
+}

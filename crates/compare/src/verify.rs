@@ -1,0 +1,272 @@
+//! `ladder verify`: every rung on a problem, checked against the rung before it and the oracle.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use ladder_reference::{
+    AttentionOutput, AttentionShape, Fa2Options, Gradients, HbmTraffic, Result, fa2, naive,
+};
+
+use crate::cases::{Case, Inputs};
+use crate::memory::{human_bytes, measure};
+use crate::metrics::{ErrorStats, Tolerance, error_between};
+use crate::oracle::{Expected, ExpectedGradients, judge_between};
+use crate::rungs::{Rung, RungConfig};
+
+/// One problem of the verification run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VerifyCase {
+    pub name: String,
+    pub shape: AttentionShape,
+}
+
+impl VerifyCase {
+    /// The default prefill problem: batch 2, 8 query heads over 2 kv heads, 1024 tokens, d = 64.
+    pub fn prefill() -> Self {
+        Self {
+            name: "prefill".into(),
+            shape: AttentionShape::new(2, 8, 2, 1024, 1024, 64).expect("valid"),
+        }
+    }
+
+    /// The default decode problem: one query token per head against an 8192-token cache.
+    pub fn decode() -> Self {
+        Self {
+            name: "decode".into(),
+            shape: AttentionShape::new(2, 8, 2, 1, 8192, 64).expect("valid"),
+        }
+    }
+}
+
+/// One line of the table.
+#[derive(Debug, Clone)]
+pub struct Row {
+    pub case: String,
+    pub label: String,
+    /// Name of the rung compared against and the error against it.
+    pub vs_previous: Option<(String, ErrorStats)>,
+    /// Error against the float64 oracle (for backward rows, the worst of dQ, dK, dV).
+    pub vs_oracle: ErrorStats,
+    /// Largest ratio of an error to its tolerance (≤ 1 passes).
+    pub err_over_tol: f64,
+    pub elapsed: Duration,
+    /// Heap allocated beyond the returned tensors, at the peak.
+    pub extra_bytes: Option<u64>,
+    pub hbm: HbmTraffic,
+    pub note: String,
+    pub pass: bool,
+}
+
+/// Runs every rung (and the two backward rungs) on each case, calling `progress` after each row.
+pub fn run(
+    cases: &[VerifyCase],
+    config: &RungConfig,
+    seed: u64,
+    mut progress: impl FnMut(&Row),
+) -> Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for case in cases {
+        let spec = Case {
+            shape: case.shape,
+            causal: config.attention.causal,
+            logit_std: 1.0,
+            tiles: config.tiles,
+            splits: config.splits,
+            seed,
+        };
+        let inputs = spec.inputs::<f32>();
+        let attention = config.attention;
+        let expected = Expected::new(&inputs, &attention)?;
+        let expected_fp8 = Expected::fp8(&inputs, &attention)?;
+        let mut outputs: HashMap<Rung, AttentionOutput<f32>> = HashMap::new();
+        for rung in Rung::ALL {
+            let measured =
+                measure(|| rung.forward(inputs.q.view(), inputs.k.view(), inputs.v.view(), config));
+            let out = measured.value?;
+            let this = if rung.is_fp8() { &expected_fp8 } else { &expected };
+            let verdict = this.judge(&out);
+            let mut ratio = ratio_of(verdict.o, this.o).max(ratio_of(verdict.lse, this.lse));
+            let mut pass = verdict.pass;
+            let vs_previous = rung.previous().map(|prev| {
+                let prev_expected = if prev.is_fp8() { &expected_fp8 } else { &expected };
+                let pair = judge_between(&out, &outputs[&prev], this, prev_expected);
+                ratio = ratio
+                    .max(ratio_of(pair.o, this.o.plus(prev_expected.o)))
+                    .max(ratio_of(pair.lse, this.lse.plus(prev_expected.lse)));
+                pass &= pair.pass;
+                (prev.name().to_string(), pair.o)
+            });
+            let row = Row {
+                case: case.name.clone(),
+                label: rung.name().to_string(),
+                vs_previous,
+                vs_oracle: verdict.o,
+                err_over_tol: ratio,
+                elapsed: measured.elapsed,
+                extra_bytes: measured.peak_bytes.map(|b| b.saturating_sub(output_bytes(&out))),
+                hbm: out.stats.hbm,
+                note: note(rung, &out),
+                pass,
+            };
+            progress(&row);
+            rows.push(row);
+            outputs.insert(rung, out);
+        }
+        rows.extend(backward_rows(case, &inputs, config, &outputs[&Rung::Fa2], &mut progress)?);
+    }
+    Ok(rows)
+}
+
+fn backward_rows(
+    case: &VerifyCase,
+    inputs: &Inputs<f32>,
+    config: &RungConfig,
+    forward: &AttentionOutput<f32>,
+    progress: &mut impl FnMut(&Row),
+) -> Result<Vec<Row>> {
+    let attention = config.attention;
+    let expected = ExpectedGradients::new(inputs, &attention)?;
+    let (q, k, v, d_o) = (inputs.q.view(), inputs.k.view(), inputs.v.view(), inputs.d_o.view());
+    let naive_run = measure(|| naive::backward(q, k, v, d_o, &attention));
+    let naive_grads = naive_run.value?;
+    let fa2_opts = Fa2Options { attention, tiles: config.tiles };
+    let fa2_run =
+        measure(|| fa2::backward(q, k, v, forward.o.view(), d_o, forward.lse.view(), &fa2_opts));
+    let fa2_grads = fa2_run.value?;
+
+    let mut rows = Vec::new();
+    for (label, grads, elapsed, peak, previous) in [
+        ("naive-bwd", &naive_grads, naive_run.elapsed, naive_run.peak_bytes, None),
+        ("fa2-bwd", &fa2_grads, fa2_run.elapsed, fa2_run.peak_bytes, Some(&naive_grads)),
+    ] {
+        let (errs, mut pass) = expected.judge(grads);
+        let mut ratio = errs
+            .iter()
+            .zip(&expected.tolerances)
+            .map(|(e, t)| ratio_of(*e, *t))
+            .fold(0.0, f64::max);
+        let vs_previous = previous.map(|prev| {
+            let pair = [
+                error_between(&grads.dq, &prev.dq),
+                error_between(&grads.dk, &prev.dk),
+                error_between(&grads.dv, &prev.dv),
+            ];
+            for (e, t) in pair.iter().zip(&expected.tolerances) {
+                let r = ratio_of(*e, t.plus(*t));
+                ratio = ratio.max(r);
+                pass &= r <= 1.0;
+            }
+            (
+                "naive-bwd".to_string(),
+                pair.into_iter().fold(ErrorStats::default(), ErrorStats::worst),
+            )
+        });
+        let row = Row {
+            case: case.name.clone(),
+            label: label.to_string(),
+            vs_previous,
+            vs_oracle: errs.into_iter().fold(ErrorStats::default(), ErrorStats::worst),
+            err_over_tol: ratio,
+            elapsed,
+            extra_bytes: peak.map(|b| b.saturating_sub(gradient_bytes(grads))),
+            hbm: grads.stats.hbm,
+            note: "dQ, dK, dV".to_string(),
+            pass,
+        };
+        progress(&row);
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
+/// The larger of the two error-to-tolerance ratios (NaN counts as failing).
+fn ratio_of(err: ErrorStats, tol: Tolerance) -> f64 {
+    let r = (err.rel_l2 / tol.rel_l2).max(err.max_abs / tol.max_abs);
+    if r.is_nan() { f64::INFINITY } else { r }
+}
+
+fn output_bytes(out: &AttentionOutput<f32>) -> u64 {
+    ((out.o.len() + out.lse.len()) * size_of::<f32>()) as u64
+}
+
+fn gradient_bytes(g: &Gradients<f32>) -> u64 {
+    ((g.dq.len() + g.dk.len() + g.dv.len()) * size_of::<f32>()) as u64
+}
+
+fn note(rung: Rung, out: &AttentionOutput<f32>) -> String {
+    let s = &out.stats;
+    let mut note = format!("{} work items", s.work_items);
+    if s.tiles.computed() + s.tiles.skipped > 0 {
+        let _ = write!(
+            note,
+            ", {} tiles ({} skipped)",
+            s.tiles.computed() + s.tiles.skipped,
+            s.tiles.skipped
+        );
+    }
+    if let Some(rows) = s.fallback_rows {
+        let _ = write!(note, ", {rows} fallback rows");
+    }
+    if rung.is_fp8() {
+        note.push_str(", e4m3");
+    }
+    note
+}
+
+/// The table, one row per line.
+pub fn render(rows: &[Row]) -> String {
+    let header = [
+        "case",
+        "rung",
+        "vs previous (rel L2 / max abs)",
+        "vs oracle (rel L2 / max abs)",
+        "err/tol",
+        "time",
+        "extra mem",
+        "HBM traffic",
+        "ok",
+        "notes",
+    ];
+    let body: Vec<[String; 10]> = rows
+        .iter()
+        .map(|r| {
+            [
+                r.case.clone(),
+                r.label.clone(),
+                r.vs_previous.as_ref().map_or("-".into(), |(name, e)| format!("{e} ({name})")),
+                r.vs_oracle.to_string(),
+                format!("{:.3}", r.err_over_tol),
+                format!("{:.1} ms", r.elapsed.as_secs_f64() * 1e3),
+                r.extra_bytes.map_or("n/a".into(), human_bytes),
+                human_bytes(r.hbm.total_bytes()),
+                if r.pass { "ok".into() } else { "FAIL".into() },
+                r.note.clone(),
+            ]
+        })
+        .collect();
+    let widths: Vec<usize> = (0..header.len())
+        .map(|c| body.iter().map(|r| r[c].chars().count()).fold(header[c].len(), usize::max))
+        .collect();
+    let mut out = String::new();
+    let line = |cells: Vec<&str>, out: &mut String| {
+        let padded: Vec<String> =
+            cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
+        let _ = writeln!(out, "{}", padded.join("  ").trim_end());
+    };
+    line(header.to_vec(), &mut out);
+    line(
+        widths
+            .iter()
+            .map(|w| "-".repeat(*w))
+            .collect::<Vec<_>>()
+            .iter()
+            .map(String::as_str)
+            .collect(),
+        &mut out,
+    );
+    for r in &body {
+        line(r.iter().map(String::as_str).collect(), &mut out);
+    }
+    out
+}

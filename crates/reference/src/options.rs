@@ -1,0 +1,85 @@
+//! Options every rung shares: the mask, the softmax scale and the tile sizes.
+
+use crate::error::{Result, invalid};
+use crate::shape::AttentionShape;
+
+/// What is computed: `softmax(scale · QKᵀ + mask) V`.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct AttentionOptions {
+    /// Apply the causal mask (bottom-right aligned, see [`crate::Mask`]).
+    pub causal: bool,
+    /// Softmax scale; `None` means `1/√d`.
+    pub scale: Option<f64>,
+}
+
+impl AttentionOptions {
+    /// Causal attention with the default scale.
+    pub fn causal() -> Self {
+        Self { causal: true, scale: None }
+    }
+
+    /// The scale to use for `shape`; a non-finite scale is an error.
+    pub fn resolve_scale(&self, shape: &AttentionShape) -> Result<f64> {
+        let scale = self.scale.unwrap_or_else(|| shape.default_scale());
+        if !scale.is_finite() {
+            return Err(invalid("scale", format!("must be finite, got {scale}")));
+        }
+        Ok(scale)
+    }
+}
+
+/// Tile sizes of the blocked rungs: `br` query rows by `bc` key columns.
+///
+/// On a GPU a tile must fit in on-chip SRAM; on the CPU any size ≥ 1 works, and block sizes of 1
+/// are a good stress test of the rescaling logic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TileSizes {
+    br: usize,
+    bc: usize,
+}
+
+impl Default for TileSizes {
+    fn default() -> Self {
+        Self { br: 64, bc: 64 }
+    }
+}
+
+impl TileSizes {
+    /// `br` query rows by `bc` key columns; both must be at least 1.
+    pub fn new(br: usize, bc: usize) -> Result<Self> {
+        if br == 0 {
+            return Err(invalid("br", "the query block size must be at least 1"));
+        }
+        if bc == 0 {
+            return Err(invalid("bc", "the key block size must be at least 1"));
+        }
+        Ok(Self { br, bc })
+    }
+
+    /// The FlashAttention-1 paper's choice for an SRAM of `sram_bytes` (Algorithm 1, line 1):
+    /// `Bc = ⌈M / 4d⌉`, `Br = min(⌈M / 4d⌉, d)` with `M` the SRAM size in elements.
+    pub fn from_sram(sram_bytes: usize, d: usize, elem_bytes: usize) -> Result<Self> {
+        if d == 0 || elem_bytes == 0 {
+            return Err(invalid("d", "head dim and element size must be at least 1"));
+        }
+        let m = sram_bytes / elem_bytes;
+        if m < 4 * d {
+            return Err(invalid(
+                "sram_bytes",
+                format!("{sram_bytes} bytes hold fewer than 4·d = {} elements", 4 * d),
+            ));
+        }
+        let bc = m.div_ceil(4 * d);
+        Self::new(bc.min(d), bc)
+    }
+
+    /// Query rows per tile.
+    pub fn br(&self) -> usize {
+        self.br
+    }
+
+    /// Key columns per tile.
+    pub fn bc(&self) -> usize {
+        self.bc
+    }
+}

@@ -1,0 +1,132 @@
+//! One validated attention problem, and the loop over its heads that every rung runs.
+
+use std::ops::Range;
+
+use ndarray::parallel::prelude::*;
+use ndarray::{
+    Array2, Array3, Array4, ArrayView2, ArrayView4, ArrayViewMut1, ArrayViewMut2, Axis, s,
+};
+
+use crate::element::Element;
+use crate::error::Result;
+use crate::options::AttentionOptions;
+use crate::output::Counters;
+use crate::shape::{AttentionShape, Mask, TileKind};
+use crate::tile::{OnlineRows, blocks, score_tile};
+
+/// `Q, K, V` with their checked shape, the resolved scale and the mask.
+#[derive(Clone, Copy)]
+pub(crate) struct Problem<'a, T> {
+    pub q: ArrayView4<'a, T>,
+    pub k: ArrayView4<'a, T>,
+    pub v: ArrayView4<'a, T>,
+    pub shape: AttentionShape,
+    pub scale: T,
+    pub mask: Mask,
+}
+
+impl<'a, T: Element> Problem<'a, T> {
+    /// Checks the shapes and the options.
+    pub fn new(
+        q: ArrayView4<'a, T>,
+        k: ArrayView4<'a, T>,
+        v: ArrayView4<'a, T>,
+        opts: &AttentionOptions,
+    ) -> Result<Self> {
+        let shape = AttentionShape::of(&q, &k, &v)?;
+        let scale = T::of(opts.resolve_scale(&shape)?);
+        let mask = Mask::new(opts.causal, shape.n_q, shape.n_kv);
+        Ok(Self { q, k, v, shape, scale, mask })
+    }
+
+    /// The 2-D views of q head `h` of batch `b` and of the kv head it reads.
+    pub fn head(&self, b: usize, h: usize) -> Head<'_, T> {
+        let kh = self.shape.kv_head(h);
+        Head {
+            b,
+            h,
+            kh,
+            q: self.q.slice(s![b, h, .., ..]),
+            k: self.k.slice(s![b, kh, .., ..]),
+            v: self.v.slice(s![b, kh, .., ..]),
+            scale: self.scale,
+            mask: self.mask,
+        }
+    }
+
+    /// Allocates `O` and `lse` and fills them one `(batch, q head)` at a time, in parallel:
+    /// `f(head, o, lse)`. The buffers start as NaN, so a row a rung forgets to write shows up.
+    pub fn per_head<F>(&self, f: F) -> (Array4<T>, Array3<T>)
+    where
+        F: Fn(Head<'_, T>, ArrayViewMut2<T>, ArrayViewMut1<T>) + Sync + Send,
+    {
+        let shape = self.shape;
+        let heads = shape.batch * shape.heads_q;
+        let mut o = Array3::from_elem((heads, shape.n_q, shape.d), T::nan());
+        let mut lse = Array2::from_elem((heads, shape.n_q), T::nan());
+        o.axis_iter_mut(Axis(0))
+            .into_par_iter()
+            .zip(lse.axis_iter_mut(Axis(0)))
+            .enumerate()
+            .for_each(|(i, (o, lse))| f(self.head(i / shape.heads_q, i % shape.heads_q), o, lse));
+        let o = o.into_shape_with_order(shape.q_dims()).expect("standard layout");
+        let lse = lse
+            .into_shape_with_order((shape.batch, shape.heads_q, shape.n_q))
+            .expect("standard layout");
+        (o, lse)
+    }
+}
+
+/// One `(batch, q head)`: the views a GPU thread block would index.
+pub(crate) struct Head<'a, T> {
+    /// Batch index, q head and the kv head it reads.
+    pub b: usize,
+    pub h: usize,
+    pub kh: usize,
+    pub q: ArrayView2<'a, T>,
+    pub k: ArrayView2<'a, T>,
+    pub v: ArrayView2<'a, T>,
+    pub scale: T,
+    pub mask: Mask,
+}
+
+impl<T: Element> Head<'_, T> {
+    /// How tile `rows × cols` meets the mask, and the per-row visible-column counts when it
+    /// must be masked.
+    pub fn classify(
+        &self,
+        rows: &Range<usize>,
+        cols: &Range<usize>,
+    ) -> (TileKind, Option<Vec<usize>>) {
+        let kind = self.mask.tile(rows.clone(), cols.clone());
+        let limits =
+            (kind == TileKind::Partial).then(|| self.mask.tile_limits(rows.clone(), cols.clone()));
+        (kind, limits)
+    }
+
+    /// FA2's inner loop: query rows `rows` against the keys `cols`, in key tiles of `bc`,
+    /// skipping tiles the mask hides. Returns the unnormalised running state.
+    pub fn attend(
+        &self,
+        rows: Range<usize>,
+        cols: Range<usize>,
+        bc: usize,
+        counters: &Counters,
+    ) -> OnlineRows<T> {
+        let q_i = self.q.slice(s![rows.clone(), ..]);
+        let mut state = OnlineRows::new(rows.len(), self.v.ncols());
+        for tile in blocks(cols.len(), bc) {
+            let tile = cols.start + tile.start..cols.start + tile.end;
+            let (kind, limits) = self.classify(&rows, &tile);
+            counters.tile(kind);
+            if kind == TileKind::Skip {
+                continue;
+            }
+            counters.read(2 * tile.len() * self.k.ncols());
+            let s =
+                score_tile(q_i, self.k.slice(s![tile.clone(), ..]), self.scale, limits.as_deref());
+            state.update(s, self.v.slice(s![tile, ..]), limits.as_deref());
+        }
+        state
+    }
+}

@@ -1,0 +1,162 @@
+//! The pieces the blocked rungs are built from, written once.
+//!
+//! A blocked rung keeps, for a block of query rows, an unnormalised accumulator `acc`, the running
+//! row max `m` and the running row sum `l` ([`OnlineRows`]). For each key tile it forms the scores
+//! `S = scale · Q Kᵀ` ([`score_tile`]), turns them into `P = exp(S − m_new)` while updating `m` and
+//! `l` ([`OnlineRows::softmax_step`]), rescales `acc` by `exp(m_old − m_new)` and adds `P V`
+//! ([`add_pv`]). At the end `O = acc / l` and `lse = m + ln l` ([`normalise_row`]).
+//!
+//! Three details keep this exact on every input:
+//! - the running max propagates NaN ([`nan_max`]), so a NaN score cannot be silently skipped;
+//! - `exp(m_old − m_new)` is 0, not NaN, while a row has seen nothing (`m = −∞`) ([`exp_diff`]);
+//! - on a partial (diagonal) tile each row multiplies only the `V` rows it may see, so a NaN in
+//!   a masked `V` row cannot leak through `0 · NaN`.
+
+use std::ops::Range;
+
+use ndarray::linalg::general_mat_mul;
+use ndarray::{Array1, Array2, ArrayView2, ArrayViewMut1, ArrayViewMut2, s};
+
+use crate::element::Element;
+
+/// `max(a, b)`, but NaN if either is NaN (`f32::max` would drop the NaN).
+pub(crate) fn nan_max<T: Element>(a: T, b: T) -> T {
+    if a.is_nan() || b.is_nan() { T::nan() } else { a.max(b) }
+}
+
+/// `exp(a − b)`, or 0 when `a = −∞`: the factor that carries what was accumulated under the
+/// old max `a` over to the new max `b` (nothing was accumulated while the max was `−∞`).
+pub(crate) fn exp_diff<T: Element>(a: T, b: T) -> T {
+    if a == T::neg_infinity() { T::zero() } else { (a - b).exp() }
+}
+
+/// The value subtracted before `exp`: the row max, or 0 while it is `−∞` so that masked
+/// scores give `exp(−∞) = 0` instead of `exp(−∞ + ∞) = NaN`.
+pub(crate) fn shift_of<T: Element>(m: T) -> T {
+    if m == T::neg_infinity() { T::zero() } else { m }
+}
+
+/// `S = scale · Q Kᵀ` for one tile; on a partial tile, row `r` keeps its first `limits[r]`
+/// columns and the rest become `−∞`.
+pub(crate) fn score_tile<T: Element>(
+    q: ArrayView2<T>,
+    k: ArrayView2<T>,
+    scale: T,
+    limits: Option<&[usize]>,
+) -> Array2<T> {
+    let mut s = Array2::zeros((q.nrows(), k.nrows()));
+    general_mat_mul(scale, &q, &k.t(), T::zero(), &mut s);
+    if let Some(limits) = limits {
+        for (mut row, &limit) in s.rows_mut().into_iter().zip(limits) {
+            row.slice_mut(s![limit..]).fill(T::neg_infinity());
+        }
+    }
+    s
+}
+
+/// `acc += alpha · P V`; on a partial tile each row sums only over its visible keys.
+pub(crate) fn add_pv<T: Element>(
+    acc: &mut ArrayViewMut2<T>,
+    alpha: T,
+    p: ArrayView2<T>,
+    v: ArrayView2<T>,
+    limits: Option<&[usize]>,
+) {
+    match limits {
+        None => general_mat_mul(alpha, &p, &v, T::one(), acc),
+        Some(limits) => {
+            // A 1-row matrix product reads V row by row, which is faster than a strided gemv.
+            for (r, &limit) in limits.iter().enumerate() {
+                if limit > 0 {
+                    let pr = p.slice(s![r..r + 1, ..limit]);
+                    let mut out = acc.slice_mut(s![r..r + 1, ..]);
+                    general_mat_mul(alpha, &pr, &v.slice(s![..limit, ..]), T::one(), &mut out);
+                }
+            }
+        }
+    }
+}
+
+/// Turns an accumulated row into the output row `acc / l` in place and returns its
+/// `lse = m + ln l`. A row with `l = 0` saw no key (or only `−∞` scores): zeros and `−∞`.
+pub(crate) fn normalise_row<T: Element>(mut acc: ArrayViewMut1<T>, m: T, l: T) -> T {
+    if l == T::zero() {
+        acc.fill(T::zero());
+        T::neg_infinity()
+    } else {
+        let inv = l.recip();
+        acc.mapv_inplace(|x| x * inv);
+        m + l.ln()
+    }
+}
+
+/// The running state of a block of query rows: the registers of an FA2 thread block.
+pub(crate) struct OnlineRows<T> {
+    /// Unnormalised output, `Σ_j exp(s_j − m) v_j`.
+    pub acc: Array2<T>,
+    /// Running row max.
+    pub m: Array1<T>,
+    /// Running row sum, `Σ_j exp(s_j − m)`.
+    pub l: Array1<T>,
+}
+
+impl<T: Element> OnlineRows<T> {
+    pub fn new(rows: usize, d: usize) -> Self {
+        Self {
+            acc: Array2::zeros((rows, d)),
+            m: Array1::from_elem(rows, T::neg_infinity()),
+            l: Array1::zeros(rows),
+        }
+    }
+
+    /// The online-softmax step on one score tile: overwrites `S` with `P = exp(S − m_new)`,
+    /// updates `m` and `l`, and returns `alpha = exp(m_old − m_new)`, the factor the
+    /// accumulator must be rescaled by (the caller decides when: FA2 at once, FA3 later).
+    pub fn softmax_step(&mut self, s: &mut Array2<T>) -> Array1<T> {
+        let mut alpha = Array1::zeros(self.m.len());
+        for (r, mut row) in s.rows_mut().into_iter().enumerate() {
+            let m_old = self.m[r];
+            let m_new = row.iter().fold(m_old, |m, &x| nan_max(m, x));
+            let shift = shift_of(m_new);
+            let mut sum = T::zero();
+            row.mapv_inplace(|x| {
+                let p = (x - shift).exp();
+                sum = sum + p;
+                p
+            });
+            alpha[r] = exp_diff(m_old, m_new);
+            self.l[r] = alpha[r] * self.l[r] + sum;
+            self.m[r] = m_new;
+        }
+        alpha
+    }
+
+    /// `acc ← diag(alpha) · acc`.
+    pub fn rescale(&mut self, alpha: &Array1<T>) {
+        for (mut row, &a) in self.acc.rows_mut().into_iter().zip(alpha) {
+            if a != T::one() {
+                row.mapv_inplace(|x| x * a);
+            }
+        }
+    }
+
+    /// FA2's whole step on one tile: softmax, rescale, accumulate `P V`.
+    pub fn update(&mut self, mut s: Array2<T>, v: ArrayView2<T>, limits: Option<&[usize]>) {
+        let alpha = self.softmax_step(&mut s);
+        self.rescale(&alpha);
+        add_pv(&mut self.acc.view_mut(), T::one(), s.view(), v, limits);
+    }
+
+    /// Writes `O = acc / l` and `lse = m + ln l`.
+    pub fn finish_into(mut self, mut o: ArrayViewMut2<T>, mut lse: ArrayViewMut1<T>) {
+        for r in 0..self.m.len() {
+            lse[r] = normalise_row(self.acc.row_mut(r), self.m[r], self.l[r]);
+        }
+        o.assign(&self.acc);
+    }
+}
+
+/// The ranges `0..size, size..2·size, …` covering `0..n`; the last may be short.
+pub(crate) fn blocks(n: usize, size: usize) -> impl Iterator<Item = Range<usize>> {
+    (0..n).step_by(size).map(move |start| start..(start + size).min(n))
+}

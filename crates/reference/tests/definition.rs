@@ -1,0 +1,370 @@
+//! The oracle against the definition, and the counted quantities against their closed forms.
+//!
+//! Every other test compares rungs with the naive rung run in `f64`; these tests pin that oracle
+//! to the formula itself, written out with plain loops and no shared helper (the mask included),
+//! and its backward pass to finite differences.
+
+use ladder_reference::{
+    AttentionOptions, Fa1Options, Fa2Options, FlashDecodingOptions, FlashDecodingPpOptions,
+    LadderError, Phi, TileSizes, fa1, fa2, fa3, flash_decoding, flash_decoding_pp, naive,
+    online_softmax,
+};
+use ndarray::{Array3, Array4, ArrayView4};
+
+/// Deterministic pseudo-random values in [-1, 1) (a tiny LCG: no RNG crate in the oracle test).
+fn tensor(dims: (usize, usize, usize, usize), seed: u64) -> Array4<f64> {
+    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    Array4::from_shape_simple_fn(dims, || {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((state >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+    })
+}
+
+/// `softmax(scale · q kᵀ + mask) v` straight from the definition.
+fn definition(
+    q: &Array4<f64>,
+    k: &Array4<f64>,
+    v: &Array4<f64>,
+    causal: bool,
+    scale: f64,
+) -> (Array4<f64>, Array3<f64>) {
+    let (b, hq, nq, d) = q.dim();
+    let (_, hkv, nkv, _) = k.dim();
+    let mut o = Array4::zeros((b, hq, nq, d));
+    let mut lse = Array3::zeros((b, hq, nq));
+    for bi in 0..b {
+        for h in 0..hq {
+            let kh = h * hkv / hq;
+            for i in 0..nq {
+                // Bottom-right causal alignment: query i sees key j iff j <= i + nkv - nq.
+                let sees = |j: usize| !causal || (j as i64) <= i as i64 + nkv as i64 - nq as i64;
+                let scores: Vec<f64> = (0..nkv)
+                    .filter(|&j| sees(j))
+                    .map(|j| {
+                        scale * (0..d).map(|c| q[[bi, h, i, c]] * k[[bi, kh, j, c]]).sum::<f64>()
+                    })
+                    .collect();
+                if scores.is_empty() {
+                    lse[[bi, h, i]] = f64::NEG_INFINITY;
+                    continue;
+                }
+                let total: f64 = scores.iter().map(|s| s.exp()).sum();
+                lse[[bi, h, i]] = total.ln();
+                for (j, s) in (0..nkv).filter(|&j| sees(j)).zip(&scores) {
+                    for c in 0..d {
+                        o[[bi, h, i, c]] += s.exp() / total * v[[bi, kh, j, c]];
+                    }
+                }
+            }
+        }
+    }
+    (o, lse)
+}
+
+fn max_diff<D: ndarray::Dimension>(a: &ndarray::Array<f64, D>, b: &ndarray::Array<f64, D>) -> f64 {
+    a.iter().zip(b).map(|(x, y)| if x == y { 0.0 } else { (x - y).abs() }).fold(0.0, f64::max)
+}
+
+#[test]
+fn naive_f64_is_the_definition() {
+    let shapes = [
+        (1u64, 1, 1, 1, 1, 1, 1),
+        (2, 2, 4, 2, 5, 9, 3),
+        (3, 1, 3, 1, 9, 4, 5),
+        (4, 2, 2, 2, 7, 7, 8),
+    ];
+    for (seed, b, hq, hkv, nq, nkv, d) in shapes {
+        let (q, k, v) = (
+            tensor((b, hq, nq, d), seed),
+            tensor((b, hkv, nkv, d), seed + 10),
+            tensor((b, hkv, nkv, d), seed + 20),
+        );
+        for causal in [false, true] {
+            let scale = 0.7;
+            let (o, lse) = definition(&q, &k, &v, causal, scale);
+            let out = naive::attention(
+                q.view(),
+                k.view(),
+                v.view(),
+                &AttentionOptions { causal, scale: Some(scale) },
+            )
+            .unwrap();
+            assert!(max_diff(&out.o, &o) < 1e-14, "O differs (seed {seed}, causal {causal})");
+            assert!(max_diff(&out.lse, &lse) < 1e-14, "lse differs (seed {seed}, causal {causal})");
+        }
+    }
+}
+
+#[test]
+fn rows_that_see_no_key_give_zeros_and_minus_infinity() {
+    // n_q > n_kv with the bottom-right causal mask: the first n_q − n_kv rows see nothing.
+    let (q, k, v) = (tensor((1, 1, 5, 3), 1), tensor((1, 1, 2, 3), 2), tensor((1, 1, 2, 3), 3));
+    let opts = AttentionOptions::causal();
+    let outputs = [
+        naive::attention(q.view(), k.view(), v.view(), &opts).unwrap(),
+        online_softmax::attention(q.view(), k.view(), v.view(), &opts).unwrap(),
+        fa1::forward(
+            q.view(),
+            k.view(),
+            v.view(),
+            &Fa1Options::new(opts).with_tiles(2, 1).unwrap(),
+        )
+        .unwrap(),
+        fa2::forward(
+            q.view(),
+            k.view(),
+            v.view(),
+            &Fa2Options::new(opts).with_tiles(2, 1).unwrap(),
+        )
+        .unwrap(),
+        fa3::forward(q.view(), k.view(), v.view(), &fa3::Fa3Options::new(opts)).unwrap(),
+        flash_decoding::forward(
+            q.view(),
+            k.view(),
+            v.view(),
+            &FlashDecodingOptions::new(opts).with_splits(5).unwrap(),
+        )
+        .unwrap(),
+        flash_decoding_pp::forward(
+            q.view(),
+            k.view(),
+            v.view(),
+            &FlashDecodingPpOptions::new(opts),
+        )
+        .unwrap(),
+    ];
+    for out in outputs {
+        for i in 0..3 {
+            assert_eq!(out.lse[[0, 0, i]], f64::NEG_INFINITY);
+            assert!(out.o.slice(ndarray::s![0, 0, i, ..]).iter().all(|&x| x == 0.0));
+        }
+        assert!(out.lse[[0, 0, 3]].is_finite() && out.lse[[0, 0, 4]].is_finite());
+    }
+}
+
+#[test]
+fn naive_backward_matches_finite_differences() {
+    let (b, hq, hkv, nq, nkv, d) = (1, 2, 1, 4, 5, 3);
+    let (q, k, v, d_o) = (
+        tensor((b, hq, nq, d), 5),
+        tensor((b, hkv, nkv, d), 6),
+        tensor((b, hkv, nkv, d), 7),
+        tensor((b, hq, nq, d), 8),
+    );
+    for causal in [false, true] {
+        let opts = AttentionOptions { causal, scale: Some(0.9) };
+        // The loss whose gradient the backward pass returns: L = Σ O ∘ dO.
+        let loss = |q: ArrayView4<f64>, k: ArrayView4<f64>, v: ArrayView4<f64>| {
+            (&naive::attention(q, k, v, &opts).unwrap().o * &d_o).sum()
+        };
+        let grads = naive::backward(q.view(), k.view(), v.view(), d_o.view(), &opts).unwrap();
+        let h = 1e-6;
+        for (which, analytic) in [(0, &grads.dq), (1, &grads.dk), (2, &grads.dv)] {
+            for (idx, &g) in analytic.indexed_iter() {
+                let mut inputs = [q.clone(), k.clone(), v.clone()];
+                inputs[which][idx] += h;
+                let up = loss(inputs[0].view(), inputs[1].view(), inputs[2].view());
+                inputs[which][idx] -= 2.0 * h;
+                let down = loss(inputs[0].view(), inputs[1].view(), inputs[2].view());
+                let numeric = (up - down) / (2.0 * h);
+                assert!(
+                    (numeric - g).abs() < 1e-7,
+                    "tensor {which} at {idx:?}: numeric {numeric}, analytic {g}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn fa1_and_fa2_count_the_traffic_of_their_memory_models() {
+    let (b, hq, hkv, nq, nkv, d) = (2, 4, 2, 37, 29, 8);
+    let (q, k, v) =
+        (tensor((b, hq, nq, d), 1), tensor((b, hkv, nkv, d), 2), tensor((b, hkv, nkv, d), 3));
+    let (br, bc) = (5, 7);
+    let (tr, tc) = (nq.div_ceil(br), nkv.div_ceil(bc));
+    let heads = (b * hq) as u64;
+    let bytes = |elems: usize| elems as u64 * 8 * heads;
+    let opts = AttentionOptions::default();
+
+    // FA1, Algorithm 1: K_j, V_j once; Q_i, O_i, l_i, m_i in and O_i, l_i, m_i out per tile;
+    // plus initialising O, l, m and writing lse.
+    let out = fa1::forward(
+        q.view(),
+        k.view(),
+        v.view(),
+        &Fa1Options::new(opts).with_tiles(br, bc).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(out.stats.hbm.read_bytes, bytes(2 * nkv * d + tc * (2 * nq * d + 2 * nq)));
+    assert_eq!(out.stats.hbm.written_bytes, bytes((nq * d + 2 * nq) + tc * (nq * d + 2 * nq) + nq));
+    assert_eq!(out.stats.tiles.full, (tr * tc) as u64 * heads);
+
+    // FA2: Q_i once, K and V once per query block, O and lse written once.
+    let out = fa2::forward(
+        q.view(),
+        k.view(),
+        v.view(),
+        &Fa2Options::new(opts).with_tiles(br, bc).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(out.stats.hbm.read_bytes, bytes(nq * d + tr * 2 * nkv * d));
+    assert_eq!(out.stats.hbm.written_bytes, bytes(nq * (d + 1)));
+    assert_eq!(out.stats.work_items, tr * (b * hq));
+}
+
+#[test]
+fn fa2_skips_exactly_the_tiles_above_the_diagonal() {
+    let (nq, nkv, br, bc) = (23, 31, 4, 6);
+    let (q, k, v) =
+        (tensor((1, 1, nq, 4), 1), tensor((1, 1, nkv, 4), 2), tensor((1, 1, nkv, 4), 3));
+    let opts = Fa2Options::new(AttentionOptions::causal()).with_tiles(br, bc).unwrap();
+    let out = fa2::forward(q.view(), k.view(), v.view(), &opts).unwrap();
+    // Row i sees keys j ≤ i + nkv − nq: tile (r, c) is hidden iff its first key is beyond what
+    // its last row sees, and fully visible iff its first row sees its last key.
+    let (mut skipped, mut full, mut partial) = (0, 0, 0);
+    for r in (0..nq).step_by(br) {
+        for c in (0..nkv).step_by(bc) {
+            let last_row = (r + br).min(nq) - 1;
+            let last_col = (c + bc).min(nkv) - 1;
+            if c as i64 > last_row as i64 + nkv as i64 - nq as i64 {
+                skipped += 1;
+            } else if last_col as i64 <= r as i64 + nkv as i64 - nq as i64 {
+                full += 1;
+            } else {
+                partial += 1;
+            }
+        }
+    }
+    assert_eq!(
+        (out.stats.tiles.skipped, out.stats.tiles.full, out.stats.tiles.partial),
+        (skipped, full, partial)
+    );
+    assert!(skipped > 0 && partial > 0);
+}
+
+#[test]
+fn fa1_traffic_falls_as_sram_grows_and_fa2_moves_less() {
+    let (n, d) = (512, 32);
+    let (q, k, v) = (tensor((1, 1, n, d), 1), tensor((1, 1, n, d), 2), tensor((1, 1, n, d), 3));
+    let opts = AttentionOptions::default();
+    let fa1_traffic = |tiles| {
+        fa1::forward(q.view(), k.view(), v.view(), &Fa1Options { attention: opts, tiles })
+            .unwrap()
+            .stats
+            .hbm
+            .total_bytes()
+    };
+    let fa2_traffic = |tiles| {
+        fa2::forward(q.view(), k.view(), v.view(), &Fa2Options { attention: opts, tiles })
+            .unwrap()
+            .stats
+            .hbm
+            .total_bytes()
+    };
+    // FA1 with the paper's block sizes for a 16 KiB and a 128 KiB SRAM.
+    let (small, large) = (
+        TileSizes::from_sram(16 << 10, d, 8).unwrap(),
+        TileSizes::from_sram(128 << 10, d, 8).unwrap(),
+    );
+    assert!(fa1_traffic(large) < fa1_traffic(small), "FA1 traffic should fall as SRAM grows");
+    assert!(
+        fa1_traffic(large)
+            < naive::attention(q.view(), k.view(), v.view(), &opts)
+                .unwrap()
+                .stats
+                .hbm
+                .total_bytes()
+    );
+    // With the same tiles FA2 moves less: no O, l, m round trips.
+    for b in [1, 16, 64, 512] {
+        let tiles = TileSizes::new(b, b).unwrap();
+        assert!(fa2_traffic(tiles) < fa1_traffic(tiles), "tiles {b}×{b}");
+    }
+}
+
+#[test]
+fn bad_inputs_are_errors_not_panics() {
+    let ok = tensor((1, 2, 3, 4), 1);
+    let kv = tensor((1, 1, 5, 4), 2);
+    let opts = AttentionOptions::default();
+    let expect_err = |r: Result<ladder_reference::AttentionOutput<f64>, LadderError>| {
+        r.expect_err("must be an error")
+    };
+
+    // Head dim mismatch, k/v mismatch, heads not a multiple, zero sizes, bad options.
+    let wrong_d = tensor((1, 1, 5, 3), 3);
+    assert!(matches!(
+        expect_err(naive::attention(ok.view(), wrong_d.view(), wrong_d.view(), &opts)),
+        LadderError::ShapeMismatch(_)
+    ));
+    assert!(matches!(
+        expect_err(fa2::forward(ok.view(), kv.view(), wrong_d.view(), &Fa2Options::new(opts))),
+        LadderError::ShapeMismatch(_)
+    ));
+    let three_heads = tensor((1, 3, 3, 4), 4);
+    let two_kv = tensor((1, 2, 5, 4), 5);
+    assert!(matches!(
+        expect_err(online_softmax::attention(
+            three_heads.view(),
+            two_kv.view(),
+            two_kv.view(),
+            &opts
+        )),
+        LadderError::HeadsNotMultiple { heads_q: 3, heads_kv: 2 }
+    ));
+    let empty = Array4::<f64>::zeros((1, 2, 0, 4));
+    assert!(matches!(
+        expect_err(fa1::forward(empty.view(), kv.view(), kv.view(), &Fa1Options::new(opts))),
+        LadderError::EmptyDimension { .. }
+    ));
+    let no_keys = Array4::<f64>::zeros((1, 1, 0, 4));
+    assert!(matches!(
+        expect_err(fa3::forward(
+            ok.view(),
+            no_keys.view(),
+            no_keys.view(),
+            &fa3::Fa3Options::new(opts)
+        )),
+        LadderError::EmptyDimension { .. }
+    ));
+    let nan_scale = AttentionOptions { causal: false, scale: Some(f64::NAN) };
+    assert!(matches!(
+        expect_err(naive::attention(ok.view(), kv.view(), kv.view(), &nan_scale)),
+        LadderError::InvalidOption { name: "scale", .. }
+    ));
+    assert!(TileSizes::new(0, 4).is_err() && TileSizes::new(4, 0).is_err());
+    assert!(FlashDecodingOptions::new(opts).with_splits(0).is_err());
+    let zero_splits = FlashDecodingOptions { splits: 0, ..FlashDecodingOptions::new(opts) };
+    assert!(matches!(
+        expect_err(flash_decoding::forward(ok.view(), kv.view(), kv.view(), &zero_splits)),
+        LadderError::InvalidOption { name: "splits", .. }
+    ));
+    let pp = FlashDecodingPpOptions::new(opts);
+    for bad in [
+        pp.with_phi(Phi::Given(f64::INFINITY)),
+        pp.with_phi(Phi::Estimate { samples: 0 }),
+        FlashDecodingPpOptions { safe_range: Some((1.0, -1.0)), ..pp },
+    ] {
+        assert!(matches!(
+            expect_err(flash_decoding_pp::forward(ok.view(), kv.view(), kv.view(), &bad)),
+            LadderError::InvalidOption { .. }
+        ));
+    }
+    // Backward: dO, O and lse must match the forward shapes.
+    let fwd = fa2::forward(ok.view(), kv.view(), kv.view(), &Fa2Options::new(opts)).unwrap();
+    let short_lse = Array3::<f64>::zeros((1, 2, 2));
+    assert!(
+        fa2::backward(
+            ok.view(),
+            kv.view(),
+            kv.view(),
+            fwd.o.view(),
+            ok.view(),
+            short_lse.view(),
+            &Fa2Options::new(opts)
+        )
+        .is_err()
+    );
+    assert!(naive::backward(ok.view(), kv.view(), kv.view(), kv.view(), &opts).is_err());
+}
