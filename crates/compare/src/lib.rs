@@ -1,7 +1,7 @@
 //! # ladder-compare: the attention ladder, checked rung by rung
 //!
 //! - [`metrics`]: error against the float64 oracle and the tolerances derived from it;
-//! - [`cases`]: the proptest strategies that draw random attention problems;
+//! - [`mod@cases`]: the proptest strategies that draw random attention problems;
 //! - [`rungs`]: every rung by name, behind one call;
 //! - [`oracle`]: the float64 oracle and the per-case tolerances the suite checks against;
 //! - [`verify`]: the table `ladder verify` prints;

@@ -2,9 +2,14 @@
 //!
 //! A binary that wants the figure installs the allocator once:
 //!
-//! ```ignore
+//! ```no_run
 //! #[global_allocator]
 //! static ALLOC: ladder_compare::memory::PeakAlloc = ladder_compare::memory::PeakAlloc;
+//!
+//! fn main() {
+//!     let run = ladder_compare::memory::measure(|| vec![0u8; 1 << 20]);
+//!     println!("{:?} extra bytes", run.peak_bytes);
+//! }
 //! ```
 //!
 //! The counters are process-wide, so measure one thing at a time.

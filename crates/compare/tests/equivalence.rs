@@ -14,7 +14,7 @@ use ladder_reference::{
 };
 use proptest::prelude::*;
 
-const CASES: u32 = 256;
+const CASES: u32 = 512;
 
 fn config(case: &Case) -> RungConfig {
     RungConfig {

@@ -49,7 +49,7 @@ fn reach(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(128))]
+    #![proptest_config(ProptestConfig::with_cases(256))]
 
     /// A NaN turns exactly the entries it reaches into NaN; a ±∞ may do anything to those
     /// entries. Either way every other entry stays finite and within tolerance of the oracle

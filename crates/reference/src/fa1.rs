@@ -25,29 +25,14 @@ use ndarray::{Array1, Array2, ArrayView4, s};
 
 use crate::element::Element;
 use crate::error::Result;
-use crate::options::{AttentionOptions, TileSizes};
+use crate::options::TiledOptions;
 use crate::output::{AttentionOutput, Counters};
 use crate::problem::Problem;
 use crate::shape::TileKind;
 use crate::tile::{add_pv, blocks, exp_diff, nan_max, score_tile, shift_of};
 
-/// Options of the FA1 rung.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct Fa1Options {
-    pub attention: AttentionOptions,
-    pub tiles: TileSizes,
-}
-
-impl Fa1Options {
-    pub fn new(attention: AttentionOptions) -> Self {
-        Self { attention, tiles: TileSizes::default() }
-    }
-
-    /// Sets the tile sizes (`br` query rows by `bc` key columns).
-    pub fn with_tiles(self, br: usize, bc: usize) -> Result<Self> {
-        Ok(Self { tiles: TileSizes::new(br, bc)?, ..self })
-    }
-}
+/// Options of the FA1 rung: the problem and the tile sizes.
+pub type Fa1Options = TiledOptions;
 
 /// FlashAttention-1 forward pass (Algorithm 1), one `(batch, head)` per thread.
 pub fn forward<T: Element>(

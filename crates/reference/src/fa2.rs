@@ -19,34 +19,18 @@
 //! recompute `P = exp(S − lse)` tile by tile without a second softmax.
 
 use ndarray::linalg::general_mat_mul;
-use ndarray::parallel::prelude::*;
 use ndarray::{Array2, Array3, Array4, ArrayView3, ArrayView4, Axis, Zip, s};
 
 use crate::element::Element;
 use crate::error::Result;
-use crate::options::{AttentionOptions, TileSizes};
+use crate::options::TiledOptions;
 use crate::output::{AttentionOutput, Counters, Gradients};
 use crate::problem::Problem;
 use crate::shape::TileKind;
 use crate::tile::{blocks, score_tile};
 
-/// Options of the FA2 rung.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct Fa2Options {
-    pub attention: AttentionOptions,
-    pub tiles: TileSizes,
-}
-
-impl Fa2Options {
-    pub fn new(attention: AttentionOptions) -> Self {
-        Self { attention, tiles: TileSizes::default() }
-    }
-
-    /// Sets the tile sizes (`br` query rows by `bc` key columns).
-    pub fn with_tiles(self, br: usize, bc: usize) -> Result<Self> {
-        Ok(Self { tiles: TileSizes::new(br, bc)?, ..self })
-    }
-}
+/// Options of the FA2 rung: the problem and the tile sizes.
+pub type Fa2Options = TiledOptions;
 
 /// FlashAttention-2 forward pass: one task per `(batch, head, query block)`, all in parallel.
 pub fn forward<T: Element>(
@@ -60,18 +44,9 @@ pub fn forward<T: Element>(
     let (br, bc, d) = (opts.tiles.br(), opts.tiles.bc(), shape.d);
     let counters = Counters::new(size_of::<T>());
 
-    let (o, lse) = problem.per_head(|head, mut o, mut lse| {
-        o.axis_chunks_iter_mut(Axis(0), br)
-            .into_par_iter()
-            .zip(lse.axis_chunks_iter_mut(Axis(0), br))
-            .enumerate()
-            .for_each(|(i, (o_i, lse_i))| {
-                let rows = i * br..(i * br + br).min(shape.n_q);
-                counters.read(rows.len() * d);
-                let state = head.attend(rows.clone(), 0..shape.n_kv, bc, &counters);
-                state.finish_into(o_i, lse_i);
-                counters.write(rows.len() * (d + 1));
-            });
+    let (o, lse) = problem.per_query_block(br, &counters, |head, rows| {
+        counters.read(rows.len() * d);
+        head.attend(rows, 0..shape.n_kv, bc, &counters)
     });
     let work_items = shape.batch * shape.heads_q * shape.n_q.div_ceil(br);
     Ok(AttentionOutput { o, lse, stats: counters.stats(work_items) })

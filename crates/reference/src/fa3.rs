@@ -21,8 +21,7 @@
 
 use std::ops::Range;
 
-use ndarray::parallel::prelude::*;
-use ndarray::{Array2, ArrayView4, Axis, s};
+use ndarray::{Array2, ArrayView4, s};
 
 use crate::element::Element;
 use crate::error::Result;
@@ -119,18 +118,8 @@ fn run<T: Element>(
     let shape = problem.shape;
     let br = tiles.br();
     let counters = Counters::new(size_of::<T>());
-    let (o, lse) = problem.per_head(|head, mut o, mut lse| {
-        o.axis_chunks_iter_mut(Axis(0), br)
-            .into_par_iter()
-            .zip(lse.axis_chunks_iter_mut(Axis(0), br))
-            .enumerate()
-            .for_each(|(i, (o_i, lse_i))| {
-                let rows = i * br..(i * br + br).min(shape.n_q);
-                let state =
-                    overlapped_rows(&head, rows.clone(), tiles.bc(), fp8, &counters, input_bytes);
-                state.finish_into(o_i, lse_i);
-                counters.write(rows.len() * (shape.d + 1));
-            });
+    let (o, lse) = problem.per_query_block(br, &counters, |head, rows| {
+        overlapped_rows(head, rows, tiles.bc(), fp8, &counters, input_bytes)
     });
     let work_items = shape.batch * shape.heads_q * shape.n_q.div_ceil(br);
     AttentionOutput { o, lse, stats: counters.stats(work_items) }

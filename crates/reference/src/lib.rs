@@ -74,6 +74,6 @@ pub use fa3::{Fa3Options, Fa3Precision};
 pub use flash_decoding::FlashDecodingOptions;
 pub use flash_decoding_pp::{FlashDecodingPpOptions, Phi};
 pub use fp8::{Fp8Options, Fp8Scaling};
-pub use options::{AttentionOptions, TileSizes};
+pub use options::{AttentionOptions, TileSizes, TiledOptions};
 pub use output::{AttentionOutput, Gradients, HbmTraffic, RunStats, TileCounts};
 pub use shape::{AttentionShape, Mask, TileKind};

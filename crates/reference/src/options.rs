@@ -83,3 +83,23 @@ impl TileSizes {
         self.bc
     }
 }
+
+/// Options of the rungs that need only the problem and the tiles: FA1 ([`crate::Fa1Options`])
+/// and FA2 ([`crate::Fa2Options`]).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct TiledOptions {
+    pub attention: AttentionOptions,
+    pub tiles: TileSizes,
+}
+
+impl TiledOptions {
+    /// Default tiles (64 × 64).
+    pub fn new(attention: AttentionOptions) -> Self {
+        Self { attention, tiles: TileSizes::default() }
+    }
+
+    /// Sets the tile sizes (`br` query rows by `bc` key columns).
+    pub fn with_tiles(self, br: usize, bc: usize) -> Result<Self> {
+        Ok(Self { tiles: TileSizes::new(br, bc)?, ..self })
+    }
+}

@@ -75,6 +75,27 @@ impl<'a, T: Element> Problem<'a, T> {
             .expect("standard layout");
         (o, lse)
     }
+
+    /// FA2's decomposition: one task per `(batch, q head, block of br query rows)`, all in
+    /// parallel. `f(head, rows)` returns the block's running state; the driver normalises it
+    /// and writes `O` and `lse` (counted as HBM writes).
+    pub fn per_query_block<F>(&self, br: usize, counters: &Counters, f: F) -> (Array4<T>, Array3<T>)
+    where
+        F: Fn(&Head<'_, T>, Range<usize>) -> OnlineRows<T> + Sync + Send,
+    {
+        let (n_q, d) = (self.shape.n_q, self.shape.d);
+        self.per_head(|head, mut o, mut lse| {
+            o.axis_chunks_iter_mut(Axis(0), br)
+                .into_par_iter()
+                .zip(lse.axis_chunks_iter_mut(Axis(0), br))
+                .enumerate()
+                .for_each(|(i, (o_i, lse_i))| {
+                    let rows = i * br..(i * br + br).min(n_q);
+                    f(&head, rows.clone()).finish_into(o_i, lse_i);
+                    counters.write(rows.len() * (d + 1));
+                });
+        })
+    }
 }
 
 /// One `(batch, q head)`: the views a GPU thread block would index.
