@@ -106,7 +106,7 @@ pub fn run(
                 elapsed: measured.elapsed,
                 extra_bytes: measured.peak_bytes.map(|b| b.saturating_sub(output_bytes(&out))),
                 hbm: out.stats.hbm,
-                note: note(rung, &out),
+                note: note(rung, &out, expected_fp8.baseline),
                 pass,
             };
             progress(&row);
@@ -194,7 +194,7 @@ fn gradient_bytes(g: &Gradients<f32>) -> u64 {
     ((g.dq.len() + g.dk.len() + g.dv.len()) * size_of::<f32>()) as u64
 }
 
-fn note(rung: Rung, out: &AttentionOutput<f32>) -> String {
+fn note(rung: Rung, out: &AttentionOutput<f32>, fp8_baseline: ErrorStats) -> String {
     let s = &out.stats;
     let mut note = format!("{} work items", s.work_items);
     if s.tiles.computed() + s.tiles.skipped > 0 {
@@ -209,7 +209,8 @@ fn note(rung: Rung, out: &AttentionOutput<f32>) -> String {
         let _ = write!(note, ", {rows} fallback rows");
     }
     if rung.is_fp8() {
-        note.push_str(", e4m3");
+        // The FP8 tolerance is relative to this: when it is large, so are the logits for e4m3.
+        let _ = write!(note, ", e4m3 (per-tensor FP8 baseline: {:.2e})", fp8_baseline.rel_l2);
     }
     note
 }

@@ -66,11 +66,11 @@ pub fn weights<T: Element>(
     opts: &AttentionOptions,
 ) -> Result<Array4<T>> {
     let problem = Problem::new(q, k, v, opts)?;
-    let s = problem.shape;
-    let mut p = Array4::zeros((s.batch, s.heads_q, s.n_q, s.n_kv));
-    let mut lse = Array1::zeros(s.n_q);
-    for b in 0..s.batch {
-        for h in 0..s.heads_q {
+    let shape = problem.shape;
+    let mut p = Array4::zeros((shape.batch, shape.heads_q, shape.n_q, shape.n_kv));
+    let mut lse = Array1::zeros(shape.n_q);
+    for b in 0..shape.batch {
+        for h in 0..shape.heads_q {
             p.slice_mut(s![b, h, .., ..])
                 .assign(&probabilities(&problem.head(b, h), lse.view_mut()));
         }
