@@ -37,6 +37,14 @@ pub struct Inputs<T> {
     pub d_o: Array4<T>,
 }
 
+impl<T: Element> Inputs<T> {
+    /// The same tensors in `f64` (exactly).
+    pub fn widen(&self) -> Inputs<f64> {
+        let wide = |x: &Array4<T>| x.mapv(|v| v.as_f64());
+        Inputs { q: wide(&self.q), k: wide(&self.k), v: wide(&self.v), d_o: wide(&self.d_o) }
+    }
+}
+
 impl Case {
     /// The softmax scale giving logits of standard deviation `logit_std`.
     pub fn scale(&self) -> f64 {

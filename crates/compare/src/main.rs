@@ -193,16 +193,17 @@ fn verify_cmd(args: &VerifyArgs) -> anyhow::Result<bool> {
             if config.attention.causal { "causal" } else { "no mask" }
         );
     }
-    let total = cases.len() * (Rung::ALL.len() + 2);
+    let total = 2 * cases.len() * (Rung::ALL.len() + 2);
     let mut done = 0;
-    let rows = verify::run(&cases, &config, args.seed, |row| {
+    let rows = verify::run(&cases, &config, args.seed, |precision, row| {
         done += 1;
         let extra = row.extra_bytes.map_or("n/a".into(), human_bytes);
         eprintln!(
-            "  [{done:>2}/{total}] {:<8} {:<18} {:>10.1} ms  extra {extra}",
+            "  [{done:>2}/{total}] {:<8} {:<18} {precision} {:>10.1} ms  extra {extra:>10}  err/tol {:.1e}",
             row.case,
             row.label,
-            row.elapsed.as_secs_f64() * 1e3
+            row.elapsed.as_secs_f64() * 1e3,
+            row.err_over_tol
         );
     })?;
     print!("{}", verify::render(&rows));

@@ -3,21 +3,22 @@
 //! Every comparison is made against the `f64` oracle ([`ladder_reference::naive`] run in
 //! `f64`): the relative L2 error `‖out − ref‖ / ‖ref‖` and the max absolute error.
 //!
-//! A rung run in precision `T` passes when its error is no worse than about twice the error of
-//! the naive algorithm run in the same precision (how FlashAttention's own tests set their
-//! tolerances, see `LADDER.md`), plus a small floor for problems where the naive algorithm
-//! happens to be exact (a single key, say) while a reordered computation is not:
+//! A rung passes when its error is no worse than about twice the error of the naive algorithm
+//! run in the same precision (how FlashAttention's own tests set their tolerances, see
+//! `LADDER.md`), plus a floor for problems where the naive algorithm happens to be exact (a
+//! single key, say, or any problem in `f64`, where naive *is* the oracle) while a reordered
+//! computation is not:
 //!
 //! ```text
-//! tol = 2 · err(naive in T) + floor,    floor_abs = 4 · u · (d + 1 + L) · M
+//! tol = 2 · err(naive in T) + floor,    floor = 2 · u · (d + n + 1) · (1 + L) · M
 //! ```
 //!
-//! with `u` the unit roundoff of `T`, `L = scale · maxᵢ‖qᵢ‖ · maxⱼ‖kⱼ‖` the largest possible
-//! logit magnitude (each logit carries an absolute rounding error up to about `d · u · L`
-//! through the dot product and the max subtraction), and `M` the magnitude of the quantity
-//! compared (`max |V|` for the output). The relative floor is `floor_abs · √len / ‖ref‖`. In
-//! `f64` the floor is ~10⁻¹³: the `f64` suite checks every rung to rounding, so an algorithmic
-//! mistake cannot hide under it.
+//! with `u` the unit roundoff of `T`, `n` the length of the sums over keys (or rows, for
+//! `dK, dV`), `L = scale · maxᵢ‖qᵢ‖ · maxⱼ‖kⱼ‖` a bound on every logit, and `M` the size of the
+//! terms an entry is summed from (for `O`, `Σⱼ Pᵢⱼ |vⱼ|`): the first-order worst-case rounding
+//! error of the computation ([`Floor::new`]). In `f32` it matters only for small problems; in
+//! `f64` it is the whole tolerance, ~10⁻¹³ relative, which pins every rung to the algorithm:
+//! each property runs in both precisions, so an algorithmic mistake cannot hide in `f32` noise.
 
 use std::fmt;
 
@@ -131,23 +132,30 @@ pub struct Floor {
 }
 
 impl Floor {
-    /// `2 · u · (d + 1 + L) · magnitude`, and its relative form for a reference of `len`
-    /// elements with L2 norm `ref_norm`.
-    pub fn new(
+    /// The floor for a reference `reference` whose entries are sums of terms of absolute size
+    /// `magnitudes` (entry by entry), computed through dot products and sums of `sum_len`
+    /// terms in all (`d + n`), with logits bounded by `logit_bound`. To first order each entry's
+    /// rounding error is at most `2 · u · (sum_len + 1) · (1 + L) · magnitude`: every logit
+    /// carries up to `d · u · L` (a dot product of length `d`), `exp` passes it on, and each of
+    /// up to `n` accumulation and rescaling steps adds `u · (1 + 2L)`. The absolute floor takes
+    /// the largest magnitude, the relative one `‖magnitudes‖ / ‖reference‖`.
+    pub fn new<S, R, D>(
         unit_roundoff: f64,
-        d: usize,
+        sum_len: usize,
         logit_bound: f64,
-        magnitude: f64,
-        len: usize,
-        ref_norm: f64,
-    ) -> Self {
-        let abs = 2.0 * unit_roundoff * (d as f64 + 1.0 + logit_bound) * magnitude;
-        let rel_l2 = if ref_norm > 0.0 {
-            abs * (len as f64).sqrt() / ref_norm
-        } else {
-            abs * (len as f64).sqrt()
-        };
-        Self { abs, rel_l2 }
+        magnitudes: &ArrayBase<S, D>,
+        reference: &ArrayBase<R, D>,
+    ) -> Self
+    where
+        S: Data<Elem = f64>,
+        R: Data<Elem = f64>,
+        D: Dimension,
+    {
+        let c = 2.0 * unit_roundoff * (sum_len as f64 + 1.0) * (1.0 + logit_bound);
+        let ref_norm = l2_norm(reference);
+        let mag_norm = l2_norm(magnitudes);
+        let rel_l2 = if ref_norm > 0.0 { c * mag_norm / ref_norm } else { c * mag_norm };
+        Self { abs: c * max_abs(magnitudes), rel_l2 }
     }
 }
 

@@ -5,13 +5,13 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use ladder_reference::{
-    AttentionOutput, AttentionShape, Fa2Options, Gradients, HbmTraffic, Result, fa2, naive,
+    AttentionOutput, AttentionShape, Element, Fa2Options, HbmTraffic, Result, fa2, naive,
 };
 
 use crate::cases::{Case, Inputs};
 use crate::memory::{human_bytes, measure};
 use crate::metrics::{ErrorStats, Tolerance, error_between};
-use crate::oracle::{Expected, ExpectedGradients, judge_between};
+use crate::oracle::{Expected, ExpectedGradients, GradientOracle, Oracle, judge_between};
 use crate::rungs::{Rung, RungConfig};
 
 /// One problem of the verification run.
@@ -44,26 +44,32 @@ impl VerifyCase {
 pub struct Row {
     pub case: String,
     pub label: String,
-    /// Name of the rung compared against and the error against it.
+    /// Name of the rung compared against and the error against it (in `f32`).
     pub vs_previous: Option<(String, ErrorStats)>,
-    /// Error against the float64 oracle (for backward rows, the worst of dQ, dK, dV).
+    /// Error against the float64 oracle in `f32` (for backward rows, the worst of dQ, dK, dV).
     pub vs_oracle: ErrorStats,
-    /// Largest ratio of an error to its tolerance (≤ 1 passes).
+    /// Largest ratio of an `f32` error to its tolerance (≤ 1 passes).
     pub err_over_tol: f64,
+    /// The same ratio for the rung run in `f64`, where the tolerance is ~10⁻¹³: the algorithm
+    /// itself, without `f32` noise.
+    pub f64_err_over_tol: f64,
+    /// Wall time of the `f32` run.
     pub elapsed: Duration,
-    /// Heap allocated beyond the returned tensors, at the peak.
+    /// Heap allocated beyond the returned tensors, at the peak (`f32` run).
     pub extra_bytes: Option<u64>,
     pub hbm: HbmTraffic,
     pub note: String,
+    /// Within tolerance in both precisions.
     pub pass: bool,
 }
 
-/// Runs every rung (and the two backward rungs) on each case, calling `progress` after each row.
+/// Runs every rung (and the two backward rungs) on each case, in `f32` and in `f64`, calling
+/// `progress` as each finishes.
 pub fn run(
     cases: &[VerifyCase],
     config: &RungConfig,
     seed: u64,
-    mut progress: impl FnMut(&Row),
+    mut progress: impl FnMut(&str, &Row),
 ) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     for case in cases {
@@ -75,58 +81,85 @@ pub fn run(
             splits: config.splits,
             seed,
         };
-        let inputs = spec.inputs::<f32>();
-        let attention = config.attention;
-        let expected = Expected::new(&inputs, &attention)?;
-        let expected_fp8 = Expected::fp8(&inputs, &attention)?;
-        let mut outputs: HashMap<Rung, AttentionOutput<f32>> = HashMap::new();
-        for rung in Rung::ALL {
-            let measured =
-                measure(|| rung.forward(inputs.q.view(), inputs.k.view(), inputs.v.view(), config));
-            let out = measured.value?;
-            let this = if rung.is_fp8() { &expected_fp8 } else { &expected };
-            let verdict = this.judge(&out);
-            let mut ratio = ratio_of(verdict.o, this.o).max(ratio_of(verdict.lse, this.lse));
-            let mut pass = verdict.pass;
-            let vs_previous = rung.previous().map(|prev| {
-                let prev_expected = if prev.is_fp8() { &expected_fp8 } else { &expected };
-                let pair = judge_between(&out, &outputs[&prev], this, prev_expected);
-                ratio = ratio
-                    .max(ratio_of(pair.o, this.o.plus(prev_expected.o)))
-                    .max(ratio_of(pair.lse, this.lse.plus(prev_expected.lse)));
-                pass &= pair.pass;
-                (prev.name().to_string(), pair.o)
-            });
-            let row = Row {
-                case: case.name.clone(),
-                label: rung.name().to_string(),
-                vs_previous,
-                vs_oracle: verdict.o,
-                err_over_tol: ratio,
-                elapsed: measured.elapsed,
-                extra_bytes: measured.peak_bytes.map(|b| b.saturating_sub(output_bytes(&out))),
-                hbm: out.stats.hbm,
-                note: note(rung, &out, expected_fp8.baseline),
-                pass,
-            };
-            progress(&row);
+        // The f64 run sees the f32 inputs widened, so one oracle serves both precisions.
+        let narrow_inputs = spec.inputs::<f32>();
+        let wide_inputs = narrow_inputs.widen();
+        let oracle = Oracle::new(&wide_inputs, &config.attention)?;
+        let gradients = GradientOracle::new(&wide_inputs, &config.attention)?;
+        let narrow = check_case(case, &narrow_inputs, &oracle, &gradients, config, &mut progress)?;
+        let wide = check_case(case, &wide_inputs, &oracle, &gradients, config, &mut progress)?;
+        for (mut row, wide) in narrow.into_iter().zip(wide) {
+            row.f64_err_over_tol = wide.err_over_tol;
+            row.pass &= wide.pass;
             rows.push(row);
-            outputs.insert(rung, out);
         }
-        rows.extend(backward_rows(case, &inputs, config, &outputs[&Rung::Fa2], &mut progress)?);
     }
     Ok(rows)
 }
 
-fn backward_rows(
+/// Every rung on one case in precision `T`.
+fn check_case<T: Element>(
     case: &VerifyCase,
-    inputs: &Inputs<f32>,
+    inputs: &Inputs<T>,
+    oracle: &Oracle,
+    gradients: &GradientOracle,
     config: &RungConfig,
-    forward: &AttentionOutput<f32>,
-    progress: &mut impl FnMut(&Row),
+    progress: &mut impl FnMut(&str, &Row),
+) -> Result<Vec<Row>> {
+    let expected = Expected::from_oracle(oracle, inputs)?;
+    let expected_fp8 = Expected::fp8_from_oracle(oracle, inputs, &config.fp8)?;
+    let mut outputs: HashMap<Rung, AttentionOutput<T>> = HashMap::new();
+    let mut rows = Vec::new();
+    for rung in Rung::ALL {
+        let measured =
+            measure(|| rung.forward(inputs.q.view(), inputs.k.view(), inputs.v.view(), config));
+        let out = measured.value?;
+        let this = if rung.is_fp8() { &expected_fp8 } else { &expected };
+        let verdict = this.judge(&out);
+        let mut ratio = ratio_of(verdict.o, this.o).max(ratio_of(verdict.lse, this.lse));
+        let mut pass = verdict.pass;
+        let vs_previous = rung.previous().map(|prev| {
+            let prev_expected = if prev.is_fp8() { &expected_fp8 } else { &expected };
+            let pair = judge_between(&out, &outputs[&prev], this, prev_expected);
+            ratio = ratio
+                .max(ratio_of(pair.o, this.o.plus(prev_expected.o)))
+                .max(ratio_of(pair.lse, this.lse.plus(prev_expected.lse)));
+            pass &= pair.pass;
+            (prev.name().to_string(), pair.o)
+        });
+        let row = Row {
+            case: case.name.clone(),
+            label: rung.name().to_string(),
+            vs_previous,
+            vs_oracle: verdict.o,
+            err_over_tol: ratio,
+            f64_err_over_tol: f64::NAN,
+            elapsed: measured.elapsed,
+            extra_bytes: measured
+                .peak_bytes
+                .map(|b| b.saturating_sub(bytes_of::<T>(out.o.len() + out.lse.len()))),
+            hbm: out.stats.hbm,
+            note: note(rung, &out, expected_fp8.baseline),
+            pass,
+        };
+        progress(T::NAME, &row);
+        rows.push(row);
+        outputs.insert(rung, out);
+    }
+    rows.extend(backward_rows(case, inputs, gradients, config, &outputs[&Rung::Fa2], progress)?);
+    Ok(rows)
+}
+
+fn backward_rows<T: Element>(
+    case: &VerifyCase,
+    inputs: &Inputs<T>,
+    gradients: &GradientOracle,
+    config: &RungConfig,
+    forward: &AttentionOutput<T>,
+    progress: &mut impl FnMut(&str, &Row),
 ) -> Result<Vec<Row>> {
     let attention = config.attention;
-    let expected = ExpectedGradients::new(inputs, &attention)?;
+    let expected = ExpectedGradients::from_oracle(gradients, inputs)?;
     let (q, k, v, d_o) = (inputs.q.view(), inputs.k.view(), inputs.v.view(), inputs.d_o.view());
     let naive_run = measure(|| naive::backward(q, k, v, d_o, &attention));
     let naive_grads = naive_run.value?;
@@ -168,13 +201,16 @@ fn backward_rows(
             vs_previous,
             vs_oracle: errs.into_iter().fold(ErrorStats::default(), ErrorStats::worst),
             err_over_tol: ratio,
+            f64_err_over_tol: f64::NAN,
             elapsed,
-            extra_bytes: peak.map(|b| b.saturating_sub(gradient_bytes(grads))),
+            extra_bytes: peak.map(|b| {
+                b.saturating_sub(bytes_of::<T>(grads.dq.len() + grads.dk.len() + grads.dv.len()))
+            }),
             hbm: grads.stats.hbm,
             note: "dQ, dK, dV".to_string(),
             pass,
         };
-        progress(&row);
+        progress(T::NAME, &row);
         rows.push(row);
     }
     Ok(rows)
@@ -186,15 +222,11 @@ fn ratio_of(err: ErrorStats, tol: Tolerance) -> f64 {
     if r.is_nan() { f64::INFINITY } else { r }
 }
 
-fn output_bytes(out: &AttentionOutput<f32>) -> u64 {
-    ((out.o.len() + out.lse.len()) * size_of::<f32>()) as u64
+fn bytes_of<T>(elements: usize) -> u64 {
+    (elements * size_of::<T>()) as u64
 }
 
-fn gradient_bytes(g: &Gradients<f32>) -> u64 {
-    ((g.dq.len() + g.dk.len() + g.dv.len()) * size_of::<f32>()) as u64
-}
-
-fn note(rung: Rung, out: &AttentionOutput<f32>, fp8_baseline: ErrorStats) -> String {
+fn note<T>(rung: Rung, out: &AttentionOutput<T>, fp8_baseline: ErrorStats) -> String {
     let s = &out.stats;
     let mut note = format!("{} work items", s.work_items);
     if s.tiles.computed() + s.tiles.skipped > 0 {
@@ -223,13 +255,14 @@ pub fn render(rows: &[Row]) -> String {
         "vs previous (rel L2 / max abs)",
         "vs oracle (rel L2 / max abs)",
         "err/tol",
+        "f64 err/tol",
         "time",
         "extra mem",
         "HBM traffic",
         "ok",
         "notes",
     ];
-    let body: Vec<[String; 10]> = rows
+    let body: Vec<[String; 11]> = rows
         .iter()
         .map(|r| {
             [
@@ -237,7 +270,8 @@ pub fn render(rows: &[Row]) -> String {
                 r.label.clone(),
                 r.vs_previous.as_ref().map_or("-".into(), |(name, e)| format!("{e} ({name})")),
                 r.vs_oracle.to_string(),
-                format!("{:.3}", r.err_over_tol),
+                format!("{:.1e}", r.err_over_tol),
+                format!("{:.1e}", r.f64_err_over_tol),
                 format!("{:.1} ms", r.elapsed.as_secs_f64() * 1e3),
                 r.extra_bytes.map_or("n/a".into(), human_bytes),
                 human_bytes(r.hbm.total_bytes()),

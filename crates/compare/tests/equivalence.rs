@@ -13,6 +13,7 @@ use ladder_reference::{
     flash_decoding_pp,
 };
 use proptest::prelude::*;
+use proptest::test_runner::RngSeed;
 
 const CASES: u32 = 512;
 
@@ -100,25 +101,38 @@ proptest! {
         check_both(Rung::FlashDecodingPp, &case)?;
     }
 
+}
+
+proptest! {
+    // A fixed sample: the FP8 tolerance is a statistical statement (twice the error of an
+    // independent rounding of the same numbers), so this test is a reproducible measurement
+    // over 256 problems rather than a fresh draw on every run.
+    #![proptest_config(ProptestConfig { cases: 256, rng_seed: RngSeed::Fixed(0x00f8_e4e3), ..ProptestConfig::default() })]
+
     /// The FP8 path against an FP8 tolerance: within 2× the relative error of the FA3 paper's
-    /// baseline (per-tensor FP8). Shapes are large enough for that statistic to mean something
-    /// (a handful of e4m3 roundings is a coin toss), and logits moderate: at ±10⁴ an e4m3 logit
-    /// is off by hundreds and no FP8 attention is meaningful.
+    /// baseline (per-tensor FP8) on the same inputs. Shapes have at least 32 × 16 outputs per
+    /// head, enough for that statistic to mean something (a handful of e4m3 roundings is a coin
+    /// toss), and logits are moderate: at ±10⁴ an e4m3 logit is off by hundreds and no FP8
+    /// attention is meaningful.
     #[test]
     fn rung4_fa3_fp8_within_fp8_tolerance(case in cases(CaseSpace {
-        n_q: 8..=40,
-        n_kv: 16..=64,
-        head_dims: (8..=32).collect(),
+        n_q: 32..=64,
+        n_kv: 32..=128,
+        head_dims: (16..=64).collect(),
         ..CaseSpace::cpu().moderate_logits()
     })) {
         let inputs = case.inputs::<f32>();
         let cfg = config(&case);
-        let expected = Expected::fp8(&inputs, &cfg.attention).map_err(fail)?;
+        let expected = Expected::fp8(&inputs, &cfg.attention, &cfg.fp8).map_err(fail)?;
         let expected_fa2 = Expected::new(&inputs, &cfg.attention).map_err(fail)?;
         let out = Rung::Fa3Fp8.forward(inputs.q.view(), inputs.k.view(), inputs.v.view(), &cfg).map_err(fail)?;
         let fa2 = Rung::Fa2.forward(inputs.q.view(), inputs.k.view(), inputs.v.view(), &cfg).map_err(fail)?;
         check("fa3-fp8", &out, &expected, Some(("fa2", &fa2, &expected_fa2))).map_err(fail)?;
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(CASES))]
 
     /// The FA2 backward pass against the naive backward pass and the oracle gradients.
     #[test]
