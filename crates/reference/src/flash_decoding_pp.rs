@@ -35,8 +35,7 @@ use crate::flash_decoding::{check_splits, combine_row, partial, split_ranges};
 use crate::options::{AttentionOptions, TileSizes};
 use crate::output::{AttentionOutput, Counters};
 use crate::problem::{Head, Problem};
-use crate::shape::TileKind;
-use crate::tile::{add_pv, blocks, nan_max, normalise_row, score_tile};
+use crate::tile::{add_pv, blocks, nan_max, normalise_row};
 
 /// How the unified max `φ` is chosen.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -215,33 +214,17 @@ fn unified_max_rows<T: Element>(
     phi: T,
     counters: &Counters,
 ) -> (Array2<T>, Array1<T>, Array1<T>) {
-    let q_i = head.q.slice(s![rows.clone(), ..]);
     let mut acc = Array2::zeros((rows.len(), head.v.ncols()));
     let mut l = Array1::zeros(rows.len());
     let mut row_max = Array1::from_elem(rows.len(), T::neg_infinity());
-    for tile in blocks(cols.len(), bc) {
-        let tile = cols.start + tile.start..cols.start + tile.end;
-        let (kind, limits) = head.classify(&rows, &tile);
-        counters.tile(kind);
-        if kind == TileKind::Skip {
-            continue;
-        }
-        counters.read(2 * tile.len() * head.k.ncols());
-        let mut p =
-            score_tile(q_i, head.k.slice(s![tile.clone(), ..]), head.scale, limits.as_deref());
+    head.for_each_tile(&rows, cols, bc, counters, |mut p, v, limits| {
         for (r, mut p_row) in p.rows_mut().into_iter().enumerate() {
             row_max[r] = p_row.iter().fold(row_max[r], |m, &x| nan_max(m, x));
             p_row.mapv_inplace(|x| (x - phi).exp());
             l[r] = l[r] + p_row.sum();
         }
-        add_pv(
-            &mut acc.view_mut(),
-            T::one(),
-            p.view(),
-            head.v.slice(s![tile, ..]),
-            limits.as_deref(),
-        );
-    }
+        add_pv(&mut acc.view_mut(), T::one(), p.view(), v, limits);
+    });
     (acc, l, row_max)
 }
 

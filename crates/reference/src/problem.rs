@@ -125,6 +125,32 @@ impl<T: Element> Head<'_, T> {
         (kind, limits)
     }
 
+    /// Walks the key tiles of `cols` (`bc` keys each) for the query rows `rows`, skipping the
+    /// tiles the mask hides, and hands `f` each masked score tile `S = scale · Q Kᵀ` with its
+    /// `V` tile and per-row visible-column counts. Counts tiles and K/V reads.
+    pub fn for_each_tile(
+        &self,
+        rows: &Range<usize>,
+        cols: Range<usize>,
+        bc: usize,
+        counters: &Counters,
+        mut f: impl FnMut(Array2<T>, ArrayView2<'_, T>, Option<&[usize]>),
+    ) {
+        let q_i = self.q.slice(s![rows.clone(), ..]);
+        for tile in blocks(cols.len(), bc) {
+            let tile = cols.start + tile.start..cols.start + tile.end;
+            let (kind, limits) = self.classify(rows, &tile);
+            counters.tile(kind);
+            if kind == TileKind::Skip {
+                continue;
+            }
+            counters.read(2 * tile.len() * self.k.ncols());
+            let s =
+                score_tile(q_i, self.k.slice(s![tile.clone(), ..]), self.scale, limits.as_deref());
+            f(s, self.v.slice(s![tile, ..]), limits.as_deref());
+        }
+    }
+
     /// FA2's inner loop: query rows `rows` against the keys `cols`, in key tiles of `bc`,
     /// skipping tiles the mask hides. Returns the unnormalised running state.
     pub fn attend(
@@ -134,20 +160,8 @@ impl<T: Element> Head<'_, T> {
         bc: usize,
         counters: &Counters,
     ) -> OnlineRows<T> {
-        let q_i = self.q.slice(s![rows.clone(), ..]);
         let mut state = OnlineRows::new(rows.len(), self.v.ncols());
-        for tile in blocks(cols.len(), bc) {
-            let tile = cols.start + tile.start..cols.start + tile.end;
-            let (kind, limits) = self.classify(&rows, &tile);
-            counters.tile(kind);
-            if kind == TileKind::Skip {
-                continue;
-            }
-            counters.read(2 * tile.len() * self.k.ncols());
-            let s =
-                score_tile(q_i, self.k.slice(s![tile.clone(), ..]), self.scale, limits.as_deref());
-            state.update(s, self.v.slice(s![tile, ..]), limits.as_deref());
-        }
+        self.for_each_tile(&rows, cols, bc, counters, |s, v, limits| state.update(s, v, limits));
         state
     }
 }
