@@ -10,7 +10,7 @@ use ladder_compare::npy::{self, DType};
 use ladder_compare::verify::{self, VerifyCase};
 use ladder_compare::{Rung, RungConfig};
 use ladder_reference::{
-    AttentionOptions, AttentionOutput, AttentionShape, Element, Phi, TileSizes,
+    AttentionOptions, AttentionOutput, AttentionShape, Element, Phi, RunStats, TileSizes,
 };
 use ndarray::Array4;
 
@@ -226,9 +226,9 @@ fn run_cmd(args: &RunArgs) -> anyhow::Result<()> {
     })?;
     // Compute in f64 if any input is f64 (exact), otherwise in f32 (exact for f16 and f32 inputs).
     let wide = [q.dtype, k.dtype, v.dtype].contains(&DType::F64);
-    let (o, lse) = if wide {
+    let (o, lse, stats) = if wide {
         let out = args.rung.forward(q.data.view(), k.data.view(), v.data.view(), &config)?;
-        (out.o, out.lse)
+        (out.o, out.lse, out.stats)
     } else {
         let narrow = |x: &Array4<f64>| x.mapv(|v| v as f32);
         let (q32, k32, v32) = (narrow(&q.data), narrow(&k.data), narrow(&v.data));
@@ -250,9 +250,18 @@ fn run_cmd(args: &RunArgs) -> anyhow::Result<()> {
         args.out.display(),
         args.lse.as_ref().map_or(String::new(), |p| format!(" and lse to {}", p.display()))
     );
+    eprintln!(
+        "{}: {} work items, HBM traffic {} under its memory model{}",
+        args.rung,
+        stats.work_items,
+        human_bytes(stats.hbm.total_bytes()),
+        stats
+            .fallback_rows
+            .map_or(String::new(), |n| format!(", {n} rows recomputed by the fallback"))
+    );
     Ok(())
 }
 
-fn widen<T: Element>(out: AttentionOutput<T>) -> (Array4<f64>, ndarray::Array3<f64>) {
-    (out.o.mapv(|x| x.as_f64()), out.lse.mapv(|x| x.as_f64()))
+fn widen<T: Element>(out: AttentionOutput<T>) -> (Array4<f64>, ndarray::Array3<f64>, RunStats) {
+    (out.o.mapv(|x| x.as_f64()), out.lse.mapv(|x| x.as_f64()), out.stats)
 }
