@@ -30,6 +30,13 @@ fn extra_bytes(rung: Rung, n: usize, d: usize) -> u64 {
 
 #[test]
 fn naive_memory_grows_as_n_squared_while_fa2_stays_linear() {
+    // Each worker thread holds its own tiles: fix the pool so the figures do not depend on
+    // how many cores the machine has.
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    pool.install(measure_and_check);
+}
+
+fn measure_and_check() {
     let d = 64;
     extra_bytes(Rung::Fa2, 64, d); // warm up the thread pool outside the measurements
     let (naive_small, naive_large) =
