@@ -29,7 +29,7 @@ use crate::options::TiledOptions;
 use crate::output::{AttentionOutput, Counters};
 use crate::problem::Problem;
 use crate::shape::TileKind;
-use crate::tile::{add_pv, blocks, exp_diff, nan_max, score_tile, shift_of};
+use crate::tile::{add_pv, blocks, exp_diff, lse_of, nan_max, score_tile, shift_of};
 
 /// Options of the FA1 rung: the problem and the tile sizes.
 pub type Fa1Options = TiledOptions;
@@ -100,7 +100,7 @@ pub fn forward<T: Element>(
             }
         }
         for i in 0..shape.n_q {
-            lse[i] = if l[i] == T::zero() { T::neg_infinity() } else { m[i] + l[i].ln() };
+            lse[i] = lse_of(m[i], l[i]);
         }
         counters.write(shape.n_q);
     });

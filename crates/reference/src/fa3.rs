@@ -115,14 +115,10 @@ fn run<T: Element>(
     tiles: TileSizes,
     input_bytes: usize,
 ) -> AttentionOutput<T> {
-    let shape = problem.shape;
-    let br = tiles.br();
     let counters = Counters::new(size_of::<T>());
-    let (o, lse) = problem.per_query_block(br, &counters, |head, rows| {
+    problem.per_query_block(tiles.br(), &counters, |head, rows| {
         overlapped_rows(head, rows, tiles.bc(), fp8, &counters, input_bytes)
-    });
-    let work_items = shape.batch * shape.heads_q * shape.n_q.div_ceil(br);
-    AttentionOutput { o, lse, stats: counters.stats(work_items) }
+    })
 }
 
 /// One consumer warpgroup's loop (FA3 Algorithm 2) for the query rows `rows`.

@@ -10,7 +10,7 @@ use ndarray::{
 use crate::element::Element;
 use crate::error::Result;
 use crate::options::AttentionOptions;
-use crate::output::Counters;
+use crate::output::{AttentionOutput, Counters};
 use crate::shape::{AttentionShape, Mask, TileKind};
 use crate::tile::{OnlineRows, blocks, score_tile};
 
@@ -77,14 +77,14 @@ impl<'a, T: Element> Problem<'a, T> {
     }
 
     /// FA2's decomposition: one task per `(batch, q head, block of br query rows)`, all in
-    /// parallel. `f(head, rows)` returns the block's running state; the driver normalises it
-    /// and writes `O` and `lse` (counted as HBM writes).
-    pub fn per_query_block<F>(&self, br: usize, counters: &Counters, f: F) -> (Array4<T>, Array3<T>)
+    /// parallel, each a work item. `f(head, rows)` returns the block's running state; the
+    /// driver normalises it and writes `O` and `lse` (counted as HBM writes).
+    pub fn per_query_block<F>(&self, br: usize, counters: &Counters, f: F) -> AttentionOutput<T>
     where
         F: Fn(&Head<'_, T>, Range<usize>) -> OnlineRows<T> + Sync + Send,
     {
         let (n_q, d) = (self.shape.n_q, self.shape.d);
-        self.per_head(|head, mut o, mut lse| {
+        let (o, lse) = self.per_head(|head, mut o, mut lse| {
             o.axis_chunks_iter_mut(Axis(0), br)
                 .into_par_iter()
                 .zip(lse.axis_chunks_iter_mut(Axis(0), br))
@@ -94,7 +94,9 @@ impl<'a, T: Element> Problem<'a, T> {
                     f(&head, rows.clone()).finish_into(o_i, lse_i);
                     counters.write(rows.len() * (d + 1));
                 });
-        })
+        });
+        let work_items = self.shape.batch * self.shape.heads_q * n_q.div_ceil(br);
+        AttentionOutput { o, lse, stats: counters.stats(work_items) }
     }
 }
 

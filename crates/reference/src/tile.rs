@@ -77,17 +77,21 @@ pub(crate) fn add_pv<T: Element>(
     }
 }
 
+/// `lse = m + ln l`, or `−∞` for a row with `l = 0`: it saw no key (or only `−∞` scores).
+pub(crate) fn lse_of<T: Element>(m: T, l: T) -> T {
+    if l == T::zero() { T::neg_infinity() } else { m + l.ln() }
+}
+
 /// Turns an accumulated row into the output row `acc / l` in place and returns its
 /// `lse = m + ln l`. A row with `l = 0` saw no key (or only `−∞` scores): zeros and `−∞`.
 pub(crate) fn normalise_row<T: Element>(mut acc: ArrayViewMut1<T>, m: T, l: T) -> T {
     if l == T::zero() {
         acc.fill(T::zero());
-        T::neg_infinity()
     } else {
         let inv = l.recip();
         acc.mapv_inplace(|x| x * inv);
-        m + l.ln()
     }
+    lse_of(m, l)
 }
 
 /// The running state of a block of query rows: the registers of an FA2 thread block.
