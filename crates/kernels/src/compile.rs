@@ -1,0 +1,223 @@
+//! Run-time compilation of the kernel sources with NVRTC, and a disk cache of the results.
+//!
+//! Each rung's `.cu` file is compiled per *variant*: the head dimension, element type and tile
+//! sizes are macro constants (`-DFA2_D=128 ...`), so every variant is straight-line code for the
+//! compiler. NVRTC turns a variant into a cubin for the exact device (`sm_90a` on Hopper) and its
+//! log carries ptxas's register / shared-memory / spill report. Cubins are cached on disk under a
+//! key made of the source, the options, the architecture and NVRTC's version, so only the first
+//! run of a process on a machine pays the compile.
+
+use std::ffi::{CString, c_char, c_int};
+use std::hash::{Hash, Hasher};
+use std::path::PathBuf;
+
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+
+use crate::error::{KernelError, Result};
+
+/// Helpers shared by every kernel (fragments, async copies, conversions); prepended to each source.
+pub const COMMON: &str = include_str!("../cuda/common.cuh");
+
+/// One compilable kernel: a rung's source plus the macro constants that pick the variant.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Variant {
+    /// File stem of the source, e.g. `fa2_forward`; also the name of its `extern "C"` entry points.
+    pub file: &'static str,
+    /// The `.cu` source (without the common header).
+    pub source: &'static str,
+    /// `-D` definitions, in order.
+    pub defines: Vec<(&'static str, String)>,
+}
+
+impl Variant {
+    /// A readable name for logs and errors: `fa2_forward(FA2_D=128, LADDER_DTYPE=0)`.
+    pub fn label(&self) -> String {
+        let defs: Vec<String> = self.defines.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        format!("{}({})", self.file, defs.join(", "))
+    }
+
+    fn full_source(&self) -> String {
+        format!("{COMMON}\n#line 1 \"{}.cu\"\n{}", self.file, self.source)
+    }
+
+    fn options(&self, arch: &str) -> Vec<String> {
+        let mut opts = vec![
+            format!("--gpu-architecture={arch}"),
+            "--std=c++17".to_string(),
+            "--use_fast_math".to_string(),
+            "--ptxas-options=-v".to_string(),
+        ];
+        opts.extend(self.defines.iter().map(|(k, v)| format!("-D{k}={v}")));
+        opts
+    }
+}
+
+/// A compiled variant: the cubin and NVRTC's log (with ptxas's resource report).
+#[derive(Clone, Debug)]
+pub struct Compiled {
+    /// Machine code for the architecture it was compiled for.
+    pub cubin: Vec<u8>,
+    /// NVRTC's log; `ptxas info` lines give registers, shared memory and spills.
+    pub log: String,
+    /// Whether it came from the disk cache.
+    pub cached: bool,
+}
+
+/// ptxas's resource figures for one kernel, parsed from an NVRTC log.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ResourceReport {
+    /// Registers per thread.
+    pub registers: u32,
+    /// Bytes spilled to local memory by stores plus loads.
+    pub spill_bytes: u32,
+    /// Stack frame bytes.
+    pub stack_bytes: u32,
+    /// Static shared memory bytes (dynamic shared memory is set at launch).
+    pub static_smem: u32,
+}
+
+impl ResourceReport {
+    /// Parse the `ptxas info` lines of an NVRTC log (the last function reported wins).
+    pub fn parse(log: &str) -> Option<ResourceReport> {
+        let mut report = None;
+        let number_before = |line: &str, unit: &str| -> Option<u32> {
+            let idx = line.find(unit)?;
+            line[..idx].split_whitespace().last()?.parse().ok()
+        };
+        for line in log.lines() {
+            if line.contains("bytes stack frame") {
+                let r: &mut ResourceReport = report.get_or_insert_with(ResourceReport::default);
+                r.stack_bytes = number_before(line, "bytes stack frame").unwrap_or(0);
+                r.spill_bytes = number_before(line, "bytes spill stores").unwrap_or(0)
+                    + number_before(line, "bytes spill loads").unwrap_or(0);
+            }
+            if line.contains("Used") && line.contains("registers") {
+                let r = report.get_or_insert_with(ResourceReport::default);
+                r.registers = number_before(line, "registers").unwrap_or(0);
+                r.static_smem = number_before(line, "bytes smem").unwrap_or(0);
+            }
+        }
+        report
+    }
+}
+
+/// Compile `variant` for `arch` (`sm_90a`, `sm_80`, ...), through the disk cache.
+pub fn compile(variant: &Variant, arch: &str) -> Result<Compiled> {
+    let version = nvrtc_version(variant)?;
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    (variant.full_source(), variant.options(arch), version).hash(&mut hasher);
+    let key = format!("{}-{arch}-{:016x}", variant.file, hasher.finish());
+    let dir = cache_dir();
+    if let Some(dir) = &dir {
+        if let (Ok(cubin), Ok(log)) = (
+            std::fs::read(dir.join(format!("{key}.cubin"))),
+            std::fs::read_to_string(dir.join(format!("{key}.log"))),
+        ) {
+            return Ok(Compiled { cubin, log, cached: true });
+        }
+    }
+    let compiled = compile_uncached(variant, arch)?;
+    if let Some(dir) = &dir {
+        // A cache that cannot be written only costs the next run a compile.
+        if std::fs::create_dir_all(dir).is_ok() {
+            let tmp = dir.join(format!("{key}.{}.tmp", std::process::id()));
+            if std::fs::write(&tmp, &compiled.cubin).is_ok() {
+                let _ = std::fs::rename(&tmp, dir.join(format!("{key}.cubin")));
+            }
+            let _ = std::fs::write(dir.join(format!("{key}.log")), &compiled.log);
+        }
+    }
+    Ok(compiled)
+}
+
+/// Where compiled kernels are cached: `$LADDER_KERNEL_CACHE`, else `$XDG_CACHE_HOME/attention-ladder`,
+/// else `~/.cache/attention-ladder`. Set `LADDER_KERNEL_CACHE=off` to disable.
+pub fn cache_dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("LADDER_KERNEL_CACHE") {
+        return (dir != "off").then(|| PathBuf::from(dir));
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("attention-ladder").join("kernels"))
+}
+
+fn load_error(variant: &Variant) -> KernelError {
+    KernelError::Compile {
+        kernel: variant.label(),
+        log: "NVRTC (libnvrtc.so) not found: install the CUDA toolkit or put its lib folder on \
+              LD_LIBRARY_PATH"
+            .to_string(),
+    }
+}
+
+/// NVRTC's (major, minor) version, or a clear error when the library cannot be loaded.
+pub fn nvrtc_version(variant: &Variant) -> Result<(i32, i32)> {
+    // SAFETY: probing for the library only opens it; cudarc would panic on first use without it.
+    if !unsafe { nvrtc_sys::is_culib_present() } {
+        return Err(load_error(variant));
+    }
+    let (mut major, mut minor): (c_int, c_int) = (0, 0);
+    // SAFETY: both pointers are valid for writes.
+    unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) }.result().map_err(|e| {
+        KernelError::Compile { kernel: variant.label(), log: format!("nvrtcVersion: {e:?}") }
+    })?;
+    Ok((major, minor))
+}
+
+fn compile_uncached(variant: &Variant, arch: &str) -> Result<Compiled> {
+    let fail = |log: String| KernelError::Compile { kernel: variant.label(), log };
+    let src = CString::new(variant.full_source()).map_err(|e| fail(e.to_string()))?;
+    let name = CString::new(format!("{}.cu", variant.file)).map_err(|e| fail(e.to_string()))?;
+    let prog = nvrtc::create_program(&src, Some(&name)).map_err(|e| fail(format!("{e:?}")))?;
+    // SAFETY: `prog` was just created and is destroyed exactly once below; `src` and `name`
+    // outlive it.
+    unsafe {
+        let compiled = nvrtc::compile_program(prog, &variant.options(arch));
+        let log = nvrtc::get_program_log(prog).map(|l| c_chars_to_string(&l)).unwrap_or_default();
+        let result = match compiled {
+            Err(e) => Err(fail(format!("{e:?}\n{log}"))),
+            Ok(()) => {
+                let mut size = 0usize;
+                let cubin = nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size).result().and_then(|()| {
+                    let mut buf = vec![0 as c_char; size];
+                    nvrtc_sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr()).result().map(|()| buf)
+                });
+                match cubin {
+                    Ok(buf) => Ok(Compiled {
+                        cubin: buf.into_iter().map(|c| c as u8).collect(),
+                        log,
+                        cached: false,
+                    }),
+                    Err(e) => Err(fail(format!("nvrtcGetCUBIN: {e:?}"))),
+                }
+            }
+        };
+        let _ = nvrtc::destroy_program(prog);
+        result
+    }
+}
+
+fn c_chars_to_string(chars: &[c_char]) -> String {
+    let bytes: Vec<u8> = chars.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_ptxas_report() {
+        let log = "ptxas info    : Compiling entry function 'fa2_forward' for 'sm_90a'\n\
+                   ptxas info    : Function properties for fa2_forward\n    \
+                   8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n\
+                   ptxas info    : Used 168 registers, used 1 barriers, 560 bytes smem\n";
+        let r = ResourceReport::parse(log).unwrap();
+        assert_eq!(
+            r,
+            ResourceReport { registers: 168, spill_bytes: 8, stack_bytes: 8, static_smem: 560 }
+        );
+        assert_eq!(ResourceReport::parse("no report here"), None);
+    }
+}

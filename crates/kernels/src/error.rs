@@ -1,0 +1,88 @@
+//! Errors as values: every way a kernel call can fail, each naming the problem.
+
+use cudarc::driver::DriverError;
+use cudarc::driver::sys::cudaError_enum;
+
+/// Everything a call into `ladder-kernels` can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    /// No CUDA driver library (`libcuda.so`) could be loaded, or it reported no device.
+    #[error("no CUDA device found: {0}")]
+    NoCuda(String),
+    /// The device is older than the kernels support.
+    #[error("unsupported GPU {name} (compute capability {major}.{minor}); the kernels need sm_80 or newer")]
+    UnsupportedDevice {
+        /// Device name as the driver reports it.
+        name: String,
+        /// Compute capability, major.
+        major: i32,
+        /// Compute capability, minor.
+        minor: i32,
+    },
+    /// NVRTC (`libnvrtc.so`) could not be loaded or failed to compile a kernel.
+    #[error("compiling {kernel} failed: {log}")]
+    Compile {
+        /// The kernel variant, e.g. `fa2_forward(d=128, fp16)`.
+        kernel: String,
+        /// NVRTC's log or the loader's message.
+        log: String,
+    },
+    /// The rung has no kernel for this head dimension.
+    #[error("{rung}: unsupported head dimension {d} (supported: {supported:?})")]
+    UnsupportedHeadDim {
+        /// Rung name.
+        rung: &'static str,
+        /// The head dimension asked for.
+        d: usize,
+        /// What the rung supports.
+        supported: &'static [usize],
+    },
+    /// The rung has no kernel for this element type.
+    #[error("{rung}: unsupported dtype {dtype} (supported: {supported})")]
+    UnsupportedDtype {
+        /// Rung name.
+        rung: &'static str,
+        /// The element type given.
+        dtype: crate::DType,
+        /// What the rung supports.
+        supported: &'static str,
+    },
+    /// Tensor shapes or dtypes do not fit together.
+    #[error("shape mismatch: {0}")]
+    Shape(String),
+    /// The device has not enough free memory for an allocation.
+    #[error("out of device memory allocating {bytes} bytes")]
+    OutOfMemory {
+        /// Size of the allocation that failed.
+        bytes: usize,
+    },
+    /// A launch or a later synchronisation reported an error (the kernel is named when known).
+    #[error("CUDA error in {context}: {source}")]
+    Driver {
+        /// What was being done.
+        context: String,
+        /// The driver's error.
+        #[source]
+        source: DriverError,
+    },
+}
+
+/// Result alias for this crate.
+pub type Result<T, E = KernelError> = std::result::Result<T, E>;
+
+impl KernelError {
+    pub(crate) fn driver(context: impl Into<String>) -> impl FnOnce(DriverError) -> KernelError {
+        let context = context.into();
+        move |source| KernelError::Driver { context, source }
+    }
+
+    pub(crate) fn alloc(bytes: usize) -> impl FnOnce(DriverError) -> KernelError {
+        move |source| {
+            if source.0 == cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
+                KernelError::OutOfMemory { bytes }
+            } else {
+                KernelError::Driver { context: format!("allocating {bytes} bytes"), source }
+            }
+        }
+    }
+}

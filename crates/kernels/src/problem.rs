@@ -1,0 +1,171 @@
+//! The shape of one attention call, checked once for every rung.
+
+use crate::error::{KernelError, Result};
+use crate::tensor::{DType, Tensor};
+
+/// Forward output of every GPU rung: `O` in the inputs' dtype and `lse` (natural log) in `f32`.
+#[derive(Debug)]
+pub struct Output {
+    /// `[batch, heads_q, n_q, d]`.
+    pub o: Tensor,
+    /// `[batch, heads_q, n_q]`; `-inf` for rows that see no key.
+    pub lse: Tensor,
+}
+
+/// Gradients of a backward pass, each in the dtype and shape of its input.
+#[derive(Debug)]
+pub struct Gradients {
+    /// `[batch, heads_q, n_q, d]`.
+    pub dq: Tensor,
+    /// `[batch, heads_kv, n_kv, d]` (summed over the query heads of each group).
+    pub dk: Tensor,
+    /// `[batch, heads_kv, n_kv, d]`.
+    pub dv: Tensor,
+}
+
+/// Options shared by the GPU rungs.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Options {
+    /// Causal mask, aligned to the bottom-right corner when `n_q != n_kv`: query `i` sees keys
+    /// `j <= i + n_kv - n_q` (the FlashAttention 2.1+ and KV-cache convention).
+    pub causal: bool,
+    /// Softmax scale; `None` means `1/sqrt(head_dim)`.
+    pub scale: Option<f32>,
+}
+
+impl Options {
+    /// Causal attention with the default scale.
+    pub fn causal() -> Options {
+        Options { causal: true, scale: None }
+    }
+
+    /// Unmasked attention with the default scale.
+    pub fn full() -> Options {
+        Options::default()
+    }
+}
+
+/// The dimensions of `softmax(scale · Q Kᵀ) V` with `Q: [batch, heads_q, n_q, d]` and
+/// `K, V: [batch, heads_kv, n_kv, d]`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Problem {
+    /// Batch size.
+    pub batch: usize,
+    /// Query heads.
+    pub heads_q: usize,
+    /// Key/value heads (divides `heads_q`: grouped-query attention).
+    pub heads_kv: usize,
+    /// Query length.
+    pub n_q: usize,
+    /// Key length.
+    pub n_kv: usize,
+    /// Head dimension.
+    pub d: usize,
+    /// Element type of Q, K, V and O.
+    pub dtype: DType,
+    /// Softmax scale actually used.
+    pub scale: f32,
+    /// Causal mask.
+    pub causal: bool,
+}
+
+impl Problem {
+    /// Check q, k, v against each other and the options.
+    pub fn new(q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) -> Result<Problem> {
+        let dims = |t: &Tensor, name: &str| -> Result<[usize; 4]> {
+            <[usize; 4]>::try_from(t.shape()).map_err(|_| {
+                KernelError::Shape(format!(
+                    "{name} must be [batch, heads, seq, head_dim], got shape {:?}",
+                    t.shape()
+                ))
+            })
+        };
+        let [batch, heads_q, n_q, d] = dims(q, "q")?;
+        let [kb, heads_kv, n_kv, kd] = dims(k, "k")?;
+        if v.shape() != k.shape() {
+            return Err(KernelError::Shape(format!(
+                "v has shape {:?} but k has {:?}",
+                v.shape(),
+                k.shape()
+            )));
+        }
+        if kb != batch || kd != d {
+            return Err(KernelError::Shape(format!(
+                "q {:?} and k {:?} differ in batch or head_dim",
+                q.shape(),
+                k.shape()
+            )));
+        }
+        if [batch, heads_q, n_q, d, heads_kv, n_kv].contains(&0) {
+            return Err(KernelError::Shape(format!(
+                "every dimension must be at least 1 (q {:?}, k {:?})",
+                q.shape(),
+                k.shape()
+            )));
+        }
+        if heads_q % heads_kv != 0 {
+            return Err(KernelError::Shape(format!(
+                "heads_q = {heads_q} is not a multiple of heads_kv = {heads_kv}"
+            )));
+        }
+        if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+            return Err(KernelError::Shape(format!(
+                "q, k, v must share a dtype (got {}, {}, {})",
+                q.dtype(),
+                k.dtype(),
+                v.dtype()
+            )));
+        }
+        // The kernels index with 32-bit rows and 64-bit offsets; keep rows in range.
+        let limit = i32::MAX as usize;
+        if n_q > limit || n_kv > limit || batch * heads_q > 65_535 * 65_535 {
+            return Err(KernelError::Shape(format!("q {:?} / k {:?} too large", q.shape(), k.shape())));
+        }
+        let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
+        if !scale.is_finite() {
+            return Err(KernelError::Shape(format!("scale {scale} is not finite")));
+        }
+        Ok(Problem { batch, heads_q, heads_kv, n_q, n_kv, d, dtype: q.dtype(), scale, causal: opts.causal })
+    }
+
+    /// Shape of O (= Q's).
+    pub fn o_shape(&self) -> [usize; 4] {
+        [self.batch, self.heads_q, self.n_q, self.d]
+    }
+
+    /// Shape of K and V.
+    pub fn kv_shape(&self) -> [usize; 4] {
+        [self.batch, self.heads_kv, self.n_kv, self.d]
+    }
+
+    /// Shape of lse.
+    pub fn lse_shape(&self) -> [usize; 3] {
+        [self.batch, self.heads_q, self.n_q]
+    }
+
+    /// Forward FLOPs by the ladder's convention: 4·B·Hq·n_q·n_kv·d, halved for causal square.
+    pub fn forward_flops(&self) -> f64 {
+        let full = 4.0 * (self.batch * self.heads_q) as f64 * self.n_q as f64 * self.n_kv as f64 * self.d as f64;
+        if self.causal { full / 2.0 } else { full }
+    }
+
+    pub(crate) fn require_dtype(&self, rung: &'static str, allowed: &[DType], supported: &'static str) -> Result<()> {
+        if allowed.contains(&self.dtype) {
+            Ok(())
+        } else {
+            Err(KernelError::UnsupportedDtype { rung, dtype: self.dtype, supported })
+        }
+    }
+}
+
+/// Grid dimensions for `blocks` × heads × batch, within the launch limits.
+pub(crate) fn grid(blocks: usize, heads: usize, batch: usize) -> Result<(u32, u32, u32)> {
+    let fit = |x: usize, max: usize, what: &str| -> Result<u32> {
+        if x <= max {
+            Ok(x as u32)
+        } else {
+            Err(KernelError::Shape(format!("{what} = {x} exceeds the launch limit {max}")))
+        }
+    };
+    Ok((fit(blocks, i32::MAX as usize, "blocks")?, fit(heads, 65_535, "heads")?, fit(batch, 65_535, "batch")?))
+}
