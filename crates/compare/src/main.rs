@@ -1,5 +1,7 @@
 //! `ladder`: run and verify the rungs of the attention ladder.
 
+mod bench;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -36,6 +38,9 @@ enum Command {
     Verify(VerifyArgs),
     /// Run one rung on your own tensors (.npy, float16/32/64, shape [batch, heads, seq, head_dim]).
     Run(RunArgs),
+    /// Time the GPU rungs (CUDA events) at the FlashAttention-3 paper's shapes; write CSV, JSON
+    /// and TFLOP/s charts (with scripts/peers.py's PyTorch/Triton figures when present).
+    Bench(bench::BenchArgs),
 }
 
 /// Options shared by the rungs.
@@ -154,6 +159,7 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => fail(e),
         },
+        Command::Bench(args) => bench::main(&args),
     }
 }
 

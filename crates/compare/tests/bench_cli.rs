@@ -1,0 +1,188 @@
+//! `ladder bench` as a user runs it: without a GPU (CI), its charts from existing results, the
+//! CSV that `scripts/peers.py` writes, and a tiny `--quick` run where a GPU is present.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const HEADER: &str = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps";
+
+/// The `ladder` binary: cargo's, or where gpu-bundle puts it when this test binary was carried to
+/// another machine (it runs there from the crate folder).
+fn ladder_bin() -> PathBuf {
+    let built = PathBuf::from(env!("CARGO_BIN_EXE_ladder"));
+    let carried = ["../../.gpu/bin/ladder", "../../target/release/ladder"].map(PathBuf::from);
+    std::iter::once(built.clone()).chain(carried).find(|p| p.exists()).unwrap_or(built)
+}
+
+fn ladder(args: &[&str]) -> Output {
+    Command::new(ladder_bin()).args(args).output().expect("the ladder binary runs")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn path(p: &Path) -> String {
+    p.display().to_string()
+}
+
+#[test]
+fn bench_without_a_gpu_exits_2_with_one_line() {
+    if let Ok(gpu) = ladder_kernels::Gpu::new() {
+        eprintln!("bench_without_a_gpu_exits_2_with_one_line: skipped ({} present)", gpu.name());
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let run = ladder(&["bench", "--quick", "--out", &path(&dir.path().join("r"))]);
+    let stderr = text(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{stderr}");
+    assert!(stderr.starts_with("no CUDA device found: "), "{stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+}
+
+#[test]
+fn bad_flags_exit_2_before_looking_for_a_gpu() {
+    let run = ladder(&["bench", "--rung", "fa9"]);
+    assert_eq!(run.status.code(), Some(2));
+    assert!(text(&run.stderr).contains("no such GPU rung"), "{}", text(&run.stderr));
+}
+
+fn write_results(dir: &Path) {
+    let bench = format!(
+        "{HEADER}\n\
+         fa2,fwd,fp16,false,32,16,16,512,512,128,0.250000,274.878,\n\
+         fa2,fwd,fp16,false,1,16,16,16384,16384,128,6.000000,366.504,\n\
+         fa1,fwd,fp16,false,32,16,16,512,512,128,30.000000,2.291,\n"
+    );
+    let peers = format!(
+        "{HEADER}\n\
+         sdpa-flash,fwd,fp16,false,32,16,16,512,512,128,0.275000,249.889,\n\
+         sdpa-flash,fwd,fp16,false,1,16,16,16384,16384,128,6.400000,343.597,\n\
+         sdpa-cudnn,fwd,fp16,false,1,16,16,16384,16384,128,3.700000,594.330,\n"
+    );
+    std::fs::write(dir.join("bench.csv"), bench).unwrap();
+    std::fs::write(dir.join("peers.csv"), peers).unwrap();
+    std::fs::write(
+        dir.join("meta.json"),
+        r#"{"card": "NVIDIA H200", "driver": "580.95.05", "cuda": "13.0",
+            "date": "2026-11-29T14:03:07Z", "torch": "2.11.0", "note": ""}"#,
+    )
+    .unwrap();
+}
+
+#[test]
+fn charts_only_draws_rungs_and_peers_side_by_side() {
+    let dir = tempfile::tempdir().unwrap();
+    write_results(dir.path());
+    let run = ladder(&["bench", "--charts-only", "--out", &path(dir.path())]);
+    let stdout = text(&run.stdout);
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    let header = stdout.lines().find(|l| l.starts_with("dir")).expect("a table header");
+    let columns: Vec<&str> = header.split_whitespace().collect();
+    assert_eq!(columns[5..], ["fa1", "fa2", "sdpa-flash", "sdpa-cudnn", "fa2/sdpa-flash"]);
+    let row = stdout.lines().find(|l| l.trim_end().ends_with("1.07x")).expect("16k row");
+    assert!(row.contains("366.5") && row.contains("343.6") && row.contains("594.3"), "{row}");
+    let svg = std::fs::read_to_string(dir.path().join("fwd-fp16-d128-noncausal.svg")).unwrap();
+    for name in ["fa1", "fa2", "sdpa-flash", "sdpa-cudnn", "NVIDIA H200", "580.95.05"] {
+        assert!(svg.contains(name), "{name} missing from the chart");
+    }
+}
+
+#[test]
+fn charts_only_without_results_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = ladder(&["bench", "--charts-only", "--out", &path(dir.path())]);
+    assert_eq!(run.status.code(), Some(2));
+    assert!(text(&run.stderr).contains("run `ladder bench` first"), "{}", text(&run.stderr));
+}
+
+/// peers.py's CSV (written by its own functions, no torch needed) is the schema `ladder bench`
+/// reads, and both count FLOPs alike. Skipped where there is no python3 or no script.
+#[test]
+fn peers_py_writes_the_schema_ladder_reads() {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/peers.py");
+    let script = if script.exists() { script } else { Path::new("../../scripts/peers.py").into() };
+    if !script.exists() || Command::new("python3").arg("--version").output().is_err() {
+        eprintln!(
+            "peers_py_writes_the_schema_ladder_reads: skipped (no python3 or scripts/peers.py)"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let code = format!(
+        "import sys; sys.path.insert(0, {scripts:?}); import peers\n\
+         a = peers.parse_args(['--quick'])\n\
+         assert (a.d, a.n, a.causals, a.repeats) == ([128], [1024, 4096], [False], 5), a\n\
+         assert peers.flops('bwd', 1, 16, 16384, 16384, 128, True) == 1.25 * 4 * 16 * 16384**2 * 128\n\
+         rows = [peers.csv_row('sdpa-flash', 'fwd', 'fp16', False, 1, 16, 16384, 128, 6.4),\n\
+                 peers.csv_row('triton', 'bwd', 'fp16', True, 32, 32, 512, 64, 0.5)]\n\
+         peers.write_csv({csv:?}, rows)\n",
+        scripts = path(script.parent().unwrap()),
+        csv = path(&dir.path().join("peers.csv")),
+    );
+    let py = Command::new("python3").args(["-B", "-c", &code]).output().unwrap();
+    assert!(py.status.success(), "{}", text(&py.stderr));
+    let csv = std::fs::read_to_string(dir.path().join("peers.csv")).unwrap();
+    assert_eq!(csv.lines().next(), Some(HEADER));
+    let run = ladder(&["bench", "--charts-only", "--out", &path(dir.path())]);
+    let stdout = text(&run.stdout);
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    // 4·16·16384²·128 FLOP in 6.4 ms; 2.5 · ½ · 4·32·32·512²·64 FLOP in 0.5 ms.
+    assert!(stdout.contains("343.6"), "{stdout}");
+    assert!(stdout.contains("171.8"), "{stdout}");
+    assert!(dir.path().join("bwd-fp16-d64-causal.svg").exists());
+}
+
+/// On a GPU machine: a tiny `--quick` run writes every file with the agreed schema.
+#[test]
+fn quick_bench_on_the_gpu_writes_csv_json_meta_and_charts() {
+    let Some(gpu) = ladder_kernels::testing::gpu_or_skip("quick_bench_on_the_gpu") else { return };
+    let card = gpu.name().to_string();
+    drop(gpu);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("r");
+    let run = ladder(&[
+        "bench",
+        "--quick",
+        "--tokens",
+        "2048",
+        "--n",
+        "256,512",
+        "--repeats",
+        "3",
+        "--warmup",
+        "1",
+        "--out",
+        &path(&out),
+    ]);
+    let (stdout, stderr) = (text(&run.stdout), text(&run.stderr));
+    assert!(run.status.success(), "{stderr}\n{stdout}");
+    let csv = std::fs::read_to_string(out.join("bench.csv")).unwrap();
+    let mut lines = csv.lines();
+    assert_eq!(lines.next(), Some(HEADER));
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    for imp in ["fa1", "fa2"] {
+        for n in ["256", "512"] {
+            let row = rows
+                .iter()
+                .find(|r| r[0] == imp && r[1] == "fwd" && r[7] == n)
+                .unwrap_or_else(|| panic!("no {imp} fwd n={n} row in\n{csv}\n{stderr}"));
+            let tflops: f64 = row[11].parse().unwrap();
+            assert!(tflops > 0.0 && tflops.is_finite(), "{row:?}");
+            let batch = (2048 / n.parse::<usize>().unwrap()).to_string();
+            assert_eq!((row[2], row[3], row[5], row[9]), ("fp16", "false", "16", "128"));
+            assert_eq!(row[4], batch, "batch = tokens / n");
+        }
+    }
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("bench.json")).unwrap()).unwrap();
+    assert_eq!(json["meta"]["card"], card.as_str());
+    assert!(json["rows"].as_array().unwrap().len() >= rows.len());
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("meta.json")).unwrap()).unwrap();
+    for key in ["card", "driver", "cuda", "date", "torch", "note"] {
+        assert!(meta.get(key).is_some(), "meta.json lacks {key}");
+    }
+    assert!(out.join("fwd-fp16-d128-noncausal.svg").exists());
+    assert!(stderr.contains("fa1 (scalar FP32"), "the FA1 limits are said: {stderr}");
+}

@@ -1,0 +1,334 @@
+#!/usr/bin/env python3
+"""Time the ladder's peers on the shapes of `ladder bench`, into OUT/peers.csv.
+
+Peers: PyTorch SDPA's flash, cuDNN and memory-efficient backends, and the Triton tutorial's
+fused-attention kernel (vendored in scripts/triton_fused_attention.py), forward and backward.
+Timing as in `ladder bench`: one untimed call (compiles / autotunes), warm-up calls, then CUDA
+events around each sample (several calls back to back when one is under a millisecond), median
+per call; inputs rotate among several sets when they fit in L2. The backward pass is timed alone
+(autograd.grad of a forward output computed beforehand).
+
+Writes OUT/peers.csv in the schema of bench.csv (`ladder bench --charts-only --out OUT` then draws
+both), and fills OUT/meta.json's `torch` field (and card, cuda, date if `ladder bench` has not).
+A backend that refuses a shape is reported as skipped, with its reason.
+
+Run on the GPU machine from the repo root (torch and triton installed, no network needed):
+
+    python3 scripts/peers.py --out bench-results              # the full sweep
+    python3 scripts/peers.py --out /tmp/r --quick --impl sdpa-flash,triton
+"""
+import argparse
+import contextlib
+import csv
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import warnings
+
+HEADER = ["impl", "direction", "dtype", "causal", "batch", "heads_q", "heads_kv",
+          "n_q", "n_kv", "d", "ms", "tflops", "tbps"]
+IMPLS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "triton"]
+L2_BYTES = 50 << 20  # H100/H200 L2: inputs smaller than this rotate among several sets
+SAMPLE_MS = 1.0      # a timed sample spans at least this long
+
+
+class Skip(Exception):
+    """This implementation does not run this case (the reason is the message)."""
+
+
+def csv_list(convert, choices=None):
+    def parse(text):
+        items = [convert(x.strip()) for x in text.split(",") if x.strip()]
+        bad = [x for x in items if choices is not None and x not in choices]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {choices or 'values'}")
+        return items
+    return parse
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--impl", type=csv_list(str, IMPLS), default=IMPLS, help="peers to time [all]")
+    p.add_argument("--direction", type=csv_list(str, ["fwd", "bwd"]), default=["fwd", "bwd"])
+    p.add_argument("--d", type=csv_list(int), help="head dims [64,128; 128 with --quick]")
+    p.add_argument("--n", type=csv_list(int), help="lengths [512..16384; 1024,4096 with --quick]")
+    p.add_argument("--causal", choices=["both", "true", "false"], default="both",
+                   help="masks [both; false with --quick]")
+    p.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    p.add_argument("--repeats", type=int, help="timed samples per case [30; 5 with --quick]")
+    p.add_argument("--warmup", type=int, help="warm-up calls per case [5; 2 with --quick]")
+    p.add_argument("--out", default="bench-results", help="results folder [bench-results]")
+    p.add_argument("--quick", action="store_true", help="a small subset for smoke runs")
+    p.add_argument("--tokens", type=int, default=16384, help="batch = tokens / n [16384]")
+    p.add_argument("--hidden", type=int, default=2048, help="heads = hidden / d [2048]")
+    p.add_argument("--case-budget-s", type=float, default=3.0,
+                   help="stop sampling a case after this many seconds of samples [3]")
+    p.add_argument("--triton-warp-specialize", action="store_true",
+                   help="run the Triton kernel with warp_specialize=True (default False)")
+    a = p.parse_args(argv)
+    a.d = a.d or ([128] if a.quick else [64, 128])
+    a.n = a.n or ([1024, 4096] if a.quick else [512, 1024, 2048, 4096, 8192, 16384])
+    a.causals = {"true": [True], "false": [False]}.get(a.causal, [False] if a.quick else [False, True])
+    a.repeats = max(1, a.repeats if a.repeats is not None else (5 if a.quick else 30))
+    a.warmup = max(1, a.warmup if a.warmup is not None else (2 if a.quick else 5))
+    for d in a.d:
+        if d <= 0 or a.hidden % d:
+            p.error(f"--d {d}: the hidden size {a.hidden} must be a multiple of d")
+    if a.tokens <= 0 or min(a.n) <= 0:
+        p.error("--tokens and --n must be positive")
+    return a
+
+
+def flops(direction, batch, heads_q, n_q, n_kv, d, causal):
+    """The ladder's convention: forward 4·B·Hq·n_q·n_kv·d, halved for causal with n_q == n_kv
+    (bottom-right causal with n_q != n_kv counts the visible pairs); backward 2.5× forward."""
+    if not causal:
+        pairs = n_q * n_kv
+    elif n_q == n_kv:
+        pairs = n_q * n_kv / 2
+    else:
+        pairs = sum(min(n_kv, max(0, i + n_kv - n_q + 1)) for i in range(n_q))
+    forward = 4.0 * batch * heads_q * pairs * d
+    return 2.5 * forward if direction == "bwd" else forward
+
+
+def dims(args, d, n):
+    """(batch, heads) of the sweep at head dim d and length n."""
+    return max(1, args.tokens // n), args.hidden // d
+
+
+def sets_for(bytes_per_set):
+    """How many input sets to rotate among so that they do not all sit in L2."""
+    if bytes_per_set >= L2_BYTES:
+        return 1
+    return min(32, max(2, -(-2 * L2_BYTES // max(1, bytes_per_set))))
+
+
+def csv_row(impl, direction, dtype, causal, batch, heads, n, d, ms):
+    tflops = flops(direction, batch, heads, n, n, d, causal) / (ms * 1e-3) / 1e12
+    return {"impl": impl, "direction": direction, "dtype": dtype, "causal": str(causal).lower(),
+            "batch": batch, "heads_q": heads, "heads_kv": heads, "n_q": n, "n_kv": n, "d": d,
+            "ms": f"{ms:.6f}", "tflops": f"{tflops:.3f}", "tbps": ""}
+
+
+def write_csv(path, rows):
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=HEADER, lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+
+
+def merge_meta(path, fields, if_empty):
+    """Set `fields` in the JSON object at `path`, and `if_empty` only where no value is there
+    (card, driver, date written by `ladder bench` stay as they are)."""
+    meta = {}
+    if os.path.exists(path):
+        try:
+            with open(path) as fh:
+                meta = json.load(fh)
+        except (OSError, ValueError):
+            meta = {}
+    meta.update(fields)
+    for k, v in if_empty.items():
+        if not meta.get(k):
+            meta[k] = v
+    for k in ["card", "driver", "cuda", "date", "torch", "note"]:
+        meta.setdefault(k, "")
+    with open(path, "w") as fh:
+        json.dump(meta, fh, indent=2)
+        fh.write("\n")
+
+
+def render(results):
+    """One line per case: time and throughput, or why it was skipped."""
+    lines = [f"{'impl':<15} {'dir':<4} {'dtype':<5} {'d':>4} {'n':>6} {'mask':<8} {'ms':>10} {'TFLOP/s':>9}"]
+    for (impl, direction, dtype, d, n, causal), outcome in results:
+        head = f"{impl:<15} {direction:<4} {dtype:<5} {d:>4} {n:>6} {'causal' if causal else 'full':<8}"
+        if isinstance(outcome, str):
+            lines.append(f"{head} skipped: {outcome}")
+        else:
+            ms, tflops = outcome
+            lines.append(f"{head} {ms:>10.4f} {tflops:>9.1f}")
+    return "\n".join(lines)
+
+
+# ---- timing (needs torch and a GPU) ------------------------------------------------------------
+
+def measure(torch, call_on, nsets, warmup, repeats, budget_ms):
+    """Median milliseconds per call of `call_on(i)` (i = input set), CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    counter = [0]
+
+    def call():
+        out = call_on(counter[0] % nsets)
+        counter[0] += 1
+        return out
+
+    call()  # compiles / autotunes: not timed
+    torch.cuda.synchronize()
+    single = math.inf
+    for _ in range(warmup):
+        start.record()
+        keep = call()
+        end.record()
+        end.synchronize()
+        single = min(single, start.elapsed_time(end))
+    del keep
+    calls = min(64, max(1, math.ceil(SAMPLE_MS / max(single, 1e-4))))
+    samples, total = [], 0.0
+    for _ in range(repeats):
+        keep = []
+        start.record()
+        for _ in range(calls):
+            keep.append(call())  # outputs freed after the end event, outside the timed region
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end)
+        del keep
+        samples.append(ms / calls)
+        total += ms
+        if total > budget_ms:
+            break
+    return statistics.median(samples)
+
+
+def make_step(torch, impl, sets, causal, direction, d, args):
+    """A function of the input set index that runs one call of `impl`."""
+    F = torch.nn.functional
+    # The sweep's shapes are square (n_q == n_kv), where PyTorch's top-left `is_causal=True` and
+    # the ladder's bottom-right causal mask (LADDER.md) are the same mask.
+    if impl == "triton":
+        if args.dtype != "fp16":
+            raise Skip("the tutorial kernel is fp16 only")
+        if direction == "bwd" and not causal:
+            raise Skip("the tutorial's backward pass is causal only")
+        try:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import triton_fused_attention as tfa
+        except Exception as e:  # noqa: BLE001 - any import failure means no Triton peer
+            raise Skip(f"triton not importable: {type(e).__name__}: {e}".splitlines()[0])
+        ws, scale = args.triton_warp_specialize, 1.0 / math.sqrt(d)
+
+        def attend(q, k, v):
+            return tfa.attention(q, k, v, causal, scale, ws)
+    else:
+        def attend(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    if direction == "fwd":
+        def forward(i):
+            q, k, v, _ = sets[i]
+            with torch.no_grad():
+                return attend(q, k, v)
+        return forward
+    graphs = []
+    for q, k, v, d_o in sets:
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        graphs.append((attend(*leaves), leaves, d_o))
+
+    def backward(i):
+        o, leaves, d_o = graphs[i]
+        return torch.autograd.grad(o, leaves, d_o, retain_graph=True)
+    return backward
+
+
+def time_case(torch, backend, impl, sets, causal, direction, d, args):
+    """Median ms per call of one case; raises Skip with the reason when it does not run."""
+    from torch.nn.attention import sdpa_kernel
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
+                step = make_step(torch, impl, sets, causal, direction, d, args)
+                return measure(torch, step, len(sets), args.warmup, args.repeats, args.case_budget_s * 1e3)
+        except Skip:
+            raise
+        except Exception as e:  # noqa: BLE001 - a backend refusing a shape is a skip, not a crash
+            text = str(e).strip()
+            why = [f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"]
+            # SDPA says why a backend declined in warnings ("... kernel not used because ...").
+            why += [str(w.message).strip().splitlines()[0] for w in caught
+                    if "because" in str(w.message) or "requires" in str(w.message)][:2]
+            torch.cuda.empty_cache()
+            raise Skip("; ".join(why)) from None
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        print("no CUDA device found: torch.cuda.is_available() is False", file=sys.stderr)
+        return 2
+    from torch.nn.attention import SDPBackend
+    backends = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+                "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}
+    try:
+        import triton
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001
+        triton_version = "not importable"
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    os.makedirs(args.out, exist_ok=True)
+    csv_path, meta_path = os.path.join(args.out, "peers.csv"), os.path.join(args.out, "meta.json")
+    card = torch.cuda.get_device_name()
+    torch_desc = (f"{torch.__version__} (CUDA {torch.version.cuda}, "
+                  f"cuDNN {torch.backends.cudnn.version()}, triton {triton_version})")
+    merge_meta(meta_path, {"torch": torch_desc}, {
+        "card": card,
+        "cuda": torch.version.cuda or "",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    })
+    print(f"peers: {card}, torch {torch_desc}, {args.dtype}", file=sys.stderr)
+
+    total = len(args.d) * len(args.n) * len(args.causals) * len(args.direction) * len(args.impl)
+    done, rows, results = 0, [], []
+    for d in args.d:
+        for n in args.n:
+            batch, heads = dims(args, d, n)
+            shape = (batch, heads, n, d)
+            # Q, K, V and (for backward) dO per set; uniform in [-1, 1) like `ladder bench`.
+            tensors = 4 if "bwd" in args.direction else 3
+            nsets = sets_for(tensors * math.prod(shape) * 2)
+            sets = []
+            for _ in range(nsets):
+                ts = [torch.empty(shape, device="cuda", dtype=dtype).uniform_(-1, 1) for _ in range(tensors)]
+                sets.append(tuple(ts) if tensors == 4 else (*ts, None))
+            for causal in args.causals:
+                for direction in args.direction:
+                    for impl in args.impl:
+                        done += 1
+                        key = (impl, direction, args.dtype, d, n, causal)
+                        label = (f"[{done:>3}/{total}] {impl:<15} {direction} {args.dtype} d={d:<3} "
+                                 f"n={n:<5} {'causal' if causal else 'full':<6} b={batch} h={heads}")
+                        try:
+                            ms = time_case(torch, backends.get(impl), impl, sets, causal, direction, d, args)
+                        except Skip as e:
+                            results.append((key, str(e)))
+                            print(f"{label}  skipped: {e}", file=sys.stderr)
+                            continue
+                        row = csv_row(impl, direction, args.dtype, causal, batch, heads, n, d, ms)
+                        rows.append(row)
+                        results.append((key, (ms, float(row["tflops"]))))
+                        print(f"{label}  {ms:>9.4f} ms  {float(row['tflops']):>7.1f} TFLOP/s", file=sys.stderr)
+                        write_csv(csv_path, rows)  # after every case: a cut-short run keeps its rows
+            del sets
+            torch.cuda.empty_cache()
+    write_csv(csv_path, rows)
+    # Keep the note's other parts (ladder bench's); replace peers.py's own.
+    with open(meta_path) as fh:
+        old = json.load(fh).get("note", "")
+    note = (f"peers.py: median of {args.repeats} CUDA-event samples after {args.warmup} warm-up calls, "
+            f"triton warp_specialize={args.triton_warp_specialize}")
+    kept = [part for part in old.split("; ") if part and not part.startswith("peers.py:")]
+    merge_meta(meta_path, {"note": "; ".join(kept + [note])}, {})
+    print(render(results))
+    skipped = sum(isinstance(o, str) for _, o in results)
+    print(f"{len(results)} cases: {len(results) - skipped} measured, {skipped} skipped; wrote {csv_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
