@@ -124,6 +124,14 @@ impl Expected {
         Ok(expected)
     }
 
+    /// Tolerances for a rung whose arithmetic is `T` but whose operands and outputs are rounded
+    /// to a 16-bit format: `baseline` is the naive algorithm with those roundings
+    /// ([`crate::low_precision::attention`]), whose error sets the tolerance, and the floor is
+    /// that of `T` (the accumulation precision).
+    pub fn from_baseline<T: Element>(oracle: &Oracle, baseline: &AttentionOutput<T>) -> Self {
+        Self::with_baseline(oracle, baseline)
+    }
+
     fn with_baseline<T: Element>(oracle: &Oracle, baseline: &AttentionOutput<T>) -> Self {
         let (shape, u, bound) = (oracle.shape, T::UNIT_ROUNDOFF, oracle.logit_bound);
         let keys = shape.d + shape.n_kv;
@@ -262,6 +270,12 @@ impl ExpectedGradients {
     pub fn from_oracle<T: Element>(oracle: &GradientOracle, inputs: &Inputs<T>) -> Result<Self> {
         let (q, k, v, d_o) = (inputs.q.view(), inputs.k.view(), inputs.v.view(), inputs.d_o.view());
         let baseline = naive::backward(q, k, v, d_o, &oracle.attention)?;
+        Ok(Self::from_baseline(oracle, &baseline))
+    }
+
+    /// Tolerances from a given baseline's gradients (for GPU rungs: the naive backward pass with
+    /// 16-bit roundings, [`crate::low_precision::backward`]), with the rounding floor of `T`.
+    pub fn from_baseline<T: Element>(oracle: &GradientOracle, baseline: &Gradients<T>) -> Self {
         let shape = oracle.shape;
         let reference = &oracle.grads;
         let pairs = [
@@ -282,7 +296,7 @@ impl ExpectedGradients {
             );
             Tolerance::from_baseline(error(base, reference), floor)
         });
-        Ok(Self { oracle: oracle.grads.clone(), tolerances })
+        Self { oracle: oracle.grads.clone(), tolerances }
     }
 
     /// Errors of `dQ, dK, dV` against the oracle and whether all three pass.

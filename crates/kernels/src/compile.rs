@@ -48,6 +48,11 @@ impl Variant {
             "--ptxas-options=-v".to_string(),
         ];
         opts.extend(self.defines.iter().map(|(k, v)| format!("-D{k}={v}")));
+        // Extra NVRTC options for experiments (e.g. `-DFA2_BC=32`, or ptxas flags), part of
+        // the cache key like every other option.
+        if let Ok(extra) = std::env::var("LADDER_NVRTC_OPTIONS") {
+            opts.extend(extra.split_whitespace().map(str::to_string));
+        }
         opts
     }
 }
@@ -77,27 +82,29 @@ pub struct ResourceReport {
 }
 
 impl ResourceReport {
-    /// Parse the `ptxas info` lines of an NVRTC log (the last function reported wins).
-    pub fn parse(log: &str) -> Option<ResourceReport> {
-        let mut report = None;
+    /// Parse the `ptxas info` lines of an NVRTC log: one report per kernel entry, in order.
+    pub fn parse(log: &str) -> Vec<(String, ResourceReport)> {
+        let mut reports: Vec<(String, ResourceReport)> = Vec::new();
         let number_before = |line: &str, unit: &str| -> Option<u32> {
             let idx = line.find(unit)?;
             line[..idx].split_whitespace().last()?.parse().ok()
         };
         for line in log.lines() {
+            if let Some(rest) = line.split("Function properties for ").nth(1) {
+                reports.push((rest.trim().to_string(), ResourceReport::default()));
+            }
+            let Some((_, r)) = reports.last_mut() else { continue };
             if line.contains("bytes stack frame") {
-                let r: &mut ResourceReport = report.get_or_insert_with(ResourceReport::default);
                 r.stack_bytes = number_before(line, "bytes stack frame").unwrap_or(0);
                 r.spill_bytes = number_before(line, "bytes spill stores").unwrap_or(0)
                     + number_before(line, "bytes spill loads").unwrap_or(0);
             }
             if line.contains("Used") && line.contains("registers") {
-                let r = report.get_or_insert_with(ResourceReport::default);
                 r.registers = number_before(line, "registers").unwrap_or(0);
                 r.static_smem = number_before(line, "bytes smem").unwrap_or(0);
             }
         }
-        report
+        reports
     }
 }
 
@@ -213,11 +220,14 @@ mod tests {
                    ptxas info    : Function properties for fa2_forward\n    \
                    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n\
                    ptxas info    : Used 168 registers, used 1 barriers, 560 bytes smem\n";
-        let r = ResourceReport::parse(log).unwrap();
+        let r = ResourceReport::parse(log);
         assert_eq!(
             r,
-            ResourceReport { registers: 168, spill_bytes: 8, stack_bytes: 8, static_smem: 560 }
+            vec![(
+                "fa2_forward".to_string(),
+                ResourceReport { registers: 168, spill_bytes: 8, stack_bytes: 8, static_smem: 560 }
+            )]
         );
-        assert_eq!(ResourceReport::parse("no report here"), None);
+        assert!(ResourceReport::parse("no report here").is_empty());
     }
 }

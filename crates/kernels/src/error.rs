@@ -10,7 +10,9 @@ pub enum KernelError {
     #[error("no CUDA device found: {0}")]
     NoCuda(String),
     /// The device is older than the kernels support.
-    #[error("unsupported GPU {name} (compute capability {major}.{minor}); the kernels need sm_80 or newer")]
+    #[error(
+        "unsupported GPU {name} (compute capability {major}.{minor}); the kernels need sm_80 or newer"
+    )]
     UnsupportedDevice {
         /// Device name as the driver reports it.
         name: String,

@@ -5,19 +5,31 @@
 //! sum once at the end, and `lse = m + log l` is stored for the backward pass. Causal tiles entirely
 //! above the diagonal are skipped, and only diagonal and tail tiles are masked. Kernel:
 //! `cuda/fa2_forward.cu` (mma.sync m16n8k16, ldmatrix, cp.async double buffering).
+//!
+//! The backward pass (Algorithm 2) recomputes `P` from `lse` tile by tile: one block per K/V tile
+//! accumulates `dK, dV` in registers while walking the query tiles, and adds its share of `dQ`
+//! with atomics. Kernels: `cuda/fa2_backward.cu`.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::Gpu;
-use crate::problem::{Options, Output, Problem, grid};
+use crate::problem::{Gradients, Options, Output, Problem, grid};
 use crate::tensor::{DType, Tensor};
 
 const FORWARD_SRC: &str = include_str!("../cuda/fa2_forward.cu");
+const BACKWARD_SRC: &str = include_str!("../cuda/fa2_backward.cu");
 
-/// Head dimensions with an FA2 kernel.
+/// Head dimensions with an FA2 forward kernel.
 pub const HEAD_DIMS: &[usize] = &[64, 128, 256];
+/// Head dimensions with an FA2 backward kernel (at d = 256 the dK and dV accumulators of a warp's
+/// 16 keys alone would take all 255 registers).
+pub const BACKWARD_HEAD_DIMS: &[usize] = &[64, 128];
+/// Query rows per step of the backward kernel's inner loop.
+pub const BACKWARD_BLOCK_M: usize = 64;
+/// Warps of the backward kernel; each owns 16 keys of the K/V tile.
+pub const BACKWARD_WARPS: usize = 4;
 
 /// Tile configuration of the forward kernel for one head dimension.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -103,4 +115,164 @@ pub fn forward(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) ->
     // kernel indexes (checked by Problem::new and allocated above).
     gpu.check_launch(unsafe { launch.launch(cfg) }.map(|_| ()), "fa2_forward", &cfg)?;
     Ok(Output { o, lse })
+}
+
+/// The backward kernel variant (the three entry points live in one module).
+pub fn backward_variant(d: usize, dtype: DType, causal: bool) -> Result<Variant> {
+    if !BACKWARD_HEAD_DIMS.contains(&d) {
+        return Err(KernelError::UnsupportedHeadDim {
+            rung: "fa2 backward",
+            d,
+            supported: BACKWARD_HEAD_DIMS,
+        });
+    }
+    Ok(Variant {
+        file: "fa2_backward",
+        source: BACKWARD_SRC,
+        defines: vec![
+            ("LADDER_DTYPE", dtype.code().to_string()),
+            ("FA2_D", d.to_string()),
+            ("FA2_BR", BACKWARD_BLOCK_M.to_string()),
+            ("FA2_WARPS", BACKWARD_WARPS.to_string()),
+            ("FA2_CAUSAL", (causal as u32).to_string()),
+        ],
+    })
+}
+
+/// Gradients of [`forward`]: given the forward's `O` and `lse` and the upstream gradient `dO`,
+/// returns `dQ, dK, dV` (with GQA, `dK, dV` summed over each group's query heads). fp16 or bf16,
+/// head dim 64 or 128, the same shapes and options as the forward.
+#[allow(clippy::too_many_arguments)]
+pub fn backward(
+    gpu: &Gpu,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    d_o: &Tensor,
+    opts: &Options,
+) -> Result<Gradients> {
+    let p = Problem::new(q, k, v, opts)?;
+    p.require_dtype("fa2 backward", &[DType::F16, DType::BF16], "fp16, bf16")?;
+    for (name, t) in [("o", o), ("d_o", d_o)] {
+        if t.shape() != p.o_shape() || t.dtype() != p.dtype {
+            return Err(KernelError::Shape(format!(
+                "{name} is {:?} {}, expected {:?} {} (like q)",
+                t.shape(),
+                t.dtype(),
+                p.o_shape(),
+                p.dtype
+            )));
+        }
+    }
+    if lse.shape() != p.lse_shape() || lse.dtype() != DType::F32 {
+        return Err(KernelError::Shape(format!(
+            "lse is {:?} {}, expected {:?} f32",
+            lse.shape(),
+            lse.dtype(),
+            p.lse_shape()
+        )));
+    }
+    let variant = backward_variant(p.d, p.dtype, p.causal)?;
+    let (bm, bn) = (BACKWARD_BLOCK_M, 16 * BACKWARD_WARPS);
+    let smem = ((2 * bn + 4 * bm) * p.d * 2 + bn * bm * 2 + 4 * bm * 4) as u32;
+    let prep = gpu.function(&variant, "fa2_backward_prep", 0)?;
+    let main = gpu.function(&variant, "fa2_backward", smem)?;
+    let finish = gpu.function(&variant, "fa2_backward_finish", 0)?;
+
+    let heads = p.batch * p.heads_q;
+    let n_q_pad = p.n_q.div_ceil(bm) * bm;
+    let delta = gpu.output(&[heads * n_q_pad], DType::F32)?;
+    let lse2 = gpu.output(&[heads * n_q_pad], DType::F32)?;
+    // f32 accumulators: dQ gathers atomic adds from every K/V tile (prep zeroes it); dK, dV are
+    // per query head and summed over the group by the finishing kernel.
+    let dq_acc = gpu.output(&p.o_shape(), DType::F32)?;
+    let kv_per_q_head = [p.batch, p.heads_q, p.n_kv, p.d];
+    let dk_acc = gpu.output(&kv_per_q_head, DType::F32)?;
+    let dv_acc = gpu.output(&kv_per_q_head, DType::F32)?;
+    let dq = gpu.output(&p.o_shape(), p.dtype)?;
+    let dk = gpu.output(&p.kv_shape(), p.dtype)?;
+    let dv = gpu.output(&p.kv_shape(), p.dtype)?;
+
+    let (hq, hkv, nq, nkv) = (p.heads_q as i32, p.heads_kv as i32, p.n_q as i32, p.n_kv as i32);
+    let n_q_pad_i = n_q_pad as i32;
+
+    // 1. D = rowsum(dO ∘ O), lse in base 2, dQ accumulator zeroed: one warp per (padded) row.
+    let rows_total = heads * n_q_pad;
+    let rows_i = i32::try_from(rows_total)
+        .map_err(|_| KernelError::Shape(format!("{rows_total} query rows is too many")))?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows_total.div_ceil(8) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = gpu.stream().launch_builder(&prep);
+    launch
+        .arg(&o.data)
+        .arg(&d_o.data)
+        .arg(&lse.data)
+        .arg(&delta.data)
+        .arg(&lse2.data)
+        .arg(&dq_acc.data)
+        .arg(&nq)
+        .arg(&n_q_pad_i)
+        .arg(&rows_i);
+    // SAFETY: arguments match fa2_backward_prep; buffers are sized for rows_total rows.
+    gpu.check_launch(unsafe { launch.launch(cfg) }.map(|_| ()), "fa2_backward_prep", &cfg)?;
+
+    // 2. The main kernel: one block per (K/V tile, query head, batch).
+    let cfg = LaunchConfig {
+        grid_dim: grid(p.n_kv.div_ceil(bn), p.heads_q, p.batch)?,
+        block_dim: (32 * BACKWARD_WARPS as u32, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let scale_log2 = p.scale * std::f32::consts::LOG2_E;
+    let mut launch = gpu.stream().launch_builder(&main);
+    launch
+        .arg(&q.data)
+        .arg(&k.data)
+        .arg(&v.data)
+        .arg(&d_o.data)
+        .arg(&lse2.data)
+        .arg(&delta.data)
+        .arg(&dq_acc.data)
+        .arg(&dk_acc.data)
+        .arg(&dv_acc.data)
+        .arg(&hq)
+        .arg(&hkv)
+        .arg(&nq)
+        .arg(&nkv)
+        .arg(&n_q_pad_i)
+        .arg(&scale_log2);
+    // SAFETY: arguments match fa2_backward; every buffer is sized as the kernel indexes it.
+    gpu.check_launch(unsafe { launch.launch(cfg) }.map(|_| ()), "fa2_backward", &cfg)?;
+
+    // 3. Scale, sum the GQA groups, convert.
+    let dq_len = (heads * p.n_q * p.d) as i64;
+    let dkv_len = (p.batch * p.heads_kv * p.n_kv * p.d) as i64;
+    let group = (p.heads_q / p.heads_kv) as i32;
+    let head_len = (p.n_kv * p.d) as i64;
+    let blocks = (dq_len.max(dkv_len) as usize).div_ceil(256).min(gpu.sm_count() as usize * 16);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = gpu.stream().launch_builder(&finish);
+    launch
+        .arg(&dq_acc.data)
+        .arg(&dk_acc.data)
+        .arg(&dv_acc.data)
+        .arg(&dq.data)
+        .arg(&dk.data)
+        .arg(&dv.data)
+        .arg(&dq_len)
+        .arg(&dkv_len)
+        .arg(&group)
+        .arg(&head_len)
+        .arg(&p.scale);
+    // SAFETY: arguments match fa2_backward_finish; lengths are those of the buffers.
+    gpu.check_launch(unsafe { launch.launch(cfg) }.map(|_| ()), "fa2_backward_finish", &cfg)?;
+    Ok(Gradients { dq, dk, dv })
 }

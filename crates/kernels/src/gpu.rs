@@ -49,7 +49,9 @@ impl Gpu {
         };
         // SAFETY: only probes whether the driver library can be opened.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
-            return Err(KernelError::NoCuda("the CUDA driver library (libcuda.so) is not installed".into()));
+            return Err(KernelError::NoCuda(
+                "the CUDA driver library (libcuda.so) is not installed".into(),
+            ));
         }
         let ctx = CudaContext::new(ordinal)
             .map_err(|e| KernelError::NoCuda(format!("device {ordinal}: {e}")))?;
@@ -59,8 +61,9 @@ impl Gpu {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
         let name = ctx.name().map_err(KernelError::driver("reading the device name"))?;
-        let (major, minor) =
-            ctx.compute_capability().map_err(KernelError::driver("reading the compute capability"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(KernelError::driver("reading the compute capability"))?;
         if major < 8 {
             return Err(KernelError::UnsupportedDevice { name, major, minor });
         }

@@ -23,11 +23,12 @@
 
 pub mod compile;
 mod error;
+pub mod fa1;
 pub mod fa2;
 mod gpu;
 mod problem;
-pub mod testing;
 mod tensor;
+pub mod testing;
 
 pub use error::{KernelError, Result};
 pub use gpu::Gpu;
@@ -38,10 +39,18 @@ pub use tensor::{DType, Tensor, round_to};
 /// each architecture to check that all of them build and what ptxas makes of them.
 pub fn variants() -> Vec<compile::Variant> {
     let mut all = Vec::new();
+    for dtype in [DType::F16, DType::F32] {
+        for &d in fa1::HEAD_DIMS {
+            all.extend(fa1::variant(d, dtype));
+        }
+    }
     for dtype in [DType::F16, DType::BF16] {
         for &d in fa2::HEAD_DIMS {
             for causal in [false, true] {
                 all.extend(fa2::forward_variant(d, dtype, causal));
+                if fa2::BACKWARD_HEAD_DIMS.contains(&d) {
+                    all.extend(fa2::backward_variant(d, dtype, causal));
+                }
             }
         }
     }

@@ -119,13 +119,27 @@ impl Problem {
         // The kernels index with 32-bit rows and 64-bit offsets; keep rows in range.
         let limit = i32::MAX as usize;
         if n_q > limit || n_kv > limit || batch * heads_q > 65_535 * 65_535 {
-            return Err(KernelError::Shape(format!("q {:?} / k {:?} too large", q.shape(), k.shape())));
+            return Err(KernelError::Shape(format!(
+                "q {:?} / k {:?} too large",
+                q.shape(),
+                k.shape()
+            )));
         }
         let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
         if !scale.is_finite() {
             return Err(KernelError::Shape(format!("scale {scale} is not finite")));
         }
-        Ok(Problem { batch, heads_q, heads_kv, n_q, n_kv, d, dtype: q.dtype(), scale, causal: opts.causal })
+        Ok(Problem {
+            batch,
+            heads_q,
+            heads_kv,
+            n_q,
+            n_kv,
+            d,
+            dtype: q.dtype(),
+            scale,
+            causal: opts.causal,
+        })
     }
 
     /// Shape of O (= Q's).
@@ -145,11 +159,20 @@ impl Problem {
 
     /// Forward FLOPs by the ladder's convention: 4·B·Hq·n_q·n_kv·d, halved for causal square.
     pub fn forward_flops(&self) -> f64 {
-        let full = 4.0 * (self.batch * self.heads_q) as f64 * self.n_q as f64 * self.n_kv as f64 * self.d as f64;
+        let full = 4.0
+            * (self.batch * self.heads_q) as f64
+            * self.n_q as f64
+            * self.n_kv as f64
+            * self.d as f64;
         if self.causal { full / 2.0 } else { full }
     }
 
-    pub(crate) fn require_dtype(&self, rung: &'static str, allowed: &[DType], supported: &'static str) -> Result<()> {
+    pub(crate) fn require_dtype(
+        &self,
+        rung: &'static str,
+        allowed: &[DType],
+        supported: &'static str,
+    ) -> Result<()> {
         if allowed.contains(&self.dtype) {
             Ok(())
         } else {
@@ -167,5 +190,9 @@ pub(crate) fn grid(blocks: usize, heads: usize, batch: usize) -> Result<(u32, u3
             Err(KernelError::Shape(format!("{what} = {x} exceeds the launch limit {max}")))
         }
     };
-    Ok((fit(blocks, i32::MAX as usize, "blocks")?, fit(heads, 65_535, "heads")?, fit(batch, 65_535, "batch")?))
+    Ok((
+        fit(blocks, i32::MAX as usize, "blocks")?,
+        fit(heads, 65_535, "heads")?,
+        fit(batch, 65_535, "batch")?,
+    ))
 }

@@ -110,16 +110,6 @@ impl Tensor {
             }
         })
     }
-
-    pub(crate) fn check_shape(&self, what: &str, expected: &[usize]) -> Result<()> {
-        if self.shape != expected {
-            return Err(KernelError::Shape(format!(
-                "{what} has shape {:?}, expected {expected:?}",
-                self.shape
-            )));
-        }
-        Ok(())
-    }
 }
 
 /// Encode host `f32` values as the bytes of `dtype` (rounding to nearest even).
