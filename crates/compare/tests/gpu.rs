@@ -22,7 +22,10 @@ use ladder_reference::{
 use ndarray::{Array3, Array4};
 use proptest::prelude::*;
 
-const CASES: u32 = 48;
+/// Random cases per property; `LADDER_GPU_CASES` lowers it (e.g. under compute-sanitizer).
+fn cases_per_property() -> u32 {
+    std::env::var("LADDER_GPU_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(48)
+}
 
 fn gpu() -> Option<&'static Gpu> {
     static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
@@ -90,11 +93,14 @@ fn options(case: &Case) -> (AttentionOptions, Options) {
 type GpuForward =
     fn(&Gpu, &Tensor, &Tensor, &Tensor, &Options) -> ladder_kernels::Result<ladder_kernels::Output>;
 
+/// The CPU rung a GPU rung is checked against.
+type CpuForward = fn(&Inputs<f32>, &Case) -> AttentionOutput<f32>;
+
 /// Runs a GPU forward rung on `case` and checks it against the oracle and `cpu_rung` (in f32).
 fn check_forward(
     rung: &str,
     kernel: GpuForward,
-    cpu_rung: (&str, fn(&Inputs<f32>, &Case) -> AttentionOutput<f32>),
+    cpu_rung: (&str, CpuForward),
     case: &Case,
     dtype: DType,
 ) -> Result<(), TestCaseError> {
@@ -220,7 +226,7 @@ fn check_backward(case: &Case, dtype: DType) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(CASES))]
+    #![proptest_config(ProptestConfig::with_cases(cases_per_property()))]
 
     #[test]
     fn gpu_fa2_backward_fp16_matches_the_oracle_and_cpu_fa2(case in cases(space(fa2::BACKWARD_HEAD_DIMS))) {

@@ -95,12 +95,12 @@ __device__ __forceinline__ void cp_async_wait() {
 // ---- tensor-core fragments (mma.sync m16n8k16, f32 accumulate) ---------------------------------
 
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* smem) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+    asm("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_addr(smem)));
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+    asm("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_addr(smem)));
 }
@@ -108,13 +108,13 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem)
 // D += A·B for one 16x8x16 tile: A is 4 registers (16x16), B is 2 (16x8), D is 4 floats (16x8).
 __device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
 #if LADDER_DTYPE == 1
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #else
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -151,12 +151,12 @@ struct FragAddr {
 };
 
 __device__ __forceinline__ void ldmatrix_x4_a(u32 (&r)[4], u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+    asm("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
 __device__ __forceinline__ void ldmatrix_x4_trans_a(u32 (&r)[4], u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+    asm("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
@@ -177,6 +177,20 @@ __device__ __forceinline__ void load_tile(u16* smem, const u16* gmem, int row0, 
 #pragma unroll
     for (int i = 0; i < ROWS / STEP; ++i)
         cp_async_16(smem + swz<D>(r + i * STEP, col), src + i * STEP * D, row0 + r + i * STEP < n);
+}
+
+// The block's coordinates, read afresh at each use: the compiler cannot hoist a volatile read, so
+// values derived from them (such as a head's base pointer) are recomputed from the special
+// registers and kernel parameters instead of holding registers across a whole loop.
+__device__ __forceinline__ int block_y() {
+    int y;
+    asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(y));
+    return y;
+}
+__device__ __forceinline__ int block_z() {
+    int z;
+    asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
+    return z;
 }
 
 // Sum or max across the four threads that share a row of an mma accumulator.

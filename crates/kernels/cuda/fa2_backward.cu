@@ -17,7 +17,8 @@
 //   fa2_backward_finish  scale dQ, dK; sum dK, dV over the query heads of a group (GQA); convert.
 //
 // Each of the WARPS warps owns 16 keys of the K/V tile (BC = 16·WARPS keys); query tiles have BR
-// rows and are double-buffered with cp.async.
+// rows and are double-buffered with cp.async. Eight warps and 128 keys per block (rather than 64)
+// halve the dQ atomics and the Q/dO shared-memory traffic per FLOP.
 
 #ifndef FA2_D
 #define FA2_D 128
@@ -26,7 +27,7 @@
 #define FA2_BR 64
 #endif
 #ifndef FA2_WARPS
-#define FA2_WARPS 4
+#define FA2_WARPS 8
 #endif
 #ifndef FA2_CAUSAL
 #define FA2_CAUSAL 0
@@ -71,12 +72,19 @@ extern "C" __global__ void fa2_backward_prep(const u16* __restrict__ o, const u1
     }
 }
 
-__device__ __forceinline__ void red_add(float* addr, float x) {
+// Add two adjacent floats to global memory atomically: one vector reduction on Hopper (half the
+// atomic operations of dQ's accumulation), two scalar ones before it.
+__device__ __forceinline__ void red_add2(float* addr, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(x), "f"(y));
+#else
     asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(addr), "f"(x));
+    asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(addr + 1), "f"(y));
+#endif
 }
 
 // ---- main kernel -----------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(THREADS, 2)
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
 fa2_backward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
              const u16* __restrict__ d_o, const float* __restrict__ lse2,
              const float* __restrict__ delta, float* __restrict__ dq_acc,
@@ -259,12 +267,14 @@ fa2_backward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __
         }
         __syncthreads();
 
-        // ---- dQ_i += dS K_j: warp w takes queries 16w..16w+15 of the tile (BR = 16·WARPS) ----------
-        // 32 columns of d at a time keep the partial product at 16 registers.
-        static_assert(BR == 16 * WARPS, "one 16-query slab per warp");
-        const int q_row = i0 + warp * 16 + lane / 4;
+        // ---- dQ_i += dS K_j: warp w takes the 16 queries of slab w mod SLABS and a 1/DSPLIT share
+        // of d, 32 columns at a time (the partial product stays at 16 registers). ----------------
+        constexpr int SLABS = BR / 16, DSPLIT = WARPS / SLABS, DW = D / DSPLIT;
+        static_assert(SLABS * DSPLIT == WARPS && DW % 32 == 0, "warps tile dQ exactly");
+        const int slab = warp % SLABS, d_begin = (warp / SLABS) * DW;
+        const int q_row = i0 + slab * 16 + lane / 4;
 #pragma unroll
-        for (int d0 = 0; d0 < D; d0 += 32) {
+        for (int d0 = 0; d0 < DW; d0 += 32) {
             float dq[4][4];
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt)
@@ -273,11 +283,11 @@ fa2_backward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __
 #pragma unroll
             for (int ks = 0; ks < BC / 16; ++ks) {
                 u32 a[4];
-                ldmatrix_x4_trans_a(a, adS.at(warp, ks * 16));
+                ldmatrix_x4_trans_a(a, adS.at(slab, ks * 16));
 #pragma unroll
                 for (int dp = 0; dp < 2; ++dp) {
                     u32 b[4];
-                    ldmatrix_x4_trans_a(b, bKt.at(d0 / 16 + dp, ks * 16));
+                    ldmatrix_x4_trans_a(b, bKt.at((d_begin + d0) / 16 + dp, ks * 16));
                     mma_16816(dq[2 * dp], a, b[0], b[1]);
                     mma_16816(dq[2 * dp + 1], a, b[2], b[3]);
                 }
@@ -285,10 +295,11 @@ fa2_backward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = q_row + (e / 2) * 8;
-                    const int col = d0 + nt * 8 + (lane % 4) * 2 + (e % 2);
-                    if (row < n_q) red_add(gdQ + (size_t)row * D + col, dq[nt][e]);
+                for (int h = 0; h < 2; ++h) {
+                    const int row = q_row + h * 8;
+                    const int col = d_begin + d0 + nt * 8 + (lane % 4) * 2;
+                    if (row < n_q)
+                        red_add2(gdQ + (size_t)row * D + col, dq[nt][2 * h], dq[nt][2 * h + 1]);
                 }
         }
         // The next iteration overwrites sdS and this stage's Q, dO.

@@ -62,8 +62,12 @@ fa2_forward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
     const u16* gQ = q + ((size_t)batch * heads_q + head) * n_q * D;
-    const u16* gK = k + ((size_t)batch * heads_kv + kv_head) * n_kv * D;
-    const u16* gV = v + ((size_t)batch * heads_kv + kv_head) * n_kv * D;
+    // K and V of this block's kv head; recomputed inside the loop (see block_y) rather than kept.
+    auto kv_offset = [&]() {
+        return ((size_t)block_z() * heads_kv + block_y() / (heads_q / heads_kv)) * n_kv * D;
+    };
+    const u16* gK = k + kv_offset();
+    const u16* gV = v + kv_offset();
 
     // Bottom-right causal alignment: query i sees keys j <= i + shift.
     const int shift = n_kv - n_q;
@@ -103,8 +107,9 @@ fa2_forward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
     for (int j = 0; j < n_tiles; ++j) {
         const int stage = j & 1;
         if (j + 1 < n_tiles) {
-            load_tile<BC, D, THREADS>(sK + (stage ^ 1) * BC * D, gK, (j + 1) * BC, n_kv);
-            load_tile<BC, D, THREADS>(sV + (stage ^ 1) * BC * D, gV, (j + 1) * BC, n_kv);
+            const size_t off = kv_offset();
+            load_tile<BC, D, THREADS>(sK + (stage ^ 1) * BC * D, k + off, (j + 1) * BC, n_kv);
+            load_tile<BC, D, THREADS>(sV + (stage ^ 1) * BC * D, v + off, (j + 1) * BC, n_kv);
             cp_async_commit();
             cp_async_wait<1>();
         } else {

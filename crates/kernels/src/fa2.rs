@@ -29,7 +29,7 @@ pub const BACKWARD_HEAD_DIMS: &[usize] = &[64, 128];
 /// Query rows per step of the backward kernel's inner loop.
 pub const BACKWARD_BLOCK_M: usize = 64;
 /// Warps of the backward kernel; each owns 16 keys of the K/V tile.
-pub const BACKWARD_WARPS: usize = 4;
+pub const BACKWARD_WARPS: usize = 8;
 
 /// Tile configuration of the forward kernel for one head dimension.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,13 +43,32 @@ pub struct ForwardTiles {
 }
 
 impl ForwardTiles {
-    /// The tiles used for head dimension `d`.
+    /// The tiles used for head dimension `d` (`LADDER_FA2_TILES=m_tiles,block_n,warps` overrides
+    /// them, for tuning experiments).
     pub fn for_head_dim(d: usize) -> Result<ForwardTiles> {
-        match d {
-            64 => Ok(ForwardTiles { m_tiles: 2, block_n: 128, warps: 4 }),
-            128 => Ok(ForwardTiles { m_tiles: 2, block_n: 64, warps: 4 }),
-            256 => Ok(ForwardTiles { m_tiles: 1, block_n: 64, warps: 4 }),
-            _ => Err(KernelError::UnsupportedHeadDim { rung: "fa2", d, supported: HEAD_DIMS }),
+        let default = match d {
+            64 => ForwardTiles { m_tiles: 2, block_n: 128, warps: 4 },
+            128 => ForwardTiles { m_tiles: 2, block_n: 64, warps: 4 },
+            256 => ForwardTiles { m_tiles: 1, block_n: 64, warps: 4 },
+            _ => {
+                return Err(KernelError::UnsupportedHeadDim {
+                    rung: "fa2",
+                    d,
+                    supported: HEAD_DIMS,
+                });
+            }
+        };
+        let Ok(spec) = std::env::var("LADDER_FA2_TILES") else { return Ok(default) };
+        let parts: Vec<usize> = spec.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+        match parts[..] {
+            [m_tiles, block_n, warps]
+                if (1..=2).contains(&m_tiles) && block_n % 16 == 0 && block_n > 0 && warps > 0 =>
+            {
+                Ok(ForwardTiles { m_tiles, block_n, warps })
+            }
+            _ => Err(KernelError::Shape(format!(
+                "LADDER_FA2_TILES={spec:?}: expected m_tiles (1 or 2),block_n (multiple of 16),warps"
+            ))),
         }
     }
 
