@@ -9,6 +9,7 @@
 //! - [`memory`]: the extra heap memory a rung allocates.
 
 pub mod cases;
+pub mod gpu_check;
 pub mod low_precision;
 pub mod memory;
 pub mod metrics;

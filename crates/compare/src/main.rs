@@ -212,6 +212,24 @@ fn verify_cmd(args: &VerifyArgs) -> anyhow::Result<bool> {
             row.err_over_tol
         );
     })?;
+    // The GPU rungs, when a GPU is there.
+    let mut rows = rows;
+    match ladder_kernels::Gpu::new() {
+        Ok(gpu) => {
+            eprintln!("verify: GPU rungs on {} ({}), fp16", gpu.name(), gpu.arch());
+            let gpu_rows = verify::gpu_rows(&gpu, &cases, &config, args.seed, |precision, row| {
+                eprintln!(
+                    "  [gpu] {:<8} {:<12} {precision} {:>10.3} ms  err/tol {:.1e}",
+                    row.case,
+                    row.label,
+                    row.elapsed.as_secs_f64() * 1e3,
+                    row.err_over_tol
+                );
+            })?;
+            rows.extend(gpu_rows);
+        }
+        Err(e) => eprintln!("verify: GPU rungs not run ({e})"),
+    }
     print!("{}", verify::render(&rows));
     let failed: Vec<String> =
         rows.iter().filter(|r| !r.pass).map(|r| format!("{}/{}", r.case, r.label)).collect();

@@ -271,7 +271,12 @@ pub fn render(rows: &[Row]) -> String {
                 r.vs_previous.as_ref().map_or("-".into(), |(name, e)| format!("{e} ({name})")),
                 r.vs_oracle.to_string(),
                 format!("{:.1e}", r.err_over_tol),
-                format!("{:.1e}", r.f64_err_over_tol),
+                // GPU rows have no f64 run.
+                if r.f64_err_over_tol.is_nan() {
+                    "-".into()
+                } else {
+                    format!("{:.1e}", r.f64_err_over_tol)
+                },
                 format!("{:.1} ms", r.elapsed.as_secs_f64() * 1e3),
                 r.extra_bytes.map_or("n/a".into(), human_bytes),
                 human_bytes(r.hbm.total_bytes()),
@@ -304,4 +309,118 @@ pub fn render(rows: &[Row]) -> String {
         line(r.iter().map(String::as_str).collect(), &mut out);
     }
     out
+}
+
+/// The GPU rungs on each case, in fp16: FA1 and FA2 forward against their CPU rungs and FA2
+/// backward against the CPU FA2 backward, all on the case's inputs rounded to fp16 and judged by
+/// the float64 oracle of those inputs (tolerance: twice the 16-bit naive error, see
+/// [`crate::low_precision`]). Times are the kernels' own (CUDA events), the first call of a
+/// variant including its compilation.
+pub fn gpu_rows(
+    gpu: &ladder_kernels::Gpu,
+    cases: &[VerifyCase],
+    config: &RungConfig,
+    seed: u64,
+    mut progress: impl FnMut(&str, &Row),
+) -> anyhow::Result<Vec<Row>> {
+    use crate::gpu_check::{self, GpuForward};
+    use ladder_kernels::{DType, fa2 as gpu_fa2};
+    use ladder_reference::{Fa1Options, fa1};
+
+    let dtype = DType::F16;
+    let mut rows = Vec::new();
+    for case in cases {
+        let d = case.shape.d;
+        let spec = Case {
+            shape: case.shape,
+            causal: config.attention.causal,
+            logit_std: 1.0,
+            tiles: config.tiles,
+            splits: config.splits,
+            seed,
+        };
+        let x = gpu_check::device_inputs(&spec, dtype);
+        let (attention, opts) = gpu_check::options(&config.attention, d);
+        let oracle = Oracle::new(&x, &attention)?;
+        let x32 = gpu_check::narrow(&x);
+        let cpu_expected = Expected::from_oracle(&oracle, &x32)?;
+        let gpu_expected = gpu_check::expected_forward(&oracle, &x, dtype)?;
+        let (q, k, v) = (x32.q.view(), x32.k.view(), x32.v.view());
+        for rung in [GpuForward::Fa1, GpuForward::Fa2] {
+            if !rung.supports(d) {
+                continue;
+            }
+            let (cpu_name, cpu_out) = match rung {
+                GpuForward::Fa1 => ("fa1", fa1::forward(q, k, v, &Fa1Options::new(attention))?),
+                GpuForward::Fa2 => ("fa2", fa2::forward(q, k, v, &Fa2Options::new(attention))?),
+            };
+            let (out, elapsed) = gpu_check::forward(gpu, rung, &x, &opts, dtype)?;
+            let verdict = gpu_expected.judge(&out);
+            let pair = judge_between(&out, &cpu_out, &gpu_expected, &cpu_expected);
+            let ratio = ratio_of(verdict.o, gpu_expected.o)
+                .max(ratio_of(verdict.lse, gpu_expected.lse))
+                .max(ratio_of(pair.o, gpu_expected.o.plus(cpu_expected.o)))
+                .max(ratio_of(pair.lse, gpu_expected.lse.plus(cpu_expected.lse)));
+            let row = Row {
+                case: case.name.clone(),
+                label: rung.name().to_string(),
+                vs_previous: Some((format!("{cpu_name}, CPU"), pair.o)),
+                vs_oracle: verdict.o,
+                err_over_tol: ratio,
+                f64_err_over_tol: f64::NAN,
+                elapsed,
+                extra_bytes: None,
+                hbm: HbmTraffic::default(),
+                note: format!("fp16 on {}", gpu.name()),
+                pass: verdict.pass && pair.pass,
+            };
+            progress("fp16", &row);
+            rows.push(row);
+        }
+        if gpu_fa2::BACKWARD_HEAD_DIMS.contains(&d) {
+            let grad_oracle = GradientOracle::new(&x, &attention)?;
+            let expected = gpu_check::expected_backward(&grad_oracle, &x, dtype)?;
+            let (grads, elapsed) = gpu_check::backward(gpu, &x, &opts, dtype)?;
+            let (errs, mut pass) = expected.judge(&grads);
+            let mut ratio = errs
+                .iter()
+                .zip(&expected.tolerances)
+                .map(|(e, t)| ratio_of(*e, *t))
+                .fold(0.0, f64::max);
+            let fa2_opts = Fa2Options::new(attention);
+            let fwd = fa2::forward(q, k, v, &fa2_opts)?;
+            let d_o = x32.d_o.view();
+            let cpu = fa2::backward(q, k, v, fwd.o.view(), d_o, fwd.lse.view(), &fa2_opts)?;
+            let cpu_expected = ExpectedGradients::from_oracle(&grad_oracle, &x32)?;
+            let pair = [
+                error_between(&grads.dq, &cpu.dq),
+                error_between(&grads.dk, &cpu.dk),
+                error_between(&grads.dv, &cpu.dv),
+            ];
+            for ((e, t), c) in pair.iter().zip(&expected.tolerances).zip(&cpu_expected.tolerances) {
+                let r = ratio_of(*e, t.plus(*c));
+                ratio = ratio.max(r);
+                pass &= r <= 1.0;
+            }
+            let row = Row {
+                case: case.name.clone(),
+                label: "fa2-bwd-gpu".to_string(),
+                vs_previous: Some((
+                    "fa2-bwd, CPU".to_string(),
+                    pair.into_iter().fold(ErrorStats::default(), ErrorStats::worst),
+                )),
+                vs_oracle: errs.into_iter().fold(ErrorStats::default(), ErrorStats::worst),
+                err_over_tol: ratio,
+                f64_err_over_tol: f64::NAN,
+                elapsed,
+                extra_bytes: None,
+                hbm: HbmTraffic::default(),
+                note: format!("dQ, dK, dV; fp16 on {}", gpu.name()),
+                pass,
+            };
+            progress("fp16", &row);
+            rows.push(row);
+        }
+    }
+    Ok(rows)
 }

@@ -7,8 +7,15 @@ use ladder_compare::npy::{self, DType};
 use ladder_reference::{AttentionOptions, naive};
 use ndarray::Array4;
 
+/// The binary cargo built, or the one carried next to this test binary to the GPU machine.
+fn ladder_bin() -> std::path::PathBuf {
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_ladder"));
+    let carried = std::env::current_exe().ok().and_then(|exe| Some(exe.parent()?.join("ladder")));
+    std::iter::once(built.clone()).chain(carried).find(|p| p.exists()).unwrap_or(built)
+}
+
 fn ladder(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_ladder")).args(args).output().expect("the ladder binary runs")
+    Command::new(ladder_bin()).args(args).output().expect("the ladder binary runs")
 }
 
 fn tensor(dims: (usize, usize, usize, usize), seed: usize) -> Array4<f64> {

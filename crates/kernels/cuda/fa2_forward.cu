@@ -172,6 +172,7 @@ fa2_forward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
         // P is rounded to 16 bits as soon as it is computed, two values per register: exactly the
         // A-operand layout of the P·V product, and half the registers of the f32 scores.
         u32 p[MT][NT][2];
+        float alpha[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -184,7 +185,7 @@ fa2_forward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
                 // A row that has seen only masked keys keeps max −inf; subtract 0 instead so that
                 // its probabilities are exp2(−inf) = 0 rather than NaN.
                 const float m_use = mx == LADDER_NEG_INF ? 0.f : mx;
-                const float alpha = fast_exp2(row_max[mt][h] - m_use);
+                alpha[mt][h] = row_max[mt][h] == mx ? 1.f : fast_exp2(row_max[mt][h] - m_use);
                 row_max[mt][h] = mx;
                 float sum = 0.f;
 #pragma unroll
@@ -196,13 +197,25 @@ fa2_forward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
                 }
                 // Each thread keeps a partial sum of its own columns; the quad is summed once at
                 // the end, since alpha is the same for all four threads of a row.
-                row_sum[mt][h] = row_sum[mt][h] * alpha + sum;
+                row_sum[mt][h] = row_sum[mt][h] * alpha[mt][h] + sum;
+            }
+        // Rescale the accumulator only when some row of the warp found a new maximum: after the
+        // first few tiles that is rare, and the test is uniform across the warp (no divergence).
+        // Skipping it is exact, since alpha is then exactly 1.
+        bool rescale = false;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) rescale |= alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
+        if (__any_sync(0xffffffff, rescale)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt) {
-                    acc[mt][dt][2 * h] *= alpha;
-                    acc[mt][dt][2 * h + 1] *= alpha;
+                    acc[mt][dt][0] *= alpha[mt][0];
+                    acc[mt][dt][1] *= alpha[mt][0];
+                    acc[mt][dt][2] *= alpha[mt][1];
+                    acc[mt][dt][3] *= alpha[mt][1];
                 }
-            }
+        }
 
         // ---- O += P·V ----------------------------------------------------------------------------
 #pragma unroll

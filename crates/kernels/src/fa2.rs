@@ -43,11 +43,16 @@ pub struct ForwardTiles {
 }
 
 impl ForwardTiles {
-    /// The tiles used for head dimension `d` (`LADDER_FA2_TILES=m_tiles,block_n,warps` overrides
-    /// them, for tuning experiments).
-    pub fn for_head_dim(d: usize) -> Result<ForwardTiles> {
+    /// The tiles used for head dimension `d` on architecture `arch` (`sm_90a`, `sm_80`, ...).
+    /// Each warp owns 32 query rows (two mma tiles) where the registers allow, which halves the
+    /// shared-memory reads per FLOP. `LADDER_FA2_TILES=m_tiles,block_n,warps` overrides them, for
+    /// tuning experiments.
+    pub fn for_head_dim(d: usize, arch: &str) -> Result<ForwardTiles> {
+        let hopper = arch.starts_with("sm_90");
         let default = match d {
-            64 => ForwardTiles { m_tiles: 2, block_n: 128, warps: 4 },
+            // At d = 64, 128 keys per tile fit Hopper's register allocation without spilling;
+            // sm_80's allocation spills there, so it gets 64.
+            64 => ForwardTiles { m_tiles: 2, block_n: if hopper { 128 } else { 64 }, warps: 4 },
             128 => ForwardTiles { m_tiles: 2, block_n: 64, warps: 4 },
             256 => ForwardTiles { m_tiles: 1, block_n: 64, warps: 4 },
             _ => {
@@ -83,9 +88,10 @@ impl ForwardTiles {
     }
 }
 
-/// The kernel variant for head dimension `d`, element type `dtype` and masking.
-pub fn forward_variant(d: usize, dtype: DType, causal: bool) -> Result<Variant> {
-    let t = ForwardTiles::for_head_dim(d)?;
+/// The forward kernel variant for head dimension `d`, element type `dtype`, masking and
+/// architecture.
+pub fn forward_variant(d: usize, dtype: DType, causal: bool, arch: &str) -> Result<Variant> {
+    let t = ForwardTiles::for_head_dim(d, arch)?;
     Ok(Variant {
         file: "fa2_forward",
         source: FORWARD_SRC,
@@ -105,9 +111,10 @@ pub fn forward_variant(d: usize, dtype: DType, causal: bool) -> Result<Variant> 
 pub fn forward(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) -> Result<Output> {
     let p = Problem::new(q, k, v, opts)?;
     p.require_dtype("fa2", &[DType::F16, DType::BF16], "fp16, bf16")?;
-    let tiles = ForwardTiles::for_head_dim(p.d)?;
+    let tiles = ForwardTiles::for_head_dim(p.d, gpu.arch())?;
     let smem = tiles.shared_bytes(p.d) as u32;
-    let f = gpu.function(&forward_variant(p.d, p.dtype, p.causal)?, "fa2_forward", smem)?;
+    let f =
+        gpu.function(&forward_variant(p.d, p.dtype, p.causal, gpu.arch())?, "fa2_forward", smem)?;
 
     let o = gpu.output(&p.o_shape(), p.dtype)?;
     let lse = gpu.output(&p.lse_shape(), DType::F32)?;

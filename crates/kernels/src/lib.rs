@@ -35,9 +35,9 @@ pub use gpu::Gpu;
 pub use problem::{Gradients, Options, Output, Problem};
 pub use tensor::{DType, Tensor, round_to};
 
-/// Every kernel variant the crate can launch, with a short description: what CI compiles for
-/// each architecture to check that all of them build and what ptxas makes of them.
-pub fn variants() -> Vec<compile::Variant> {
+/// Every kernel variant the crate can launch on architecture `arch`: what CI compiles to check
+/// that all of them build and what ptxas makes of them.
+pub fn variants(arch: &str) -> Vec<compile::Variant> {
     let mut all = Vec::new();
     for dtype in [DType::F16, DType::F32] {
         for &d in fa1::HEAD_DIMS {
@@ -47,7 +47,7 @@ pub fn variants() -> Vec<compile::Variant> {
     for dtype in [DType::F16, DType::BF16] {
         for &d in fa2::HEAD_DIMS {
             for causal in [false, true] {
-                all.extend(fa2::forward_variant(d, dtype, causal));
+                all.extend(fa2::forward_variant(d, dtype, causal, arch));
                 if fa2::BACKWARD_HEAD_DIMS.contains(&d) {
                     all.extend(fa2::backward_variant(d, dtype, causal));
                 }

@@ -1,0 +1,202 @@
+//! Running the GPU rungs (`ladder-kernels`) on a problem and judging them: shared by the GPU
+//! equivalence tests and `ladder verify`.
+//!
+//! The kernels read 16-bit (or `f32`) inputs, so everything here starts from the case's tensors
+//! *rounded to the kernel's type* ([`device_inputs`]): the oracle, the CPU rung compared against
+//! and the kernel all see the same numbers. The tolerance follows LADDER.md's rule with the naive
+//! algorithm in the kernel's own precision ([`crate::low_precision`]) as the baseline.
+
+use std::time::Duration;
+
+use ladder_kernels::{DType, Gpu, KernelError, Options, Tensor, fa1, fa2};
+use ladder_reference::{AttentionOptions, AttentionOutput, Gradients, naive};
+use ndarray::{Array3, Array4};
+
+use crate::cases::{Case, Inputs};
+use crate::low_precision::{self, Half};
+use crate::oracle::{Expected, ExpectedGradients, GradientOracle, Oracle};
+
+/// A GPU forward rung.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuForward {
+    /// `ladder_kernels::fa1::forward`.
+    Fa1,
+    /// `ladder_kernels::fa2::forward`.
+    Fa2,
+}
+
+impl GpuForward {
+    /// Name in tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            GpuForward::Fa1 => "fa1-gpu",
+            GpuForward::Fa2 => "fa2-gpu",
+        }
+    }
+
+    /// Whether the rung has a kernel for head dimension `d`.
+    pub fn supports(self, d: usize) -> bool {
+        match self {
+            GpuForward::Fa1 => fa1::HEAD_DIMS.contains(&d),
+            GpuForward::Fa2 => fa2::HEAD_DIMS.contains(&d),
+        }
+    }
+
+    fn run(self, gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) -> KResult {
+        match self {
+            GpuForward::Fa1 => fa1::forward(gpu, q, k, v, opts),
+            GpuForward::Fa2 => fa2::forward(gpu, q, k, v, opts),
+        }
+    }
+}
+
+type KResult = ladder_kernels::Result<ladder_kernels::Output>;
+
+/// The 16-bit format of `dtype`, if it is one.
+pub fn half_of(dtype: DType) -> Option<Half> {
+    match dtype {
+        DType::F16 => Some(Half::F16),
+        DType::BF16 => Some(Half::BF16),
+        DType::F32 => None,
+    }
+}
+
+/// The case's tensors as the device will hold them (rounded to `dtype`), in `f64`.
+pub fn device_inputs(case: &Case, dtype: DType) -> Inputs<f64> {
+    rounded(&case.inputs::<f64>(), dtype)
+}
+
+/// `x` rounded to `dtype`, in `f64`.
+pub fn rounded(x: &Inputs<f64>, dtype: DType) -> Inputs<f64> {
+    let round = |t: &Array4<f64>| match half_of(dtype) {
+        Some(h) => h.round_all(t),
+        None => t.mapv(|v| v as f32 as f64),
+    };
+    Inputs { q: round(&x.q), k: round(&x.k), v: round(&x.v), d_o: round(&x.d_o) }
+}
+
+/// Attention options with the scale rounded to the `f32` the kernel uses, and the kernel's options.
+pub fn options(attention: &AttentionOptions, d: usize) -> (AttentionOptions, Options) {
+    let scale = attention.scale.unwrap_or(1.0 / (d as f64).sqrt()) as f32;
+    (
+        AttentionOptions { causal: attention.causal, scale: Some(scale as f64) },
+        Options { causal: attention.causal, scale: Some(scale) },
+    )
+}
+
+/// `x` in `f32` (exact for inputs from [`rounded`]).
+pub fn narrow(x: &Inputs<f64>) -> Inputs<f32> {
+    let to32 = |a: &Array4<f64>| a.mapv(|v| v as f32);
+    Inputs { q: to32(&x.q), k: to32(&x.k), v: to32(&x.v), d_o: to32(&x.d_o) }
+}
+
+fn upload(gpu: &Gpu, x: &Array4<f64>, dtype: DType) -> Result<Tensor, KernelError> {
+    let values: Vec<f32> = x.iter().map(|&v| v as f32).collect();
+    gpu.upload(&values, x.shape(), dtype)
+}
+
+fn download4(t: &Tensor, dims: [usize; 4]) -> anyhow::Result<Array4<f32>> {
+    Ok(Array4::from_shape_vec(dims, t.to_f32_vec()?)?)
+}
+
+fn download3(t: &Tensor, dims: [usize; 3]) -> anyhow::Result<Array3<f32>> {
+    Ok(Array3::from_shape_vec(dims, t.to_f32_vec()?)?)
+}
+
+/// Runs `rung` on `x` (already rounded to `dtype`); returns its output and the kernel time.
+pub fn forward(
+    gpu: &Gpu,
+    rung: GpuForward,
+    x: &Inputs<f64>,
+    opts: &Options,
+    dtype: DType,
+) -> anyhow::Result<(AttentionOutput<f32>, Duration)> {
+    let (q, k, v) =
+        (upload(gpu, &x.q, dtype)?, upload(gpu, &x.k, dtype)?, upload(gpu, &x.v, dtype)?);
+    let mut out = None;
+    let ms = gpu.time_ms(|| {
+        out = Some(rung.run(gpu, &q, &k, &v, opts)?);
+        Ok(())
+    })?;
+    let out = out.expect("set by the timed closure");
+    let (b, hq, n_q, d) = x.q.dim();
+    let got = AttentionOutput {
+        o: download4(&out.o, [b, hq, n_q, d])?,
+        lse: download3(&out.lse, [b, hq, n_q])?,
+        stats: Default::default(),
+    };
+    Ok((got, Duration::from_secs_f64(f64::from(ms) / 1e3)))
+}
+
+/// The oracle's tolerances for a GPU forward rung computing on `x` in `dtype`: twice the error of
+/// naive attention in `f32` with `P` and `O` rounded to `dtype` (when 16-bit), plus the `f32`
+/// rounding floor.
+pub fn expected_forward(
+    oracle: &Oracle,
+    x: &Inputs<f64>,
+    dtype: DType,
+) -> anyhow::Result<Expected> {
+    let x32 = narrow(x);
+    let naive32 = naive::attention(x32.q.view(), x32.k.view(), x32.v.view(), &oracle.attention)?;
+    let baseline = match half_of(dtype) {
+        Some(h) => {
+            let low =
+                low_precision::attention(x.q.view(), x.k.view(), x.v.view(), &oracle.attention, h)?;
+            AttentionOutput { o: low.o.mapv(|v| v as f32), ..naive32 }
+        }
+        None => naive32,
+    };
+    Ok(Expected::from_baseline(oracle, &baseline))
+}
+
+/// Runs the GPU FA2 forward and backward on `x`; returns `dQ, dK, dV` and the backward's time.
+pub fn backward(
+    gpu: &Gpu,
+    x: &Inputs<f64>,
+    opts: &Options,
+    dtype: DType,
+) -> anyhow::Result<(Gradients<f32>, Duration)> {
+    let [q, k, v, d_o] = [&x.q, &x.k, &x.v, &x.d_o].map(|t| upload(gpu, t, dtype));
+    let (q, k, v, d_o) = (q?, k?, v?, d_o?);
+    let out = fa2::forward(gpu, &q, &k, &v, opts)?;
+    let mut grads = None;
+    let ms = gpu.time_ms(|| {
+        grads = Some(fa2::backward(gpu, &q, &k, &v, &out.o, &out.lse, &d_o, opts)?);
+        Ok(())
+    })?;
+    let g = grads.expect("set by the timed closure");
+    let got = Gradients {
+        dq: download4(&g.dq, dims(&x.q))?,
+        dk: download4(&g.dk, dims(&x.k))?,
+        dv: download4(&g.dv, dims(&x.v))?,
+        stats: Default::default(),
+    };
+    Ok((got, Duration::from_secs_f64(f64::from(ms) / 1e3)))
+}
+
+fn dims(a: &Array4<f64>) -> [usize; 4] {
+    let (a0, a1, a2, a3) = a.dim();
+    [a0, a1, a2, a3]
+}
+
+/// Tolerances for the GPU backward on `x` in the 16-bit `dtype`: twice the error of the naive
+/// backward pass with the kernel's 16-bit roundings, plus the `f32` floor.
+pub fn expected_backward(
+    oracle: &GradientOracle,
+    x: &Inputs<f64>,
+    dtype: DType,
+) -> anyhow::Result<ExpectedGradients> {
+    let half = half_of(dtype).ok_or_else(|| anyhow::anyhow!("the backward kernels are 16-bit"))?;
+    let low = low_precision::backward(
+        x.q.view(),
+        x.k.view(),
+        x.v.view(),
+        x.d_o.view(),
+        &oracle.attention,
+        half,
+    )?;
+    let to32 = |a: &Array4<f64>| a.mapv(|v| v as f32);
+    let baseline =
+        Gradients { dq: to32(&low.dq), dk: to32(&low.dk), dv: to32(&low.dv), stats: low.stats };
+    Ok(ExpectedGradients::from_baseline(oracle, &baseline))
+}

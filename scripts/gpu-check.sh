@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One GPU-machine call that checks the kernels: every bundled test binary with the GPU required,
+# compute-sanitizer (memcheck and racecheck) on small GPU cases, and optionally a timing of FA2
+# forward tile configurations. Run from the repo root after ../shared/tools/gpu-bundle:
+#
+#   bash scripts/gpu-check.sh OUT_DIR [tile configs...]     e.g. ... $OUT 2,32,4 1,64,8
+#
+# Logs go to OUT_DIR; a short table is printed last.
+set -uo pipefail
+out=${1:?usage: bash scripts/gpu-check.sh OUT_DIR [m_tiles,block_n,warps ...]}
+shift
+mkdir -p "$out"
+export LADDER_KERNEL_CACHE=${LADDER_KERNEL_CACHE:-/tmp/ladder-kernel-cache}
+ladder=.gpu/bin/ladder
+summary=()
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv \
+  | tee "$out/gpu.txt"
+
+start=$SECONDS
+bash .gpu/run-tests >"$out/tests.log" 2>&1
+rc=$?
+summary+=("tests (all binaries, GPU required)  rc=$rc  $((SECONDS - start)) s")
+grep -E "^test result|FAILED|panicked|=== " "$out/tests.log" | tail -40
+
+# The GPU test binary is the one built from crates/compare/tests/gpu.rs.
+gpu_bin=$(ls .gpu/bin/gpu-* 2>/dev/null | head -1)
+if [ -n "$gpu_bin" ] && command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck; do
+    start=$SECONDS
+    (cd crates/compare && LADDER_REQUIRE_GPU=1 LADDER_GPU_CASES=2 compute-sanitizer \
+      --tool "$tool" --error-exitcode 9 "../../$gpu_bin" --test-threads 1 \
+      gpu_fa1_fp16 gpu_fa2_fp16 gpu_fa2_backward_fp16) >"$out/$tool.log" 2>&1
+    rc=$?
+    summary+=("compute-sanitizer $tool  rc=$rc  $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$tool.log" | tail -1)  $((SECONDS - start)) s")
+  done
+else
+  summary+=("compute-sanitizer: not run (no gpu test binary or no sanitizer)")
+fi
+
+for tiles in "$@"; do
+  dir="$out/tiles-${tiles//,/-}"
+  LADDER_FA2_TILES=$tiles "$ladder" bench --rung fa2 --direction fwd --d 64,128 --n 4096,16384 \
+    --out "$dir" >"$dir.log" 2>&1
+  summary+=("fa2 fwd tiles $tiles: $(grep -E '^fa2' "$dir/bench.csv" 2>/dev/null \
+    | awk -F, '{printf "d%s n%s %s %.0f | ", $10, $8, ($4=="true"?"c":"nc"), $12}')")
+done
+
+dir="$out/backward"
+"$ladder" bench --rung fa2 --direction bwd --d 64,128 --n 4096,16384 --out "$dir" >"$dir.log" 2>&1
+summary+=("fa2 bwd: $(grep -E '^fa2' "$dir/bench.csv" 2>/dev/null \
+  | awk -F, '{printf "d%s n%s %s %.0f | ", $10, $8, ($4=="true"?"c":"nc"), $12}')")
+
+printf '\n=== summary\n'
+printf '%s\n' "${summary[@]}"
