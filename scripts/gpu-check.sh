@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call that checks the kernels: every bundled test binary with the GPU required,
 # compute-sanitizer (memcheck and racecheck) on small GPU cases, and optionally a timing of FA2
-# forward tile configurations. Run from the repo root after ../shared/tools/gpu-bundle:
+# forward tile configurations (scripts/gpu-bench.sh does the benchmark itself). Run from the repo root after ../shared/tools/gpu-bundle:
 #
 #   bash scripts/gpu-check.sh OUT_DIR [tile configs...]     e.g. ... $OUT 2,32,4 1,64,8
 #
@@ -45,11 +45,6 @@ for tiles in "$@"; do
   summary+=("fa2 fwd tiles $tiles: $(grep -E '^fa2' "$dir/bench.csv" 2>/dev/null \
     | awk -F, '{printf "d%s n%s %s %.0f | ", $10, $8, ($4=="true"?"c":"nc"), $12}')")
 done
-
-dir="$out/backward"
-"$ladder" bench --rung fa2 --direction bwd --d 64,128 --n 4096,16384 --out "$dir" >"$dir.log" 2>&1
-summary+=("fa2 bwd: $(grep -E '^fa2' "$dir/bench.csv" 2>/dev/null \
-  | awk -F, '{printf "d%s n%s %s %.0f | ", $10, $8, ($4=="true"?"c":"nc"), $12}')")
 
 printf '\n=== summary\n'
 printf '%s\n' "${summary[@]}"

@@ -157,13 +157,13 @@ fa2_backward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __
 
     for (int t = t_begin; t < t_end; ++t) {
         const int stage = (t - t_begin) & 1;
-        if (t + 1 < t_end) {
-            load_query_tile(t + 1, stage ^ 1);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        // Query tile t is the only copy in flight; after the barrier no warp reads the other
+        // stage (tile t − 1) any more, so tile t + 1 is copied there during this tile's work
+        // (issued after Pᵀ below; placed earlier, it tipped the register allocation into a
+        // spill). sdS needs no barrier of its own either: it is written again only after the
+        // next iteration's barrier, which every warp reaches after finishing its dQ reads of it.
+        // One barrier per tile besides the one that publishes dSᵀ.
+        cp_async_wait<0>();
         __syncthreads();
         const int i0 = t * BR;
         const int srow = stage * BR;
@@ -202,6 +202,11 @@ fa2_backward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __
                 }
                 pt[nt][e] = p;
             }
+
+        if (t + 1 < t_end) {  // the copy of the next query tile (see the top of the loop)
+            load_query_tile(t + 1, stage ^ 1);
+            cp_async_commit();
+        }
 
         // ---- dV_j += Pᵀ dO_i ---------------------------------------------------------------------
 #pragma unroll
@@ -302,10 +307,8 @@ fa2_backward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __
                         red_add2(gdQ + (size_t)row * D + col, dq[nt][2 * h], dq[nt][2 * h + 1]);
                 }
         }
-        // The next iteration overwrites sdS and this stage's Q, dO.
-        __syncthreads();
     }
-    if (t_begin >= t_end) cp_async_wait<0>();
+    cp_async_wait<0>();
 
     // ---- dK_j, dV_j of this query head (unscaled, f32); finish sums the group ----------------------
     float* gdK = dk_acc + (bh * n_kv) * D;
