@@ -57,7 +57,8 @@ pub struct Row {
     pub elapsed: Duration,
     /// Heap allocated beyond the returned tensors, at the peak (`f32` run).
     pub extra_bytes: Option<u64>,
-    pub hbm: HbmTraffic,
+    /// Modelled HBM traffic of the CPU rung's memory model (`None` for GPU rows: not modelled).
+    pub hbm: Option<HbmTraffic>,
     pub note: String,
     /// Within tolerance in both precisions.
     pub pass: bool,
@@ -138,7 +139,7 @@ fn check_case<T: Element>(
             extra_bytes: measured
                 .peak_bytes
                 .map(|b| b.saturating_sub(bytes_of::<T>(out.o.len() + out.lse.len()))),
-            hbm: out.stats.hbm,
+            hbm: Some(out.stats.hbm),
             note: note(rung, &out, expected_fp8.baseline),
             pass,
         };
@@ -206,7 +207,7 @@ fn backward_rows<T: Element>(
             extra_bytes: peak.map(|b| {
                 b.saturating_sub(bytes_of::<T>(grads.dq.len() + grads.dk.len() + grads.dv.len()))
             }),
-            hbm: grads.stats.hbm,
+            hbm: Some(grads.stats.hbm),
             note: "dQ, dK, dV".to_string(),
             pass,
         };
@@ -279,7 +280,7 @@ pub fn render(rows: &[Row]) -> String {
                 },
                 format!("{:.1} ms", r.elapsed.as_secs_f64() * 1e3),
                 r.extra_bytes.map_or("n/a".into(), human_bytes),
-                human_bytes(r.hbm.total_bytes()),
+                r.hbm.map_or("n/a".into(), |h| human_bytes(h.total_bytes())),
                 if r.pass { "ok".into() } else { "FAIL".into() },
                 r.note.clone(),
             ]
@@ -370,7 +371,7 @@ pub fn gpu_rows(
                 f64_err_over_tol: f64::NAN,
                 elapsed,
                 extra_bytes: None,
-                hbm: HbmTraffic::default(),
+                hbm: None,
                 note: format!("fp16 on {}", gpu.name()),
                 pass: verdict.pass && pair.pass,
             };
@@ -414,7 +415,7 @@ pub fn gpu_rows(
                 f64_err_over_tol: f64::NAN,
                 elapsed,
                 extra_bytes: None,
-                hbm: HbmTraffic::default(),
+                hbm: None,
                 note: format!("dQ, dK, dV; fp16 on {}", gpu.name()),
                 pass,
             };
