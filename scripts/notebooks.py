@@ -174,6 +174,26 @@ def text_of(cell: dict) -> str:
     return "".join(parts).strip()
 
 
+def merge_streams(nb: dict) -> None:
+    """One output per run of printed lines (evcxr sends each line as its own message)."""
+    for cell in nb["cells"]:
+        merged: list[dict] = []
+        for out in cell.get("outputs", []):
+            prev = merged[-1] if merged else None
+            if (
+                prev is not None
+                and out.get("output_type") == "stream"
+                and prev.get("output_type") == "stream"
+                and prev.get("name") == out.get("name")
+            ):
+                text = lambda t: "".join(t) if isinstance(t, list) else t
+                prev["text"] = text(prev["text"]) + text(out["text"])
+            else:
+                merged.append(out)
+        if "outputs" in cell:
+            cell["outputs"] = merged
+
+
 def export_figures(nb: dict, stem: str) -> list[Path]:
     """Writes the figures of `figure=` cells and the fragment of `book` cells for the book."""
     FIGURES.mkdir(parents=True, exist_ok=True)
@@ -246,6 +266,7 @@ def execute(src: Path, out_dir: Path | None) -> float:
         raise SystemExit(1)
     elapsed = time.monotonic() - start
     executed = json.loads(nbformat.writes(nb))
+    merge_streams(executed)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         write(executed, out_dir / f"{stem}.ipynb")
