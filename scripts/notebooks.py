@@ -260,9 +260,17 @@ def execute(src: Path, out_dir: Path | None) -> float:
         client.execute()
     except nbclient.exceptions.CellExecutionError as e:
         print(f"\n{src.name}: a cell failed\n{e}", file=sys.stderr)
-        if out_dir is not None:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            nbformat.write(nb, str(out_dir / f"{stem}.failed.ipynb"))
+        # What the kernel said (evcxr reports compile errors on stderr and in error outputs).
+        for cell in nb.cells:
+            for out in cell.get("outputs", []):
+                if out.get("output_type") == "error":
+                    print("\n".join([out.get("ename", ""), out.get("evalue", "")] + out.get("traceback", [])), file=sys.stderr)
+                elif out.get("output_type") == "stream" and out.get("name") == "stderr":
+                    print(out.get("text", ""), file=sys.stderr)
+        failed = (out_dir or ROOT / "target" / "notebooks-failed")
+        failed.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, str(failed / f"{stem}.failed.ipynb"))
+        print(f"the partly executed notebook is in {failed / (stem + '.failed.ipynb')}", file=sys.stderr)
         raise SystemExit(1)
     elapsed = time.monotonic() - start
     executed = json.loads(nbformat.writes(nb))
