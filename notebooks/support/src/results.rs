@@ -275,11 +275,12 @@ fn draw_bars(
         .margin(10)
         .x_label_area_size(36)
         .y_label_area_size(250)
-        .build_cartesian_2d(0.0..max * 1.15, 0.0..n)?;
+        .build_cartesian_2d(0.0..max * 1.45, 0.0..n)?;
     let labels_for_axis = labels.to_vec();
     chart
         .configure_mesh()
         .disable_y_mesh()
+        .light_line_style(WHITE)
         .y_labels(labels.len() * 2 + 1)
         .y_label_formatter(&move |y: &f64| {
             let i = (*y - 0.5).round();
@@ -318,7 +319,7 @@ fn draw_bars(
         .configure_series_labels()
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
-        .position(SeriesLabelPosition::LowerRight)
+        .position(SeriesLabelPosition::UpperRight)
         .draw()?;
     Ok(())
 }
@@ -330,8 +331,10 @@ pub struct Figures(pub Vec<String>);
 impl Figures {
     /// Prints the charts as HTML for Jupyter; nothing when there are none.
     pub fn evcxr_display(&self) {
-        for svg in &self.0 {
-            println!("EVCXR_BEGIN_CONTENT text/html\n<div>{svg}</div>\nEVCXR_END_CONTENT");
+        // One block: evcxr keeps a single output per cell.
+        if !self.0.is_empty() {
+            let html: String = self.0.iter().map(|svg| format!("<div>{svg}</div>")).collect();
+            println!("EVCXR_BEGIN_CONTENT text/html\n{html}\nEVCXR_END_CONTENT");
         }
     }
 }
