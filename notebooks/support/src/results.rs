@@ -227,7 +227,8 @@ pub fn charts(rows: &[&Row]) -> Figures {
             figures.push(bar_chart(&title, "TFLOP/s", &chosen, |r| Some(r.tflops)));
         }
     }
-    let decode: Vec<&Row> = rows.iter().copied().filter(|r| r.is_decode() && r.tbps.is_some()).collect();
+    let decode: Vec<&Row> =
+        rows.iter().copied().filter(|r| r.is_decode() && r.tbps.is_some()).collect();
     if !decode.is_empty() {
         figures.push(bar_chart("decode: TB/s of K and V read", "TB/s", &decode, |r| r.tbps));
     }
@@ -235,7 +236,12 @@ pub fn charts(rows: &[&Row]) -> Figures {
 }
 
 /// Horizontal grouped bars: one group per case, one bar per implementation.
-fn bar_chart(title: &str, unit: &str, rows: &[&Row], value: impl Fn(&Row) -> Option<f64>) -> String {
+fn bar_chart(
+    title: &str,
+    unit: &str,
+    rows: &[&Row],
+    value: impl Fn(&Row) -> Option<f64>,
+) -> String {
     let mut cases: BTreeMap<String, Vec<(String, f64)>> = BTreeMap::new();
     let mut impls: Vec<String> = Vec::new();
     for r in rows {
@@ -300,7 +306,10 @@ fn draw_bars(
             let y1 = top - 0.1 - 0.8 * ii as f64 / k;
             let y0 = y1 - 0.8 / k;
             let color = Palette99::pick(ii).to_rgba();
-            chart.draw_series(std::iter::once(Rectangle::new([(0.0, y0), (*v, y1)], color.filled())))?;
+            chart.draw_series(std::iter::once(Rectangle::new(
+                [(0.0, y0), (*v, y1)],
+                color.filled(),
+            )))?;
             chart.draw_series(std::iter::once(Text::new(
                 format!("{v:.1}"),
                 (*v + max * 0.01, (y0 + y1) / 2.0 + 0.15 / k),
@@ -311,7 +320,10 @@ fn draw_bars(
     for (ii, name) in impls.iter().enumerate() {
         let color = Palette99::pick(ii).to_rgba();
         chart
-            .draw_series(std::iter::once(Rectangle::new([(0.0, -1.0), (0.0, -1.0)], color.filled())))?
+            .draw_series(std::iter::once(Rectangle::new(
+                [(0.0, -1.0), (0.0, -1.0)],
+                color.filled(),
+            )))?
             .label(name.as_str())
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
     }
