@@ -1,0 +1,53 @@
+//! # ladder-notebook: the plumbing of the attention-ladder notebooks
+//!
+//! The notebooks keep the lesson in their own cells: the rung, the check against the rung before,
+//! the plots. What is the same in every notebook lives here, where it can be read once:
+//!
+//! - [`exercise`]: runs a property over random cases drawn by the project's proptest strategies,
+//!   prints `pass` or returns the shrunk counterexample as a cell error;
+//! - [`results`]: reads the GPU measurements committed under `docs/results/h200/` and charts them,
+//!   or says plainly that none are committed yet.
+//!
+//! [`Failure`] is the error every check returns: evcxr prints a cell's error with `{:?}`, so its
+//! `Debug` writes the message as it is, line breaks and all.
+
+use std::fmt;
+
+pub mod exercise;
+pub mod results;
+
+/// A check that did not pass. Returned with `?` from a notebook cell, it turns the cell red and
+/// prints the message; `.ci/notebooks` fails on it.
+pub struct Failure(pub String);
+
+impl fmt::Debug for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Failure {}
+
+impl From<String> for Failure {
+    fn from(message: String) -> Self {
+        Failure(message)
+    }
+}
+
+/// `Ok(())` after printing `ok`, or the error as a [`Failure`]: the end of a "does this rung
+/// agree with the one before?" cell.
+pub fn agree(what: &str, result: Result<(), String>) -> Result<(), Failure> {
+    match result {
+        Ok(()) => {
+            println!("✓ {what}");
+            Ok(())
+        }
+        Err(why) => Err(Failure(format!("✗ {what}: DISAGREE\n{why}"))),
+    }
+}

@@ -1,0 +1,403 @@
+//! The GPU measurements committed under `docs/results/h200/`, and their charts.
+//!
+//! `ladder bench`, run on a GPU machine, writes two files there:
+//!
+//! - `bench.csv`, one row per measurement, with the header
+//!   `impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps`
+//!   (`tflops` by the FLOP convention of `LADDER.md`: forward `4·B·Hq·n_q·n_kv·d`, halved for
+//!   causal square, backward 2.5× forward; `tbps` may be empty);
+//! - `meta.json`, with `card`, `driver`, `cuda`, `date`, `torch` and `note`.
+//!
+//! The notebooks never invent figures: when the files are absent, [`load`] returns `None` and
+//! [`NOT_MEASURED`] says how to produce them.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use plotters::prelude::*;
+
+/// What a notebook says where no GPU results are committed.
+pub const NOT_MEASURED: &str = "No results committed yet — run `ladder bench` on a GPU machine; \
+it writes docs/results/h200/bench.csv and meta.json, and `scripts/refresh-notebooks 08` redraws \
+the charts. The GPU kernels live in the `ladder-kernels` crate (crates/kernels).";
+
+/// One row of `bench.csv`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Row {
+    pub implementation: String,
+    pub direction: String,
+    pub dtype: String,
+    pub causal: bool,
+    pub batch: usize,
+    pub heads_q: usize,
+    pub heads_kv: usize,
+    pub n_q: usize,
+    pub n_kv: usize,
+    pub d: usize,
+    pub ms: f64,
+    pub tflops: f64,
+    pub tbps: Option<f64>,
+}
+
+impl Row {
+    /// A decode step: a few query tokens against a cache.
+    pub fn is_decode(&self) -> bool {
+        self.n_q <= 16 && self.n_kv > self.n_q
+    }
+
+    /// The problem, without the implementation: rows with the same case are compared.
+    pub fn case(&self) -> String {
+        let n = |x: usize| {
+            if x >= 1024 && x % 1024 == 0 { format!("{}k", x / 1024) } else { x.to_string() }
+        };
+        format!(
+            "{} {} {} B{} H{}/{} {}×{} d{}",
+            self.direction,
+            self.dtype,
+            if self.causal { "causal" } else { "full" },
+            self.batch,
+            self.heads_q,
+            self.heads_kv,
+            n(self.n_q),
+            n(self.n_kv),
+            self.d
+        )
+    }
+}
+
+/// `meta.json`: where and when the figures were measured.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Meta {
+    pub card: String,
+    pub driver: String,
+    pub cuda: String,
+    pub date: String,
+    pub torch: String,
+    pub note: String,
+}
+
+/// The committed measurements.
+#[derive(Debug, Clone)]
+pub struct Results {
+    pub dir: PathBuf,
+    pub rows: Vec<Row>,
+    pub meta: Meta,
+}
+
+/// Where the results are: `$LADDER_RESULTS_DIR`, else `docs/results/h200` in the repository
+/// the notebook runs in (found by walking up from the working directory).
+pub fn results_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("LADDER_RESULTS_DIR") {
+        return PathBuf::from(dir);
+    }
+    let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
+    cwd.ancestors()
+        .map(|a| a.join("docs/results/h200"))
+        .find(|p| p.join("bench.csv").exists())
+        .unwrap_or_else(|| cwd.join("../docs/results/h200"))
+}
+
+/// Reads `bench.csv` and `meta.json`; `Ok(None)` when `bench.csv` is not there, `Err` naming
+/// the line when it is there but malformed.
+pub fn load() -> Result<Option<Results>, String> {
+    load_from(&results_dir())
+}
+
+/// [`load`] from a given folder.
+pub fn load_from(dir: &Path) -> Result<Option<Results>, String> {
+    let csv = dir.join("bench.csv");
+    let Ok(text) = std::fs::read_to_string(&csv) else {
+        return Ok(None);
+    };
+    let rows = parse_csv(&text).map_err(|e| format!("{}: {e}", csv.display()))?;
+    let meta = match std::fs::read_to_string(dir.join("meta.json")) {
+        Ok(json) => parse_meta(&json).map_err(|e| format!("{}/meta.json: {e}", dir.display()))?,
+        Err(_) => Meta { note: "meta.json missing".into(), ..Meta::default() },
+    };
+    Ok(Some(Results { dir: dir.to_owned(), rows, meta }))
+}
+
+const HEADER: &str = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps";
+
+/// Parses `bench.csv` (the header above, then one row per line).
+pub fn parse_csv(text: &str) -> Result<Vec<Row>, String> {
+    let mut lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty());
+    match lines.next() {
+        Some((_, header)) if header.trim() == HEADER => {}
+        other => {
+            return Err(format!("expected the header `{HEADER}`, found {:?}", other.map(|o| o.1)));
+        }
+    }
+    lines
+        .map(|(i, line)| {
+            let f: Vec<&str> = line.split(',').map(str::trim).collect();
+            if f.len() != 13 {
+                return Err(format!("line {}: {} fields, expected 13", i + 1, f.len()));
+            }
+            let int = |k: usize| {
+                f[k].parse::<usize>().map_err(|e| format!("line {}, field {}: {e}", i + 1, k + 1))
+            };
+            let num = |k: usize| {
+                f[k].parse::<f64>().map_err(|e| format!("line {}, field {}: {e}", i + 1, k + 1))
+            };
+            Ok(Row {
+                implementation: f[0].to_owned(),
+                direction: f[1].to_owned(),
+                dtype: f[2].to_owned(),
+                causal: matches!(f[3], "true" | "True" | "1"),
+                batch: int(4)?,
+                heads_q: int(5)?,
+                heads_kv: int(6)?,
+                n_q: int(7)?,
+                n_kv: int(8)?,
+                d: int(9)?,
+                ms: num(10)?,
+                tflops: num(11)?,
+                tbps: if f[12].is_empty() { None } else { Some(num(12)?) },
+            })
+        })
+        .collect()
+}
+
+/// Parses `meta.json`; missing keys read as empty.
+pub fn parse_meta(json: &str) -> Result<Meta, String> {
+    let value: serde_json::Value = serde_json::from_str(json).map_err(|e| e.to_string())?;
+    let get = |k: &str| match value.get(k) {
+        Some(serde_json::Value::String(s)) => s.clone(),
+        Some(other) => other.to_string(),
+        None => String::new(),
+    };
+    Ok(Meta {
+        card: get("card"),
+        driver: get("driver"),
+        cuda: get("cuda"),
+        date: get("date"),
+        torch: get("torch"),
+        note: get("note"),
+    })
+}
+
+impl Results {
+    /// One line naming the card, driver, CUDA, torch and date, and the folder read.
+    pub fn provenance(&self) -> String {
+        let m = &self.meta;
+        let mut s = format!(
+            "Measured on {} (driver {}, CUDA {}, torch {}) on {}; read from {}.",
+            m.card,
+            m.driver,
+            m.cuda,
+            m.torch,
+            m.date,
+            self.dir.display()
+        );
+        if !m.note.is_empty() {
+            let _ = write!(s, " Note: {}", m.note);
+        }
+        s
+    }
+
+    /// The rows of the implementations in `impls` (all rows when `impls` is empty).
+    pub fn select(&self, impls: &[&str]) -> Vec<&Row> {
+        self.rows
+            .iter()
+            .filter(|r| impls.is_empty() || impls.contains(&r.implementation.as_str()))
+            .collect()
+    }
+
+    /// The charts of [`charts`] for `impls`.
+    pub fn charts(&self, impls: &[&str]) -> Figures {
+        charts(&self.select(impls))
+    }
+}
+
+/// Charts of `rows`: TFLOP/s of the prefill cases, one chart per direction, and TB/s of the
+/// decode cases that report it. Each bar is one implementation on one case, so every
+/// implementation is compared only with the peers measured on the same problem.
+pub fn charts(rows: &[&Row]) -> Figures {
+    let mut figures = Vec::new();
+    for direction in ["fwd", "bwd"] {
+        let chosen: Vec<&Row> = rows
+            .iter()
+            .copied()
+            .filter(|r| r.direction == direction && !r.is_decode() && r.tflops > 0.0)
+            .collect();
+        if !chosen.is_empty() {
+            let title = format!("{direction}: TFLOP/s (higher is better)");
+            figures.push(bar_chart(&title, "TFLOP/s", &chosen, |r| Some(r.tflops)));
+        }
+    }
+    let decode: Vec<&Row> =
+        rows.iter().copied().filter(|r| r.is_decode() && r.tbps.is_some()).collect();
+    if !decode.is_empty() {
+        figures.push(bar_chart("decode: TB/s of K and V read", "TB/s", &decode, |r| r.tbps));
+    }
+    Figures(figures)
+}
+
+/// Horizontal grouped bars: one group per case, one bar per implementation.
+fn bar_chart(
+    title: &str,
+    unit: &str,
+    rows: &[&Row],
+    value: impl Fn(&Row) -> Option<f64>,
+) -> String {
+    let mut cases: BTreeMap<String, Vec<(String, f64)>> = BTreeMap::new();
+    let mut impls: Vec<String> = Vec::new();
+    for r in rows {
+        if let Some(v) = value(r) {
+            cases.entry(r.case()).or_default().push((r.implementation.clone(), v));
+            if !impls.contains(&r.implementation) {
+                impls.push(r.implementation.clone());
+            }
+        }
+    }
+    let labels: Vec<String> = cases.keys().cloned().collect();
+    let max = cases.values().flatten().map(|(_, v)| *v).fold(0.0, f64::max).max(1e-9);
+    let slot = 16u32;
+    let height = 90 + labels.len() as u32 * (impls.len() as u32 * slot + 12);
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (820, height.max(220))).into_drawing_area();
+        let _ = draw_bars(&root, title, unit, &labels, &impls, &cases, max);
+        let _ = root.present();
+    }
+    svg
+}
+
+fn draw_bars(
+    root: &DrawingArea<SVGBackend, plotters::coord::Shift>,
+    title: &str,
+    unit: &str,
+    labels: &[String],
+    impls: &[String],
+    cases: &BTreeMap<String, Vec<(String, f64)>>,
+    max: f64,
+) -> Result<(), Box<dyn std::error::Error>> {
+    root.fill(&WHITE)?;
+    let n = labels.len() as f64;
+    let mut chart = ChartBuilder::on(root)
+        .caption(title, ("sans-serif", 18))
+        .margin(10)
+        .x_label_area_size(36)
+        .y_label_area_size(250)
+        .build_cartesian_2d(0.0..max * 1.45, 0.0..n)?;
+    let labels_for_axis = labels.to_vec();
+    chart
+        .configure_mesh()
+        .disable_y_mesh()
+        .light_line_style(WHITE)
+        .y_labels(labels.len() * 2 + 1)
+        .y_label_formatter(&move |y: &f64| {
+            let i = (*y - 0.5).round();
+            if (y - 0.5 - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < labels_for_axis.len() {
+                labels_for_axis[labels_for_axis.len() - 1 - i as usize].clone()
+            } else {
+                String::new()
+            }
+        })
+        .x_desc(unit)
+        .draw()?;
+    let k = impls.len().max(1) as f64;
+    for (ci, label) in labels.iter().enumerate() {
+        let top = n - ci as f64; // first case at the top
+        for (name, v) in &cases[label] {
+            let ii = impls.iter().position(|x| x == name).unwrap_or(0);
+            let y1 = top - 0.1 - 0.8 * ii as f64 / k;
+            let y0 = y1 - 0.8 / k;
+            let color = Palette99::pick(ii).to_rgba();
+            chart.draw_series(std::iter::once(Rectangle::new(
+                [(0.0, y0), (*v, y1)],
+                color.filled(),
+            )))?;
+            chart.draw_series(std::iter::once(Text::new(
+                format!("{v:.1}"),
+                (*v + max * 0.01, (y0 + y1) / 2.0 + 0.15 / k),
+                ("sans-serif", 11),
+            )))?;
+        }
+    }
+    for (ii, name) in impls.iter().enumerate() {
+        let color = Palette99::pick(ii).to_rgba();
+        chart
+            .draw_series(std::iter::once(Rectangle::new(
+                [(0.0, -1.0), (0.0, -1.0)],
+                color.filled(),
+            )))?
+            .label(name.as_str())
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()?;
+    Ok(())
+}
+
+/// Charts as SVG, shown inline by evcxr (and extracted into the book by
+/// `scripts/refresh-notebooks`).
+pub struct Figures(pub Vec<String>);
+
+impl Figures {
+    /// Prints the charts as HTML for Jupyter; nothing when there are none.
+    pub fn evcxr_display(&self) {
+        // One block: evcxr keeps a single output per cell.
+        if !self.0.is_empty() {
+            let html: String = self.0.iter().map(|svg| format!("<div>{svg}</div>")).collect();
+            println!("EVCXR_BEGIN_CONTENT text/html\n{html}\nEVCXR_END_CONTENT");
+        }
+    }
+}
+
+/// The "on the GPU" cell of a rung notebook: the H200 figures of `impls` and their peers when
+/// `docs/results/h200/bench.csv` is committed, else the message saying none are.
+pub fn gpu_section(impls: &[&str]) -> Figures {
+    match load() {
+        Ok(Some(results)) => {
+            let figures = results.charts(impls);
+            if figures.0.is_empty() {
+                println!("The committed results have no rows for {impls:?}: not measured yet.");
+                println!("{NOT_MEASURED}");
+            } else {
+                println!("{}", results.provenance());
+            }
+            figures
+        }
+        Ok(None) => {
+            println!("{NOT_MEASURED}");
+            Figures(Vec::new())
+        }
+        Err(e) => {
+            println!("The committed results could not be read: {e}");
+            Figures(Vec::new())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_bench_format() {
+        let text = format!(
+            "{HEADER}\nfa2,fwd,fp16,true,4,32,32,4096,4096,128,1.5,400.0,\n\
+             sdpa-cudnn,fwd,fp16,false,1,32,8,1,8192,128,0.02,1.0,2.5\n"
+        );
+        let rows = parse_csv(&text).unwrap();
+        assert_eq!(rows.len(), 2);
+        assert!(rows[0].causal && rows[0].tbps.is_none() && !rows[0].is_decode());
+        assert!(rows[1].is_decode() && rows[1].tbps == Some(2.5));
+        assert!(parse_csv("a,b\n").is_err());
+        let figures = charts(&rows.iter().collect::<Vec<_>>());
+        assert_eq!(figures.0.len(), 2);
+        assert!(figures.0[0].contains("<svg"));
+    }
+
+    #[test]
+    fn absent_results_are_none() {
+        assert!(load_from(Path::new("/nonexistent")).unwrap().is_none());
+    }
+}
