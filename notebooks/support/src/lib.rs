@@ -5,6 +5,7 @@
 //!
 //! - [`exercise`]: runs a property over random cases drawn by the project's proptest strategies,
 //!   prints `pass` or returns the shrunk counterexample as a cell error;
+//! - [`live`]: runs a GPU rung live and checks it against the oracle, when there is a GPU;
 //! - [`results`]: reads the GPU measurements committed under `docs/results/h200/` and charts them,
 //!   or says plainly that none are committed yet.
 //!
@@ -14,6 +15,7 @@
 use std::fmt;
 
 pub mod exercise;
+pub mod live;
 pub mod results;
 
 /// A check that did not pass. Returned with `?` from a notebook cell, it turns the cell red and

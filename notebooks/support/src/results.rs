@@ -98,8 +98,9 @@ pub fn results_dir() -> PathBuf {
         .unwrap_or_else(|| cwd.join("../docs/results/h200"))
 }
 
-/// Reads `bench.csv` and `meta.json`; `Ok(None)` when `bench.csv` is not there, `Err` naming
-/// the line when it is there but malformed.
+/// Reads `bench.csv` (our kernels), `peers.csv` (the peers timed in the same run, when present)
+/// and `meta.json`; `Ok(None)` when `bench.csv` is not there, `Err` naming the line when a file
+/// is there but malformed.
 pub fn load() -> Result<Option<Results>, String> {
     load_from(&results_dir())
 }
@@ -110,7 +111,11 @@ pub fn load_from(dir: &Path) -> Result<Option<Results>, String> {
     let Ok(text) = std::fs::read_to_string(&csv) else {
         return Ok(None);
     };
-    let rows = parse_csv(&text).map_err(|e| format!("{}: {e}", csv.display()))?;
+    let mut rows = parse_csv(&text).map_err(|e| format!("{}: {e}", csv.display()))?;
+    let peers = dir.join("peers.csv");
+    if let Ok(text) = std::fs::read_to_string(&peers) {
+        rows.extend(parse_csv(&text).map_err(|e| format!("{}: {e}", peers.display()))?);
+    }
     let meta = match std::fs::read_to_string(dir.join("meta.json")) {
         Ok(json) => parse_meta(&json).map_err(|e| format!("{}/meta.json: {e}", dir.display()))?,
         Err(_) => Meta { note: "meta.json missing".into(), ..Meta::default() },
@@ -189,7 +194,12 @@ impl Results {
             m.cuda,
             m.torch,
             m.date,
-            self.dir.display()
+            // The repository-relative folder when it is the committed one (outputs are committed).
+            if self.dir.ends_with("docs/results/h200") {
+                "docs/results/h200".to_string()
+            } else {
+                self.dir.display().to_string()
+            }
         );
         if !m.note.is_empty() {
             let _ = write!(s, " Note: {}", m.note);
