@@ -361,19 +361,20 @@ impl Figures {
     }
 }
 
-/// The "on the GPU" cell of a rung notebook: the H200 figures of `impls` and their peers when
-/// `docs/results/h200/bench.csv` is committed, else the message saying none are.
+/// The "on the GPU" cell of a rung notebook: the H200 figures of `impls` (the rung first, then
+/// what to compare it with) when `docs/results/h200/bench.csv` has rows of the rung itself; else
+/// the message saying the rung has not been measured (the peers alone would chart other problems).
 pub fn gpu_section(impls: &[&str]) -> Figures {
     match load() {
         Ok(Some(results)) => {
-            let figures = results.charts(impls);
-            if figures.0.is_empty() {
-                println!("The committed results have no rows for {impls:?}: not measured yet.");
+            let rung = impls.first().copied().unwrap_or_default();
+            if results.select(&[rung]).is_empty() {
+                println!("No GPU measurements of {rung} are committed: not measured yet.");
                 println!("{NOT_MEASURED}");
-            } else {
-                println!("{}", results.provenance());
+                return Figures(Vec::new());
             }
-            figures
+            println!("{}", results.provenance());
+            results.charts(impls)
         }
         Ok(None) => {
             println!("{NOT_MEASURED}");
