@@ -369,8 +369,12 @@ pub fn gpu_section(impls: &[&str]) -> Figures {
         Ok(Some(results)) => {
             let rung = impls.first().copied().unwrap_or_default();
             if results.select(&[rung]).is_empty() {
-                println!("No GPU measurements of {rung} are committed: not measured yet.");
-                println!("{NOT_MEASURED}");
+                println!(
+                    "No GPU measurements of {rung} are committed: this rung has no GPU kernel \
+                     yet. Notebook 08 charts the H200 results of the kernels that exist \
+                     ({}).",
+                    results.provenance()
+                );
                 return Figures(Vec::new());
             }
             println!("{}", results.provenance());
