@@ -157,16 +157,6 @@ impl Problem {
         [self.batch, self.heads_q, self.n_q]
     }
 
-    /// Forward FLOPs by the ladder's convention: 4·B·Hq·n_q·n_kv·d, halved for causal square.
-    pub fn forward_flops(&self) -> f64 {
-        let full = 4.0
-            * (self.batch * self.heads_q) as f64
-            * self.n_q as f64
-            * self.n_kv as f64
-            * self.d as f64;
-        if self.causal { full / 2.0 } else { full }
-    }
-
     pub(crate) fn require_dtype(
         &self,
         rung: &'static str,
