@@ -9,11 +9,14 @@
 use std::time::Duration;
 
 use ladder_kernels::{DType, Gpu, KernelError, Options, Tensor, fa1, fa2};
-use ladder_reference::{AttentionOptions, AttentionOutput, Gradients, naive};
+use ladder_reference::{
+    AttentionOptions, AttentionOutput, Fa2Options, Gradients, fa2 as cpu_fa2, naive,
+};
 use ndarray::{Array3, Array4};
 
 use crate::cases::{Case, Inputs};
 use crate::low_precision::{self, Half};
+use crate::metrics::{ErrorStats, Tolerance, error_between};
 use crate::oracle::{Expected, ExpectedGradients, GradientOracle, Oracle};
 
 /// A GPU forward rung.
@@ -199,4 +202,26 @@ pub fn expected_backward(
     let baseline =
         Gradients { dq: to32(&low.dq), dk: to32(&low.dk), dv: to32(&low.dv), stats: low.stats };
     Ok(ExpectedGradients::from_baseline(oracle, &baseline))
+}
+
+/// The GPU gradients `got` against the CPU FA2 backward pass on the same inputs `x32`: for each of
+/// `dQ, dK, dV`, the error between the two and its tolerance, the sum of the GPU rung's
+/// (`expected`) and the CPU rung's tolerances against the oracle (each may be off the oracle by
+/// its own, so together by the sum).
+pub fn vs_cpu_backward(
+    oracle: &GradientOracle,
+    x32: &Inputs<f32>,
+    got: &Gradients<f32>,
+    expected: &ExpectedGradients,
+) -> anyhow::Result<[(ErrorStats, Tolerance); 3]> {
+    let opts = Fa2Options::new(oracle.attention);
+    let (q, k, v, d_o) = (x32.q.view(), x32.k.view(), x32.v.view(), x32.d_o.view());
+    let fwd = cpu_fa2::forward(q, k, v, &opts)?;
+    let cpu = cpu_fa2::backward(q, k, v, fwd.o.view(), d_o, fwd.lse.view(), &opts)?;
+    let cpu_expected = ExpectedGradients::from_oracle(oracle, x32)?;
+    let pairs = [(&got.dq, &cpu.dq), (&got.dk, &cpu.dk), (&got.dv, &cpu.dv)];
+    Ok(std::array::from_fn(|t| {
+        let (gpu_t, cpu_t) = pairs[t];
+        (error_between(gpu_t, cpu_t), expected.tolerances[t].plus(cpu_expected.tolerances[t]))
+    }))
 }

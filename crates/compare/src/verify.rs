@@ -37,6 +37,18 @@ impl VerifyCase {
             shape: AttentionShape::new(2, 8, 2, 1, 8192, 64).expect("valid"),
         }
     }
+
+    /// The random problem of this case under `config`: unit-normal tensors from `seed`.
+    fn spec(&self, config: &RungConfig, seed: u64) -> Case {
+        Case {
+            shape: self.shape,
+            causal: config.attention.causal,
+            logit_std: 1.0,
+            tiles: config.tiles,
+            splits: config.splits,
+            seed,
+        }
+    }
 }
 
 /// One line of the table.
@@ -74,14 +86,7 @@ pub fn run(
 ) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     for case in cases {
-        let spec = Case {
-            shape: case.shape,
-            causal: config.attention.causal,
-            logit_std: 1.0,
-            tiles: config.tiles,
-            splits: config.splits,
-            seed,
-        };
+        let spec = case.spec(config, seed);
         // The f64 run sees the f32 inputs widened, so one oracle serves both precisions.
         let narrow_inputs = spec.inputs::<f32>();
         let wide_inputs = narrow_inputs.widen();
@@ -332,14 +337,7 @@ pub fn gpu_rows(
     let mut rows = Vec::new();
     for case in cases {
         let d = case.shape.d;
-        let spec = Case {
-            shape: case.shape,
-            causal: config.attention.causal,
-            logit_std: 1.0,
-            tiles: config.tiles,
-            splits: config.splits,
-            seed,
-        };
+        let spec = case.spec(config, seed);
         let x = gpu_check::device_inputs(&spec, dtype);
         let (attention, opts) = gpu_check::options(&config.attention, d);
         let oracle = Oracle::new(&x, &attention)?;
@@ -388,18 +386,9 @@ pub fn gpu_rows(
                 .zip(&expected.tolerances)
                 .map(|(e, t)| ratio_of(*e, *t))
                 .fold(0.0, f64::max);
-            let fa2_opts = Fa2Options::new(attention);
-            let fwd = fa2::forward(q, k, v, &fa2_opts)?;
-            let d_o = x32.d_o.view();
-            let cpu = fa2::backward(q, k, v, fwd.o.view(), d_o, fwd.lse.view(), &fa2_opts)?;
-            let cpu_expected = ExpectedGradients::from_oracle(&grad_oracle, &x32)?;
-            let pair = [
-                error_between(&grads.dq, &cpu.dq),
-                error_between(&grads.dk, &cpu.dk),
-                error_between(&grads.dv, &cpu.dv),
-            ];
-            for ((e, t), c) in pair.iter().zip(&expected.tolerances).zip(&cpu_expected.tolerances) {
-                let r = ratio_of(*e, t.plus(*c));
+            let pair = gpu_check::vs_cpu_backward(&grad_oracle, &x32, &grads, &expected)?;
+            for (e, tol) in &pair {
+                let r = ratio_of(*e, *tol);
                 ratio = ratio.max(r);
                 pass &= r <= 1.0;
             }
@@ -408,7 +397,7 @@ pub fn gpu_rows(
                 label: "fa2-bwd-gpu".to_string(),
                 vs_previous: Some((
                     "fa2-bwd, CPU".to_string(),
-                    pair.into_iter().fold(ErrorStats::default(), ErrorStats::worst),
+                    pair.into_iter().map(|(e, _)| e).fold(ErrorStats::default(), ErrorStats::worst),
                 )),
                 vs_oracle: errs.into_iter().fold(ErrorStats::default(), ErrorStats::worst),
                 err_over_tol: ratio,

@@ -13,8 +13,7 @@
 use std::sync::OnceLock;
 
 use ladder_compare::gpu_check::{self, GpuForward, device_inputs, narrow, options};
-use ladder_compare::metrics::error_between;
-use ladder_compare::oracle::{Expected, ExpectedGradients, GradientOracle, Oracle, check};
+use ladder_compare::oracle::{Expected, GradientOracle, Oracle, check};
 use ladder_compare::{Case, CaseSpace, Inputs, cases};
 use ladder_kernels::{DType, Gpu, KernelError, Options, fa1, fa2, testing};
 use ladder_reference::{AttentionOutput, Fa1Options, Fa2Options};
@@ -100,18 +99,8 @@ fn check_backward(case: &Case, dtype: DType) -> Result<(), TestCaseError> {
         )));
     }
     // Against the CPU rung: each within its own tolerance of the oracle, so within the sum.
-    let x32 = narrow(&x);
-    let cpu_opts = Fa2Options::new(attention);
-    let (q, k, v, d_o) = (x32.q.view(), x32.k.view(), x32.v.view(), x32.d_o.view());
-    let fwd = ladder_reference::fa2::forward(q, k, v, &cpu_opts).map_err(fail)?;
-    let cpu =
-        ladder_reference::fa2::backward(q, k, v, fwd.o.view(), d_o, fwd.lse.view(), &cpu_opts)
-            .map_err(fail)?;
-    let cpu_expected = ExpectedGradients::from_oracle(&oracle, &x32).map_err(fail)?;
-    let pairs = [(&got.dq, &cpu.dq), (&got.dk, &cpu.dk), (&got.dv, &cpu.dv)];
-    for (t, (gpu_t, cpu_t)) in pairs.into_iter().enumerate() {
-        let err = error_between(gpu_t, cpu_t);
-        let tol = expected.tolerances[t].plus(cpu_expected.tolerances[t]);
+    let pairs = gpu_check::vs_cpu_backward(&oracle, &narrow(&x), &got, &expected).map_err(fail)?;
+    for (t, (err, tol)) in pairs.into_iter().enumerate() {
         if !tol.admits(err) {
             return Err(fail(format!(
                 "fa2 backward (GPU, {dtype}) vs CPU fa2 backward, gradient {t}: {err} (tol {tol})"
