@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use ladder_kernels::{DType, Gpu, KernelError, Options, Tensor, fa1, fa2};
+use ladder_kernels::{DType, Gpu, GpuConfig, KernelCache, KernelError, Options, Tensor, fa1, fa2};
 use ladder_reference::{
     AttentionOptions, AttentionOutput, Fa2Options, Gradients, fa2 as cpu_fa2, naive,
 };
@@ -18,6 +18,72 @@ use crate::cases::{Case, Inputs};
 use crate::low_precision::{self, Half};
 use crate::metrics::{ErrorStats, Tolerance, error_between};
 use crate::oracle::{Expected, ExpectedGradients, GradientOracle, Oracle};
+
+/// The device configuration the `ladder` CLI, the notebooks and the tests use: the library
+/// (`ladder-kernels`) reads no environment variables, so the `LADDER_*` variables are mapped
+/// onto its [`GpuConfig`] here:
+///
+/// | variable | meaning |
+/// |---|---|
+/// | `LADDER_DEVICE=N` | CUDA device ordinal (default 0) |
+/// | `LADDER_SYNC_LAUNCHES=1` | synchronise after every launch (faults name their kernel) |
+/// | `LADDER_NVRTC_OPTIONS="..."` | extra NVRTC options, split at whitespace |
+/// | `LADDER_KERNEL_CACHE=DIR` or `off` | kernel cache folder, or none |
+/// | `LADDER_FA2_TILES=m_tiles,bc,warps` | FA2 forward tiles for every head dimension (tuning) |
+pub fn gpu_config_from_env() -> anyhow::Result<GpuConfig> {
+    let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+    let mut config = GpuConfig::new();
+    if let Some(s) = var("LADDER_DEVICE") {
+        let n = s.parse().map_err(|_| anyhow::anyhow!("LADDER_DEVICE={s:?} is not a number"))?;
+        config = config.device(n);
+    }
+    config = config.sync_launches(var("LADDER_SYNC_LAUNCHES").is_some_and(|v| v != "0"));
+    if let Some(s) = var("LADDER_NVRTC_OPTIONS") {
+        config = config.nvrtc_options(s.split_whitespace());
+    }
+    if let Some(s) = var("LADDER_KERNEL_CACHE") {
+        let cache = if s == "off" { KernelCache::Off } else { KernelCache::Dir(s.into()) };
+        config = config.kernel_cache(cache);
+    }
+    if let Some(s) = var("LADDER_FA2_TILES") {
+        config = config.fa2_forward_tiles(
+            s.parse().map_err(|e| anyhow::anyhow!("LADDER_FA2_TILES: {e}"))?,
+        );
+    }
+    Ok(config)
+}
+
+/// The device for `ladder` and the notebooks: [`gpu_config_from_env`], opened.
+pub fn open_gpu() -> anyhow::Result<Gpu> {
+    Ok(Gpu::with_config(gpu_config_from_env()?)?)
+}
+
+/// Whether `LADDER_REQUIRE_GPU=1` is set: a GPU test must then fail, not skip, without a GPU.
+pub fn gpu_required() -> bool {
+    std::env::var("LADDER_REQUIRE_GPU").is_ok_and(|v| v == "1")
+}
+
+/// The GPU for a test (outputs poisoned with NaN, launches synchronous), or `None` with a printed
+/// notice when there is none.
+///
+/// # Panics
+///
+/// When `LADDER_REQUIRE_GPU=1` is set and no GPU can be opened: a GPU test must fail, not skip,
+/// where a GPU is promised.
+pub fn gpu_or_skip(test: &str) -> Option<Gpu> {
+    let opened = gpu_config_from_env()
+        .and_then(|c| Ok(Gpu::with_config(c.poison_outputs(true).sync_launches(true))?));
+    match opened {
+        Ok(gpu) => Some(gpu),
+        Err(e) => {
+            if gpu_required() {
+                panic!("{test}: LADDER_REQUIRE_GPU=1 but no GPU: {e}");
+            }
+            eprintln!("{test}: skipped (no GPU: {e})");
+            None
+        }
+    }
+}
 
 /// A GPU forward rung.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,7 +149,7 @@ pub fn options(attention: &AttentionOptions, d: usize) -> (AttentionOptions, Opt
     let scale = attention.scale.unwrap_or(1.0 / (d as f64).sqrt()) as f32;
     (
         AttentionOptions { causal: attention.causal, scale: Some(scale as f64) },
-        Options { causal: attention.causal, scale: Some(scale) },
+        Options { causal: attention.causal, scale: Some(scale), deterministic: false },
     )
 }
 
@@ -164,7 +230,7 @@ pub fn backward(
     let out = fa2::forward(gpu, &q, &k, &v, opts)?;
     let mut grads = None;
     let ms = gpu.time_ms(|| {
-        grads = Some(fa2::backward(gpu, &q, &k, &v, &out.o, &out.lse, &d_o, opts)?);
+        grads = Some(fa2::backward(gpu, &q, &k, &v, &out, &d_o, opts)?);
         Ok(())
     })?;
     let g = grads.expect("set by the timed closure");

@@ -40,7 +40,7 @@ impl Variant {
         format!("{COMMON}\n#line 1 \"{}.cu\"\n{}", self.file, self.source)
     }
 
-    fn options(&self, arch: &str) -> Vec<String> {
+    fn options(&self, arch: &str, extra: &[String]) -> Vec<String> {
         let mut opts = vec![
             format!("--gpu-architecture={arch}"),
             "--std=c++17".to_string(),
@@ -48,11 +48,8 @@ impl Variant {
             "--ptxas-options=-v".to_string(),
         ];
         opts.extend(self.defines.iter().map(|(k, v)| format!("-D{k}={v}")));
-        // Extra NVRTC options for experiments (e.g. `-DFA2_BC=32`, or ptxas flags), part of
-        // the cache key like every other option.
-        if let Ok(extra) = std::env::var("LADDER_NVRTC_OPTIONS") {
-            opts.extend(extra.split_whitespace().map(str::to_string));
-        }
+        // Extra options (e.g. `-lineinfo`) come last, so that an experiment's `-D` wins.
+        opts.extend(extra.iter().cloned());
         opts
     }
 }
@@ -64,57 +61,28 @@ pub struct Compiled {
     pub cubin: Vec<u8>,
     /// NVRTC's log; `ptxas info` lines give registers, shared memory and spills.
     pub log: String,
-    /// Whether it came from the disk cache.
+    /// Whether it came from the disk cache (printed by the compile check).
+    #[cfg_attr(not(test), allow(dead_code))]
     pub cached: bool,
 }
 
-/// ptxas's resource figures for one kernel, parsed from an NVRTC log.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ResourceReport {
-    /// Registers per thread.
-    pub registers: u32,
-    /// Bytes spilled to local memory by stores plus loads.
-    pub spill_bytes: u32,
-    /// Stack frame bytes.
-    pub stack_bytes: u32,
-    /// Static shared memory bytes (dynamic shared memory is set at launch).
-    pub static_smem: u32,
-}
-
-impl ResourceReport {
-    /// Parse the `ptxas info` lines of an NVRTC log: one report per kernel entry, in order.
-    pub fn parse(log: &str) -> Vec<(String, ResourceReport)> {
-        let mut reports: Vec<(String, ResourceReport)> = Vec::new();
-        let number_before = |line: &str, unit: &str| -> Option<u32> {
-            let idx = line.find(unit)?;
-            line[..idx].split_whitespace().last()?.parse().ok()
-        };
-        for line in log.lines() {
-            if let Some(rest) = line.split("Function properties for ").nth(1) {
-                reports.push((rest.trim().to_string(), ResourceReport::default()));
-            }
-            let Some((_, r)) = reports.last_mut() else { continue };
-            if line.contains("bytes stack frame") {
-                r.stack_bytes = number_before(line, "bytes stack frame").unwrap_or(0);
-                r.spill_bytes = number_before(line, "bytes spill stores").unwrap_or(0)
-                    + number_before(line, "bytes spill loads").unwrap_or(0);
-            }
-            if line.contains("Used") && line.contains("registers") {
-                r.registers = number_before(line, "registers").unwrap_or(0);
-                r.static_smem = number_before(line, "bytes smem").unwrap_or(0);
-            }
-        }
-        reports
-    }
+/// How variants are compiled: extra NVRTC options and the disk cache's folder (none: no cache).
+#[derive(Clone, Debug, Default)]
+pub struct CompileSettings {
+    /// Options appended to every compile; part of the cache key.
+    pub extra_options: Vec<String>,
+    /// The cache folder.
+    pub cache_dir: Option<PathBuf>,
 }
 
 /// Compile `variant` for `arch` (`sm_90a`, `sm_80`, ...), through the disk cache.
-pub fn compile(variant: &Variant, arch: &str) -> Result<Compiled> {
+pub fn compile(variant: &Variant, arch: &str, settings: &CompileSettings) -> Result<Compiled> {
     let version = nvrtc_version(variant)?;
+    let options = variant.options(arch, &settings.extra_options);
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    (variant.full_source(), variant.options(arch), version).hash(&mut hasher);
+    (variant.full_source(), &options, version).hash(&mut hasher);
     let key = format!("{}-{arch}-{:016x}", variant.file, hasher.finish());
-    let dir = cache_dir();
+    let dir = &settings.cache_dir;
     if let Some(dir) = &dir {
         if let (Ok(cubin), Ok(log)) = (
             std::fs::read(dir.join(format!("{key}.cubin"))),
@@ -123,7 +91,7 @@ pub fn compile(variant: &Variant, arch: &str) -> Result<Compiled> {
             return Ok(Compiled { cubin, log, cached: true });
         }
     }
-    let compiled = compile_uncached(variant, arch)?;
+    let compiled = compile_uncached(variant, &options)?;
     if let Some(dir) = &dir {
         // A cache that cannot be written only costs the next run a compile.
         if std::fs::create_dir_all(dir).is_ok() {
@@ -135,18 +103,6 @@ pub fn compile(variant: &Variant, arch: &str) -> Result<Compiled> {
         }
     }
     Ok(compiled)
-}
-
-/// Where compiled kernels are cached: `$LADDER_KERNEL_CACHE`, else `$XDG_CACHE_HOME/attention-ladder`,
-/// else `~/.cache/attention-ladder`. Set `LADDER_KERNEL_CACHE=off` to disable.
-pub fn cache_dir() -> Option<PathBuf> {
-    if let Some(dir) = std::env::var_os("LADDER_KERNEL_CACHE") {
-        return (dir != "off").then(|| PathBuf::from(dir));
-    }
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
-    Some(base.join("attention-ladder").join("kernels"))
 }
 
 fn load_error(variant: &Variant) -> KernelError {
@@ -172,7 +128,7 @@ pub fn nvrtc_version(variant: &Variant) -> Result<(i32, i32)> {
     Ok((major, minor))
 }
 
-fn compile_uncached(variant: &Variant, arch: &str) -> Result<Compiled> {
+fn compile_uncached(variant: &Variant, options: &[String]) -> Result<Compiled> {
     let fail = |log: String| KernelError::Compile { kernel: variant.label(), log };
     let src = CString::new(variant.full_source()).map_err(|e| fail(e.to_string()))?;
     let name = CString::new(format!("{}.cu", variant.file)).map_err(|e| fail(e.to_string()))?;
@@ -180,7 +136,7 @@ fn compile_uncached(variant: &Variant, arch: &str) -> Result<Compiled> {
     // SAFETY: `prog` was just created and is destroyed exactly once below; `src` and `name`
     // outlive it.
     unsafe {
-        let compiled = nvrtc::compile_program(prog, &variant.options(arch));
+        let compiled = nvrtc::compile_program(prog, options);
         let log = nvrtc::get_program_log(prog).map(|l| c_chars_to_string(&l)).unwrap_or_default();
         let result = match compiled {
             Err(e) => Err(fail(format!("{e:?}\n{log}"))),
@@ -214,6 +170,46 @@ fn c_chars_to_string(chars: &[c_char]) -> String {
 mod tests {
     use super::*;
 
+    /// ptxas's resource figures for one kernel, parsed from an NVRTC log.
+    #[derive(Clone, Debug, Default, PartialEq, Eq)]
+    pub struct ResourceReport {
+        /// Registers per thread.
+        pub registers: u32,
+        /// Bytes spilled to local memory by stores plus loads.
+        pub spill_bytes: u32,
+        /// Stack frame bytes.
+        pub stack_bytes: u32,
+        /// Static shared memory bytes (dynamic shared memory is set at launch).
+        pub static_smem: u32,
+    }
+
+    impl ResourceReport {
+        /// Parse the `ptxas info` lines of an NVRTC log: one report per kernel entry, in order.
+        pub fn parse(log: &str) -> Vec<(String, ResourceReport)> {
+            let mut reports: Vec<(String, ResourceReport)> = Vec::new();
+            let number_before = |line: &str, unit: &str| -> Option<u32> {
+                let idx = line.find(unit)?;
+                line[..idx].split_whitespace().last()?.parse().ok()
+            };
+            for line in log.lines() {
+                if let Some(rest) = line.split("Function properties for ").nth(1) {
+                    reports.push((rest.trim().to_string(), ResourceReport::default()));
+                }
+                let Some((_, r)) = reports.last_mut() else { continue };
+                if line.contains("bytes stack frame") {
+                    r.stack_bytes = number_before(line, "bytes stack frame").unwrap_or(0);
+                    r.spill_bytes = number_before(line, "bytes spill stores").unwrap_or(0)
+                        + number_before(line, "bytes spill loads").unwrap_or(0);
+                }
+                if line.contains("Used") && line.contains("registers") {
+                    r.registers = number_before(line, "registers").unwrap_or(0);
+                    r.static_smem = number_before(line, "bytes smem").unwrap_or(0);
+                }
+            }
+            reports
+        }
+    }
+
     #[test]
     fn parses_ptxas_report() {
         let log = "ptxas info    : Compiling entry function 'fa2_forward' for 'sm_90a'\n\
@@ -229,5 +225,68 @@ mod tests {
             )]
         );
         assert!(ResourceReport::parse("no report here").is_empty());
+    }
+
+    /// Every kernel variant compiles with NVRTC for Hopper (sm_90a) and Ampere (sm_80), and
+    /// ptxas's report is printed; the tensor-core (FA2) kernels must not spill. Needs libnvrtc,
+    /// no GPU: skipped without it unless `LADDER_REQUIRE_NVRTC=1` (as `.ci/kernels` sets).
+    /// `LADDER_COMPILE_FILTER=fa2_forward` narrows it to matching variants; `LADDER_KERNEL_CACHE`
+    /// names the cache folder (`.ci/kernels` gives it an empty one, so everything compiles).
+    #[test]
+    fn every_kernel_compiles_without_spills() {
+        let filter = std::env::var("LADDER_COMPILE_FILTER").unwrap_or_default();
+        let settings = CompileSettings {
+            extra_options: Vec::new(),
+            cache_dir: std::env::var_os("LADDER_KERNEL_CACHE").map(PathBuf::from),
+        };
+        let variants = |arch: &str| -> Vec<Variant> {
+            crate::variants(arch).into_iter().filter(|v| v.label().contains(&filter)).collect()
+        };
+        if let Err(e) = nvrtc_version(&variants("sm_90a")[0]) {
+            if std::env::var("LADDER_REQUIRE_NVRTC").is_ok_and(|v| v == "1") {
+                panic!("LADDER_REQUIRE_NVRTC=1 but {e}");
+            }
+            eprintln!("skipped: {e}");
+            return;
+        }
+        let mut failures = Vec::new();
+        for arch in ["sm_90a", "sm_80"] {
+            for v in &variants(arch) {
+                let compiled = match compile(v, arch, &settings) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        failures.push(format!("{arch} {}: {e}", v.label()));
+                        continue;
+                    }
+                };
+                let reports = ResourceReport::parse(&compiled.log);
+                if reports.is_empty() {
+                    failures.push(format!("{arch} {}: no ptxas report in the log", v.label()));
+                }
+                for (entry, r) in reports {
+                    let defines: Vec<String> =
+                        v.defines.iter().map(|(k, x)| format!("{k}={x}")).collect();
+                    println!(
+                        "{arch:7} {entry:20} {:70} regs {:3}  spill {:5} B  stack {:5} B  smem {:5} B{}",
+                        defines.join(" "),
+                        r.registers,
+                        r.spill_bytes,
+                        r.stack_bytes,
+                        r.static_smem,
+                        if compiled.cached { " (cached)" } else { "" }
+                    );
+                    // The tensor-core kernels keep everything in registers; FA1 is the scalar
+                    // teaching kernel and may use local memory.
+                    if entry.starts_with("fa2_") && r.spill_bytes > 0 {
+                        failures.push(format!(
+                            "{arch} {} {entry} spills {} bytes",
+                            v.label(),
+                            r.spill_bytes
+                        ));
+                    }
+                }
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 }

@@ -21,7 +21,8 @@ pub enum KernelError {
         /// Compute capability, minor.
         minor: i32,
     },
-    /// NVRTC (`libnvrtc.so`) could not be loaded or failed to compile a kernel.
+    /// NVRTC (`libnvrtc.so`) could not be loaded, failed to compile a kernel, or the driver could
+    /// not load the result.
     #[error("compiling {kernel} failed: {log}")]
     Compile {
         /// The kernel variant, e.g. `fa2_forward(d=128, fp16)`.
@@ -49,9 +50,30 @@ pub enum KernelError {
         /// What the rung supports.
         supported: &'static str,
     },
-    /// Tensor shapes or dtypes do not fit together.
+    /// Tensor shapes do not fit together, or a dimension is zero or too large.
     #[error("shape mismatch: {0}")]
     Shape(String),
+    /// Tensors that must share an element type do not, or a tensor is not of the type asked for.
+    #[error("dtype mismatch: {0}")]
+    DType(String),
+    /// A tensor lives in another CUDA context (another device) than the [`crate::Gpu`] given.
+    #[error("wrong device: {0}")]
+    Device(String),
+    /// A configuration value is invalid (a tile specification, an NVRTC option list, ...).
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// A kernel needs more of a per-block resource than the device has.
+    #[error("{kernel} needs {needed} bytes of shared memory per block; {device} allows {limit}")]
+    SharedMemory {
+        /// The kernel variant.
+        kernel: String,
+        /// Bytes it needs.
+        needed: usize,
+        /// Bytes the device allows one block (opt-in maximum).
+        limit: usize,
+        /// The device's name.
+        device: String,
+    },
     /// The device has not enough free memory for an allocation.
     #[error("out of device memory allocating {bytes} bytes")]
     OutOfMemory {

@@ -1,20 +1,22 @@
-//! Rung 3 on the GPU: FlashAttention-2 (Dao 2023), forward on tensor cores.
+//! Rung 3 on the GPU: FlashAttention-2 (Dao 2023), forward and backward on tensor cores.
 //!
-//! The loop swap of FA2: each thread block owns a tile of query rows and walks K/V once, keeping the
-//! softmax statistics and the *unnormalised* output in registers; the output is divided by the row
-//! sum once at the end, and `lse = m + log l` is stored for the backward pass. Causal tiles entirely
-//! above the diagonal are skipped, and only diagonal and tail tiles are masked. Kernel:
-//! `cuda/fa2_forward.cu` (mma.sync m16n8k16, ldmatrix, cp.async double buffering).
+//! The loop swap of FA2 (Algorithm 1): each thread block owns `br` query rows and walks K/V once,
+//! `bc` keys per tile, keeping the softmax statistics and the *unnormalised* output in registers;
+//! the output is divided by the row sum once at the end, and `lse = m + log l` is stored for the
+//! backward pass. Causal tiles entirely above the diagonal are skipped, and only diagonal and
+//! tail tiles are masked. Kernel: `cuda/fa2_forward.cu` (mma.sync m16n8k16, ldmatrix, cp.async
+//! double buffering).
 //!
 //! The backward pass (Algorithm 2) recomputes `P` from `lse` tile by tile: one block per K/V tile
-//! accumulates `dK, dV` in registers while walking the query tiles, and adds its share of `dQ`
-//! with atomics. Kernels: `cuda/fa2_backward.cu`.
+//! accumulates `dK, dV` in registers while walking the query tiles. `dQ` is added with atomics by
+//! those blocks, or, with [`Options::deterministic`], computed by a separate pass with one block
+//! per query tile that walks the key tiles (bitwise reproducible). Kernels: `cuda/fa2_backward.cu`.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::DeviceRepr;
 
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, Kernel};
 use crate::problem::{Gradients, Options, Output, Problem, grid};
 use crate::tensor::{DType, Tensor};
 
@@ -26,125 +28,148 @@ pub const HEAD_DIMS: &[usize] = &[64, 128, 256];
 /// Head dimensions with an FA2 backward kernel (at d = 256 the dK and dV accumulators of a warp's
 /// 16 keys alone would take all 255 registers).
 pub const BACKWARD_HEAD_DIMS: &[usize] = &[64, 128];
-/// Query rows per step of the backward kernel's inner loop.
-pub const BACKWARD_BLOCK_M: usize = 64;
-/// Warps of the backward kernel; each owns 16 keys of the K/V tile.
-pub const BACKWARD_WARPS: usize = 8;
+/// Element types of the FA2 kernels.
+pub const DTYPES: &[DType] = &[DType::F16, DType::BF16];
 
-/// Tile configuration of the forward kernel for one head dimension.
+/// Tile configuration of the forward kernel: `br = warps · m_tiles · 16` query rows per block,
+/// `bc` keys per K/V tile.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ForwardTiles {
-    /// 16-row mma tiles per warp.
+    /// 16-row mma tiles per warp (1 or 2).
     pub m_tiles: usize,
-    /// Keys per K/V tile.
-    pub block_n: usize,
+    /// Keys per K/V tile (a multiple of 16).
+    pub bc: usize,
     /// Warps per block.
     pub warps: usize,
 }
 
 impl ForwardTiles {
-    /// The tiles used for head dimension `d` on architecture `arch` (`sm_90a`, `sm_80`, ...).
+    /// Checked tiles: `m_tiles` 1 or 2, `bc` a positive multiple of 16 up to 256, 1 to 16 warps.
+    pub fn new(m_tiles: usize, bc: usize, warps: usize) -> Result<ForwardTiles> {
+        if !(1..=2).contains(&m_tiles)
+            || bc == 0
+            || bc % 16 != 0
+            || bc > 256
+            || !(1..=16).contains(&warps)
+        {
+            return Err(KernelError::Config(format!(
+                "FA2 forward tiles m_tiles={m_tiles}, bc={bc}, warps={warps}: expected m_tiles 1 or \
+                 2, bc a multiple of 16 in 16..=256, warps in 1..=16"
+            )));
+        }
+        Ok(ForwardTiles { m_tiles, bc, warps })
+    }
+
+    /// The tuned tiles for head dimension `d` on architecture `arch` (`sm_90a`, `sm_80`, ...).
     /// Each warp owns 32 query rows (two mma tiles) where the registers allow, which halves the
-    /// shared-memory reads per FLOP. `LADDER_FA2_TILES=m_tiles,block_n,warps` overrides them, for
-    /// tuning experiments.
+    /// shared-memory reads per FLOP.
     pub fn for_head_dim(d: usize, arch: &str) -> Result<ForwardTiles> {
         let hopper = arch.starts_with("sm_90");
-        let default = match d {
+        match d {
             // At d = 64, 128 keys per tile fit Hopper's register allocation without spilling;
             // sm_80's allocation spills there, so it gets 64.
-            64 => ForwardTiles { m_tiles: 2, block_n: if hopper { 128 } else { 64 }, warps: 4 },
-            128 => ForwardTiles { m_tiles: 2, block_n: 64, warps: 4 },
-            256 => ForwardTiles { m_tiles: 1, block_n: 64, warps: 4 },
-            _ => {
-                return Err(KernelError::UnsupportedHeadDim {
-                    rung: "fa2",
-                    d,
-                    supported: HEAD_DIMS,
-                });
-            }
-        };
-        let Ok(spec) = std::env::var("LADDER_FA2_TILES") else { return Ok(default) };
-        let parts: Vec<usize> = spec.split(',').filter_map(|x| x.trim().parse().ok()).collect();
-        match parts[..] {
-            [m_tiles, block_n, warps]
-                if (1..=2).contains(&m_tiles) && block_n % 16 == 0 && block_n > 0 && warps > 0 =>
-            {
-                Ok(ForwardTiles { m_tiles, block_n, warps })
-            }
-            _ => Err(KernelError::Shape(format!(
-                "LADDER_FA2_TILES={spec:?}: expected m_tiles (1 or 2),block_n (multiple of 16),warps"
-            ))),
+            64 => Ok(ForwardTiles { m_tiles: 2, bc: if hopper { 128 } else { 64 }, warps: 4 }),
+            128 => Ok(ForwardTiles { m_tiles: 2, bc: 64, warps: 4 }),
+            256 => Ok(ForwardTiles { m_tiles: 1, bc: 64, warps: 4 }),
+            _ => Err(KernelError::UnsupportedHeadDim { rung: "fa2", d, supported: HEAD_DIMS }),
         }
     }
 
     /// Query rows per block.
-    pub fn block_m(&self) -> usize {
+    pub fn br(&self) -> usize {
         self.warps * self.m_tiles * 16
     }
 
-    /// Dynamic shared memory: Q tile plus two stages of K and V, 16-bit elements.
+    /// Threads per block.
+    pub fn threads(&self) -> usize {
+        32 * self.warps
+    }
+
+    /// Dynamic shared memory in bytes: the Q tile plus two stages of K and V, 16-bit elements.
     pub fn shared_bytes(&self, d: usize) -> usize {
-        (self.block_m() + 4 * self.block_n) * d * 2
+        (self.br() + 4 * self.bc) * d * 2
     }
 }
 
-/// The forward kernel variant for head dimension `d`, element type `dtype`, masking and
-/// architecture.
-pub fn forward_variant(d: usize, dtype: DType, causal: bool, arch: &str) -> Result<Variant> {
-    let t = ForwardTiles::for_head_dim(d, arch)?;
-    Ok(Variant {
+impl std::str::FromStr for ForwardTiles {
+    type Err = KernelError;
+
+    /// `m_tiles,bc,warps`, e.g. `2,64,4`.
+    fn from_str(spec: &str) -> Result<ForwardTiles> {
+        let parts: Vec<Option<usize>> = spec.split(',').map(|x| x.trim().parse().ok()).collect();
+        match parts[..] {
+            [Some(m_tiles), Some(bc), Some(warps)] => ForwardTiles::new(m_tiles, bc, warps),
+            _ => Err(KernelError::Config(format!(
+                "FA2 forward tiles {spec:?}: expected m_tiles,bc,warps (e.g. 2,64,4)"
+            ))),
+        }
+    }
+}
+
+/// Tile configuration of the backward kernels (fixed: tuned on the H200, see docs/perf-notes.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BackwardTiles {
+    /// Query rows per step of the main kernel's walk over the query tiles.
+    pub br: usize,
+    /// Warps of the main kernel; each owns 16 keys of the block's K/V tile.
+    pub warps: usize,
+    /// Query rows per block of the deterministic dQ pass.
+    pub dq_br: usize,
+    /// Keys per K/V tile of the deterministic dQ pass.
+    pub dq_bc: usize,
+    /// Warps of the deterministic dQ pass; each owns 16 query rows.
+    pub dq_warps: usize,
+}
+
+impl BackwardTiles {
+    /// The tiles of every head dimension.
+    pub const DEFAULT: BackwardTiles =
+        BackwardTiles { br: 64, warps: 8, dq_br: 64, dq_bc: 64, dq_warps: 4 };
+
+    /// Keys per block of the main kernel (16 per warp).
+    pub fn bc(&self) -> usize {
+        16 * self.warps
+    }
+
+    /// Dynamic shared memory of the main kernel in bytes: K and V of the block's key tile, two
+    /// stages of Q and dO tiles (16-bit), two stages of the tile's lse and D (f32), and, when dQ is
+    /// added atomically, the dSᵀ tile it is computed from.
+    pub fn shared_bytes(&self, d: usize, deterministic: bool) -> usize {
+        let (br, bc) = (self.br, self.bc());
+        let ds = if deterministic { 0 } else { bc * br * 2 };
+        (2 * bc + 4 * br) * d * 2 + ds + 4 * br * 4
+    }
+
+    /// Dynamic shared memory of the deterministic dQ pass in bytes: the block's Q and dO tiles and
+    /// two stages of K and V (16-bit).
+    pub fn dq_shared_bytes(&self, d: usize) -> usize {
+        (2 * self.dq_br + 4 * self.dq_bc) * d * 2
+    }
+}
+
+/// The forward kernel variant for head dimension `d`, element type `dtype`, masking and tiles.
+pub(crate) fn forward_variant(d: usize, dtype: DType, causal: bool, t: ForwardTiles) -> Variant {
+    Variant {
         file: "fa2_forward",
         source: FORWARD_SRC,
         defines: vec![
             ("LADDER_DTYPE", dtype.code().to_string()),
             ("FA2_D", d.to_string()),
             ("FA2_MT", t.m_tiles.to_string()),
-            ("FA2_BC", t.block_n.to_string()),
+            ("FA2_BC", t.bc.to_string()),
             ("FA2_WARPS", t.warps.to_string()),
             ("FA2_CAUSAL", (causal as u32).to_string()),
         ],
-    })
+    }
 }
 
-/// `softmax(scale · Q Kᵀ + mask) V` and its log-sum-exp. fp16 or bf16; head dim 64, 128 or 256;
-/// any lengths, `n_q != n_kv` (bottom-right causal), grouped-query attention.
-pub fn forward(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) -> Result<Output> {
-    let p = Problem::new(q, k, v, opts)?;
-    p.require_dtype("fa2", &[DType::F16, DType::BF16], "fp16, bf16")?;
-    let tiles = ForwardTiles::for_head_dim(p.d, gpu.arch())?;
-    let smem = tiles.shared_bytes(p.d) as u32;
-    let f =
-        gpu.function(&forward_variant(p.d, p.dtype, p.causal, gpu.arch())?, "fa2_forward", smem)?;
-
-    let o = gpu.output(&p.o_shape(), p.dtype)?;
-    let lse = gpu.output(&p.lse_shape(), DType::F32)?;
-    let cfg = LaunchConfig {
-        grid_dim: grid(p.n_q.div_ceil(tiles.block_m()), p.heads_q, p.batch)?,
-        block_dim: (32 * tiles.warps as u32, 1, 1),
-        shared_mem_bytes: smem,
-    };
-    let (hq, hkv, nq, nkv) = (p.heads_q as i32, p.heads_kv as i32, p.n_q as i32, p.n_kv as i32);
-    let scale_log2 = p.scale * std::f32::consts::LOG2_E;
-    let mut launch = gpu.stream().launch_builder(&f);
-    launch
-        .arg(&q.data)
-        .arg(&k.data)
-        .arg(&v.data)
-        .arg(&o.data)
-        .arg(&lse.data)
-        .arg(&hq)
-        .arg(&hkv)
-        .arg(&nq)
-        .arg(&nkv)
-        .arg(&scale_log2);
-    // SAFETY: the argument list matches fa2_forward's signature; every buffer has the size the
-    // kernel indexes (checked by Problem::new and allocated above).
-    gpu.check_launch(unsafe { launch.launch(cfg) }.map(|_| ()), "fa2_forward", &cfg)?;
-    Ok(Output { o, lse })
-}
-
-/// The backward kernel variant (the three entry points live in one module).
-pub fn backward_variant(d: usize, dtype: DType, causal: bool) -> Result<Variant> {
+/// The backward kernels' variant (the entry points live in one module).
+pub(crate) fn backward_variant(
+    d: usize,
+    dtype: DType,
+    causal: bool,
+    deterministic: bool,
+) -> Result<Variant> {
     if !BACKWARD_HEAD_DIMS.contains(&d) {
         return Err(KernelError::UnsupportedHeadDim {
             rung: "fa2 backward",
@@ -152,153 +177,286 @@ pub fn backward_variant(d: usize, dtype: DType, causal: bool) -> Result<Variant>
             supported: BACKWARD_HEAD_DIMS,
         });
     }
+    let t = BackwardTiles::DEFAULT;
     Ok(Variant {
         file: "fa2_backward",
         source: BACKWARD_SRC,
         defines: vec![
             ("LADDER_DTYPE", dtype.code().to_string()),
             ("FA2_D", d.to_string()),
-            ("FA2_BR", BACKWARD_BLOCK_M.to_string()),
-            ("FA2_WARPS", BACKWARD_WARPS.to_string()),
+            ("FA2_BR", t.br.to_string()),
+            ("FA2_WARPS", t.warps.to_string()),
             ("FA2_CAUSAL", (causal as u32).to_string()),
+            ("FA2_DETERMINISTIC", (deterministic as u32).to_string()),
+            ("FA2_DQ_BR", t.dq_br.to_string()),
+            ("FA2_DQ_BC", t.dq_bc.to_string()),
         ],
     })
 }
 
-/// Gradients of [`forward`]: given the forward's `O` and `lse` and the upstream gradient `dO`,
-/// returns `dQ, dK, dV` (with GQA, `dK, dV` summed over each group's query heads). fp16 or bf16,
-/// head dim 64 or 128, the same shapes and options as the forward.
-#[allow(clippy::too_many_arguments)]
+/// Mirror of `Fa2ForwardParams` in `cuda/fa2_forward.cu` (device pointers as `u64`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct ForwardParams {
+    q: u64,
+    k: u64,
+    v: u64,
+    o: u64,
+    lse: u64,
+    heads_q: i32,
+    heads_kv: i32,
+    n_q: i32,
+    n_kv: i32,
+    scale_log2: f32,
+}
+
+// SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror.
+unsafe impl DeviceRepr for ForwardParams {}
+
+/// `softmax(scale · Q Kᵀ + mask) V` and its log-sum-exp. fp16 or bf16; head dim 64, 128 or 256;
+/// any lengths, `n_q != n_kv` (bottom-right causal), grouped-query attention.
+pub fn forward(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) -> Result<Output> {
+    let p = Problem::new(gpu, q, k, v, opts)?;
+    p.require_dtype("fa2", DTYPES, "fp16, bf16")?;
+    let tiles = match gpu.fa2_forward_tiles() {
+        Some(t) => t,
+        None => ForwardTiles::for_head_dim(p.d, gpu.arch())?,
+    };
+    if !HEAD_DIMS.contains(&p.d) {
+        return Err(KernelError::UnsupportedHeadDim { rung: "fa2", d: p.d, supported: HEAD_DIMS });
+    }
+    let kernel =
+        Kernel { variant: forward_variant(p.d, p.dtype, p.causal, tiles), entry: "fa2_forward" };
+    let smem = tiles.shared_bytes(p.d);
+    gpu.prepare(&kernel, smem)?;
+
+    let mut o = gpu.output(&p.o_shape(), p.dtype)?;
+    let mut lse = gpu.output(&p.lse_shape(), DType::F32)?;
+    {
+        let s = gpu.stream();
+        let (q_ptr, _g0) = q.read_ptr(s);
+        let (k_ptr, _g1) = k.read_ptr(s);
+        let (v_ptr, _g2) = v.read_ptr(s);
+        let (o_ptr, _g3) = o.write_ptr(s);
+        let (lse_ptr, _g4) = lse.write_ptr(s);
+        let [hq, hkv, nq, nkv] = p.dims_i32();
+        let params = ForwardParams {
+            q: q_ptr,
+            k: k_ptr,
+            v: v_ptr,
+            o: o_ptr,
+            lse: lse_ptr,
+            heads_q: hq,
+            heads_kv: hkv,
+            n_q: nq,
+            n_kv: nkv,
+            scale_log2: p.scale_log2(),
+        };
+        let grid = grid(p.n_q.div_ceil(tiles.br()), p.heads_q, p.batch)?;
+        gpu.launch(&kernel, grid, tiles.threads() as u32, smem, &params)?;
+    }
+    Ok(Output { o, lse })
+}
+
+/// Mirror of `Fa2BackwardParams` in `cuda/fa2_backward.cu`: one struct for its entry points.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct BackwardParams {
+    q: u64,
+    k: u64,
+    v: u64,
+    o: u64,
+    d_o: u64,
+    lse: u64,
+    delta: u64,
+    lse2: u64,
+    dq_acc: u64,
+    dk_acc: u64,
+    dv_acc: u64,
+    dq: u64,
+    dk: u64,
+    dv: u64,
+    batch: i32,
+    heads_q: i32,
+    heads_kv: i32,
+    n_q: i32,
+    n_kv: i32,
+    n_q_pad: i32,
+    scale: f32,
+    scale_log2: f32,
+}
+
+// SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror.
+unsafe impl DeviceRepr for BackwardParams {}
+
+/// Gradients of [`forward`]: given the forward's [`Output`] (`O` and `lse`) and the upstream
+/// gradient `dO`, returns `dQ, dK, dV` (with GQA, `dK, dV` summed over each group's query heads).
+/// fp16 or bf16, head dim 64 or 128, the same tensors and options as the forward.
+/// `opts.deterministic` makes the result bitwise reproducible (see the module docs).
 pub fn backward(
     gpu: &Gpu,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    o: &Tensor,
-    lse: &Tensor,
+    out: &Output,
     d_o: &Tensor,
     opts: &Options,
 ) -> Result<Gradients> {
-    let p = Problem::new(q, k, v, opts)?;
-    p.require_dtype("fa2 backward", &[DType::F16, DType::BF16], "fp16, bf16")?;
-    for (name, t) in [("o", o), ("d_o", d_o)] {
-        if t.shape() != p.o_shape() || t.dtype() != p.dtype {
-            return Err(KernelError::Shape(format!(
-                "{name} is {:?} {}, expected {:?} {} (like q)",
-                t.shape(),
-                t.dtype(),
-                p.o_shape(),
-                p.dtype
-            )));
-        }
+    let p = Problem::new(gpu, q, k, v, opts)?;
+    p.require_dtype("fa2 backward", DTYPES, "fp16, bf16")?;
+    p.require_like(gpu, "out.o", &out.o, &p.o_shape(), p.dtype)?;
+    p.require_like(gpu, "d_o", d_o, &p.o_shape(), p.dtype)?;
+    p.require_like(gpu, "out.lse", &out.lse, &p.lse_shape(), DType::F32)?;
+    let deterministic = opts.deterministic;
+    let variant = backward_variant(p.d, p.dtype, p.causal, deterministic)?;
+    let entry = |entry| Kernel { variant: variant.clone(), entry };
+    let (prep, main, dq_pass, finish) = (
+        entry("fa2_backward_prep"),
+        entry("fa2_backward"),
+        entry("fa2_backward_dq"),
+        entry("fa2_backward_finish"),
+    );
+    let t = BackwardTiles::DEFAULT;
+    let smem = t.shared_bytes(p.d, deterministic);
+    let dq_smem = t.dq_shared_bytes(p.d);
+    gpu.prepare(&prep, 0)?;
+    gpu.prepare(&main, smem)?;
+    if deterministic {
+        gpu.prepare(&dq_pass, dq_smem)?;
     }
-    if lse.shape() != p.lse_shape() || lse.dtype() != DType::F32 {
-        return Err(KernelError::Shape(format!(
-            "lse is {:?} {}, expected {:?} f32",
-            lse.shape(),
-            lse.dtype(),
-            p.lse_shape()
-        )));
-    }
-    let variant = backward_variant(p.d, p.dtype, p.causal)?;
-    let (bm, bn) = (BACKWARD_BLOCK_M, 16 * BACKWARD_WARPS);
-    let smem = ((2 * bn + 4 * bm) * p.d * 2 + bn * bm * 2 + 4 * bm * 4) as u32;
-    let prep = gpu.function(&variant, "fa2_backward_prep", 0)?;
-    let main = gpu.function(&variant, "fa2_backward", smem)?;
-    let finish = gpu.function(&variant, "fa2_backward_finish", 0)?;
+    gpu.prepare(&finish, 0)?;
 
     let heads = p.batch * p.heads_q;
-    let n_q_pad = p.n_q.div_ceil(bm) * bm;
-    let delta = gpu.output(&[heads * n_q_pad], DType::F32)?;
-    let lse2 = gpu.output(&[heads * n_q_pad], DType::F32)?;
-    // f32 accumulators: dQ gathers atomic adds from every K/V tile (prep zeroes it); dK, dV are
-    // per query head and summed over the group by the finishing kernel.
-    let dq_acc = gpu.output(&p.o_shape(), DType::F32)?;
+    // Query rows padded to whole tiles of both passes, so that tiles are copied without checks.
+    let pad = t.br.max(t.dq_br);
+    let n_q_pad = p.n_q.div_ceil(pad) * pad;
+    let n_q_pad_i = i32::try_from(n_q_pad)
+        .map_err(|_| KernelError::Shape(format!("n_q = {} is too long", p.n_q)))?;
+    let mut delta = gpu.output(&[heads * n_q_pad], DType::F32)?;
+    let mut lse2 = gpu.output(&[heads * n_q_pad], DType::F32)?;
+    // f32 accumulators: dQ gathers the key tiles' shares (atomically, or from the dQ pass); dK, dV
+    // are per query head and summed over the group by the finishing kernel.
+    let mut dq_acc = gpu.output(&p.o_shape(), DType::F32)?;
     let kv_per_q_head = [p.batch, p.heads_q, p.n_kv, p.d];
-    let dk_acc = gpu.output(&kv_per_q_head, DType::F32)?;
-    let dv_acc = gpu.output(&kv_per_q_head, DType::F32)?;
-    let dq = gpu.output(&p.o_shape(), p.dtype)?;
-    let dk = gpu.output(&p.kv_shape(), p.dtype)?;
-    let dv = gpu.output(&p.kv_shape(), p.dtype)?;
+    let mut dk_acc = gpu.output(&kv_per_q_head, DType::F32)?;
+    let mut dv_acc = gpu.output(&kv_per_q_head, DType::F32)?;
+    let mut dq = gpu.output(&p.o_shape(), p.dtype)?;
+    let mut dk = gpu.output(&p.kv_shape(), p.dtype)?;
+    let mut dv = gpu.output(&p.kv_shape(), p.dtype)?;
+    {
+        let s = gpu.stream();
+        let (q_ptr, _g0) = q.read_ptr(s);
+        let (k_ptr, _g1) = k.read_ptr(s);
+        let (v_ptr, _g2) = v.read_ptr(s);
+        let (o_ptr, _g3) = out.o.read_ptr(s);
+        let (d_o_ptr, _g4) = d_o.read_ptr(s);
+        let (lse_ptr, _g5) = out.lse.read_ptr(s);
+        let (delta_ptr, _g6) = delta.write_ptr(s);
+        let (lse2_ptr, _g7) = lse2.write_ptr(s);
+        let (dq_acc_ptr, _g8) = dq_acc.write_ptr(s);
+        let (dk_acc_ptr, _g9) = dk_acc.write_ptr(s);
+        let (dv_acc_ptr, _g10) = dv_acc.write_ptr(s);
+        let (dq_ptr, _g11) = dq.write_ptr(s);
+        let (dk_ptr, _g12) = dk.write_ptr(s);
+        let (dv_ptr, _g13) = dv.write_ptr(s);
+        let [hq, hkv, nq, nkv] = p.dims_i32();
+        let params = BackwardParams {
+            q: q_ptr,
+            k: k_ptr,
+            v: v_ptr,
+            o: o_ptr,
+            d_o: d_o_ptr,
+            lse: lse_ptr,
+            delta: delta_ptr,
+            lse2: lse2_ptr,
+            dq_acc: dq_acc_ptr,
+            dk_acc: dk_acc_ptr,
+            dv_acc: dv_acc_ptr,
+            dq: dq_ptr,
+            dk: dk_ptr,
+            dv: dv_ptr,
+            batch: p.batch as i32,
+            heads_q: hq,
+            heads_kv: hkv,
+            n_q: nq,
+            n_kv: nkv,
+            n_q_pad: n_q_pad_i,
+            scale: p.scale,
+            scale_log2: p.scale_log2(),
+        };
 
-    let (hq, hkv, nq, nkv) = (p.heads_q as i32, p.heads_kv as i32, p.n_q as i32, p.n_kv as i32);
-    let n_q_pad_i = n_q_pad as i32;
+        // 1. D = rowsum(dO ∘ O), lse in base 2, dQ accumulator zeroed: one warp per padded row,
+        //    8 warps per block.
+        let rows = heads * n_q_pad;
+        gpu.launch(&prep, grid(rows.div_ceil(8), 1, 1)?, 256, 0, &params)?;
 
-    // 1. D = rowsum(dO ∘ O), lse in base 2, dQ accumulator zeroed: one warp per (padded) row.
-    let rows_total = heads * n_q_pad;
-    let rows_i = i32::try_from(rows_total)
-        .map_err(|_| KernelError::Shape(format!("{rows_total} query rows is too many")))?;
-    let cfg = LaunchConfig {
-        grid_dim: (rows_total.div_ceil(8) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = gpu.stream().launch_builder(&prep);
-    launch
-        .arg(&o.data)
-        .arg(&d_o.data)
-        .arg(&lse.data)
-        .arg(&delta.data)
-        .arg(&lse2.data)
-        .arg(&dq_acc.data)
-        .arg(&nq)
-        .arg(&n_q_pad_i)
-        .arg(&rows_i);
-    // SAFETY: arguments match fa2_backward_prep; buffers are sized for rows_total rows.
-    gpu.check_launch(unsafe { launch.launch(cfg) }.map(|_| ()), "fa2_backward_prep", &cfg)?;
+        // 2. dK, dV (and, atomically, dQ): one block per (K/V tile, query head, batch).
+        let main_grid = grid(p.n_kv.div_ceil(t.bc()), p.heads_q, p.batch)?;
+        gpu.launch(&main, main_grid, 32 * t.warps as u32, smem, &params)?;
 
-    // 2. The main kernel: one block per (K/V tile, query head, batch).
-    let cfg = LaunchConfig {
-        grid_dim: grid(p.n_kv.div_ceil(bn), p.heads_q, p.batch)?,
-        block_dim: (32 * BACKWARD_WARPS as u32, 1, 1),
-        shared_mem_bytes: smem,
-    };
-    let scale_log2 = p.scale * std::f32::consts::LOG2_E;
-    let mut launch = gpu.stream().launch_builder(&main);
-    launch
-        .arg(&q.data)
-        .arg(&k.data)
-        .arg(&v.data)
-        .arg(&d_o.data)
-        .arg(&lse2.data)
-        .arg(&delta.data)
-        .arg(&dq_acc.data)
-        .arg(&dk_acc.data)
-        .arg(&dv_acc.data)
-        .arg(&hq)
-        .arg(&hkv)
-        .arg(&nq)
-        .arg(&nkv)
-        .arg(&n_q_pad_i)
-        .arg(&scale_log2);
-    // SAFETY: arguments match fa2_backward; every buffer is sized as the kernel indexes it.
-    gpu.check_launch(unsafe { launch.launch(cfg) }.map(|_| ()), "fa2_backward", &cfg)?;
+        // 2b. Deterministic dQ: one block per (query tile, query head, batch).
+        if deterministic {
+            let dq_grid = grid(p.n_q.div_ceil(t.dq_br), p.heads_q, p.batch)?;
+            gpu.launch(&dq_pass, dq_grid, 32 * t.dq_warps as u32, dq_smem, &params)?;
+        }
 
-    // 3. Scale, sum the GQA groups, convert.
-    let dq_len = (heads * p.n_q * p.d) as i64;
-    let dkv_len = (p.batch * p.heads_kv * p.n_kv * p.d) as i64;
-    let group = (p.heads_q / p.heads_kv) as i32;
-    let head_len = (p.n_kv * p.d) as i64;
-    let blocks = (dq_len.max(dkv_len) as usize).div_ceil(256).min(gpu.sm_count() as usize * 16);
-    let cfg = LaunchConfig {
-        grid_dim: (blocks as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = gpu.stream().launch_builder(&finish);
-    launch
-        .arg(&dq_acc.data)
-        .arg(&dk_acc.data)
-        .arg(&dv_acc.data)
-        .arg(&dq.data)
-        .arg(&dk.data)
-        .arg(&dv.data)
-        .arg(&dq_len)
-        .arg(&dkv_len)
-        .arg(&group)
-        .arg(&head_len)
-        .arg(&p.scale);
-    // SAFETY: arguments match fa2_backward_finish; lengths are those of the buffers.
-    gpu.check_launch(unsafe { launch.launch(cfg) }.map(|_| ()), "fa2_backward_finish", &cfg)?;
+        // 3. Scale, sum the GQA groups, convert: a grid-stride loop over the larger of dQ and dK.
+        let elements = (heads * p.n_q * p.d).max(p.batch * p.heads_kv * p.n_kv * p.d);
+        let blocks = elements.div_ceil(256).min(gpu.sm_count() as usize * 16);
+        gpu.launch(&finish, grid(blocks, 1, 1)?, 256, 0, &params)?;
+    }
     Ok(Gradients { dq, dk, dv })
+}
+
+/// Every variant of this rung for `arch`, for the compile check.
+#[cfg(test)]
+pub(crate) fn variants(arch: &str) -> Vec<Variant> {
+    let mut all = Vec::new();
+    for &dtype in DTYPES {
+        for &d in HEAD_DIMS {
+            for causal in [false, true] {
+                if let Ok(tiles) = ForwardTiles::for_head_dim(d, arch) {
+                    all.push(forward_variant(d, dtype, causal, tiles));
+                }
+                for deterministic in [false, true] {
+                    all.extend(backward_variant(d, dtype, causal, deterministic));
+                }
+            }
+        }
+    }
+    all
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiles_parse_and_reject_bad_specs() {
+        let t: ForwardTiles = "2, 64, 4".parse().unwrap();
+        assert_eq!(t, ForwardTiles { m_tiles: 2, bc: 64, warps: 4 });
+        assert_eq!((t.br(), t.threads(), t.shared_bytes(128)), (128, 128, (128 + 256) * 256));
+        for bad in ["", "2,64", "3,64,4", "2,60,4", "2,64,0", "a,b,c", "2,64,4,1"] {
+            assert!(
+                matches!(bad.parse::<ForwardTiles>(), Err(KernelError::Config(_))),
+                "{bad:?} should be rejected"
+            );
+        }
+        assert!(matches!(
+            ForwardTiles::for_head_dim(96, "sm_90a"),
+            Err(KernelError::UnsupportedHeadDim { d: 96, .. })
+        ));
+    }
+
+    #[test]
+    fn backward_shared_memory_drops_the_ds_tile_when_deterministic() {
+        let t = BackwardTiles::DEFAULT;
+        assert_eq!(t.bc(), 128);
+        assert_eq!(t.shared_bytes(128, false) - t.shared_bytes(128, true), 128 * 64 * 2);
+        assert!(t.shared_bytes(128, false) <= 227 * 1024);
+        assert!(matches!(
+            backward_variant(256, DType::F16, false, false),
+            Err(KernelError::UnsupportedHeadDim { d: 256, .. })
+        ));
+    }
 }

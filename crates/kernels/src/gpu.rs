@@ -1,18 +1,133 @@
-//! The device: one CUDA context and stream, the kernels compiled for it, and launch checking.
+//! The device: one CUDA context and stream, the kernels compiled for it, and the one way kernels
+//! are launched (a parameter struct, checked, named).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use std::path::PathBuf;
+
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::Ptx;
 
-use crate::compile::{self, Compiled, Variant};
+use crate::compile::{self, CompileSettings, Compiled, Variant};
 use crate::error::{KernelError, Result};
-use crate::tensor::{DType, Tensor, encode};
+use crate::fa2::ForwardTiles;
+use crate::tensor::{DType, Element, Tensor, elements};
 
-/// A CUDA device with everything the kernels need.
+/// One entry point of one compiled variant.
+#[derive(Clone, Debug)]
+pub(crate) struct Kernel {
+    pub variant: Variant,
+    pub entry: &'static str,
+}
+
+/// Where compiled kernels are cached on disk.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum KernelCache {
+    /// The platform's cache folder (`~/.cache/attention-ladder/kernels` on Linux).
+    #[default]
+    Default,
+    /// This folder.
+    Dir(PathBuf),
+    /// No disk cache: every process compiles the kernels it uses once.
+    Off,
+}
+
+impl KernelCache {
+    /// The folder this cache uses, if any.
+    pub fn dir(&self) -> Option<PathBuf> {
+        match self {
+            KernelCache::Default => {
+                dirs::cache_dir().map(|d| d.join("attention-ladder").join("kernels"))
+            }
+            KernelCache::Dir(d) => Some(d.clone()),
+            KernelCache::Off => None,
+        }
+    }
+}
+
+/// How a [`Gpu`] is opened and how it compiles and launches kernels.
+///
+/// The library reads no environment variables: every knob is here (the `ladder` CLI maps its
+/// `LADDER_*` variables onto these fields).
+///
+/// ```no_run
+/// use ladder_kernels::{Gpu, GpuConfig, KernelCache, fa2::ForwardTiles};
+///
+/// let gpu = Gpu::with_config(
+///     GpuConfig::new()
+///         .device(0)
+///         .sync_launches(true) // report asynchronous faults at the launch that caused them
+///         .kernel_cache(KernelCache::Off)
+///         .fa2_forward_tiles(ForwardTiles::new(2, 64, 4)?),
+/// )?;
+/// # Ok::<(), ladder_kernels::KernelError>(())
+/// ```
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GpuConfig {
+    device: usize,
+    sync_launches: bool,
+    poison_outputs: bool,
+    nvrtc_options: Vec<String>,
+    kernel_cache: KernelCache,
+    fa2_forward_tiles: Option<ForwardTiles>,
+}
+
+impl GpuConfig {
+    /// Device 0, asynchronous launches, no poisoning, the default kernel cache and tiles.
+    pub fn new() -> GpuConfig {
+        GpuConfig::default()
+    }
+
+    /// The CUDA device ordinal to open.
+    pub fn device(mut self, ordinal: usize) -> GpuConfig {
+        self.device = ordinal;
+        self
+    }
+
+    /// Synchronise after every launch, so that an asynchronous fault is reported by the kernel
+    /// that caused it (slower; for debugging and tests).
+    pub fn sync_launches(mut self, on: bool) -> GpuConfig {
+        self.sync_launches = on;
+        self
+    }
+
+    /// Fill every output buffer with NaN before its kernel runs, so that an element a kernel
+    /// forgets to write cannot pass a check (for tests).
+    pub fn poison_outputs(mut self, on: bool) -> GpuConfig {
+        self.poison_outputs = on;
+        self
+    }
+
+    /// Extra NVRTC options for every kernel (e.g. `-lineinfo`, or a `-D` for an experiment); part
+    /// of the disk cache's key like every other option.
+    pub fn nvrtc_options<S: Into<String>>(
+        mut self,
+        options: impl IntoIterator<Item = S>,
+    ) -> GpuConfig {
+        self.nvrtc_options = options.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// Where compiled kernels are cached.
+    pub fn kernel_cache(mut self, cache: KernelCache) -> GpuConfig {
+        self.kernel_cache = cache;
+        self
+    }
+
+    /// Tiles of the FA2 forward kernel for every head dimension, instead of the tuned defaults
+    /// (for tuning experiments).
+    pub fn fa2_forward_tiles(mut self, tiles: ForwardTiles) -> GpuConfig {
+        self.fa2_forward_tiles = Some(tiles);
+        self
+    }
+}
+
+/// A CUDA device (one context and stream) with the kernels compiled for it.
 ///
 /// ```no_run
 /// let gpu = ladder_kernels::Gpu::new()?;
@@ -25,7 +140,9 @@ pub struct Gpu {
     name: String,
     arch: String,
     sm_count: u32,
-    max_smem_per_block: u32,
+    max_smem_per_block: usize,
+    config: GpuConfig,
+    compile: CompileSettings,
     functions: Mutex<HashMap<(Variant, &'static str), CudaFunction>>,
     poison_outputs: AtomicBool,
     sync_launches: AtomicBool,
@@ -38,28 +155,41 @@ impl std::fmt::Debug for Gpu {
 }
 
 impl Gpu {
-    /// Open device 0 (or `$LADDER_DEVICE`). Fails with [`KernelError::NoCuda`] when no driver or
-    /// device is found: never panics on a machine without CUDA.
+    /// Open device 0 with the default configuration. Fails with [`KernelError::NoCuda`] when no
+    /// driver or device is found: never panics on a machine without CUDA.
     pub fn new() -> Result<Gpu> {
-        let ordinal = match std::env::var("LADDER_DEVICE") {
-            Ok(s) => s
-                .parse()
-                .map_err(|_| KernelError::NoCuda(format!("LADDER_DEVICE={s:?} is not a number")))?,
-            Err(_) => 0,
-        };
+        Gpu::with_config(GpuConfig::default())
+    }
+
+    /// Open the device `config` names, on its default stream.
+    pub fn with_config(config: GpuConfig) -> Result<Gpu> {
         // SAFETY: only probes whether the driver library can be opened.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err(KernelError::NoCuda(
                 "the CUDA driver library (libcuda.so) is not installed".into(),
             ));
         }
+        let ordinal = config.device;
         let ctx = CudaContext::new(ordinal)
             .map_err(|e| KernelError::NoCuda(format!("device {ordinal}: {e}")))?;
         // One stream, one order of work: the per-buffer events cudarc records for multi-stream
         // safety would only add launch overhead.
-        // SAFETY: every tensor of this crate is used on the one stream below.
+        // SAFETY: every tensor this Gpu makes is used on the one stream below; tensors wrapped
+        // from elsewhere carry their own (tracked or not) events.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
+        Gpu::open(stream, config)
+    }
+
+    /// Use a stream you already have (from cudarc, or a framework built on it): the kernels run on
+    /// it, in order with your other work, on buffers you wrap with [`Tensor::from_cuda_slice`].
+    /// The context's event tracking is left as you set it. `config.device` is ignored.
+    pub fn from_stream(stream: Arc<CudaStream>, config: GpuConfig) -> Result<Gpu> {
+        Gpu::open(stream, config)
+    }
+
+    fn open(stream: Arc<CudaStream>, config: GpuConfig) -> Result<Gpu> {
+        let ctx = stream.context().clone();
         let name = ctx.name().map_err(KernelError::driver("reading the device name"))?;
         let (major, minor) = ctx
             .compute_capability()
@@ -76,7 +206,12 @@ impl Gpu {
         let attr = |a| ctx.attribute(a).map_err(KernelError::driver("reading a device attribute"));
         let sm_count = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
         let max_smem_per_block =
-            attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as u32;
+            attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
+                as usize;
+        let compile = CompileSettings {
+            extra_options: config.nvrtc_options.clone(),
+            cache_dir: config.kernel_cache.dir(),
+        };
         Ok(Gpu {
             ctx,
             stream,
@@ -84,10 +219,22 @@ impl Gpu {
             arch,
             sm_count,
             max_smem_per_block,
+            compile,
             functions: Mutex::new(HashMap::new()),
-            poison_outputs: AtomicBool::new(false),
-            sync_launches: AtomicBool::new(std::env::var_os("LADDER_SYNC_LAUNCHES").is_some()),
+            poison_outputs: AtomicBool::new(config.poison_outputs),
+            sync_launches: AtomicBool::new(config.sync_launches),
+            config,
         })
+    }
+
+    /// The configuration this device was opened with.
+    pub fn config(&self) -> &GpuConfig {
+        &self.config
+    }
+
+    /// The FA2 forward tiles set in the configuration, if any.
+    pub(crate) fn fa2_forward_tiles(&self) -> Option<ForwardTiles> {
+        self.config.fa2_forward_tiles
     }
 
     /// The device's name, e.g. `NVIDIA H200`.
@@ -105,8 +252,9 @@ impl Gpu {
         self.sm_count
     }
 
-    /// The CUDA driver version as `major.minor`.
-    pub fn driver_version(&self) -> Result<String> {
+    /// The newest CUDA version the installed driver supports, as `major.minor` (e.g. `13.0`;
+    /// `cuDriverGetVersion`). This is not the driver's own release number (e.g. 580.95).
+    pub fn cuda_version(&self) -> Result<String> {
         let mut v: std::ffi::c_int = 0;
         // SAFETY: the driver library is loaded (a context exists) and `v` is valid for writes.
         unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) }
@@ -115,9 +263,14 @@ impl Gpu {
         Ok(format!("{}.{}", v / 1000, (v % 1000) / 10))
     }
 
-    /// The stream every kernel of this device runs on.
+    /// The stream every kernel of this device runs on (hand it to cudarc for your own work).
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// The CUDA context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
     }
 
     /// Fill every output buffer with NaN before its kernel runs, so that an element the kernel
@@ -127,7 +280,7 @@ impl Gpu {
     }
 
     /// Synchronise after every launch, so that an asynchronous fault is reported by the kernel
-    /// that caused it (slower). Also on when `LADDER_SYNC_LAUNCHES` is set.
+    /// that caused it (slower).
     pub fn set_sync_launches(&self, on: bool) {
         self.sync_launches.store(on, Ordering::Relaxed);
     }
@@ -139,38 +292,75 @@ impl Gpu {
 
     /// Upload `values` (row-major, `shape`) as `dtype`, rounding to nearest.
     pub fn upload(&self, values: &[f32], shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let len: usize = shape.iter().product();
+        let len = elements(shape)?;
         if values.len() != len {
             return Err(KernelError::Shape(format!(
                 "{} values given for shape {shape:?} ({len} elements)",
                 values.len()
             )));
         }
-        let bytes = encode(values, dtype);
-        let data = self.stream.clone_htod(&bytes).map_err(KernelError::alloc(bytes.len()))?;
-        Ok(Tensor { data, dtype, shape: shape.to_vec() })
+        match dtype {
+            DType::F32 => self.upload_slice(values, shape),
+            DType::F16 => {
+                let h: Vec<half::f16> = values.iter().map(|&x| half::f16::from_f32(x)).collect();
+                self.upload_slice(&h, shape)
+            }
+            DType::BF16 => {
+                let h: Vec<half::bf16> = values.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                self.upload_slice(&h, shape)
+            }
+        }
     }
 
-    /// Upload half-precision values as they are.
-    pub fn upload_f16(&self, values: &[half::f16], shape: &[usize]) -> Result<Tensor> {
-        let wide: Vec<f32> = values.iter().map(|x| x.to_f32()).collect();
-        self.upload(&wide, shape, DType::F16)
+    /// Upload elements as they are (`half::f16`, `half::bf16` or `f32`).
+    pub fn upload_slice<T: Element>(&self, values: &[T], shape: &[usize]) -> Result<Tensor> {
+        let len = elements(shape)?;
+        if values.len() != len {
+            return Err(KernelError::Shape(format!(
+                "{} values given for shape {shape:?} ({len} elements)",
+                values.len()
+            )));
+        }
+        let bytes = len * T::DTYPE.size();
+        let data = if len == 0 {
+            self.stream.null::<T>().map_err(KernelError::alloc(0))?
+        } else {
+            self.stream.clone_htod(values).map_err(KernelError::alloc(bytes))?
+        };
+        Tensor::from_cuda_slice(data, shape)
     }
 
     /// A tensor of zeros.
     pub fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let bytes = shape.iter().product::<usize>() * dtype.size();
-        let data = self.stream.alloc_zeros::<u8>(bytes).map_err(KernelError::alloc(bytes))?;
-        Ok(Tensor { data, dtype, shape: shape.to_vec() })
+        let t = self.alloc(shape, dtype)?;
+        self.fill_bytes(&t, 0)?;
+        Ok(t)
+    }
+
+    /// An uninitialised tensor (its contents are whatever the memory held).
+    fn alloc(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        fn typed<T: Element>(stream: &Arc<CudaStream>, shape: &[usize]) -> Result<Tensor> {
+            let len = elements(shape)?;
+            let bytes = len.saturating_mul(T::DTYPE.size());
+            let data = if len == 0 {
+                stream.null::<T>().map_err(KernelError::alloc(0))?
+            } else {
+                // SAFETY: callers either fill the buffer or hand it to a kernel that writes all
+                // of it before anything reads it.
+                unsafe { stream.alloc::<T>(len) }.map_err(KernelError::alloc(bytes))?
+            };
+            Tensor::from_cuda_slice(data, shape)
+        }
+        match dtype {
+            DType::F16 => typed::<half::f16>(&self.stream, shape),
+            DType::BF16 => typed::<half::bf16>(&self.stream, shape),
+            DType::F32 => typed::<f32>(&self.stream, shape),
+        }
     }
 
     /// A tensor a kernel is about to overwrite: uninitialised, or NaN when poisoning is on.
     pub(crate) fn output(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let bytes = shape.iter().product::<usize>() * dtype.size();
-        // SAFETY: the buffer is either filled below or entirely written by the kernel it is made
-        // for before anything reads it.
-        let data = unsafe { self.stream.alloc::<u8>(bytes) }.map_err(KernelError::alloc(bytes))?;
-        let t = Tensor { data, dtype, shape: shape.to_vec() };
+        let t = self.alloc(shape, dtype)?;
         if self.poison_outputs.load(Ordering::Relaxed) {
             self.fill_bytes(&t, 0xff)?;
         }
@@ -179,8 +369,11 @@ impl Gpu {
 
     /// Set every byte of `t` to `byte` (0xff makes every element NaN).
     pub fn fill_bytes(&self, t: &Tensor, byte: u8) -> Result<()> {
-        use cudarc::driver::DevicePtr;
-        let (ptr, _guard) = t.data.device_ptr(&self.stream);
+        self.check_context(t, "fill_bytes")?;
+        if t.is_empty() {
+            return Ok(());
+        }
+        let (ptr, _guard) = t.read_ptr(&self.stream);
         // SAFETY: ptr addresses t.bytes() bytes owned by `t`, on this stream.
         unsafe {
             cudarc::driver::result::memset_d8_async(ptr, byte, t.bytes(), self.stream.cu_stream())
@@ -188,33 +381,41 @@ impl Gpu {
         .map_err(KernelError::driver("filling a buffer"))
     }
 
+    /// Fails with [`KernelError::Device`] unless `t` lives in this device's context.
+    pub(crate) fn check_context(&self, t: &Tensor, name: &str) -> Result<()> {
+        if t.stream().context().cu_ctx() == self.ctx.cu_ctx() {
+            Ok(())
+        } else {
+            Err(KernelError::Device(format!(
+                "{name} lives in another CUDA context than this Gpu ({})",
+                self.name
+            )))
+        }
+    }
+
     /// The function `entry` of `variant`, compiled (or loaded from the cache) on first use and
     /// allowed `dynamic_smem` bytes of dynamic shared memory.
-    pub(crate) fn function(
-        &self,
-        variant: &Variant,
-        entry: &'static str,
-        dynamic_smem: u32,
-    ) -> Result<CudaFunction> {
+    fn function(&self, kernel: &Kernel, dynamic_smem: usize) -> Result<CudaFunction> {
+        let Kernel { variant, entry } = kernel;
         if dynamic_smem > self.max_smem_per_block {
-            return Err(KernelError::Compile {
-                kernel: variant.label(),
-                log: format!(
-                    "needs {dynamic_smem} bytes of shared memory; {} allows {}",
-                    self.name, self.max_smem_per_block
-                ),
+            return Err(KernelError::SharedMemory {
+                kernel: format!("{entry} in {}", variant.label()),
+                needed: dynamic_smem,
+                limit: self.max_smem_per_block,
+                device: self.name.clone(),
             });
         }
-        let key = (variant.clone(), entry);
+        let key = (variant.clone(), *entry);
         let mut functions = self.functions.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(f) = functions.get(&key) {
             return Ok(f.clone());
         }
-        let Compiled { cubin, .. } = compile::compile(variant, &self.arch)?;
-        let module = self
-            .ctx
-            .load_module(Ptx::from_binary(cubin))
-            .map_err(KernelError::driver(format!("loading {}", variant.label())))?;
+        let Compiled { cubin, .. } = compile::compile(variant, &self.arch, &self.compile)?;
+        let module =
+            self.ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| KernelError::Compile {
+                kernel: variant.label(),
+                log: format!("the driver could not load the compiled module: {e}"),
+            })?;
         let f = module
             .load_function(entry)
             .map_err(KernelError::driver(format!("finding {entry} in {}", variant.label())))?;
@@ -229,15 +430,37 @@ impl Gpu {
         Ok(f)
     }
 
-    /// Check a launch: the launch call's own result always; with sync launches on, also the
-    /// kernel's completion.
-    pub(crate) fn check_launch(
+    /// Make sure `kernel` is compiled and loaded for `dynamic_smem` bytes of shared memory, so
+    /// that the launches that follow cannot fail half-way on a compile error.
+    pub(crate) fn prepare(&self, kernel: &Kernel, dynamic_smem: usize) -> Result<()> {
+        self.function(kernel, dynamic_smem).map(|_| ())
+    }
+
+    /// Launch `kernel` with its parameter struct: the one way every rung launches. The launch
+    /// call's own result is always checked; with sync launches on, also the kernel's completion,
+    /// so an asynchronous fault names the kernel that caused it.
+    pub(crate) fn launch<P: DeviceRepr>(
         &self,
-        launched: std::result::Result<(), cudarc::driver::DriverError>,
-        what: &str,
-        cfg: &LaunchConfig,
+        kernel: &Kernel,
+        grid: (u32, u32, u32),
+        threads: u32,
+        dynamic_smem: usize,
+        params: &P,
     ) -> Result<()> {
-        launched.map_err(KernelError::driver(format!("launching {what} with {cfg:?}")))?;
+        let f = self.function(kernel, dynamic_smem)?;
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: dynamic_smem as u32,
+        };
+        let what = kernel.entry;
+        let mut launch = self.stream.launch_builder(&f);
+        launch.arg(params);
+        // SAFETY: every rung passes the #[repr(C)] mirror of the parameter struct its kernel
+        // declares, with device pointers to buffers of the sizes the kernel indexes (checked by
+        // the rung before the launch).
+        unsafe { launch.launch(cfg) }
+            .map_err(KernelError::driver(format!("launching {what} with {cfg:?}")))?;
         if self.sync_launches.load(Ordering::Relaxed) {
             self.stream.synchronize().map_err(KernelError::driver(format!("running {what}")))?;
         }

@@ -16,43 +16,44 @@
 //! let v = gpu.upload(&x, &[b, h, n, d], DType::F16)?;
 //! let out = fa2::forward(&gpu, &q, &k, &v, &Options::causal())?;
 //! let o: Vec<f32> = out.o.to_f32_vec()?;
+//!
+//! let d_o = gpu.upload(&x, &[b, h, n, d], DType::F16)?;
+//! let grads = fa2::backward(&gpu, &q, &k, &v, &out, &d_o, &Options::causal().deterministic())?;
 //! # Ok::<(), ladder_kernels::KernelError>(())
 //! ```
 //!
-//! Kernels are compiled once per process and cached on disk (see [`compile::cache_dir`]).
+//! **Your own buffers.** [`Tensor::from_cuda_slice`] wraps a cudarc `CudaSlice` (no copy) and
+//! [`Tensor::into_cuda_slice`] hands it back; [`Gpu::from_stream`] runs the kernels on a stream you
+//! already have, in order with your own work.
+//!
+//! **Configuration.** The library reads no environment variables: the device, synchronous
+//! launches, NVRTC options, the kernel cache and tile overrides are fields of [`GpuConfig`].
+//! Kernels are compiled once per process and cached on disk ([`KernelCache`]).
 
-pub mod compile;
+#![warn(missing_docs)]
+
+mod compile;
 mod error;
 pub mod fa1;
 pub mod fa2;
 mod gpu;
 mod problem;
 mod tensor;
-pub mod testing;
 
 pub use error::{KernelError, Result};
-pub use gpu::Gpu;
+pub use gpu::{Gpu, GpuConfig, KernelCache};
 pub use problem::{Gradients, Options, Output, Problem};
-pub use tensor::{DType, Tensor, round_to};
+pub use tensor::{DType, Element, Tensor, round_to};
 
-/// Every kernel variant the crate can launch on architecture `arch`: what CI compiles to check
-/// that all of them build and what ptxas makes of them.
-pub fn variants(arch: &str) -> Vec<compile::Variant> {
-    let mut all = Vec::new();
-    for dtype in [DType::F16, DType::F32] {
-        for &d in fa1::HEAD_DIMS {
-            all.extend(fa1::variant(d, dtype));
-        }
-    }
-    for dtype in [DType::F16, DType::BF16] {
-        for &d in fa2::HEAD_DIMS {
-            for causal in [false, true] {
-                all.extend(fa2::forward_variant(d, dtype, causal, arch));
-                if fa2::BACKWARD_HEAD_DIMS.contains(&d) {
-                    all.extend(fa2::backward_variant(d, dtype, causal));
-                }
-            }
-        }
-    }
+/// Re-exported so that callers can name the buffer types of [`Tensor::from_cuda_slice`] and
+/// [`Gpu::from_stream`] without depending on the same `cudarc` version themselves.
+pub use cudarc;
+
+/// Every kernel variant the crate can launch on architecture `arch`: what the compile check
+/// (`.ci/kernels`) builds to see that all of them compile and what ptxas makes of them.
+#[cfg(test)]
+pub(crate) fn variants(arch: &str) -> Vec<compile::Variant> {
+    let mut all = fa1::variants();
+    all.extend(fa2::variants(arch));
     all
 }

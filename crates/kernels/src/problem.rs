@@ -1,6 +1,7 @@
 //! The shape of one attention call, checked once for every rung.
 
 use crate::error::{KernelError, Result};
+use crate::gpu::Gpu;
 use crate::tensor::{DType, Tensor};
 
 /// Forward output of every GPU rung: `O` in the inputs' dtype and `lse` (natural log) in `f32`.
@@ -31,17 +32,31 @@ pub struct Options {
     pub causal: bool,
     /// Softmax scale; `None` means `1/sqrt(head_dim)`.
     pub scale: Option<f32>,
+    /// Backward pass only: compute dQ without atomics, so that the gradients are bitwise
+    /// identical from run to run (a separate dQ pass over the key tiles; slower). The forward
+    /// pass is deterministic either way.
+    pub deterministic: bool,
 }
 
 impl Options {
     /// Causal attention with the default scale.
     pub fn causal() -> Options {
-        Options { causal: true, scale: None }
+        Options { causal: true, ..Options::default() }
     }
 
     /// Unmasked attention with the default scale.
     pub fn full() -> Options {
         Options::default()
+    }
+
+    /// These options with a deterministic backward pass.
+    pub fn deterministic(self) -> Options {
+        Options { deterministic: true, ..self }
+    }
+
+    /// These options with softmax scale `scale`.
+    pub fn with_scale(self, scale: f32) -> Options {
+        Options { scale: Some(scale), ..self }
     }
 }
 
@@ -70,8 +85,11 @@ pub struct Problem {
 }
 
 impl Problem {
-    /// Check q, k, v against each other and the options.
-    pub fn new(q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) -> Result<Problem> {
+    /// Check q, k, v against each other, the device and the options.
+    pub fn new(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) -> Result<Problem> {
+        for (name, t) in [("q", q), ("k", k), ("v", v)] {
+            gpu.check_context(t, name)?;
+        }
         let dims = |t: &Tensor, name: &str| -> Result<[usize; 4]> {
             <[usize; 4]>::try_from(t.shape()).map_err(|_| {
                 KernelError::Shape(format!(
@@ -109,7 +127,7 @@ impl Problem {
             )));
         }
         if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
-            return Err(KernelError::Shape(format!(
+            return Err(KernelError::DType(format!(
                 "q, k, v must share a dtype (got {}, {}, {})",
                 q.dtype(),
                 k.dtype(),
@@ -142,6 +160,11 @@ impl Problem {
         })
     }
 
+    /// `[heads_q, heads_kv, n_q, n_kv]` as the kernels' `int`s (in range: checked by `new`).
+    pub(crate) fn dims_i32(&self) -> [i32; 4] {
+        [self.heads_q, self.heads_kv, self.n_q, self.n_kv].map(|x| x as i32)
+    }
+
     /// Shape of O (= Q's).
     pub fn o_shape(&self) -> [usize; 4] {
         [self.batch, self.heads_q, self.n_q, self.d]
@@ -155,6 +178,34 @@ impl Problem {
     /// Shape of lse.
     pub fn lse_shape(&self) -> [usize; 3] {
         [self.batch, self.heads_q, self.n_q]
+    }
+
+    /// Fails unless `t` has shape `shape` and dtype `dtype` (for the backward's extra inputs).
+    pub(crate) fn require_like(
+        &self,
+        gpu: &Gpu,
+        name: &str,
+        t: &Tensor,
+        shape: &[usize],
+        dtype: DType,
+    ) -> Result<()> {
+        gpu.check_context(t, name)?;
+        if t.shape() != shape {
+            return Err(KernelError::Shape(format!(
+                "{name} has shape {:?}, expected {shape:?}",
+                t.shape()
+            )));
+        }
+        if t.dtype() != dtype {
+            return Err(KernelError::DType(format!("{name} is {}, expected {dtype}", t.dtype())));
+        }
+        Ok(())
+    }
+
+    /// The softmax scale times log2(e): the kernels work in base 2, so every exponential is one
+    /// `ex2` instruction.
+    pub(crate) fn scale_log2(&self) -> f32 {
+        self.scale * std::f32::consts::LOG2_E
     }
 
     pub(crate) fn require_dtype(

@@ -1,6 +1,10 @@
-//! Device tensors: a buffer on the GPU with a shape and an element type.
+//! Device tensors: a typed buffer on the GPU with a shape.
+//!
+//! A [`Tensor`] owns a cudarc [`CudaSlice`] of `f16`, `bf16` or `f32` elements. Tensors made by
+//! [`crate::Gpu`] and tensors wrapped around a caller's own buffers ([`Tensor::from_cuda_slice`])
+//! are the same thing, and [`Tensor::into_cuda_slice`] hands the buffer back: no copies either way.
 
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 use half::{bf16, f16};
 use std::sync::Arc;
 
@@ -51,17 +55,138 @@ impl std::fmt::Display for DType {
     }
 }
 
+/// A host element type with a device tensor counterpart: `half::f16`, `half::bf16`, `f32`.
+///
+/// Sealed: the kernels exist for these three only.
+pub trait Element: cudarc::driver::DeviceRepr + Sized + private::Sealed {
+    /// The tensor dtype of this element type.
+    const DTYPE: DType;
+    #[doc(hidden)]
+    fn wrap(slice: CudaSlice<Self>) -> Storage;
+    #[doc(hidden)]
+    fn unwrap(storage: Storage) -> std::result::Result<CudaSlice<Self>, Storage>;
+    #[doc(hidden)]
+    fn borrow(storage: &Storage) -> Option<&CudaSlice<Self>>;
+}
+
+mod private {
+    pub trait Sealed {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for f32 {}
+}
+
+/// The typed buffer behind a [`Tensor`].
+#[doc(hidden)]
+#[derive(Debug)]
+pub enum Storage {
+    F16(CudaSlice<f16>),
+    BF16(CudaSlice<bf16>),
+    F32(CudaSlice<f32>),
+}
+
+macro_rules! element {
+    ($t:ty, $variant:ident) => {
+        impl Element for $t {
+            const DTYPE: DType = DType::$variant;
+            fn wrap(slice: CudaSlice<Self>) -> Storage {
+                Storage::$variant(slice)
+            }
+            fn unwrap(storage: Storage) -> std::result::Result<CudaSlice<Self>, Storage> {
+                match storage {
+                    Storage::$variant(s) => Ok(s),
+                    other => Err(other),
+                }
+            }
+            fn borrow(storage: &Storage) -> Option<&CudaSlice<Self>> {
+                match storage {
+                    Storage::$variant(s) => Some(s),
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+element!(f16, F16);
+element!(bf16, BF16);
+element!(f32, F32);
+
+impl Storage {
+    fn dtype(&self) -> DType {
+        match self {
+            Storage::F16(_) => DType::F16,
+            Storage::BF16(_) => DType::BF16,
+            Storage::F32(_) => DType::F32,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Storage::F16(s) => s.len(),
+            Storage::BF16(s) => s.len(),
+            Storage::F32(s) => s.len(),
+        }
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        match self {
+            Storage::F16(s) => s.stream(),
+            Storage::BF16(s) => s.stream(),
+            Storage::F32(s) => s.stream(),
+        }
+    }
+}
+
 /// A tensor in device memory, row-major (the last dimension is contiguous).
 ///
 /// Attention inputs are `[batch, heads, seq, head_dim]`; `lse` is `[batch, heads, seq]`.
+///
+/// Wrapping a buffer you already have (from cudarc, or a framework built on it) costs nothing:
+///
+/// ```no_run
+/// use half::f16;
+/// use ladder_kernels::{Gpu, Tensor};
+///
+/// let gpu = Gpu::new()?;
+/// let stream = gpu.stream().clone();
+/// let buf = stream.alloc_zeros::<f16>(2 * 8 * 512 * 64).expect("alloc");
+/// let q = Tensor::from_cuda_slice(buf, &[2, 8, 512, 64])?; // no copy
+/// let buf = q.into_cuda_slice::<f16>()?; // and back
+/// # Ok::<(), ladder_kernels::KernelError>(())
+/// ```
 #[derive(Debug)]
 pub struct Tensor {
-    pub(crate) data: CudaSlice<u8>,
-    pub(crate) dtype: DType,
+    pub(crate) storage: Storage,
     pub(crate) shape: Vec<usize>,
 }
 
 impl Tensor {
+    /// Wrap an existing device buffer (no copy). Its length must be the product of `shape`; its
+    /// stream's context must be the one of the [`crate::Gpu`] it is used with (checked at launch).
+    pub fn from_cuda_slice<T: Element>(slice: CudaSlice<T>, shape: &[usize]) -> Result<Tensor> {
+        let len = elements(shape)?;
+        if slice.len() != len {
+            return Err(KernelError::Shape(format!(
+                "a buffer of {} elements cannot have shape {shape:?} ({len} elements)",
+                slice.len()
+            )));
+        }
+        Ok(Tensor { storage: T::wrap(slice), shape: shape.to_vec() })
+    }
+
+    /// Hand the buffer back (no copy). Fails, returning nothing, if `T` is not the tensor's dtype.
+    pub fn into_cuda_slice<T: Element>(self) -> Result<CudaSlice<T>> {
+        let dtype = self.dtype();
+        T::unwrap(self.storage).map_err(|_| {
+            KernelError::DType(format!("the tensor is {dtype}, not {} as asked", T::DTYPE))
+        })
+    }
+
+    /// The buffer, borrowed; `None` if `T` is not the tensor's dtype.
+    pub fn as_cuda_slice<T: Element>(&self) -> Option<&CudaSlice<T>> {
+        T::borrow(&self.storage)
+    }
+
     /// The shape.
     pub fn shape(&self) -> &[usize] {
         &self.shape
@@ -69,12 +194,12 @@ impl Tensor {
 
     /// The element type.
     pub fn dtype(&self) -> DType {
-        self.dtype
+        self.storage.dtype()
     }
 
     /// Number of elements.
     pub fn len(&self) -> usize {
-        self.shape.iter().product()
+        self.storage.len()
     }
 
     /// Whether the tensor has no elements.
@@ -84,41 +209,82 @@ impl Tensor {
 
     /// Size in bytes.
     pub fn bytes(&self) -> usize {
-        self.len() * self.dtype.size()
+        self.len() * self.dtype().size()
     }
 
-    fn stream(&self) -> &Arc<CudaStream> {
-        self.data.stream()
+    /// The stream the buffer was made on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        self.storage.stream()
+    }
+
+    /// The device address for reading on `stream` (the guard orders the access with the buffer's
+    /// other users when the context tracks events).
+    pub(crate) fn read_ptr<'a>(&'a self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        match &self.storage {
+            Storage::F16(s) => s.device_ptr(stream),
+            Storage::BF16(s) => s.device_ptr(stream),
+            Storage::F32(s) => s.device_ptr(stream),
+        }
+    }
+
+    /// The device address for writing on `stream`.
+    pub(crate) fn write_ptr<'a>(&'a mut self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        match &mut self.storage {
+            Storage::F16(s) => s.device_ptr_mut(stream),
+            Storage::BF16(s) => s.device_ptr_mut(stream),
+            Storage::F32(s) => s.device_ptr_mut(stream),
+        }
     }
 
     /// Copy to the host, widened to `f32` (waits for the work queued before).
     pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
-        let bytes = self
-            .stream()
-            .clone_dtoh(&self.data)
-            .map_err(KernelError::driver("copying a tensor to the host"))?;
-        Ok(match self.dtype {
-            DType::F32 => bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        let copy = KernelError::driver("copying a tensor to the host");
+        Ok(match &self.storage {
+            Storage::F32(s) => s.stream().clone_dtoh(s).map_err(copy)?,
+            Storage::F16(s) => {
+                s.stream().clone_dtoh(s).map_err(copy)?.iter().map(|x| x.to_f32()).collect()
+            }
+            Storage::BF16(s) => {
+                s.stream().clone_dtoh(s).map_err(copy)?.iter().map(|x| x.to_f32()).collect()
+            }
+        })
+    }
+
+    /// Copy to the host as raw little-endian bytes, for bitwise comparisons.
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let copy = KernelError::driver("copying a tensor to the host");
+        Ok(match &self.storage {
+            Storage::F32(s) => s
+                .stream()
+                .clone_dtoh(s)
+                .map_err(copy)?
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
                 .collect(),
-            DType::F16 => {
-                bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
-            }
-            DType::BF16 => {
-                bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
-            }
+            Storage::F16(s) => s
+                .stream()
+                .clone_dtoh(s)
+                .map_err(copy)?
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+            Storage::BF16(s) => s
+                .stream()
+                .clone_dtoh(s)
+                .map_err(copy)?
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
         })
     }
 }
 
-/// Encode host `f32` values as the bytes of `dtype` (rounding to nearest even).
-pub(crate) fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
-    match dtype {
-        DType::F32 => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        DType::F16 => values.iter().flat_map(|&x| f16::from_f32(x).to_le_bytes()).collect(),
-        DType::BF16 => values.iter().flat_map(|&x| bf16::from_f32(x).to_le_bytes()).collect(),
-    }
+/// The number of elements of `shape`, or an error if it does not fit in `usize`.
+pub(crate) fn elements(shape: &[usize]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |a, &b| a.checked_mul(b))
+        .ok_or_else(|| KernelError::Shape(format!("shape {shape:?} has too many elements")))
 }
 
 /// Round host values to `dtype` and back: what the device will see after an upload.
@@ -135,10 +301,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn encodes_little_endian_elements() {
-        assert_eq!(encode(&[1.0], DType::F16), vec![0x00, 0x3c]);
-        assert_eq!(encode(&[1.0], DType::BF16), vec![0x80, 0x3f]);
-        assert_eq!(encode(&[1.0], DType::F32), 1.0f32.to_le_bytes().to_vec());
+    fn rounds_like_the_device() {
         assert_eq!(round_to(&[1.0 + 1e-4], DType::F16), vec![1.0]);
+        assert_eq!(round_to(&[1.0 + 1e-3], DType::BF16), vec![1.0]);
+        assert_eq!(round_to(&[1.0 + 1e-4], DType::F32), vec![1.0 + 1e-4]);
+        assert_eq!(DType::BF16.size(), 2);
+        assert_eq!(DType::F32.to_string(), "f32");
     }
 }

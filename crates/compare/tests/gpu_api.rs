@@ -1,0 +1,255 @@
+//! The kernel crate's API on a real GPU: hostile input gives an `Err` (never a panic, a hang or a
+//! wrong answer), a NaN reaches only the rows it should, buffers wrapped from cudarc work without
+//! copies, and the deterministic backward is bitwise reproducible.
+//!
+//! Without a GPU these tests print a notice and pass; with `LADDER_REQUIRE_GPU=1` a missing GPU
+//! fails them.
+
+use std::sync::OnceLock;
+
+use half::f16;
+use ladder_compare::gpu_check::gpu_or_skip;
+use ladder_kernels::{DType, Gpu, KernelError, Options, Output, Tensor, fa1, fa2};
+
+fn gpu() -> Option<&'static Gpu> {
+    static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
+    GPU.get_or_init(|| gpu_or_skip("GPU API tests")).as_ref()
+}
+
+/// Deterministic pseudo-random values in [-1, 1) (a fixed LCG: the same inputs every run).
+fn values(len: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..len)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn tensor(gpu: &Gpu, shape: &[usize], dtype: DType, seed: u64) -> Tensor {
+    gpu.upload(&values(shape.iter().product(), seed), shape, dtype).expect("upload")
+}
+
+#[test]
+fn mismatched_dtypes_are_errors() {
+    let Some(gpu) = gpu() else { return };
+    let q = tensor(gpu, &[1, 2, 64, 64], DType::F16, 1);
+    let k16 = tensor(gpu, &[1, 2, 64, 64], DType::F16, 2);
+    let kb = tensor(gpu, &[1, 2, 64, 64], DType::BF16, 2);
+    let q32 = tensor(gpu, &[1, 2, 64, 64], DType::F32, 1);
+    let opts = Options::full();
+    assert!(matches!(fa2::forward(gpu, &q, &kb, &k16, &opts), Err(KernelError::DType(_))));
+    assert!(matches!(fa2::forward(gpu, &q, &k16, &kb, &opts), Err(KernelError::DType(_))));
+    assert!(matches!(
+        fa2::forward(gpu, &q32, &q32, &q32, &opts),
+        Err(KernelError::UnsupportedDtype { rung: "fa2", .. })
+    ));
+    // The backward's extra inputs: dO of the wrong dtype, lse of the wrong shape.
+    let out = fa2::forward(gpu, &q, &k16, &k16, &opts).expect("forward");
+    let d_o = tensor(gpu, &[1, 2, 64, 64], DType::BF16, 3);
+    assert!(matches!(
+        fa2::backward(gpu, &q, &k16, &k16, &out, &d_o, &opts),
+        Err(KernelError::DType(_))
+    ));
+    let bad_lse = Output { o: tensor(gpu, &[1, 2, 64, 64], DType::F16, 4), lse: q32 };
+    assert!(matches!(
+        fa2::backward(gpu, &q, &k16, &k16, &bad_lse, &k16, &opts),
+        Err(KernelError::Shape(_))
+    ));
+}
+
+#[test]
+fn mismatched_and_empty_shapes_are_errors() {
+    let Some(gpu) = gpu() else { return };
+    let t = |shape: &[usize]| tensor(gpu, shape, DType::F16, 5);
+    let opts = Options::causal();
+    let q = t(&[1, 4, 50, 64]);
+    let cases: Vec<(&str, Tensor, Tensor, Tensor)> = vec![
+        ("k and v lengths differ", t(&[1, 4, 50, 64]), t(&[1, 2, 50, 64]), t(&[1, 2, 49, 64])),
+        ("head dims differ", t(&[1, 4, 50, 64]), t(&[1, 2, 50, 128]), t(&[1, 2, 50, 128])),
+        ("batches differ", t(&[1, 4, 50, 64]), t(&[2, 2, 50, 64]), t(&[2, 2, 50, 64])),
+        ("heads not a multiple", t(&[1, 4, 50, 64]), t(&[1, 3, 50, 64]), t(&[1, 3, 50, 64])),
+        ("rank 3", t(&[4, 50, 64]), t(&[2, 50, 64]), t(&[2, 50, 64])),
+        ("zero queries", t(&[1, 4, 0, 64]), t(&[1, 2, 50, 64]), t(&[1, 2, 50, 64])),
+        ("zero keys", t(&[1, 4, 50, 64]), t(&[1, 2, 0, 64]), t(&[1, 2, 0, 64])),
+        ("zero batch", t(&[0, 4, 50, 64]), t(&[0, 2, 50, 64]), t(&[0, 2, 50, 64])),
+    ];
+    for (what, q, k, v) in &cases {
+        for result in [fa1::forward(gpu, q, k, v, &opts), fa2::forward(gpu, q, k, v, &opts)] {
+            assert!(matches!(result, Err(KernelError::Shape(_))), "{what}: {result:?}");
+        }
+    }
+    // dO of the wrong shape.
+    let k = t(&[1, 2, 50, 64]);
+    let out = fa2::forward(gpu, &q, &k, &k, &opts).expect("forward");
+    let d_o = t(&[1, 4, 51, 64]);
+    assert!(matches!(
+        fa2::backward(gpu, &q, &k, &k, &out, &d_o, &opts),
+        Err(KernelError::Shape(_))
+    ));
+    // A buffer whose length is not the shape's.
+    let buf = gpu.stream().alloc_zeros::<f16>(10).expect("alloc");
+    assert!(matches!(Tensor::from_cuda_slice(buf, &[1, 1, 3, 4]), Err(KernelError::Shape(_))));
+}
+
+#[test]
+fn unsupported_head_dims_are_errors() {
+    let Some(gpu) = gpu() else { return };
+    let t = |d: usize| tensor(gpu, &[1, 1, 20, d], DType::F16, 6);
+    let opts = Options::full();
+    for d in [16, 96, 192] {
+        let x = t(d);
+        let r = fa2::forward(gpu, &x, &x, &x, &opts);
+        assert!(matches!(r, Err(KernelError::UnsupportedHeadDim { rung: "fa2", .. })), "{r:?}");
+    }
+    let x = t(256);
+    let r = fa1::forward(gpu, &x, &x, &x, &opts);
+    assert!(matches!(r, Err(KernelError::UnsupportedHeadDim { rung: "fa1", d: 256, .. })));
+    let out = fa2::forward(gpu, &x, &x, &x, &opts).expect("fa2 has d = 256 forward");
+    let r = fa2::backward(gpu, &x, &x, &x, &out, &x, &opts);
+    assert!(matches!(r, Err(KernelError::UnsupportedHeadDim { d: 256, .. })), "{r:?}");
+}
+
+#[test]
+fn out_of_memory_is_an_error_and_the_gpu_stays_usable() {
+    let Some(gpu) = gpu() else { return };
+    // 2 TiB: more than any GPU has.
+    let r = gpu.zeros(&[1 << 40], DType::F16);
+    assert!(matches!(r, Err(KernelError::OutOfMemory { bytes }) if bytes == 2 << 40), "{r:?}");
+    let r = gpu.upload(&[0.0; 3], &[1 << 62, 1 << 62], DType::F32);
+    assert!(matches!(r, Err(KernelError::Shape(_))), "{r:?}");
+    // Still usable: a forward pass runs and gives finite numbers.
+    let x = tensor(gpu, &[1, 2, 100, 64], DType::F16, 7);
+    let out = fa2::forward(gpu, &x, &x, &x, &Options::causal()).expect("forward after OOM");
+    assert!(out.o.to_f32_vec().expect("copy").iter().all(|v| v.is_finite()));
+}
+
+/// Which query rows a NaN in row `j` of K or V reaches: every row that sees key `j`.
+fn sees(i: usize, j: usize, n_q: usize, n_kv: usize, causal: bool) -> bool {
+    !causal || j + n_q <= i + n_kv
+}
+
+#[test]
+fn a_nan_reaches_only_the_rows_it_should() {
+    let Some(gpu) = gpu() else { return };
+    let (b, hq, hkv, n_q, n_kv, d) = (1, 4, 2, 150, 230, 64);
+    let (qs, kvs) = ([b, hq, n_q, d], [b, hkv, n_kv, d]);
+    let (q, k, v) = (values(b * hq * n_q * d, 8), values(b * hkv * n_kv * d, 9), values(b * hkv * n_kv * d, 10));
+    // (tensor, head, row, column) of the NaN; V only without the causal mask (see below).
+    let spots = [(0, 3, 77, 5, true), (1, 1, 101, 9, true), (1, 0, 3, 0, false), (2, 1, 200, 17, false)];
+    for (tensor_ix, head, row, col, causal) in spots {
+        let opts = if causal { Options::causal() } else { Options::full() };
+        let run = |q: &[f32], k: &[f32], v: &[f32]| -> (Vec<f32>, Vec<f32>) {
+            let up = |x: &[f32], s: &[usize]| gpu.upload(x, s, DType::F16).expect("upload");
+            let out = fa2::forward(gpu, &up(q, &qs), &up(k, &kvs), &up(v, &kvs), &opts).expect("fa2");
+            (out.o.to_f32_vec().expect("o"), out.lse.to_f32_vec().expect("lse"))
+        };
+        let clean = run(&q, &k, &v);
+        let (mut q2, mut k2, mut v2) = (q.clone(), k.clone(), v.clone());
+        let (target, heads, n) = match tensor_ix {
+            0 => (&mut q2, hq, n_q),
+            1 => (&mut k2, hkv, n_kv),
+            _ => (&mut v2, hkv, n_kv),
+        };
+        target[((head) * n + row) * d + col] = f32::NAN;
+        let _ = heads;
+        let dirty = run(&q2, &k2, &v2);
+        let group = hq / hkv;
+        for h in 0..hq {
+            for i in 0..n_q {
+                let reached_row = match tensor_ix {
+                    0 => h == head && i == row,
+                    _ => h / group == head && sees(i, row, n_q, n_kv, causal),
+                };
+                for c in 0..d {
+                    let at = (h * n_q + i) * d + c;
+                    let reached = reached_row && (tensor_ix < 2 || c == col);
+                    let (was, now) = (clean.0[at], dirty.0[at]);
+                    if reached {
+                        assert!(now.is_nan(), "tensor {tensor_ix}: O[{h},{i},{c}] = {now}, want NaN");
+                    } else {
+                        assert_eq!(was.to_bits(), now.to_bits(), "tensor {tensor_ix}: O[{h},{i},{c}] changed");
+                    }
+                }
+                let (was, now) = (clean.1[h * n_q + i], dirty.1[h * n_q + i]);
+                if reached_row && tensor_ix < 2 {
+                    assert!(now.is_nan(), "tensor {tensor_ix}: lse[{h},{i}] = {now}, want NaN");
+                } else {
+                    assert_eq!(was.to_bits(), now.to_bits(), "tensor {tensor_ix}: lse[{h},{i}] changed");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn wrapped_cudarc_buffers_run_without_copies() {
+    let Some(gpu) = gpu() else { return };
+    let shape = [1, 2, 90, 64];
+    let host: Vec<f16> = values(shape.iter().product(), 11).into_iter().map(f16::from_f32).collect();
+    let slice = gpu.stream().clone_htod(&host).expect("copy");
+    let q = Tensor::from_cuda_slice(slice, &shape).expect("wrap");
+    let ours = gpu.upload_slice(&host, &shape).expect("upload");
+    let opts = Options::causal();
+    let a = fa2::forward(gpu, &q, &q, &q, &opts).expect("wrapped");
+    let b = fa2::forward(gpu, &ours, &ours, &ours, &opts).expect("uploaded");
+    assert_eq!(a.o.to_bytes().expect("a"), b.o.to_bytes().expect("b"));
+    // Handed back as the same type; a different type is an error, not a reinterpretation.
+    let back = q.into_cuda_slice::<f16>().expect("same type back");
+    assert_eq!(back.len(), host.len());
+    let o = a.o;
+    assert!(matches!(o.into_cuda_slice::<f32>(), Err(KernelError::DType(_))));
+    // A Gpu made from the same stream runs on it.
+    let same = Gpu::from_stream(gpu.stream().clone(), gpu.config().clone()).expect("from_stream");
+    let c = fa2::forward(&same, &ours, &ours, &ours, &opts).expect("from_stream forward");
+    assert_eq!(c.o.to_bytes().expect("c"), b.o.to_bytes().expect("b"));
+}
+
+/// The deterministic backward gives the same bits every run, on a shape with many key tiles and a
+/// grid of thousands of blocks; the atomic one is reported (how often its bits differ), not
+/// asserted: the order of its f32 additions depends on which blocks race.
+#[test]
+fn deterministic_backward_is_bitwise_reproducible() {
+    let Some(gpu) = gpu() else { return };
+    let (b, hq, hkv, n, d) = (4, 16, 4, 2048, 128);
+    let shape_q = [b, hq, n, d];
+    let shape_kv = [b, hkv, n, d];
+    let q = tensor(gpu, &shape_q, DType::BF16, 12);
+    let k = tensor(gpu, &shape_kv, DType::BF16, 13);
+    let v = tensor(gpu, &shape_kv, DType::BF16, 14);
+    let d_o = tensor(gpu, &shape_q, DType::BF16, 15);
+    for causal in [false, true] {
+        let base = if causal { Options::causal() } else { Options::full() };
+        let out = fa2::forward(gpu, &q, &k, &v, &base).expect("forward");
+        let bits = |opts: &Options| -> [Vec<u8>; 3] {
+            let g = fa2::backward(gpu, &q, &k, &v, &out, &d_o, opts).expect("backward");
+            [&g.dq, &g.dk, &g.dv].map(|t| t.to_bytes().expect("copy"))
+        };
+        let runs = 5;
+        let first = bits(&base.deterministic());
+        for run in 1..runs {
+            let again = bits(&base.deterministic());
+            for (t, name) in ["dQ", "dK", "dV"].iter().enumerate() {
+                assert!(first[t] == again[t], "causal={causal}: deterministic {name} differs in run {run}");
+            }
+        }
+        let atomic_first = bits(&base);
+        let differing = (1..runs).filter(|_| bits(&base)[0] != atomic_first[0]).count();
+        eprintln!(
+            "atomic dQ ({b}x{hq}/{hkv} heads, n = {n}, d = {d}, causal = {causal}): \
+             {differing} of {} reruns differ bitwise from the first",
+            runs - 1
+        );
+        // Both modes compute the same gradient: they agree to bf16 rounding.
+        let to_f32 = |x: &[u8]| -> Vec<f32> {
+            x.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
+        };
+        let (det, atomic) = (to_f32(&first[0]), to_f32(&atomic_first[0]));
+        let num: f64 = det.iter().zip(&atomic).map(|(a, b)| f64::from(a - b).powi(2)).sum();
+        let den: f64 = det.iter().map(|a| f64::from(*a).powi(2)).sum();
+        let rel = (num / den).sqrt();
+        // Two roundings of the same f32 sum to bf16 (2^-8 relative each) bound the difference.
+        assert!(rel < 2.0 * 2f64.powi(-8), "causal={causal}: deterministic vs atomic dQ rel L2 {rel:e}");
+    }
+}
