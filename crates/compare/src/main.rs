@@ -1,20 +1,16 @@
 //! `ladder`: run and verify the rungs of the attention ladder.
 
 mod bench;
+mod run;
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use clap::{Args, Parser, Subcommand};
 use ladder_compare::memory::{PeakAlloc, human_bytes};
-use ladder_compare::npy::{self, DType};
 use ladder_compare::verify::{self, VerifyCase};
 use ladder_compare::{Rung, RungConfig};
-use ladder_reference::{
-    AttentionOptions, AttentionOutput, AttentionShape, Element, Phi, RunStats, TileSizes,
-};
-use ndarray::Array4;
+use ladder_reference::{AttentionOptions, AttentionShape, Phi, TileSizes};
 
 // Counts heap use so `verify` can report the extra memory each rung allocates.
 #[global_allocator]
@@ -37,7 +33,7 @@ enum Command {
     /// it and the float64 oracle; exits non-zero if any is out of tolerance.
     Verify(VerifyArgs),
     /// Run one rung on your own tensors (.npy, float16/32/64, shape [batch, heads, seq, head_dim]).
-    Run(RunArgs),
+    Run(run::RunArgs),
     /// Time the GPU rungs (CUDA events) at the FlashAttention-3 paper's shapes; write CSV, JSON
     /// and TFLOP/s charts (with scripts/peers.py's PyTorch/Triton figures when present).
     Bench(bench::BenchArgs),
@@ -121,33 +117,6 @@ struct VerifyArgs {
     rung: RungArgs,
 }
 
-#[derive(Args)]
-struct RunArgs {
-    /// The rung to run.
-    #[arg(long, value_enum)]
-    rung: Rung,
-    /// Queries, [batch, heads_q, n_q, d].
-    #[arg(long)]
-    q: PathBuf,
-    /// Keys, [batch, heads_kv, n_kv, d].
-    #[arg(long)]
-    k: PathBuf,
-    /// Values, [batch, heads_kv, n_kv, d].
-    #[arg(long)]
-    v: PathBuf,
-    /// Where to write O (in the dtype of q).
-    #[arg(long)]
-    out: PathBuf,
-    /// Where to write the log-sum-exp, [batch, heads_q, n_q], float32.
-    #[arg(long)]
-    lse: Option<PathBuf>,
-    /// Causal masking, bottom-right aligned.
-    #[arg(long)]
-    causal: bool,
-    #[command(flatten)]
-    rung_args: RungArgs,
-}
-
 fn main() -> ExitCode {
     match Cli::parse().command {
         Command::Verify(args) => match verify_cmd(&args) {
@@ -155,10 +124,7 @@ fn main() -> ExitCode {
             Ok(false) => ExitCode::from(1),
             Err(e) => fail(e),
         },
-        Command::Run(args) => match run_cmd(&args) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => fail(e),
-        },
+        Command::Run(args) => run::main(&args),
         Command::Bench(args) => bench::main(&args),
     }
 }
@@ -240,52 +206,4 @@ fn verify_cmd(args: &VerifyArgs) -> anyhow::Result<bool> {
         println!("OUT OF TOLERANCE: {}", failed.join(", "));
         Ok(false)
     }
-}
-
-fn run_cmd(args: &RunArgs) -> anyhow::Result<()> {
-    let config = args.rung_args.config(args.causal)?;
-    let (q, k, v) = (npy::read(&args.q)?, npy::read(&args.k)?, npy::read(&args.v)?);
-    AttentionShape::of(&q.data.view(), &k.data.view(), &v.data.view()).with_context(|| {
-        format!("q {:?}, k {:?}, v {:?}", q.data.shape(), k.data.shape(), v.data.shape())
-    })?;
-    // Compute in f64 if any input is f64 (exact), otherwise in f32 (exact for f16 and f32 inputs).
-    let wide = [q.dtype, k.dtype, v.dtype].contains(&DType::F64);
-    let (o, lse, stats) = if wide {
-        let out = args.rung.forward(q.data.view(), k.data.view(), v.data.view(), &config)?;
-        (out.o, out.lse, out.stats)
-    } else {
-        let narrow = |x: &Array4<f64>| x.mapv(|v| v as f32);
-        let (q32, k32, v32) = (narrow(&q.data), narrow(&k.data), narrow(&v.data));
-        widen(args.rung.forward(q32.view(), k32.view(), v32.view(), &config)?)
-    };
-    npy::write(&args.out, &o, q.dtype)?;
-    if let Some(path) = &args.lse {
-        npy::write(path, &lse, DType::F32)?;
-    }
-    eprintln!(
-        "{}: wrote {} {:?} to {}{}",
-        args.rung,
-        match q.dtype {
-            DType::F16 => "float16",
-            DType::F32 => "float32",
-            DType::F64 => "float64",
-        },
-        o.shape(),
-        args.out.display(),
-        args.lse.as_ref().map_or(String::new(), |p| format!(" and lse to {}", p.display()))
-    );
-    eprintln!(
-        "{}: {} work items, HBM traffic {} under its memory model{}",
-        args.rung,
-        stats.work_items,
-        human_bytes(stats.hbm.total_bytes()),
-        stats
-            .fallback_rows
-            .map_or(String::new(), |n| format!(", {n} rows recomputed by the fallback"))
-    );
-    Ok(())
-}
-
-fn widen<T: Element>(out: AttentionOutput<T>) -> (Array4<f64>, ndarray::Array3<f64>, RunStats) {
-    (out.o.mapv(|x| x.as_f64()), out.lse.mapv(|x| x.as_f64()), out.stats)
 }

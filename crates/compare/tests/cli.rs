@@ -3,8 +3,12 @@
 use std::path::Path;
 use std::process::Command;
 
+use ladder_compare::Inputs;
+use ladder_compare::gpu_check::{self, narrow};
+use ladder_compare::metrics::error;
 use ladder_compare::npy::{self, DType};
-use ladder_reference::{AttentionOptions, naive};
+use ladder_compare::oracle::{Expected, ExpectedGradients, GradientOracle, Oracle, check};
+use ladder_reference::{AttentionOptions, AttentionOutput, Element, Gradients, naive};
 use ndarray::Array4;
 
 /// The binary cargo built, or the one carried next to this test binary to the GPU machine.
@@ -96,10 +100,7 @@ fn run_rejects_bad_inputs_with_one_line_errors() {
         let mut all = vec!["run", "--rung", "fa2", "--out", &out];
         all.extend(args);
         let run = ladder(&all);
-        let stderr = String::from_utf8_lossy(&run.stderr);
-        assert_eq!(run.status.code(), Some(2), "{all:?}: {stderr}");
-        assert!(stderr.starts_with("error: ") && stderr.contains(message), "{all:?}: {stderr}");
-        assert_eq!(stderr.trim_end().lines().count(), 1, "one line: {stderr}");
+        assert_one_line_error(&run, 1, message);
     }
     let run = ladder(&[
         "run",
@@ -116,7 +117,231 @@ fn run_rejects_bad_inputs_with_one_line_errors() {
         "--splits",
         "0",
     ]);
-    assert_eq!(run.status.code(), Some(2));
+    assert_one_line_error(&run, 2, "--splits must be at least 1");
+}
+
+/// Asserts that `run` failed with exit status `code` and one line `error: …` containing `message`.
+fn assert_one_line_error(run: &std::process::Output, code: i32, message: &str) {
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(code), "{stderr}");
+    assert!(stderr.starts_with("error: ") && stderr.contains(message), "{message:?}: {stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "one line: {stderr}");
+}
+
+/// A problem written to `dir` as `.npy` files of `dtype`, with `dO`: the tensors, in `f64`.
+struct Problem {
+    x: Inputs<f64>,
+    paths: [String; 4],
+}
+
+impl Problem {
+    fn write(dir: &Path, dtype: DType, q: (usize, usize, usize, usize), n_kv: usize) -> Self {
+        let kv = (q.0, 2, n_kv, q.3);
+        let x = Inputs { q: tensor(q, 1), k: tensor(kv, 2), v: tensor(kv, 3), d_o: tensor(q, 4) };
+        let named = [("q.npy", &x.q), ("k.npy", &x.k), ("v.npy", &x.v), ("do.npy", &x.d_o)];
+        let paths = named.map(|(name, t)| {
+            npy::write(&dir.join(name), t, dtype).unwrap();
+            dir.join(name).display().to_string()
+        });
+        Self { x, paths }
+    }
+
+    /// The `ladder run` arguments for `rung` on this problem, causal, writing into `dir` with
+    /// the prefix `tag`, with `--backward` when `backward`.
+    fn args(&self, dir: &Path, rung: &str, tag: &str, backward: bool) -> Vec<String> {
+        let [q, k, v, d_o] = &self.paths;
+        let out = |name: &str| dir.join(format!("{tag}-{name}.npy")).display().to_string();
+        let mut args: Vec<String> =
+            ["run", "--rung", rung, "--q", q, "--k", k, "--v", v].map(String::from).to_vec();
+        args.extend(["--out".into(), out("o"), "--lse".into(), out("lse"), "--causal".into()]);
+        if backward {
+            args.extend(["--backward", "--do", d_o].map(String::from));
+            for g in ["dq", "dk", "dv"] {
+                args.extend([format!("--{g}"), out(g)]);
+            }
+        }
+        args
+    }
+
+    /// Runs `ladder run` with `args` (from [`Problem::args`] with `tag`) and reads what it wrote.
+    fn run(
+        dir: &Path,
+        tag: &str,
+        args: &[String],
+    ) -> (AttentionOutput<f64>, Option<Gradients<f64>>) {
+        let run = ladder(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(run.status.success(), "{args:?}: {}", String::from_utf8_lossy(&run.stderr));
+        let read4 = |name: &str| npy::read(&dir.join(format!("{tag}-{name}.npy"))).unwrap().data;
+        let lse = npy::read_any(&dir.join(format!("{tag}-lse.npy"))).unwrap().1;
+        let out = AttentionOutput {
+            o: read4("o"),
+            lse: lse.into_dimensionality::<ndarray::Ix3>().unwrap(),
+            stats: Default::default(),
+        };
+        let grads = args.iter().any(|a| a == "--backward").then(|| Gradients {
+            dq: read4("dq"),
+            dk: read4("dk"),
+            dv: read4("dv"),
+            stats: Default::default(),
+        });
+        (out, grads)
+    }
+}
+
+/// The inputs in `T` (exact: the files hold values of every dtype).
+fn inputs_in<T: Element>(x: &Inputs<f64>) -> Inputs<T> {
+    let cast = |a: &Array4<f64>| a.mapv(T::of);
+    Inputs { q: cast(&x.q), k: cast(&x.k), v: cast(&x.v), d_o: cast(&x.d_o) }
+}
+
+fn grads_of(g: &Gradients<f64>) -> [&Array4<f64>; 3] {
+    [&g.dq, &g.dk, &g.dv]
+}
+
+/// CPU backward of naive and fa2 in `T`: each within the crate's tolerance of the float64
+/// oracle (twice the naive backward's error in `T` plus the rounding floor: in f64 the floor
+/// alone, ~1e-13 relative), and the two within the sum of their tolerances of each other.
+fn check_cpu_backward<T: Element>(dtype: DType) {
+    let dir = tempfile::tempdir().unwrap();
+    let problem = Problem::write(dir.path(), dtype, (2, 4, 7, 8), 11);
+    let mut runs = Vec::new();
+    for rung in ["naive", "fa2"] {
+        let mut args = problem.args(dir.path(), rung, rung, true);
+        args.extend(["--br", "3", "--bc", "4"].map(String::from));
+        let (_, grads) = Problem::run(dir.path(), rung, &args);
+        let grads = grads.unwrap();
+        for (name, g) in ["dq", "dk", "dv"].iter().zip(grads_of(&grads)) {
+            let file = npy::read(&dir.path().join(format!("{rung}-{name}.npy"))).unwrap();
+            assert_eq!((file.dtype, g.shape()), (dtype, file.data.shape()), "{rung} {name}");
+        }
+        runs.push((rung, grads));
+    }
+    let expected =
+        ExpectedGradients::new(&inputs_in::<T>(&problem.x), &AttentionOptions::causal()).unwrap();
+    for (rung, grads) in &runs {
+        let (errs, pass) = expected.judge(grads);
+        assert!(pass, "{rung} in {}: {errs:?} (tol {:?})", T::NAME, expected.tolerances);
+    }
+    let [(_, naive), (_, fa2)] = &runs[..] else { unreachable!() };
+    for (t, (a, b)) in grads_of(fa2).into_iter().zip(grads_of(naive)).enumerate() {
+        let (err, tol) = (error(a, b), expected.tolerances[t].plus(expected.tolerances[t]));
+        assert!(tol.admits(err), "fa2 vs naive in {}, gradient {t}: {err} (tol {tol})", T::NAME);
+    }
+}
+
+#[test]
+fn run_backward_on_the_cpu_matches_the_oracle_and_naive_matches_fa2() {
+    check_cpu_backward::<f64>(DType::F64);
+    check_cpu_backward::<f32>(DType::F32);
+}
+
+#[test]
+fn run_rejects_bad_flag_combinations_and_gradients() {
+    let dir = tempfile::tempdir().unwrap();
+    let problem = Problem::write(dir.path(), DType::F32, (1, 2, 5, 8), 6);
+    let [q, k, v, d_o] = problem.paths.clone();
+    let out = dir.path().join("o.npy").display().to_string();
+    let missing = dir.path().join("missing.npy").display().to_string();
+    let base = |rung: &str| {
+        ["run", "--rung", rung, "--q", &q, "--k", &k, "--v", &v, "--out", &out]
+            .map(String::from)
+            .to_vec()
+    };
+    let grads = ["--dq", "dq.npy", "--dk", "dk.npy", "--dv", "dv.npy"];
+    let cases: [(&str, Vec<&str>, i32, &str); 11] = [
+        ("fa2", vec!["--backward"], 2, "--backward needs --do"),
+        ("fa2", vec!["--backward", "--do", &d_o], 2, "missing --dq, --dk, --dv"),
+        ("fa2", vec!["--do", &d_o], 2, "--do goes with --backward"),
+        ("fa1", [&["--backward", "--do", &d_o][..], &grads].concat(), 2, "fa1 has no backward"),
+        ("fa2", [&["--backward", "--do", &k][..], &grads].concat(), 1, "k.npy: dO is [1, 2, 6, 8]"),
+        ("fa2", [&["--backward", "--do", &missing][..], &grads].concat(), 1, "missing.npy"),
+        ("naive", vec!["--device", "gpu"], 2, "naive has no GPU kernel (GPU rungs: fa1, fa2)"),
+        ("fa3", vec!["--device", "gpu"], 2, "fa3 has no GPU kernel"),
+        ("fa2", vec!["--device", "gpu", "--dtype", "f32"], 2, "fa2 on the GPU takes fp16, bf16"),
+        (
+            "fa1",
+            [&["--device", "gpu", "--backward", "--do", &d_o][..], &grads].concat(),
+            2,
+            "fa1 has no backward kernel (GPU rungs with one: fa2)",
+        ),
+        (
+            "fa2",
+            vec!["--dtype", "fp16"],
+            2,
+            "--dtype picks the GPU kernel's type and needs --device gpu",
+        ),
+    ];
+    for (rung, extra, code, message) in cases {
+        let mut args = base(rung);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let run = ladder(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        assert_one_line_error(&run, code, message);
+    }
+    // Flags clap rejects: exit status 2 with clap's own message.
+    for extra in [["--device", "tpu"], ["--dtype", "f8"]] {
+        let mut args = base("fa2");
+        args.extend(extra.map(String::from));
+        let run = ladder(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        assert_eq!(run.status.code(), Some(2), "{}", String::from_utf8_lossy(&run.stderr));
+    }
+}
+
+/// With a GPU (or where one is promised: `LADDER_REQUIRE_GPU=1`), `--device gpu` runs fa1 and
+/// fa2 forward and fa2 backward, each held to the GPU tests' rule (twice the error of the naive
+/// algorithm with the kernel's 16-bit roundings, `ladder_compare::low_precision`, plus the f32
+/// floor) against the oracle, and within the sum of its and the CPU rung's tolerances of the CPU
+/// rung's result. Without one, `--device gpu` is a one-line "no GPU" error with exit status 1.
+#[test]
+fn run_on_the_gpu_matches_the_cpu_rung_or_says_there_is_no_gpu() {
+    use ladder_kernels::DType as K;
+    let dir = tempfile::tempdir().unwrap();
+    // d = 64: a head dim every kernel has, backward included; f32 files of fp16/bf16 values.
+    let problem = Problem::write(dir.path(), DType::F32, (1, 4, 37, 64), 53);
+    let gpu_expected = ladder_kernels::testing::required() || ladder_kernels::Gpu::new().is_ok();
+    if !gpu_expected {
+        for backward in [false, true] {
+            let mut args = problem.args(dir.path(), "fa2", "gpu", backward);
+            args.extend(["--device", "gpu"].map(String::from));
+            let run = ladder(&args.iter().map(String::as_str).collect::<Vec<_>>());
+            assert_one_line_error(&run, 1, "no GPU: ");
+        }
+        return;
+    }
+    let (attention, _) = gpu_check::options(&AttentionOptions::causal(), 64);
+    let x = &problem.x;
+    let x32 = narrow(x);
+    let oracle = Oracle::new(x, &attention).unwrap();
+    let cpu_expected = Expected::from_oracle(&oracle, &x32).unwrap();
+    let grad_oracle = GradientOracle::new(x, &attention).unwrap();
+    let cpu_grad_expected = ExpectedGradients::from_oracle(&grad_oracle, &x32).unwrap();
+    // fa1's default for float32 input is f32, fa2's fp16.
+    for (rung, dtypes) in [
+        ("fa1", [(None, K::F32), (Some("fp16"), K::F16)]),
+        ("fa2", [(None, K::F16), (Some("bf16"), K::BF16)]),
+    ] {
+        let backward = rung == "fa2";
+        let (cpu_out, cpu_grads) =
+            Problem::run(dir.path(), "cpu", &problem.args(dir.path(), rung, "cpu", backward));
+        for (flag, dtype) in dtypes {
+            let mut args = problem.args(dir.path(), rung, "gpu", backward);
+            args.extend(["--device", "gpu"].map(String::from));
+            args.extend(flag.map(|f| ["--dtype".to_string(), f.to_string()]).into_iter().flatten());
+            let (out, grads) = Problem::run(dir.path(), "gpu", &args);
+            let expected = gpu_check::expected_forward(&oracle, x, dtype).unwrap();
+            let label = format!("{rung} (GPU, {dtype})");
+            check(&label, &out, &expected, Some(("CPU", &cpu_out, &cpu_expected)))
+                .unwrap_or_else(|e| panic!("{e}"));
+            let (Some(grads), Some(cpu_grads)) = (grads, &cpu_grads) else { continue };
+            let expected = gpu_check::expected_backward(&grad_oracle, x, dtype).unwrap();
+            let (errs, pass) = expected.judge(&grads);
+            assert!(pass, "{label} backward vs oracle: {errs:?} (tol {:?})", expected.tolerances);
+            for (t, (a, b)) in grads_of(&grads).into_iter().zip(grads_of(cpu_grads)).enumerate() {
+                let tol = expected.tolerances[t].plus(cpu_grad_expected.tolerances[t]);
+                let err = error(a, b);
+                assert!(tol.admits(err), "{label} vs CPU fa2, gradient {t}: {err} (tol {tol})");
+            }
+        }
+    }
 }
 
 #[test]

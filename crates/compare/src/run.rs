@@ -1,0 +1,496 @@
+//! `ladder run`: one rung on your own `.npy` tensors, on the CPU or on the GPU, forward and
+//! (for the rungs that have one) backward.
+//!
+//! Exit status: 0 on success, 2 for bad flags (as clap's own errors), 1 for everything else
+//! (a file that cannot be read or does not fit, a kernel that refuses the problem, no GPU).
+//! Every error is one line.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{Context, anyhow, bail};
+use clap::{Args, ValueEnum};
+use ladder_compare::gpu_check::half_of;
+use ladder_compare::memory::human_bytes;
+use ladder_compare::npy::{self, DType, NpyTensor};
+use ladder_compare::{Rung, RungConfig};
+use ladder_kernels::{self as kernels, Gpu, KernelError, Tensor};
+use ladder_reference::{AttentionShape, Element, Fa2Options, RunStats, fa2, naive};
+use ndarray::{Array, Array3, Array4, ArrayD, Dimension};
+
+use crate::RungArgs;
+
+const EXAMPLES: &str = "\
+Examples:
+  ladder run --rung fa2 --q q.npy --k k.npy --v v.npy --out o.npy --lse lse.npy --causal
+  ladder run --rung fa2 --device gpu --q q.npy --k k.npy --v v.npy --out o.npy --causal
+  ladder run --rung fa2 --q q.npy --k k.npy --v v.npy --out o.npy --causal \\
+             --backward --do do.npy --dq dq.npy --dk dk.npy --dv dv.npy
+
+Rungs with a GPU kernel: fa1 (fp16, bf16, f32), fa2 (fp16, bf16). Rungs with a backward pass:
+naive and fa2 on the CPU, fa2 on the GPU. --br, --bc, --splits, --phi and --no-incoherent tune the
+CPU rungs; the GPU kernels choose their own tiles. Exit status 2 for bad flags, 1 for any other
+error.";
+
+#[derive(Args)]
+#[command(after_help = EXAMPLES)]
+pub struct RunArgs {
+    /// The rung to run.
+    #[arg(long, value_enum)]
+    rung: Rung,
+    /// Queries, [batch, heads_q, n_q, d].
+    #[arg(long)]
+    q: PathBuf,
+    /// Keys, [batch, heads_kv, n_kv, d].
+    #[arg(long)]
+    k: PathBuf,
+    /// Values, [batch, heads_kv, n_kv, d].
+    #[arg(long)]
+    v: PathBuf,
+    /// Where to write O (in the dtype of q).
+    #[arg(long)]
+    out: PathBuf,
+    /// Where to write the log-sum-exp, [batch, heads_q, n_q], float32.
+    #[arg(long)]
+    lse: Option<PathBuf>,
+    /// Causal masking, bottom-right aligned.
+    #[arg(long)]
+    causal: bool,
+    /// Where to run the rung: the CPU rung (in f32, or f64 when an input is float64), or its CUDA
+    /// kernel (fa1, fa2).
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
+    /// With --device gpu: the type the kernel reads and writes (inputs are rounded to it) [default:
+    /// the type of q where the kernel has it, else fp16: fa1 runs float32/64 inputs in f32, fa2
+    /// in fp16].
+    #[arg(long, value_enum)]
+    dtype: Option<GpuDType>,
+    /// Also compute dQ, dK, dV for the upstream gradient --do (naive and fa2 on the CPU, fa2 on
+    /// the GPU); needs --do, --dq, --dk and --dv.
+    #[arg(long)]
+    backward: bool,
+    /// With --backward: the upstream gradient dO, the shape of q.
+    #[arg(long = "do", value_name = "DO")]
+    d_o: Option<PathBuf>,
+    /// With --backward: where to write dQ (in the dtype of q).
+    #[arg(long)]
+    dq: Option<PathBuf>,
+    /// With --backward: where to write dK (in the dtype of k).
+    #[arg(long)]
+    dk: Option<PathBuf>,
+    /// With --backward: where to write dV (in the dtype of v).
+    #[arg(long)]
+    dv: Option<PathBuf>,
+    // --scale applies on the GPU too; the tile and split sizes do not.
+    #[command(flatten)]
+    rung_args: RungArgs,
+}
+
+/// Where `ladder run` runs the rung.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Device {
+    Cpu,
+    Gpu,
+}
+
+/// The element types of the GPU kernels, by their command-line names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum GpuDType {
+    Fp16,
+    Bf16,
+    F32,
+}
+
+impl GpuDType {
+    fn kernel(self) -> kernels::DType {
+        match self {
+            GpuDType::Fp16 => kernels::DType::F16,
+            GpuDType::Bf16 => kernels::DType::BF16,
+            GpuDType::F32 => kernels::DType::F32,
+        }
+    }
+}
+
+/// The rungs with a CUDA kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GpuRung {
+    Fa1,
+    Fa2,
+}
+
+impl GpuRung {
+    const ALL: &[GpuRung] = &[GpuRung::Fa1, GpuRung::Fa2];
+
+    fn of(rung: Rung) -> Option<GpuRung> {
+        match rung {
+            Rung::Fa1 => Some(GpuRung::Fa1),
+            Rung::Fa2 => Some(GpuRung::Fa2),
+            _ => None,
+        }
+    }
+
+    fn rung(self) -> Rung {
+        match self {
+            GpuRung::Fa1 => Rung::Fa1,
+            GpuRung::Fa2 => Rung::Fa2,
+        }
+    }
+
+    /// The types the forward kernel takes.
+    fn dtypes(self) -> &'static [GpuDType] {
+        match self {
+            GpuRung::Fa1 => &[GpuDType::Fp16, GpuDType::Bf16, GpuDType::F32],
+            GpuRung::Fa2 => &[GpuDType::Fp16, GpuDType::Bf16],
+        }
+    }
+
+    fn has_backward(self) -> bool {
+        self == GpuRung::Fa2
+    }
+
+    /// The type of q where the kernel has it, else fp16.
+    fn default_dtype(self, q: DType) -> GpuDType {
+        match q {
+            DType::F16 => GpuDType::Fp16,
+            DType::F32 | DType::F64 if self.dtypes().contains(&GpuDType::F32) => GpuDType::F32,
+            DType::F32 | DType::F64 => GpuDType::Fp16,
+        }
+    }
+}
+
+/// The CPU rungs with a backward pass.
+const CPU_BACKWARD: &[Rung] = &[Rung::Naive, Rung::Fa2];
+
+/// A bad flag or combination of flags: exit status 2, as for clap's own errors.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct Usage(String);
+
+fn usage(message: impl fmt::Display) -> anyhow::Error {
+    Usage(message.to_string()).into()
+}
+
+fn names<T: Copy>(items: &[T], name: impl Fn(T) -> String) -> String {
+    items.iter().map(|&x| name(x)).collect::<Vec<_>>().join(", ")
+}
+
+fn dtype_name(d: GpuDType) -> String {
+    d.kernel().name().to_string()
+}
+
+/// What to run, once the flags are checked.
+enum Plan {
+    Cpu,
+    Gpu { rung: GpuRung, dtype: Option<GpuDType> },
+}
+
+/// Where the gradients go: dO to read, dQ, dK, dV to write.
+struct BackwardPaths<'a> {
+    d_o: &'a Path,
+    out: [&'a Path; 3],
+}
+
+impl RunArgs {
+    /// Checks the flags together; every error here is a [`Usage`] error.
+    fn plan(&self) -> anyhow::Result<(Plan, Option<BackwardPaths<'_>>)> {
+        let grad_flags =
+            [("--do", &self.d_o), ("--dq", &self.dq), ("--dk", &self.dk), ("--dv", &self.dv)];
+        let backward = if self.backward {
+            let missing: Vec<&str> =
+                grad_flags.iter().filter(|(_, p)| p.is_none()).map(|(f, _)| *f).collect();
+            let (Some(d_o), Some(dq), Some(dk), Some(dv)) =
+                (&self.d_o, &self.dq, &self.dk, &self.dv)
+            else {
+                return Err(usage(format!(
+                    "--backward needs --do (the upstream gradient dO) and --dq, --dk, --dv (where \
+                     to write the gradients); missing {}",
+                    missing.join(", ")
+                )));
+            };
+            Some(BackwardPaths { d_o, out: [dq, dk, dv] })
+        } else {
+            if let Some((flag, _)) = grad_flags.iter().find(|(_, p)| p.is_some()) {
+                return Err(usage(format!("{flag} goes with --backward")));
+            }
+            None
+        };
+        let plan = match self.device {
+            Device::Cpu => {
+                if self.dtype.is_some() {
+                    return Err(usage(
+                        "--dtype picks the GPU kernel's type and needs --device gpu (the CPU \
+                         rungs compute in f32, or f64 when an input is float64)",
+                    ));
+                }
+                if backward.is_some() && !CPU_BACKWARD.contains(&self.rung) {
+                    return Err(usage(format!(
+                        "{} has no backward pass on the CPU (rungs with one: {})",
+                        self.rung,
+                        names(CPU_BACKWARD, |r| r.to_string())
+                    )));
+                }
+                Plan::Cpu
+            }
+            Device::Gpu => {
+                let rung = GpuRung::of(self.rung).ok_or_else(|| {
+                    usage(format!(
+                        "{} has no GPU kernel (GPU rungs: {})",
+                        self.rung,
+                        names(GpuRung::ALL, |r| r.rung().to_string())
+                    ))
+                })?;
+                if let Some(dtype) = self.dtype.filter(|d| !rung.dtypes().contains(d)) {
+                    return Err(usage(format!(
+                        "{} on the GPU takes {}, not {}",
+                        self.rung,
+                        names(rung.dtypes(), dtype_name),
+                        dtype_name(dtype)
+                    )));
+                }
+                if backward.is_some() && !rung.has_backward() {
+                    let with: Vec<GpuRung> =
+                        GpuRung::ALL.iter().copied().filter(|r| r.has_backward()).collect();
+                    return Err(usage(format!(
+                        "{} has no backward kernel (GPU rungs with one: {})",
+                        self.rung,
+                        names(&with, |r| r.rung().to_string())
+                    )));
+                }
+                Plan::Gpu { rung, dtype: self.dtype }
+            }
+        };
+        Ok((plan, backward))
+    }
+}
+
+/// Runs `ladder run`; prints any error on one line.
+pub fn main(args: &RunArgs) -> ExitCode {
+    match run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // The chain of causes, each once (a message that already ends with its cause's
+            // text is not repeated), on one line even where a message (a compiler log, say)
+            // has several.
+            let mut message = String::new();
+            for cause in e.chain().map(|c| c.to_string()) {
+                if !message.ends_with(&cause) {
+                    message += &if message.is_empty() { cause } else { format!(": {cause}") };
+                }
+            }
+            let line: Vec<&str> =
+                message.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+            eprintln!("error: {}", line.join(" "));
+            ExitCode::from(if e.is::<Usage>() { 2 } else { 1 })
+        }
+    }
+}
+
+/// The results of a run, widened to `f64`.
+struct Results {
+    o: Array4<f64>,
+    lse: Array3<f64>,
+    /// `dQ, dK, dV`.
+    grads: Option<[Array4<f64>; 3]>,
+    /// What ran where, for the summary line.
+    what: String,
+    /// What the run did, for a second line (CPU rungs).
+    stats: Option<String>,
+}
+
+fn run(args: &RunArgs) -> anyhow::Result<()> {
+    let (plan, backward) = args.plan()?;
+    let config = args.rung_args.config(args.causal).map_err(usage)?;
+    let [q, k, v] = [&args.q, &args.k, &args.v].map(|p| npy::read(p));
+    let (q, k, v) = (q?, k?, v?);
+    AttentionShape::of(&q.data.view(), &k.data.view(), &v.data.view()).with_context(|| {
+        format!("q {:?}, k {:?}, v {:?}", q.data.shape(), k.data.shape(), v.data.shape())
+    })?;
+    let d_o = match &backward {
+        Some(paths) => {
+            let d_o = npy::read(paths.d_o)?;
+            if d_o.data.shape() != q.data.shape() {
+                bail!(
+                    "{}: dO is {:?} but q is {:?}; they must be equal",
+                    paths.d_o.display(),
+                    d_o.data.shape(),
+                    q.data.shape()
+                );
+            }
+            Some(d_o)
+        }
+        None => None,
+    };
+    let tensors = Tensors { q: &q, k: &k, v: &v, d_o: d_o.as_ref() };
+    let results = match plan {
+        Plan::Cpu => {
+            let dtypes = [Some(&q), Some(&k), Some(&v), d_o.as_ref()].map(|t| t.map(|t| t.dtype));
+            // f64 if any input is f64 (exact), otherwise f32 (exact for f16 and f32 inputs).
+            if dtypes.contains(&Some(DType::F64)) {
+                cpu::<f64>(args.rung, &tensors, &config)?
+            } else {
+                cpu::<f32>(args.rung, &tensors, &config)?
+            }
+        }
+        Plan::Gpu { rung, dtype } => {
+            let dtype = dtype.unwrap_or_else(|| rung.default_dtype(q.dtype));
+            gpu(rung, dtype, &tensors, args)?
+        }
+    };
+    npy::write(&args.out, &results.o, q.dtype)?;
+    if let Some(path) = &args.lse {
+        npy::write(path, &results.lse, DType::F32)?;
+    }
+    let mut wrote =
+        format!("wrote {} {:?} to {}", dtype_label(q.dtype), results.o.shape(), args.out.display());
+    if let Some(path) = &args.lse {
+        wrote += &format!(", lse to {}", path.display());
+    }
+    if let (Some(grads), Some(paths)) = (&results.grads, &backward) {
+        for ((grad, input), path) in grads.iter().zip([&q, &k, &v]).zip(paths.out) {
+            npy::write(path, grad, input.dtype)?;
+        }
+        wrote +=
+            &format!(", dQ, dK, dV to {}", paths.out.map(|p| p.display().to_string()).join(", "));
+    }
+    eprintln!("{}: {wrote}", results.what);
+    if let Some(stats) = results.stats {
+        eprintln!("{}: {stats}", args.rung);
+    }
+    Ok(())
+}
+
+fn dtype_label(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F16 => "float16",
+        DType::F32 => "float32",
+        DType::F64 => "float64",
+    }
+}
+
+/// The inputs as read (widened exactly to `f64`).
+struct Tensors<'a> {
+    q: &'a NpyTensor,
+    k: &'a NpyTensor,
+    v: &'a NpyTensor,
+    d_o: Option<&'a NpyTensor>,
+}
+
+/// The CPU rung computing in `T` (every input value is exact in `T`).
+fn cpu<T: Element>(rung: Rung, x: &Tensors, config: &RungConfig) -> anyhow::Result<Results> {
+    let narrow = |t: &NpyTensor| t.data.mapv(T::of);
+    let (q, k, v) = (narrow(x.q), narrow(x.k), narrow(x.v));
+    let out = rung.forward(q.view(), k.view(), v.view(), config)?;
+    let mut stats = describe(&out.stats, "");
+    let grads = match x.d_o.map(narrow) {
+        None => None,
+        Some(d_o) => {
+            let (q, k, v, d_o) = (q.view(), k.view(), v.view(), d_o.view());
+            let g = match rung {
+                Rung::Naive => naive::backward(q, k, v, d_o, &config.attention)?,
+                Rung::Fa2 => {
+                    let opts = Fa2Options { attention: config.attention, tiles: config.tiles };
+                    fa2::backward(q, k, v, out.o.view(), d_o, out.lse.view(), &opts)?
+                }
+                other => bail!("{other} has no backward pass on the CPU"),
+            };
+            stats += &describe(&g.stats, "; backward: ");
+            Some([g.dq, g.dk, g.dv].map(|t| widen(&t)))
+        }
+    };
+    Ok(Results {
+        o: widen(&out.o),
+        lse: widen(&out.lse),
+        grads,
+        what: format!("{rung} (CPU, {})", T::NAME),
+        stats: Some(stats),
+    })
+}
+
+fn widen<T: Element, D: Dimension>(x: &Array<T, D>) -> Array<f64, D> {
+    x.mapv(|v| v.as_f64())
+}
+
+fn describe(stats: &RunStats, prefix: &str) -> String {
+    format!(
+        "{prefix}{} work items, HBM traffic {} under its memory model{}",
+        stats.work_items,
+        human_bytes(stats.hbm.total_bytes()),
+        stats
+            .fallback_rows
+            .map_or(String::new(), |n| format!(", {n} rows recomputed by the fallback"))
+    )
+}
+
+/// The rung's CUDA kernel(s) on the inputs rounded to `dtype`.
+fn gpu(rung: GpuRung, dtype: GpuDType, x: &Tensors, args: &RunArgs) -> anyhow::Result<Results> {
+    let kind = dtype.kernel();
+    let named = [(x.q, &args.q), (x.k, &args.k), (x.v, &args.v)]
+        .into_iter()
+        .chain(x.d_o.zip(args.d_o.as_ref()));
+    for (t, path) in named {
+        check_range(&t.data, path, kind)?;
+    }
+    let gpu = Gpu::new().map_err(|e| anyhow!("no GPU: {e}"))?;
+    let label = rung.rung();
+    // Kernel errors that do not name the rung get its name.
+    let kernel_error = |e: KernelError| match e {
+        KernelError::UnsupportedDtype { .. } | KernelError::UnsupportedHeadDim { .. } => anyhow!(e),
+        e => anyhow!("{label} on the GPU: {e}"),
+    };
+    let upload = |t: &NpyTensor| {
+        let values: Vec<f32> = t.data.iter().map(|&v| v as f32).collect();
+        gpu.upload(&values, t.data.shape(), kind).map_err(kernel_error)
+    };
+    let (q, k, v) = (upload(x.q)?, upload(x.k)?, upload(x.v)?);
+    let opts =
+        kernels::Options { causal: args.causal, scale: args.rung_args.scale.map(|s| s as f32) };
+    let out = match rung {
+        GpuRung::Fa1 => kernels::fa1::forward(&gpu, &q, &k, &v, &opts),
+        GpuRung::Fa2 => kernels::fa2::forward(&gpu, &q, &k, &v, &opts),
+    }
+    .map_err(kernel_error)?;
+    let grads = match x.d_o {
+        None => None,
+        Some(d_o) => {
+            let d_o = upload(d_o)?;
+            // The one call of the GPU backward. Its signature is changing to
+            // `fa2::backward(&gpu, &q, &k, &v, &out, &d_o, &opts)` (the forward's `Output` in
+            // place of `o` and `lse`): adapt this call when that lands.
+            let g = kernels::fa2::backward(&gpu, &q, &k, &v, &out.o, &out.lse, &d_o, &opts)
+                .map_err(kernel_error)?;
+            Some([download(&g.dq)?, download(&g.dk)?, download(&g.dv)?])
+        }
+    };
+    Ok(Results {
+        o: download(&out.o)?,
+        lse: download(&out.lse)?,
+        grads,
+        what: format!("{label} (GPU {}, {}, {})", gpu.name(), gpu.arch(), kind.name()),
+        stats: None,
+    })
+}
+
+/// A device tensor as an `f64` array of its own shape.
+fn download<D: Dimension>(t: &Tensor) -> anyhow::Result<Array<f64, D>> {
+    let values: Vec<f64> = t.to_f32_vec()?.into_iter().map(f64::from).collect();
+    Ok(ArrayD::from_shape_vec(t.shape(), values)?.into_dimensionality()?)
+}
+
+/// Fails if a finite value of `t` overflows `dtype` (rounds to infinity).
+fn check_range(t: &Array4<f64>, path: &Path, dtype: kernels::DType) -> anyhow::Result<()> {
+    let round = |x: f64| half_of(dtype).map_or(x as f32 as f64, |h| h.round(x));
+    match t.iter().find(|&&x| x.is_finite() && !round(x).is_finite()) {
+        None => Ok(()),
+        Some(x) => bail!(
+            "{}: {x} overflows {}{}",
+            path.display(),
+            dtype.name(),
+            if dtype == kernels::DType::F16 {
+                " (bf16 has the range of f32: --dtype bf16)"
+            } else {
+                ""
+            }
+        ),
+    }
+}
