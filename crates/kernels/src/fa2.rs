@@ -143,8 +143,15 @@ pub fn forward(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) ->
     Ok(Output { o, lse })
 }
 
-/// The backward kernel variant (the three entry points live in one module).
-pub fn backward_variant(d: usize, dtype: DType, causal: bool) -> Result<Variant> {
+/// The backward kernel variant (its entry points live in one module). `deterministic` computes
+/// dQ with `fa2_backward_dq` (no atomics, the same result on every run) instead of atomics in
+/// `fa2_backward`.
+pub fn backward_variant(
+    d: usize,
+    dtype: DType,
+    causal: bool,
+    deterministic: bool,
+) -> Result<Variant> {
     if !BACKWARD_HEAD_DIMS.contains(&d) {
         return Err(KernelError::UnsupportedHeadDim {
             rung: "fa2 backward",
@@ -152,17 +159,23 @@ pub fn backward_variant(d: usize, dtype: DType, causal: bool) -> Result<Variant>
             supported: BACKWARD_HEAD_DIMS,
         });
     }
-    Ok(Variant {
-        file: "fa2_backward",
-        source: BACKWARD_SRC,
-        defines: vec![
-            ("LADDER_DTYPE", dtype.code().to_string()),
-            ("FA2_D", d.to_string()),
-            ("FA2_BR", BACKWARD_BLOCK_M.to_string()),
-            ("FA2_WARPS", BACKWARD_WARPS.to_string()),
-            ("FA2_CAUSAL", (causal as u32).to_string()),
-        ],
-    })
+    let mut defines = vec![
+        ("LADDER_DTYPE", dtype.code().to_string()),
+        ("FA2_D", d.to_string()),
+        ("FA2_BR", BACKWARD_BLOCK_M.to_string()),
+        ("FA2_WARPS", BACKWARD_WARPS.to_string()),
+        ("FA2_CAUSAL", (causal as u32).to_string()),
+        ("FA2_DETERMINISTIC", (deterministic as u32).to_string()),
+    ];
+    if deterministic {
+        // fa2_backward_dq: 16-row mma tiles per warp, warps, keys per K/V tile; query rows per
+        // block = 16 · FA2_DQ_MT · FA2_DQ_WARPS.
+        let dq_mt = if d == 64 { 2 } else { 1 };
+        defines.push(("FA2_DQ_MT", dq_mt.to_string()));
+        defines.push(("FA2_DQ_WARPS", 4.to_string()));
+        defines.push(("FA2_DQ_BC", 64.to_string()));
+    }
+    Ok(Variant { file: "fa2_backward", source: BACKWARD_SRC, defines })
 }
 
 /// Gradients of [`forward`]: given the forward's `O` and `lse` and the upstream gradient `dO`,
@@ -200,7 +213,7 @@ pub fn backward(
             p.lse_shape()
         )));
     }
-    let variant = backward_variant(p.d, p.dtype, p.causal)?;
+    let variant = backward_variant(p.d, p.dtype, p.causal, false)?;
     let (bm, bn) = (BACKWARD_BLOCK_M, 16 * BACKWARD_WARPS);
     let smem = ((2 * bn + 4 * bm) * p.d * 2 + bn * bm * 2 + 4 * bm * 4) as u32;
     let prep = gpu.function(&variant, "fa2_backward_prep", 0)?;

@@ -49,7 +49,9 @@ pub fn variants(arch: &str) -> Vec<compile::Variant> {
             for causal in [false, true] {
                 all.extend(fa2::forward_variant(d, dtype, causal, arch));
                 if fa2::BACKWARD_HEAD_DIMS.contains(&d) {
-                    all.extend(fa2::backward_variant(d, dtype, causal));
+                    for deterministic in [false, true] {
+                        all.extend(fa2::backward_variant(d, dtype, causal, deterministic));
+                    }
                 }
             }
         }
