@@ -79,6 +79,10 @@ pub struct RunArgs {
     /// With --backward: where to write dK (in the dtype of k).
     #[arg(long)]
     dk: Option<PathBuf>,
+    /// With --backward --device gpu: compute dQ without atomics, so that the gradients are the
+    /// same bits on every run (a separate dQ pass; slower).
+    #[arg(long)]
+    pub deterministic: bool,
     /// With --backward: where to write dV (in the dtype of v).
     #[arg(long)]
     dv: Option<PathBuf>,
@@ -431,7 +435,7 @@ fn gpu(rung: GpuRung, dtype: GpuDType, x: &Tensors, args: &RunArgs) -> anyhow::R
     for (t, path) in named {
         check_range(&t.data, path, kind)?;
     }
-    let gpu = Gpu::new().map_err(|e| anyhow!("no GPU: {e}"))?;
+    let gpu = ladder_compare::gpu_check::open_gpu().map_err(|e| anyhow!("no GPU: {e}"))?;
     let label = rung.rung();
     // Kernel errors that do not name the rung get its name.
     let kernel_error = |e: KernelError| match e {
@@ -443,8 +447,11 @@ fn gpu(rung: GpuRung, dtype: GpuDType, x: &Tensors, args: &RunArgs) -> anyhow::R
         gpu.upload(&values, t.data.shape(), kind).map_err(kernel_error)
     };
     let (q, k, v) = (upload(x.q)?, upload(x.k)?, upload(x.v)?);
-    let opts =
-        kernels::Options { causal: args.causal, scale: args.rung_args.scale.map(|s| s as f32) };
+    let opts = kernels::Options {
+        causal: args.causal,
+        scale: args.rung_args.scale.map(|s| s as f32),
+        deterministic: args.deterministic,
+    };
     let out = match rung {
         GpuRung::Fa1 => kernels::fa1::forward(&gpu, &q, &k, &v, &opts),
         GpuRung::Fa2 => kernels::fa2::forward(&gpu, &q, &k, &v, &opts),
@@ -454,10 +461,7 @@ fn gpu(rung: GpuRung, dtype: GpuDType, x: &Tensors, args: &RunArgs) -> anyhow::R
         None => None,
         Some(d_o) => {
             let d_o = upload(d_o)?;
-            // The one call of the GPU backward. Its signature is changing to
-            // `fa2::backward(&gpu, &q, &k, &v, &out, &d_o, &opts)` (the forward's `Output` in
-            // place of `o` and `lse`): adapt this call when that lands.
-            let g = kernels::fa2::backward(&gpu, &q, &k, &v, &out.o, &out.lse, &d_o, &opts)
+            let g = kernels::fa2::backward(&gpu, &q, &k, &v, &out, &d_o, &opts)
                 .map_err(kernel_error)?;
             Some([download(&g.dq)?, download(&g.dk)?, download(&g.dv)?])
         }

@@ -19,6 +19,8 @@
 // Compile-time constants: FA1_D head dimension, FA1_BC keys per K/V tile, FA1_WARPS warps
 // (each takes Q tiles of 32 rows), LADDER_DTYPE element type of Q, K, V, O.
 
+#include "types.cuh"
+
 #ifndef FA1_D
 #define FA1_D 64
 #endif
@@ -34,11 +36,42 @@ constexpr int BC = FA1_BC;
 constexpr int WARPS = FA1_WARPS;
 constexpr int BR = 32;  // rows per Q tile: one per lane
 
+// Q, K, V, O are [batch, heads, n, D] (heads_q for Q and O, heads_kv for K and V); lse, l_acc,
+// m_acc are [batch, heads_q, n_q]; o_acc is like O in f32.
+struct Fa1Params {
+    const elem_t* q;
+    const elem_t* k;
+    const elem_t* v;
+    elem_t* o;
+    float* lse;
+    float* o_acc;  // Algorithm 1's "HBM" O, l, m
+    float* l_acc;
+    float* m_acc;
+    int heads_q;
+    int heads_kv;
+    int n_q;
+    int n_kv;
+    float scale;
+    int causal;
+};
+
+// Launch: grid (1, heads_q, batch), block (32·WARPS, 1, 1), no dynamic shared memory (the K/V
+// tiles are static: 2·BC·D·4 bytes).
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
-fa1_forward(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
-            const elem_t* __restrict__ v, elem_t* __restrict__ o, float* __restrict__ lse,
-            float* __restrict__ o_acc, float* __restrict__ l_acc, float* __restrict__ m_acc,
-            int heads_q, int heads_kv, int n_q, int n_kv, float scale, int causal) {
+fa1_forward(const __grid_constant__ Fa1Params p) {
+    // The parameters under the names the algorithm below uses (restrict: no two alias).
+    const elem_t* __restrict__ q = p.q;
+    const elem_t* __restrict__ k = p.k;
+    const elem_t* __restrict__ v = p.v;
+    elem_t* __restrict__ o = p.o;
+    float* __restrict__ lse = p.lse;
+    float* __restrict__ o_acc = p.o_acc;
+    float* __restrict__ l_acc = p.l_acc;
+    float* __restrict__ m_acc = p.m_acc;
+    const int heads_q = p.heads_q, heads_kv = p.heads_kv, n_q = p.n_q, n_kv = p.n_kv;
+    const float scale = p.scale;
+    const int causal = p.causal;
+
     __shared__ float sK[BC][D];
     __shared__ float sV[BC][D];
 

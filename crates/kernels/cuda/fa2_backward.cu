@@ -1,7 +1,8 @@
 // FlashAttention-2 backward (Dao 2023, Algorithm 2), on tensor cores with mma.sync.
 //
-// Three kernels, launched in order:
-//   fa2_backward_prep    D_i = rowsum(dO_i ∘ O_i), lse in base 2, and dQ's f32 accumulator zeroed.
+// Kernels, launched in order:
+//   fa2_backward_prep    D_i = rowsum(dO_i ∘ O_i), lse in base 2, and (atomic mode) dQ's f32
+//                        accumulator zeroed.
 //   fa2_backward         one thread block per (K/V tile j, query head): K_j and V_j stay in shared
 //                        memory while the block walks the query tiles i that can see them,
 //                        recomputing P from lse instead of storing it:
@@ -9,16 +10,52 @@
 //                          dV_j += Pᵀ dO_i
 //                          dPᵀ = V_j dO_iᵀ,  dSᵀ = Pᵀ ∘ (dPᵀ − D_i)
 //                          dK_j += dSᵀ Q_i
-//                          dQ_i += dS K_j          (f32 atomics: other blocks add to the same rows)
+//                          dQ_i += dS K_j          (atomic mode: f32 atomics, other blocks add to
+//                                                   the same rows)
 //                        Working with the transposes keeps the key index on the rows, so dK and
 //                        dV accumulate in each warp's registers, and Pᵀ, dSᵀ come out of one
 //                        product already in the operand layout of the next; only dQ needs dSᵀ
 //                        through shared memory, transposed by ldmatrix.trans.
+//   fa2_backward_dq      deterministic mode only, instead of the atomics: one thread block per
+//                        (query tile, query head) walks the key tiles like the forward kernel and
+//                        accumulates dQ_i = Σ_j dS_ij K_j in registers (the Triton tutorial's
+//                        _attn_bwd_dq on mma.sync):
+//                          S = Q_i K_jᵀ,  P = exp(scale·S − lse_i),  dP = dO_i V_jᵀ,
+//                          dS = P ∘ (dP − D_i),  dQ_i += dS K_j
 //   fa2_backward_finish  scale dQ, dK; sum dK, dV over the query heads of a group (GQA); convert.
 //
-// Each of the WARPS warps owns 16 keys of the K/V tile (BC = 16·WARPS keys); query tiles have BR
-// rows and are double-buffered with cp.async. Eight warps and 128 keys per block (rather than 64)
-// halve the dQ atomics and the Q/dO shared-memory traffic per FLOP.
+// Each of the WARPS warps of fa2_backward owns 16 keys of the K/V tile (BC = 16·WARPS keys);
+// query tiles have BR rows and are double-buffered with cp.async. Eight warps and 128 keys per
+// block (rather than 64) halve the dQ atomics and the Q/dO shared-memory traffic per FLOP.
+// FA2_DETERMINISTIC = 1 drops everything dQ from fa2_backward (no dSᵀ tile, no atomics), so that
+// every gradient element is summed in an order fixed by the code: dK, dV by each block's walk over
+// query tiles and the finish kernel's loop over the group, dQ by fa2_backward_dq's walk over keys.
+//
+// Legend (tiles as in the CPU rungs and the paper: BR query rows, BC keys):
+//   fa2_backward     BC  keys per block (its K/V tile)     BR  query rows per step (query tile t)
+//                    k0  first key of the block            i0  first query row of tile t
+//                    nt  8-column accumulator tile of Sᵀ across the BR queries (NQ per row)
+//   fa2_backward_dq  BR_DQ  query rows per block            BC_DQ  keys per K/V tile j
+//                    q0  first query row of the block      k0  first key of tile j
+//                    mt  16-row mma tile of the warp       nt  8-column tile of S across keys
+//   both             kk  16-wide k-step over d    ks  16-wide k-step over keys or queries
+//                    dt  8-column tile across d (DT per row), dp a pair of them (one B load)
+//                    np  pair of nt (one B load)  h   row half of an accumulator tile (mma.cuh)
+//
+// Compile-time constants, set by the host for each variant:
+//   FA2_D              head dimension (64, 128)
+//   FA2_BR             query rows per step of fa2_backward
+//   FA2_WARPS          warps of fa2_backward (BC = 16·FA2_WARPS keys per block)
+//   FA2_CAUSAL         1 for the causal variant
+//   FA2_DETERMINISTIC  1: dQ by fa2_backward_dq instead of atomics
+//   FA2_DQ_MT, FA2_DQ_WARPS, FA2_DQ_BC   fa2_backward_dq's 16-row tiles per warp, warps, keys per
+//                      K/V tile (BR_DQ = 16·FA2_DQ_MT·FA2_DQ_WARPS query rows per block)
+
+#include "copy.cuh"
+#include "mask.cuh"
+#include "mma.cuh"
+#include "softmax.cuh"
+#include "types.cuh"
 
 #ifndef FA2_D
 #define FA2_D 128
@@ -32,6 +69,9 @@
 #ifndef FA2_CAUSAL
 #define FA2_CAUSAL 0
 #endif
+#ifndef FA2_DETERMINISTIC
+#define FA2_DETERMINISTIC 0
+#endif
 
 constexpr int D = FA2_D;
 constexpr int BR = FA2_BR;
@@ -39,36 +79,62 @@ constexpr int WARPS = FA2_WARPS;
 constexpr int THREADS = WARPS * 32;
 constexpr int BC = WARPS * 16;
 constexpr bool causal = FA2_CAUSAL;
+constexpr bool deterministic = FA2_DETERMINISTIC;
 constexpr int NQ = BR / 8;  // 8-column accumulator tiles across the queries of a tile
 constexpr int DT = D / 8;   // 8-column accumulator tiles across d
+
+// One parameter block for every entry point. Q, O, dO, dQ are [batch, heads_q, n_q, D]; K, V,
+// dK, dV are [batch, heads_kv, n_kv, D]; 16-bit elements.
+struct Fa2BackwardParams {
+    const u16* q;
+    const u16* k;
+    const u16* v;
+    const u16* o;
+    const u16* d_o;
+    const float* lse;  // forward's lse, natural log, [batch·heads_q·n_q]
+    float* delta;      // [batch·heads_q·n_q_pad]
+    float* lse2;       // [batch·heads_q·n_q_pad], lse·log2(e)
+    float* dq_acc;     // [batch, heads_q, n_q, D] f32
+    float* dk_acc;     // [batch, heads_q, n_kv, D] f32 (per query head)
+    float* dv_acc;     // [batch, heads_q, n_kv, D] f32 (per query head)
+    u16* dq;           // outputs
+    u16* dk;
+    u16* dv;
+    int batch;
+    int heads_q;
+    int heads_kv;
+    int n_q;
+    int n_kv;
+    int n_q_pad;  // n_q rounded up to a multiple of BR
+    float scale;
+    float scale_log2;  // scale · log2(e)
+};
 
 // ---- prep: D = rowsum(dO ∘ O), lse·log2(e), dQ accumulator = 0 ----------------------------------
 // One warp per query row; rows up to the padded length get D = lse = 0 so that whole query tiles
 // can be copied without bounds checks.
-extern "C" __global__ void fa2_backward_prep(const u16* __restrict__ o, const u16* __restrict__ d_o,
-                                             const float* __restrict__ lse,
-                                             float* __restrict__ delta, float* __restrict__ lse2,
-                                             float* __restrict__ dq_acc, int n_q, int n_q_pad,
-                                             int rows_total) {
-    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+//
+// Launch: grid (ceil(batch·heads_q·n_q_pad / 8), 1, 1), block (256, 1, 1), no shared memory.
+extern "C" __global__ void fa2_backward_prep(const __grid_constant__ Fa2BackwardParams p) {
+    const u16* __restrict__ o = p.o;
+    const u16* __restrict__ d_o = p.d_o;
+    float* __restrict__ dq_acc = p.dq_acc;
+    const long long rows_total = (long long)p.batch * p.heads_q * p.n_q_pad;
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = lane_id();
     if (warp >= rows_total) return;
-    const int bh = warp / n_q_pad, row = warp % n_q_pad;
+    const int bh = warp / p.n_q_pad, row = warp % p.n_q_pad;
     float acc = 0.f;
-    if (row < n_q) {
-        const size_t base = ((size_t)bh * n_q + row) * D;
+    if (row < p.n_q) {
+        const size_t base = ((size_t)bh * p.n_q + row) * D;
         for (int c = lane; c < D; c += 32) {
             acc += to_f32(o[base + c]) * to_f32(d_o[base + c]);
-            dq_acc[base + c] = 0.f;
+            if (!deterministic) dq_acc[base + c] = 0.f;  // fa2_backward_dq writes every element
         }
     }
-    acc += __shfl_xor_sync(0xffffffff, acc, 16);
-    acc += __shfl_xor_sync(0xffffffff, acc, 8);
-    acc += __shfl_xor_sync(0xffffffff, acc, 4);
-    acc += __shfl_xor_sync(0xffffffff, acc, 2);
-    acc += __shfl_xor_sync(0xffffffff, acc, 1);
+    acc = warp_sum(acc);
     if (lane == 0) {
-        delta[warp] = acc;
-        lse2[warp] = row < n_q ? lse[(size_t)bh * n_q + row] * LADDER_LOG2E : 0.f;
+        p.delta[warp] = acc;
+        p.lse2[warp] = row < p.n_q ? p.lse[(size_t)bh * p.n_q + row] * LADDER_LOG2E : 0.f;
     }
 }
 
@@ -83,35 +149,37 @@ __device__ __forceinline__ void red_add2(float* addr, float x, float y) {
 #endif
 }
 
-// ---- main kernel -----------------------------------------------------------------------------
+// ---- main kernel: dK_j, dV_j (and, atomic mode, dQ) ---------------------------------------------
+// Launch: grid (ceil(n_kv / BC), heads_q, batch), block (THREADS = 32·WARPS, 1, 1), dynamic shared
+// memory
+//   atomic mode:        (2·BC + 4·BR)·D·2 + BC·BR·2 + 4·BR·4 bytes
+//   deterministic mode: (2·BC + 4·BR)·D·2 + 4·BR·4 bytes
+// (K_j, V_j; two stages of Q_i and dO_i; atomic mode: dSᵀ; two stages of lse2 and D).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-fa2_backward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-             const u16* __restrict__ d_o, const float* __restrict__ lse2,
-             const float* __restrict__ delta, float* __restrict__ dq_acc,
-             float* __restrict__ dk_acc, float* __restrict__ dv_acc, int heads_q, int heads_kv,
-             int n_q, int n_kv, int n_q_pad, float scale_log2) {
+fa2_backward(const __grid_constant__ Fa2BackwardParams p) {
     extern __shared__ __align__(128) u16 smem[];
-    u16* sK = smem;                 // [BC][D]
-    u16* sV = sK + BC * D;          // [BC][D]
-    u16* sQ = sV + BC * D;          // [2][BR][D]
-    u16* sdO = sQ + 2 * BR * D;     // [2][BR][D]
-    u16* sdS = sdO + 2 * BR * D;    // [BC][BR]: dSᵀ, keys on rows
-    float* sL = reinterpret_cast<float*>(sdS + BC * BR);  // [2][BR] lse2
-    float* sDelta = sL + 2 * BR;                            // [2][BR]
+    u16* sK = smem;              // [BC][D]
+    u16* sV = sK + BC * D;       // [BC][D]
+    u16* sQ = sV + BC * D;       // [2][BR][D]
+    u16* sdO = sQ + 2 * BR * D;  // [2][BR][D]
+    u16* sdS = sdO + 2 * BR * D;  // [BC][BR]: dSᵀ, keys on rows (atomic mode only)
+    float* sL = reinterpret_cast<float*>(sdS + (deterministic ? 0 : BC * BR));  // [2][BR] lse2
+    float* sDelta = sL + 2 * BR;                                                  // [2][BR] D
 
     const int head = blockIdx.y, batch = blockIdx.z;
-    const int kv_head = head / (heads_q / heads_kv);
+    const int kv_head = head / (p.heads_q / p.heads_kv);
     const int k0 = blockIdx.x * BC;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const size_t bh = (size_t)batch * heads_q + head;
+    const int warp = warp_id();
+    const size_t bh = (size_t)batch * p.heads_q + head;
+    const int n_q = p.n_q, n_kv = p.n_kv;
+    const float scale_log2 = p.scale_log2;
 
-    const u16* gQ = q + bh * n_q * D;
-    const u16* gdO = d_o + bh * n_q * D;
-    const u16* gK = k + ((size_t)batch * heads_kv + kv_head) * n_kv * D;
-    const u16* gV = v + ((size_t)batch * heads_kv + kv_head) * n_kv * D;
-    const float* gL = lse2 + bh * n_q_pad;
-    const float* gDelta = delta + bh * n_q_pad;
-    float* gdQ = dq_acc + bh * n_q * D;
+    const u16* gQ = p.q + bh * n_q * D;
+    const u16* gdO = p.d_o + bh * n_q * D;
+    const u16* gK = p.k + ((size_t)batch * p.heads_kv + kv_head) * n_kv * D;
+    const u16* gV = p.v + ((size_t)batch * p.heads_kv + kv_head) * n_kv * D;
+    const float* gL = p.lse2 + bh * p.n_q_pad;
+    const float* gDelta = p.delta + bh * p.n_q_pad;
 
     // Query tiles that can see this key tile: with bottom-right alignment query i sees key j when
     // j <= i + shift, so tiles wholly before k0 − shift are skipped.
@@ -137,32 +205,28 @@ fa2_backward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __
     cp_async_commit();
 
     float dk[DT][4], dv[DT][4];
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.f;
+    zero(dk);
+    zero(dv);
 
-    // Operand addresses (see FragAddr in common.cuh).
-    const FragAddr<D> aK(sK, warp * 16 + lane % 16, lane / 16);               // A: K rows
-    const FragAddr<D> aV(sV, warp * 16 + lane % 16, lane / 16);               // A: V rows
-    const FragAddr<D> bQ(sQ, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);     // B: Qᵀ
-    const FragAddr<D> bdO(sdO, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);   // B: dOᵀ
-    const FragAddr<D> bQt(sQ, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);    // B: Q (trans)
-    const FragAddr<D> bdOt(sdO, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);  // B: dO (trans)
-    const FragAddr<BR> adS(sdS, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);  // A: dS (trans)
-    const FragAddr<D> bKt(sK, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);    // B: K (trans)
+    // The warp's 16 keys are rows warp·16 … of the K/V tile: the A operand of the products whose
+    // rows are keys. Q and dO tiles are B operands, as Qᵀ (rows = queries = n) or Q (rows = k).
+    const auto kA = a_operand<D>(sK, warp * 16);  // Sᵀ = K Qᵀ
+    const auto vA = a_operand<D>(sV, warp * 16);  // dPᵀ = V dOᵀ
+    const auto qB = b_operand<D>(sQ);             // Sᵀ = K Qᵀ
+    const auto dOB = b_operand<D>(sdO);           // dPᵀ = V dOᵀ
+    const auto qBt = b_operand_trans<D>(sQ);      // dK += dSᵀ Q
+    const auto dOBt = b_operand_trans<D>(sdO);    // dV += Pᵀ dO
 
-    // Row (key) of this thread's accumulator entries 0,1; entries 2,3 are 8 keys further.
-    const int my_key = k0 + warp * 16 + lane / 4;
+    // First key of the warp; a thread's accumulator rows (keys) are warp_key0 + acc_row(e).
+    const int warp_key0 = k0 + warp * 16;
 
     for (int t = t_begin; t < t_end; ++t) {
         const int stage = (t - t_begin) & 1;
         // Query tile t is the only copy in flight; after the barrier no warp reads the other
         // stage (tile t − 1) any more, so tile t + 1 is copied there during this tile's work
-        // (issued after Pᵀ below; placed earlier, it tipped the register allocation into a
-        // spill). sdS needs no barrier of its own either: it is written again only after the
-        // next iteration's barrier, which every warp reaches after finishing its dQ reads of it.
-        // One barrier per tile besides the one that publishes dSᵀ.
+        // (issued after Pᵀ below, outside the register peak of the Sᵀ product). sdS needs no
+        // barrier of its own either: it is written again only after the next iteration's barrier,
+        // which every warp reaches after finishing its dQ reads of it.
         cp_async_wait<0>();
         __syncthreads();
         const int i0 = t * BR;
@@ -170,156 +234,124 @@ fa2_backward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __
         const float* tL = sL + stage * BR;
         const float* tDelta = sDelta + stage * BR;
 
-        // ---- Sᵀ = K_j Q_iᵀ and Pᵀ = 2^(scale_log2·Sᵀ − lse2) --------------------------------------
+        // ---- Sᵀ = K_j Q_iᵀ and Pᵀ = 2^(scale_log2·Sᵀ − lse2) ------------------------------------
         float pt[NQ][4];
-#pragma unroll
-        for (int nt = 0; nt < NQ; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) pt[nt][e] = 0.f;
+        zero(pt);
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             u32 a[4];
-            ldmatrix_x4_a(a, aK.at(kk, 0));
+            kA.load(a, kk, 0);
 #pragma unroll
-            for (int np = 0; np < NQ / 2; ++np) {
-                u32 b[4];
-                ldmatrix_x4_a(b, bQ.at(kk, srow + np * 16));
-                mma_16816(pt[2 * np], a, b[0], b[1]);
-                mma_16816(pt[2 * np + 1], a, b[2], b[3]);
-            }
+            for (int np = 0; np < NQ / 2; ++np)
+                mma_k16(pt[2 * np], pt[2 * np + 1], a, qB, kk, srow + np * 16);
         }
-        // Only tiles crossing the diagonal or a sequence end need the per-entry test.
-        const bool need_mask = i0 + BR > n_q || k0 + BC > n_kv || (causal && k0 + BC - 1 > i0 + shift);
 #pragma unroll
         for (int nt = 0; nt < NQ; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = nt * 8 + (lane % 4) * 2 + (e % 2);
-                float p = fast_exp2(fmaf(pt[nt][e], scale_log2, -tL[col]));
-                if (need_mask) {
-                    const int key = my_key + (e / 2) * 8, query = i0 + col;
-                    if (query >= n_q || key >= n_kv || (causal && key > query + shift)) p = 0.f;
-                }
-                pt[nt][e] = p;
-            }
+            for (int e = 0; e < 4; ++e)
+                pt[nt][e] = fast_exp2(fmaf(pt[nt][e], scale_log2, -tL[acc_col(nt, e)]));
+        // Only tiles crossing the diagonal or a sequence end need the per-entry test.
+        if (i0 + BR > n_q || k0 + BC > n_kv || crosses_diagonal<causal>(i0, k0 + BC - 1, shift)) {
+#pragma unroll
+            for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (masked<causal>(i0 + acc_col(nt, e), warp_key0 + acc_row(e), n_q, n_kv,
+                                       shift))
+                        pt[nt][e] = 0.f;
+        }
 
         if (t + 1 < t_end) {  // the copy of the next query tile (see the top of the loop)
             load_query_tile(t + 1, stage ^ 1);
             cp_async_commit();
         }
 
-        // ---- dV_j += Pᵀ dO_i ---------------------------------------------------------------------
+        // ---- dV_j += Pᵀ dO_i --------------------------------------------------------------------
 #pragma unroll
         for (int ks = 0; ks < BR / 16; ++ks) {
-            u32 a[4] = {pack2(pt[2 * ks][0], pt[2 * ks][1]), pack2(pt[2 * ks][2], pt[2 * ks][3]),
-                        pack2(pt[2 * ks + 1][0], pt[2 * ks + 1][1]),
-                        pack2(pt[2 * ks + 1][2], pt[2 * ks + 1][3])};
+            u32 a[4];
+            a_from_acc(a, pt[2 * ks], pt[2 * ks + 1]);
 #pragma unroll
-            for (int dp = 0; dp < DT / 2; ++dp) {
-                u32 b[4];
-                ldmatrix_x4_trans_a(b, bdOt.at(dp, srow + ks * 16));
-                mma_16816(dv[2 * dp], a, b[0], b[1]);
-                mma_16816(dv[2 * dp + 1], a, b[2], b[3]);
-            }
+            for (int dp = 0; dp < DT / 2; ++dp)
+                mma_k16(dv[2 * dp], dv[2 * dp + 1], a, dOBt, dp, srow + ks * 16);
         }
 
-        // ---- dPᵀ = V_j dO_iᵀ, then dSᵀ = Pᵀ ∘ (dPᵀ − D_i), kept in pt -----------------------------
+        // ---- dPᵀ = V_j dO_iᵀ, then dSᵀ = Pᵀ ∘ (dPᵀ − D_i), kept in pt ---------------------------
         {
             float dpt[NQ][4];
-#pragma unroll
-            for (int nt = 0; nt < NQ; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) dpt[nt][e] = 0.f;
+            zero(dpt);
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
                 u32 a[4];
-                ldmatrix_x4_a(a, aV.at(kk, 0));
+                vA.load(a, kk, 0);
 #pragma unroll
-                for (int np = 0; np < NQ / 2; ++np) {
-                    u32 b[4];
-                    ldmatrix_x4_a(b, bdO.at(kk, srow + np * 16));
-                    mma_16816(dpt[2 * np], a, b[0], b[1]);
-                    mma_16816(dpt[2 * np + 1], a, b[2], b[3]);
-                }
+                for (int np = 0; np < NQ / 2; ++np)
+                    mma_k16(dpt[2 * np], dpt[2 * np + 1], a, dOB, kk, srow + np * 16);
             }
 #pragma unroll
             for (int nt = 0; nt < NQ; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int col = nt * 8 + (lane % 4) * 2 + (e % 2);
-                    pt[nt][e] *= dpt[nt][e] - tDelta[col];
-                }
+                for (int e = 0; e < 4; ++e) pt[nt][e] *= dpt[nt][e] - tDelta[acc_col(nt, e)];
         }
 
-        // ---- dK_j += dSᵀ Q_i, and dSᵀ to shared memory for dQ ------------------------------------
+        // ---- dK_j += dSᵀ Q_i, and (atomic mode) dSᵀ to shared memory for dQ ---------------------
 #pragma unroll
         for (int ks = 0; ks < BR / 16; ++ks) {
-            u32 a[4] = {pack2(pt[2 * ks][0], pt[2 * ks][1]), pack2(pt[2 * ks][2], pt[2 * ks][3]),
-                        pack2(pt[2 * ks + 1][0], pt[2 * ks + 1][1]),
-                        pack2(pt[2 * ks + 1][2], pt[2 * ks + 1][3])};
-            const int r = warp * 16 + lane / 4, c = ks * 16 + (lane % 4) * 2;
-            *reinterpret_cast<u32*>(sdS + swz<BR>(r, c)) = a[0];
-            *reinterpret_cast<u32*>(sdS + swz<BR>(r + 8, c)) = a[1];
-            *reinterpret_cast<u32*>(sdS + swz<BR>(r, c + 8)) = a[2];
-            *reinterpret_cast<u32*>(sdS + swz<BR>(r + 8, c + 8)) = a[3];
+            u32 a[4];
+            a_from_acc(a, pt[2 * ks], pt[2 * ks + 1]);
+            if constexpr (!deterministic) store_a<BR>(sdS, warp * 16, ks * 16, a);
 #pragma unroll
-            for (int dp = 0; dp < DT / 2; ++dp) {
-                u32 b[4];
-                ldmatrix_x4_trans_a(b, bQt.at(dp, srow + ks * 16));
-                mma_16816(dk[2 * dp], a, b[0], b[1]);
-                mma_16816(dk[2 * dp + 1], a, b[2], b[3]);
-            }
+            for (int dp = 0; dp < DT / 2; ++dp)
+                mma_k16(dk[2 * dp], dk[2 * dp + 1], a, qBt, dp, srow + ks * 16);
         }
-        __syncthreads();
 
-        // ---- dQ_i += dS K_j: warp w takes the 16 queries of slab w mod SLABS and a 1/DSPLIT share
-        // of d, 32 columns at a time (the partial product stays at 16 registers). ----------------
-        constexpr int SLABS = BR / 16, DSPLIT = WARPS / SLABS, DW = D / DSPLIT;
-        static_assert(SLABS * DSPLIT == WARPS && DW % 32 == 0, "warps tile dQ exactly");
-        const int slab = warp % SLABS, d_begin = (warp / SLABS) * DW;
-        const int q_row = i0 + slab * 16 + lane / 4;
+        if constexpr (!deterministic) {
+            __syncthreads();
+            // ---- dQ_i += dS K_j: warp w takes the 16 queries of slab w mod SLABS and a 1/DSPLIT
+            // share of d, 32 columns at a time (the partial product stays at 16 registers). -------
+            constexpr int SLABS = BR / 16, DSPLIT = WARPS / SLABS, DW = D / DSPLIT;
+            static_assert(SLABS * DSPLIT == WARPS && DW % 32 == 0, "warps tile dQ exactly");
+            const auto dSA = a_operand_trans<BR>(sdS);  // dS, from dSᵀ stored keys × queries
+            const auto kBt = b_operand_trans<D>(sK);    // K (rows = keys = k)
+            const int slab = warp % SLABS, d_begin = (warp / SLABS) * DW;
+            float* gdQ = p.dq_acc + bh * n_q * D;
 #pragma unroll
-        for (int d0 = 0; d0 < DW; d0 += 32) {
-            float dq[4][4];
+            for (int d0 = 0; d0 < DW; d0 += 32) {
+                float dq[4][4];
+                zero(dq);
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt)
+                for (int ks = 0; ks < BC / 16; ++ks) {
+                    u32 a[4];
+                    dSA.load(a, slab, ks * 16);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) dq[nt][e] = 0.f;
-#pragma unroll
-            for (int ks = 0; ks < BC / 16; ++ks) {
-                u32 a[4];
-                ldmatrix_x4_trans_a(a, adS.at(slab, ks * 16));
-#pragma unroll
-                for (int dp = 0; dp < 2; ++dp) {
-                    u32 b[4];
-                    ldmatrix_x4_trans_a(b, bKt.at((d_begin + d0) / 16 + dp, ks * 16));
-                    mma_16816(dq[2 * dp], a, b[0], b[1]);
-                    mma_16816(dq[2 * dp + 1], a, b[2], b[3]);
+                    for (int dp = 0; dp < 2; ++dp)
+                        mma_k16(dq[2 * dp], dq[2 * dp + 1], a, kBt, (d_begin + d0) / 16 + dp,
+                                ks * 16);
                 }
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int row = i0 + slab * 16 + acc_row(2 * h);
+                        const int col = d_begin + d0 + acc_col(nt, 0);
+                        if (row < n_q)
+                            red_add2(gdQ + (size_t)row * D + col, dq[nt][2 * h], dq[nt][2 * h + 1]);
+                    }
             }
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = q_row + h * 8;
-                    const int col = d_begin + d0 + nt * 8 + (lane % 4) * 2;
-                    if (row < n_q)
-                        red_add2(gdQ + (size_t)row * D + col, dq[nt][2 * h], dq[nt][2 * h + 1]);
-                }
         }
     }
     cp_async_wait<0>();
 
-    // ---- dK_j, dV_j of this query head (unscaled, f32); finish sums the group ----------------------
-    float* gdK = dk_acc + (bh * n_kv) * D;
-    float* gdV = dv_acc + (bh * n_kv) * D;
+    // ---- dK_j, dV_j of this query head (unscaled, f32); finish sums the group -------------------
+    float* gdK = p.dk_acc + (bh * n_kv) * D;
+    float* gdV = p.dv_acc + (bh * n_kv) * D;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int key = my_key + h * 8;
+        const int key = warp_key0 + acc_row(2 * h);
         if (key >= n_kv) continue;
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt) {
-            const int col = dt * 8 + (lane % 4) * 2;
+            const int col = acc_col(dt, 0);
             float* pk = gdK + (size_t)key * D + col;
             float* pv = gdV + (size_t)key * D + col;
             pk[0] = dk[dt][2 * h];
@@ -330,17 +362,229 @@ fa2_backward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __
     }
 }
 
-// ---- finish: dQ = scale·dQ_acc; dK = scale·Σ_group dK_acc; dV = Σ_group dV_acc; to 16 bits -------
-extern "C" __global__ void fa2_backward_finish(const float* __restrict__ dq_acc,
-                                               const float* __restrict__ dk_acc,
-                                               const float* __restrict__ dv_acc,
-                                               u16* __restrict__ dq, u16* __restrict__ dk,
-                                               u16* __restrict__ dv, long long dq_len,
-                                               long long dkv_len, int group, long long head_len,
-                                               float scale) {
+#if FA2_DETERMINISTIC
+// ---- dQ without atomics (deterministic mode) ----------------------------------------------------
+// The forward kernel's structure: each of the WARPS_DQ warps owns MT_DQ·16 query rows of the block
+// and keeps their dQ in registers while the block walks the key tiles (K and V double-buffered);
+// every dQ element is the sum over key tiles in order j = 0, 1, … of mma products, with no atomics.
+
+#ifndef FA2_DQ_MT
+#define FA2_DQ_MT 1
+#endif
+#ifndef FA2_DQ_WARPS
+#define FA2_DQ_WARPS 4
+#endif
+#ifndef FA2_DQ_BC
+#define FA2_DQ_BC 64
+#endif
+
+constexpr int MT_DQ = FA2_DQ_MT;
+constexpr int WARPS_DQ = FA2_DQ_WARPS;
+constexpr int THREADS_DQ = WARPS_DQ * 32;
+constexpr int BR_DQ = WARPS_DQ * MT_DQ * 16;
+constexpr int BC_DQ = FA2_DQ_BC;
+constexpr int NT_DQ = BC_DQ / 8;  // 8-column accumulator tiles across the keys of a tile
+
+// Launch: grid (ceil(n_q / BR_DQ), heads_q, batch), block (THREADS_DQ = 32·WARPS_DQ, 1, 1),
+// dynamic shared memory (2·BR_DQ + 4·BC_DQ)·D·2 bytes (Q and dO tiles, then two stages of K and
+// two of V). Reads q, k, v, d_o, lse2, delta (prep's padded arrays); writes every element of the
+// rows < n_q of dq_acc (plain stores, unscaled). Run after prep, before finish.
+extern "C" __global__ void __launch_bounds__(THREADS_DQ, 1)
+fa2_backward_dq(const __grid_constant__ Fa2BackwardParams p) {
+    extern __shared__ __align__(128) u16 smem[];
+    u16* sQ = smem;                   // [BR_DQ][D]
+    u16* sdO = sQ + BR_DQ * D;        // [BR_DQ][D]
+    u16* sK = sdO + BR_DQ * D;        // [2][BC_DQ][D]
+    u16* sV = sK + 2 * BC_DQ * D;     // [2][BC_DQ][D]
+
+    // Causal blocks near the end of the sequence have the most tiles: launch them first.
+    const int q_block = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const int q0 = q_block * BR_DQ;
+    const int warp = warp_id();
+    const size_t bh = (size_t)batch * p.heads_q + head;
+
+    // K and V of this block's kv head; recomputed inside the loop (see block_y) rather than kept.
+    auto kv_offset = [&]() {
+        return ((size_t)block_z() * p.heads_kv + block_y() / (p.heads_q / p.heads_kv)) * p.n_kv * D;
+    };
+
+    const int shift = p.n_kv - p.n_q;  // bottom-right causal alignment (mask.cuh)
+    const int n_tiles = key_tiles<causal, BC_DQ>(q0 + BR_DQ - 1, p.n_kv, shift);
+
+    load_tile<BR_DQ, D, THREADS_DQ>(sQ, p.q + bh * p.n_q * D, q0, p.n_q);
+    load_tile<BR_DQ, D, THREADS_DQ>(sdO, p.d_o + bh * p.n_q * D, q0, p.n_q);
+    if (n_tiles > 0) {
+        const int n_kv = p.n_kv;
+        load_tile<BC_DQ, D, THREADS_DQ>(sK, p.k + kv_offset(), 0, n_kv);
+        load_tile<BC_DQ, D, THREADS_DQ>(sV, p.v + kv_offset(), 0, n_kv);
+    }
+    cp_async_commit();
+
+    // First row of the warp's tiles; a thread's accumulator rows are
+    // warp_row0 + mt·16 + acc_row(e).
+    const int warp_row0 = warp * MT_DQ * 16;
+    // lse2 and D of the thread's rows. Rows at or past n_q take 0 (their Q and dO are zero-filled,
+    // so everything stays finite) and are never stored.
+    float lse2[MT_DQ][2], delta[MT_DQ][2];
+#pragma unroll
+    for (int mt = 0; mt < MT_DQ; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = q0 + warp_row0 + mt * 16 + acc_row(2 * h);
+            const bool in = row < p.n_q;
+            lse2[mt][h] = in ? p.lse2[bh * p.n_q_pad + row] : 0.f;
+            delta[mt][h] = in ? p.delta[bh * p.n_q_pad + row] : 0.f;
+        }
+
+    float dq[MT_DQ][DT][4];
+    zero(dq);
+
+    const auto qA = a_operand<D>(sQ, warp_row0);    // Q: A of S = Q·Kᵀ
+    const auto dOA = a_operand<D>(sdO, warp_row0);  // dO: A of dP = dO·Vᵀ
+    const auto kB = b_operand<D>(sK);               // K: B of S = Q·Kᵀ (rows = keys = n)
+    const auto vB = b_operand<D>(sV);               // V: B of dP = dO·Vᵀ (rows = keys = n)
+    const auto kBt = b_operand_trans<D>(sK);        // K: B of dQ += dS·K (rows = keys = k)
+
+    for (int j = 0; j < n_tiles; ++j) {
+        const int stage = j & 1;
+        if (j + 1 < n_tiles) {
+            const size_t off = kv_offset();
+            const int n_kv = p.n_kv, next = (j + 1) * BC_DQ;
+            load_tile<BC_DQ, D, THREADS_DQ>(sK + (stage ^ 1) * BC_DQ * D, p.k + off, next, n_kv);
+            load_tile<BC_DQ, D, THREADS_DQ>(sV + (stage ^ 1) * BC_DQ * D, p.v + off, next, n_kv);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const int stage_rows = stage * BC_DQ;
+        const int k0 = j * BC_DQ;
+
+        // ---- S = Q·Kᵀ -------------------------------------------------------------------------
+        float s[MT_DQ][NT_DQ][4];
+        zero(s);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            u32 a[MT_DQ][4];
+#pragma unroll
+            for (int mt = 0; mt < MT_DQ; ++mt) qA.load(a[mt], kk, mt * 16);
+#pragma unroll
+            for (int np = 0; np < NT_DQ / 2; ++np) {
+                u32 b[4];
+                kB.load(b, kk, stage_rows + np * 16);
+#pragma unroll
+                for (int mt = 0; mt < MT_DQ; ++mt)
+                    mma_16x16(s[mt][2 * np], s[mt][2 * np + 1], a[mt], b);
+            }
+        }
+
+        // ---- P = 2^(S·scale_log2 − lse2), 0 for keys past the end or right of the diagonal ------
+        // (set after the exponential: a row that sees no key has lse2 = −inf)
+#pragma unroll
+        for (int mt = 0; mt < MT_DQ; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT_DQ; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -lse2[mt][e / 2]));
+        if (k0 + BC_DQ > p.n_kv || crosses_diagonal<causal>(q0, k0 + BC_DQ - 1, shift)) {
+#pragma unroll
+            for (int mt = 0; mt < MT_DQ; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = q0 + warp_row0 + mt * 16 + acc_row(2 * h);
+                    mask_columns(s[mt], h, key_limit<causal>(row, k0, p.n_kv, shift), 0.f);
+                }
+        }
+
+        // ---- dP = dO·Vᵀ, then dS = P ∘ (dP − D), kept in s --------------------------------------
+        {
+            float dP[MT_DQ][NT_DQ][4];
+            zero(dP);
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                u32 a[MT_DQ][4];
+#pragma unroll
+                for (int mt = 0; mt < MT_DQ; ++mt) dOA.load(a[mt], kk, mt * 16);
+#pragma unroll
+                for (int np = 0; np < NT_DQ / 2; ++np) {
+                    u32 b[4];
+                    vB.load(b, kk, stage_rows + np * 16);
+#pragma unroll
+                    for (int mt = 0; mt < MT_DQ; ++mt)
+                        mma_16x16(dP[mt][2 * np], dP[mt][2 * np + 1], a[mt], b);
+                }
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT_DQ; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT_DQ; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][nt][e] *= dP[mt][nt][e] - delta[mt][e / 2];
+        }
+
+        // ---- dQ += dS·K --------------------------------------------------------------------------
+        // dS goes from the accumulator to the A operand in registers, as P in the forward's P·V;
+        // K is read through the transposing ldmatrix, as V there.
+#pragma unroll
+        for (int ks = 0; ks < BC_DQ / 16; ++ks) {
+            u32 a[MT_DQ][4];
+#pragma unroll
+            for (int mt = 0; mt < MT_DQ; ++mt)
+                a_from_acc(a[mt], s[mt][2 * ks], s[mt][2 * ks + 1]);
+#pragma unroll
+            for (int dp = 0; dp < DT / 2; ++dp) {
+                u32 b[4];
+                kBt.load(b, dp, stage_rows + ks * 16);
+#pragma unroll
+                for (int mt = 0; mt < MT_DQ; ++mt)
+                    mma_16x16(dq[mt][2 * dp], dq[mt][2 * dp + 1], a[mt], b);
+            }
+        }
+        // The next iteration's copies overwrite the stage read here.
+        __syncthreads();
+    }
+    if (n_tiles == 0) cp_async_wait<0>();
+
+    // ---- dQ rows to the f32 accumulator (unscaled; finish applies the softmax scale) ------------
+    float* gdQ = p.dq_acc + bh * p.n_q * D;
+#pragma unroll
+    for (int mt = 0; mt < MT_DQ; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = q0 + warp_row0 + mt * 16 + acc_row(2 * h);
+            if (row >= p.n_q) continue;
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt) {
+                float* out = gdQ + (size_t)row * D + acc_col(dt, 0);
+                out[0] = dq[mt][dt][2 * h];
+                out[1] = dq[mt][dt][2 * h + 1];
+            }
+        }
+}
+#endif  // FA2_DETERMINISTIC
+
+// ---- finish: dQ = scale·dQ_acc; dK = scale·Σ_group dK_acc; dV = Σ_group dV_acc; to 16 bits ------
+// Launch: grid (min(ceil(max(dq_len, dkv_len) / 256), 16·SM count), 1, 1), block (256, 1, 1), no
+// shared memory; dq_len = batch·heads_q·n_q·D, dkv_len = batch·heads_kv·n_kv·D (grid-stride loops,
+// so any grid size is correct).
+extern "C" __global__ void fa2_backward_finish(const __grid_constant__ Fa2BackwardParams p) {
+    const float* __restrict__ dq_acc = p.dq_acc;
+    const float* __restrict__ dk_acc = p.dk_acc;
+    const float* __restrict__ dv_acc = p.dv_acc;
+    u16* __restrict__ dq = p.dq;
+    u16* __restrict__ dk = p.dk;
+    u16* __restrict__ dv = p.dv;
+    const long long dq_len = (long long)p.batch * p.heads_q * p.n_q * D;
+    const long long dkv_len = (long long)p.batch * p.heads_kv * p.n_kv * D;
+    const int group = p.heads_q / p.heads_kv;
+    const long long head_len = (long long)p.n_kv * D;
+
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < dq_len; i += stride)
-        dq[i] = from_f32(dq_acc[i] * scale);
+        dq[i] = from_f32(dq_acc[i] * p.scale);
     // dK/dV element i belongs to kv head bk = i / head_len, whose query heads are
     // bk·group … bk·group + group − 1 (batch-major, so the flat index works across batches).
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < dkv_len; i += stride) {
@@ -351,7 +595,7 @@ extern "C" __global__ void fa2_backward_finish(const float* __restrict__ dq_acc,
             sk += dk_acc[src];
             sv += dv_acc[src];
         }
-        dk[i] = from_f32(sk * scale);
+        dk[i] = from_f32(sk * p.scale);
         dv[i] = from_f32(sv);
     }
 }

@@ -7,8 +7,17 @@
 //
 // Per K/V tile:  S = Q·Kᵀ  ->  mask (sequence tails, causal diagonal)  ->  online softmax update
 //                (rescale the accumulator by 2^(m_old − m_new))  ->  O += P·V.
-// Tiles strictly above the causal diagonal are never loaded. The next tile's K and V are copied
+// Tiles wholly right of the causal diagonal are never loaded. The next tile's K and V are copied
 // with cp.async while the current one is computed (two shared-memory stages).
+//
+// Legend (tiles as in the CPU rungs and the paper):
+//   BR  query rows per block (= WARPS·MT·16)       BC  keys per K/V tile
+//   q0  first query row of the block               k0  first key of K/V tile j
+//   j   K/V tile                                   kk  16-wide k-step over d (S = Q·Kᵀ)
+//   ks  16-wide k-step over keys (O += P·V)
+//   mt  16-row mma tile of the warp                nt  8-column accumulator tile of S (NT per row)
+//   np  pair of nt (one B load)                    dt  8-column tile of O (DT per row), dp a pair
+//   h   row half of an accumulator tile (entries 2h, 2h+1; see mma.cuh)
 //
 // Compile-time constants, set by the host for each variant:
 //   FA2_D      head dimension (64, 128, 256)
@@ -17,6 +26,12 @@
 //   FA2_WARPS  warps per block
 //   FA2_CAUSAL 1 for the causal variant (a separate compile: the unmasked kernel carries no
 //              diagonal logic and keeps those registers free)
+
+#include "copy.cuh"
+#include "mask.cuh"
+#include "mma.cuh"
+#include "softmax.cuh"
+#include "types.cuh"
 
 #ifndef FA2_D
 #define FA2_D 128
@@ -44,72 +59,77 @@ constexpr int BR = WARPS * MT * 16;
 constexpr int NT = BC / 8;  // 8-column accumulator tiles across one row of S
 constexpr int DT = D / 8;   // 8-column accumulator tiles across one row of O
 
+// Q, K, V, O are [batch, heads, n, D] (heads_q for Q and O, heads_kv for K and V); lse is
+// [batch, heads_q, n_q], natural log.
+struct Fa2ForwardParams {
+    const u16* q;
+    const u16* k;
+    const u16* v;
+    u16* o;
+    float* lse;
+    int heads_q;
+    int heads_kv;
+    int n_q;
+    int n_kv;
+    float scale_log2;  // softmax scale · log2(e)
+};
+
+// Launch: grid (ceil(n_q / BR), heads_q, batch), block (THREADS = 32·WARPS, 1, 1),
+// dynamic shared memory (BR + 4·BC)·D·2 bytes (Q tile, then two stages of K and two of V).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-fa2_forward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-            u16* __restrict__ o, float* __restrict__ lse, int heads_q, int heads_kv, int n_q,
-            int n_kv, float scale_log2) {
+fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
     extern __shared__ __align__(128) u16 smem[];
-    u16* sQ = smem;
-    u16* sK = sQ + BR * D;  // [2][BC][D]
-    u16* sV = sK + 2 * BC * D;
+    u16* sQ = smem;             // [BR][D]
+    u16* sK = sQ + BR * D;      // [2][BC][D]
+    u16* sV = sK + 2 * BC * D;  // [2][BC][D]
 
     // Causal blocks near the end of the sequence have the most tiles: launch them first so that
     // the last wave is made of short blocks.
     const int q_block = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int head = blockIdx.y, batch = blockIdx.z;
-    const int kv_head = head / (heads_q / heads_kv);
     const int q0 = q_block * BR;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int warp = warp_id();
 
-    const u16* gQ = q + ((size_t)batch * heads_q + head) * n_q * D;
+    const u16* gQ = p.q + ((size_t)batch * p.heads_q + head) * p.n_q * D;
     // K and V of this block's kv head; recomputed inside the loop (see block_y) rather than kept.
     auto kv_offset = [&]() {
-        return ((size_t)block_z() * heads_kv + block_y() / (heads_q / heads_kv)) * n_kv * D;
+        return ((size_t)block_z() * p.heads_kv + block_y() / (p.heads_q / p.heads_kv)) * p.n_kv * D;
     };
-    const u16* gK = k + kv_offset();
-    const u16* gV = v + kv_offset();
 
-    // Bottom-right causal alignment: query i sees keys j <= i + shift.
-    const int shift = n_kv - n_q;
-    int n_tiles = (n_kv + BC - 1) / BC;
-    if (causal) {
-        int last_key = q0 + BR - 1 + shift;  // the block's most permissive row
-        n_tiles = last_key < 0 ? 0 : min(n_tiles, last_key / BC + 1);
-    }
+    const int shift = p.n_kv - p.n_q;  // bottom-right causal alignment (mask.cuh)
+    const int n_tiles = key_tiles<causal, BC>(q0 + BR - 1, p.n_kv, shift);
 
-    float acc[MT][DT][4];
+    float acc[MT][DT][4];  // O, unnormalised
     float row_max[MT][2], row_sum[MT][2];
+    zero(acc);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mt][dt][e] = 0.f;
         row_max[mt][0] = row_max[mt][1] = LADDER_NEG_INF;
         row_sum[mt][0] = row_sum[mt][1] = 0.f;
     }
 
-    load_tile<BR, D, THREADS>(sQ, gQ, q0, n_q);
+    load_tile<BR, D, THREADS>(sQ, gQ, q0, p.n_q);
     if (n_tiles > 0) {
-        load_tile<BC, D, THREADS>(sK, gK, 0, n_kv);
-        load_tile<BC, D, THREADS>(sV, gV, 0, n_kv);
+        const int n_kv = p.n_kv;
+        load_tile<BC, D, THREADS>(sK, p.k + kv_offset(), 0, n_kv);
+        load_tile<BC, D, THREADS>(sV, p.v + kv_offset(), 0, n_kv);
     }
     cp_async_commit();
 
-    // Row of this thread's accumulator entries e = 0,1 (entries 2,3 are 8 rows further down).
-    const int warp_row0 = warp * MT * 16 + lane / 4;
-    // Fragment addresses (see FragAddr): Q as the A operand, K as B (rows = keys), V as B through
-    // the transposing ldmatrix (rows = keys, chunks along d).
-    const FragAddr<D> aQ(sQ, warp * MT * 16 + lane % 16, lane / 16);
-    const FragAddr<D> aK(sK, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
-    const FragAddr<D> aV(sV, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+    // First row of the warp's tiles; a thread's accumulator rows are
+    // warp_row0 + mt·16 + acc_row(e).
+    const int warp_row0 = warp * MT * 16;
+    const auto qA = a_operand<D>(sQ, warp_row0);  // Q: A of S = Q·Kᵀ
+    const auto kB = b_operand<D>(sK);             // K: B of S = Q·Kᵀ (rows = keys = n)
+    const auto vB = b_operand_trans<D>(sV);       // V: B of O = P·V (rows = keys = k)
 
     for (int j = 0; j < n_tiles; ++j) {
         const int stage = j & 1;
         if (j + 1 < n_tiles) {
             const size_t off = kv_offset();
-            load_tile<BC, D, THREADS>(sK + (stage ^ 1) * BC * D, k + off, (j + 1) * BC, n_kv);
-            load_tile<BC, D, THREADS>(sV + (stage ^ 1) * BC * D, v + off, (j + 1) * BC, n_kv);
+            const int n_kv = p.n_kv;
+            load_tile<BC, D, THREADS>(sK + (stage ^ 1) * BC * D, p.k + off, (j + 1) * BC, n_kv);
+            load_tile<BC, D, THREADS>(sV + (stage ^ 1) * BC * D, p.v + off, (j + 1) * BC, n_kv);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -121,84 +141,46 @@ fa2_forward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
 
         // ---- S = Q·Kᵀ -------------------------------------------------------------------------
         float s[MT][NT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+        zero(s);
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             u32 a[MT][4];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                ldmatrix_x4_a(a[mt], aQ.at(kk, mt * 16));
+            for (int mt = 0; mt < MT; ++mt) qA.load(a[mt], kk, mt * 16);
 #pragma unroll
             for (int np = 0; np < NT / 2; ++np) {
                 u32 b[4];
-                ldmatrix_x4_a(b, aK.at(kk, stage_rows + np * 16));
+                kB.load(b, kk, stage_rows + np * 16);
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_16816(s[mt][2 * np], a[mt], b[0], b[1]);
-                    mma_16816(s[mt][2 * np + 1], a[mt], b[2], b[3]);
-                }
+                for (int mt = 0; mt < MT; ++mt)
+                    mma_16x16(s[mt][2 * np], s[mt][2 * np + 1], a[mt], b);
             }
         }
 
-        // ---- mask: keys past the end, and keys right of the causal diagonal -----------------------
+        // ---- mask: keys past the end, and keys right of the causal diagonal ---------------------
         // Only the last tile and the tiles crossing the diagonal need it; the test is uniform
         // across the block, so unmasked tiles pay one comparison.
-        const bool tail = k0 + BC > n_kv;
-        const bool diagonal = causal && (k0 + BC - 1 > q0 + shift);
-        if (tail || diagonal) {
+        if (k0 + BC > p.n_kv || crosses_diagonal<causal>(q0, k0 + BC - 1, shift)) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    // Keys of this tile that the row may see: columns [0, limit).
-                    const int row = q0 + warp_row0 + mt * 16 + h * 8;
-                    int limit = n_kv - k0;
-                    if (causal) limit = min(limit, row + shift + 1 - k0);
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e)
-                            if (nt * 8 + (lane % 4) * 2 + e >= limit)
-                                s[mt][nt][2 * h + e] = LADDER_NEG_INF;
+                    const int row = q0 + warp_row0 + mt * 16 + acc_row(2 * h);
+                    mask_columns(s[mt], h, key_limit<causal>(row, k0, p.n_kv, shift),
+                                 LADDER_NEG_INF);
                 }
         }
 
-        // ---- online softmax (base 2: scale_log2 = scale · log2 e) ---------------------------------
-        // P is rounded to 16 bits as soon as it is computed, two values per register: exactly the
-        // A-operand layout of the P·V product, and half the registers of the f32 scores.
-        u32 p[MT][NT][2];
+        // ---- online softmax: P = 2^(S·scale_log2 − m), rounded to 16 bits -----------------------
+        u32 pk[MT][NT][2];
         float alpha[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                float mx = row_max[mt][h];
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]) * scale_log2);
-                mx = quad_max(mx);
-                // A row that has seen only masked keys keeps max −inf; subtract 0 instead so that
-                // its probabilities are exp2(−inf) = 0 rather than NaN.
-                const float m_use = mx == LADDER_NEG_INF ? 0.f : mx;
-                alpha[mt][h] = row_max[mt][h] == mx ? 1.f : fast_exp2(row_max[mt][h] - m_use);
-                row_max[mt][h] = mx;
-                float sum = 0.f;
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    float p0 = fast_exp2(fmaf(s[mt][nt][2 * h], scale_log2, -m_use));
-                    float p1 = fast_exp2(fmaf(s[mt][nt][2 * h + 1], scale_log2, -m_use));
-                    sum += p0 + p1;
-                    p[mt][nt][h] = pack2(p0, p1);
-                }
-                // Each thread keeps a partial sum of its own columns; the quad is summed once at
-                // the end, since alpha is the same for all four threads of a row.
-                row_sum[mt][h] = row_sum[mt][h] * alpha[mt][h] + sum;
-            }
+            for (int h = 0; h < 2; ++h)
+                alpha[mt][h] =
+                    online_softmax(s[mt], h, p.scale_log2, row_max[mt][h], row_sum[mt][h], pk[mt]);
+
         // Rescale the accumulator only when some row of the warp found a new maximum: after the
         // first few tiles that is rare, and the test is uniform across the warp (no divergence).
         // Skipping it is exact, since alpha is then exactly 1.
@@ -209,34 +191,25 @@ fa2_forward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int dt = 0; dt < DT; ++dt) {
-                    acc[mt][dt][0] *= alpha[mt][0];
-                    acc[mt][dt][1] *= alpha[mt][0];
-                    acc[mt][dt][2] *= alpha[mt][1];
-                    acc[mt][dt][3] *= alpha[mt][1];
-                }
+                for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[mt][dt][e] *= alpha[mt][e / 2];
         }
 
-        // ---- O += P·V ----------------------------------------------------------------------------
+        // ---- O += P·V ---------------------------------------------------------------------------
 #pragma unroll
         for (int ks = 0; ks < BC / 16; ++ks) {
             u32 a[MT][4];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                a[mt][0] = p[mt][2 * ks][0];
-                a[mt][1] = p[mt][2 * ks][1];
-                a[mt][2] = p[mt][2 * ks + 1][0];
-                a[mt][3] = p[mt][2 * ks + 1][1];
-            }
+            for (int mt = 0; mt < MT; ++mt)
+                a_from_packed(a[mt], pk[mt][2 * ks], pk[mt][2 * ks + 1]);
 #pragma unroll
             for (int dp = 0; dp < DT / 2; ++dp) {
                 u32 b[4];
-                ldmatrix_x4_trans_a(b, aV.at(dp, stage_rows + ks * 16));
+                vB.load(b, dp, stage_rows + ks * 16);
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_16816(acc[mt][2 * dp], a[mt], b[0], b[1]);
-                    mma_16816(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
-                }
+                for (int mt = 0; mt < MT; ++mt)
+                    mma_16x16(acc[mt][2 * dp], acc[mt][2 * dp + 1], a[mt], b);
             }
         }
         // The next iteration's copies overwrite the stage read here.
@@ -244,24 +217,22 @@ fa2_forward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __r
     }
     if (n_tiles == 0) cp_async_wait<0>();
 
-    // ---- epilogue: O = acc / l, lse = m·ln2 + ln l; rows that saw no key get O = 0, lse = −inf ----
-    u16* gO = o + ((size_t)batch * heads_q + head) * n_q * D;
-    float* gL = lse + ((size_t)batch * heads_q + head) * n_q;
+    // ---- epilogue: O = acc / l, lse = m·ln2 + ln l; rows that saw no key get O = 0, lse = −inf --
+    u16* gO = p.o + ((size_t)batch * p.heads_q + head) * p.n_q * D;
+    float* gL = p.lse + ((size_t)batch * p.heads_q + head) * p.n_q;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int row = q0 + warp_row0 + mt * 16 + h * 8;
+            const int row = q0 + warp_row0 + mt * 16 + acc_row(2 * h);
             const float l = quad_sum(row_sum[mt][h]);
             const float inv = l > 0.f ? 1.f / l : 0.f;
-            if (row < n_q) {
+            if (row < p.n_q) {
 #pragma unroll
-                for (int dt = 0; dt < DT; ++dt) {
-                    u32 packed = pack2(acc[mt][dt][2 * h] * inv, acc[mt][dt][2 * h + 1] * inv);
-                    *reinterpret_cast<u32*>(gO + (size_t)row * D + dt * 8 + (lane % 4) * 2) =
-                        packed;
-                }
-                if (lane % 4 == 0)
+                for (int dt = 0; dt < DT; ++dt)
+                    *reinterpret_cast<u32*>(gO + (size_t)row * D + acc_col(dt, 0)) =
+                        pack2(acc[mt][dt][2 * h] * inv, acc[mt][dt][2 * h + 1] * inv);
+                if (lane_id() % 4 == 0)
                     gL[row] = l > 0.f ? row_max[mt][h] * LADDER_LN2 + logf(l) : LADDER_NEG_INF;
             }
         }

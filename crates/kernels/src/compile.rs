@@ -4,8 +4,8 @@
 //! sizes are macro constants (`-DFA2_D=128 ...`), so every variant is straight-line code for the
 //! compiler. NVRTC turns a variant into a cubin for the exact device (`sm_90a` on Hopper) and its
 //! log carries ptxas's register / shared-memory / spill report. Cubins are cached on disk under a
-//! key made of the source, the options, the architecture and NVRTC's version, so only the first
-//! run of a process on a machine pays the compile.
+//! key made of the source, its headers, the options, the architecture and NVRTC's version, so only
+//! the first run of a process on a machine pays the compile.
 
 use std::ffi::{CString, c_char, c_int};
 use std::hash::{Hash, Hasher};
@@ -15,15 +15,23 @@ use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 
 use crate::error::{KernelError, Result};
 
-/// Helpers shared by every kernel (fragments, async copies, conversions); prepended to each source.
-pub const COMMON: &str = include_str!("../cuda/common.cuh");
+/// The headers the kernels `#include` (name as written in `#include "..."`, text), handed to
+/// NVRTC with every program: NVRTC has no include path here, so these are all a kernel can
+/// include (none of CUDA's own headers are needed).
+pub const HEADERS: &[(&str, &str)] = &[
+    ("types.cuh", include_str!("../cuda/types.cuh")),
+    ("copy.cuh", include_str!("../cuda/copy.cuh")),
+    ("mma.cuh", include_str!("../cuda/mma.cuh")),
+    ("softmax.cuh", include_str!("../cuda/softmax.cuh")),
+    ("mask.cuh", include_str!("../cuda/mask.cuh")),
+];
 
 /// One compilable kernel: a rung's source plus the macro constants that pick the variant.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Variant {
     /// File stem of the source, e.g. `fa2_forward`; also the name of its `extern "C"` entry points.
     pub file: &'static str,
-    /// The `.cu` source (without the common header).
+    /// The `.cu` source; it includes what it needs from [`HEADERS`].
     pub source: &'static str,
     /// `-D` definitions, in order.
     pub defines: Vec<(&'static str, String)>,
@@ -34,10 +42,6 @@ impl Variant {
     pub fn label(&self) -> String {
         let defs: Vec<String> = self.defines.iter().map(|(k, v)| format!("{k}={v}")).collect();
         format!("{}({})", self.file, defs.join(", "))
-    }
-
-    fn full_source(&self) -> String {
-        format!("{COMMON}\n#line 1 \"{}.cu\"\n{}", self.file, self.source)
     }
 
     fn options(&self, arch: &str, extra: &[String]) -> Vec<String> {
@@ -80,7 +84,7 @@ pub fn compile(variant: &Variant, arch: &str, settings: &CompileSettings) -> Res
     let version = nvrtc_version(variant)?;
     let options = variant.options(arch, &settings.extra_options);
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    (variant.full_source(), &options, version).hash(&mut hasher);
+    (variant.source, HEADERS, &options, version).hash(&mut hasher);
     let key = format!("{}-{arch}-{:016x}", variant.file, hasher.finish());
     let dir = &settings.cache_dir;
     if let Some(dir) = &dir {
@@ -130,11 +134,31 @@ pub fn nvrtc_version(variant: &Variant) -> Result<(i32, i32)> {
 
 fn compile_uncached(variant: &Variant, options: &[String]) -> Result<Compiled> {
     let fail = |log: String| KernelError::Compile { kernel: variant.label(), log };
-    let src = CString::new(variant.full_source()).map_err(|e| fail(e.to_string()))?;
-    let name = CString::new(format!("{}.cu", variant.file)).map_err(|e| fail(e.to_string()))?;
-    let prog = nvrtc::create_program(&src, Some(&name)).map_err(|e| fail(format!("{e:?}")))?;
-    // SAFETY: `prog` was just created and is destroyed exactly once below; `src` and `name`
-    // outlive it.
+    let cstring = |s: &str| CString::new(s).map_err(|e| fail(e.to_string()));
+    let src = cstring(variant.source)?;
+    let name = cstring(&format!("{}.cu", variant.file))?;
+    let header_texts = HEADERS.iter().map(|(_, text)| cstring(text)).collect::<Result<Vec<_>>>()?;
+    let header_names = HEADERS.iter().map(|(name, _)| cstring(name)).collect::<Result<Vec<_>>>()?;
+    let text_ptrs: Vec<*const c_char> = header_texts.iter().map(|c| c.as_ptr()).collect();
+    let name_ptrs: Vec<*const c_char> = header_names.iter().map(|c| c.as_ptr()).collect();
+    let mut prog = std::mem::MaybeUninit::uninit();
+    // SAFETY: every pointer is a NUL-terminated string alive for the call (NVRTC copies them), and
+    // both arrays hold HEADERS.len() entries.
+    unsafe {
+        nvrtc_sys::nvrtcCreateProgram(
+            prog.as_mut_ptr(),
+            src.as_ptr(),
+            name.as_ptr(),
+            HEADERS.len() as c_int,
+            text_ptrs.as_ptr(),
+            name_ptrs.as_ptr(),
+        )
+    }
+    .result()
+    .map_err(|e| fail(format!("nvrtcCreateProgram: {e:?}")))?;
+    // SAFETY: nvrtcCreateProgram succeeded, so `prog` is initialised.
+    let prog = unsafe { prog.assume_init() };
+    // SAFETY: `prog` was just created and is destroyed exactly once below.
     unsafe {
         let compiled = nvrtc::compile_program(prog, options);
         let log = nvrtc::get_program_log(prog).map(|l| c_chars_to_string(&l)).unwrap_or_default();

@@ -106,29 +106,51 @@ impl std::str::FromStr for ForwardTiles {
     }
 }
 
-/// Tile configuration of the backward kernels (fixed: tuned on the H200, see docs/perf-notes.md).
+/// Tile configuration of the backward kernels (fixed per head dimension: tuned on the H200, see
+/// docs/perf-notes.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BackwardTiles {
     /// Query rows per step of the main kernel's walk over the query tiles.
     pub br: usize,
     /// Warps of the main kernel; each owns 16 keys of the block's K/V tile.
     pub warps: usize,
-    /// Query rows per block of the deterministic dQ pass.
-    pub dq_br: usize,
+    /// 16-row mma tiles per warp of the deterministic dQ pass.
+    pub dq_m_tiles: usize,
+    /// Warps of the deterministic dQ pass; each owns `16 · dq_m_tiles` query rows.
+    pub dq_warps: usize,
     /// Keys per K/V tile of the deterministic dQ pass.
     pub dq_bc: usize,
-    /// Warps of the deterministic dQ pass; each owns 16 query rows.
-    pub dq_warps: usize,
 }
 
 impl BackwardTiles {
-    /// The tiles of every head dimension.
-    pub const DEFAULT: BackwardTiles =
-        BackwardTiles { br: 64, warps: 8, dq_br: 64, dq_bc: 64, dq_warps: 4 };
+    /// The tiles for head dimension `d` (64 or 128). At d = 64 the dQ pass's warps take 32 rows
+    /// each (two mma tiles; half the shared-memory reads per FLOP); at d = 128 the registers
+    /// allow 16.
+    pub fn for_head_dim(d: usize) -> Result<BackwardTiles> {
+        if !BACKWARD_HEAD_DIMS.contains(&d) {
+            return Err(KernelError::UnsupportedHeadDim {
+                rung: "fa2 backward",
+                d,
+                supported: BACKWARD_HEAD_DIMS,
+            });
+        }
+        Ok(BackwardTiles {
+            br: 64,
+            warps: 8,
+            dq_m_tiles: if d == 64 { 2 } else { 1 },
+            dq_warps: 4,
+            dq_bc: 64,
+        })
+    }
 
     /// Keys per block of the main kernel (16 per warp).
     pub fn bc(&self) -> usize {
         16 * self.warps
+    }
+
+    /// Query rows per block of the deterministic dQ pass.
+    pub fn dq_br(&self) -> usize {
+        16 * self.dq_m_tiles * self.dq_warps
     }
 
     /// Dynamic shared memory of the main kernel in bytes: K and V of the block's key tile, two
@@ -143,7 +165,7 @@ impl BackwardTiles {
     /// Dynamic shared memory of the deterministic dQ pass in bytes: the block's Q and dO tiles and
     /// two stages of K and V (16-bit).
     pub fn dq_shared_bytes(&self, d: usize) -> usize {
-        (2 * self.dq_br + 4 * self.dq_bc) * d * 2
+        (2 * self.dq_br() + 4 * self.dq_bc) * d * 2
     }
 }
 
@@ -170,28 +192,21 @@ pub(crate) fn backward_variant(
     causal: bool,
     deterministic: bool,
 ) -> Result<Variant> {
-    if !BACKWARD_HEAD_DIMS.contains(&d) {
-        return Err(KernelError::UnsupportedHeadDim {
-            rung: "fa2 backward",
-            d,
-            supported: BACKWARD_HEAD_DIMS,
-        });
+    let t = BackwardTiles::for_head_dim(d)?;
+    let mut defines = vec![
+        ("LADDER_DTYPE", dtype.code().to_string()),
+        ("FA2_D", d.to_string()),
+        ("FA2_BR", t.br.to_string()),
+        ("FA2_WARPS", t.warps.to_string()),
+        ("FA2_CAUSAL", (causal as u32).to_string()),
+        ("FA2_DETERMINISTIC", (deterministic as u32).to_string()),
+    ];
+    if deterministic {
+        defines.push(("FA2_DQ_MT", t.dq_m_tiles.to_string()));
+        defines.push(("FA2_DQ_WARPS", t.dq_warps.to_string()));
+        defines.push(("FA2_DQ_BC", t.dq_bc.to_string()));
     }
-    let t = BackwardTiles::DEFAULT;
-    Ok(Variant {
-        file: "fa2_backward",
-        source: BACKWARD_SRC,
-        defines: vec![
-            ("LADDER_DTYPE", dtype.code().to_string()),
-            ("FA2_D", d.to_string()),
-            ("FA2_BR", t.br.to_string()),
-            ("FA2_WARPS", t.warps.to_string()),
-            ("FA2_CAUSAL", (causal as u32).to_string()),
-            ("FA2_DETERMINISTIC", (deterministic as u32).to_string()),
-            ("FA2_DQ_BR", t.dq_br.to_string()),
-            ("FA2_DQ_BC", t.dq_bc.to_string()),
-        ],
-    })
+    Ok(Variant { file: "fa2_backward", source: BACKWARD_SRC, defines })
 }
 
 /// Mirror of `Fa2ForwardParams` in `cuda/fa2_forward.cu` (device pointers as `u64`).
@@ -316,7 +331,7 @@ pub fn backward(
         entry("fa2_backward_dq"),
         entry("fa2_backward_finish"),
     );
-    let t = BackwardTiles::DEFAULT;
+    let t = BackwardTiles::for_head_dim(p.d)?;
     let smem = t.shared_bytes(p.d, deterministic);
     let dq_smem = t.dq_shared_bytes(p.d);
     gpu.prepare(&prep, 0)?;
@@ -328,7 +343,7 @@ pub fn backward(
 
     let heads = p.batch * p.heads_q;
     // Query rows padded to whole tiles of both passes, so that tiles are copied without checks.
-    let pad = t.br.max(t.dq_br);
+    let pad = t.br.max(t.dq_br());
     let n_q_pad = p.n_q.div_ceil(pad) * pad;
     let n_q_pad_i = i32::try_from(n_q_pad)
         .map_err(|_| KernelError::Shape(format!("n_q = {} is too long", p.n_q)))?;
@@ -396,7 +411,7 @@ pub fn backward(
 
         // 2b. Deterministic dQ: one block per (query tile, query head, batch).
         if deterministic {
-            let dq_grid = grid(p.n_q.div_ceil(t.dq_br), p.heads_q, p.batch)?;
+            let dq_grid = grid(p.n_q.div_ceil(t.dq_br()), p.heads_q, p.batch)?;
             gpu.launch(&dq_pass, dq_grid, 32 * t.dq_warps as u32, dq_smem, &params)?;
         }
 
@@ -450,8 +465,12 @@ mod tests {
 
     #[test]
     fn backward_shared_memory_drops_the_ds_tile_when_deterministic() {
-        let t = BackwardTiles::DEFAULT;
-        assert_eq!(t.bc(), 128);
+        let t = BackwardTiles::for_head_dim(128).unwrap();
+        assert_eq!((t.bc(), t.dq_br()), (128, 64));
+        assert_eq!(BackwardTiles::for_head_dim(64).unwrap().dq_br(), 128);
+        // The sizes the kernels' comments give.
+        assert_eq!((t.shared_bytes(128, false), t.shared_bytes(128, true)), (148480, 132096));
+        assert_eq!(t.dq_shared_bytes(128), 98304);
         assert_eq!(t.shared_bytes(128, false) - t.shared_bytes(128, true), 128 * 64 * 2);
         assert!(t.shared_bytes(128, false) <= 227 * 1024);
         assert!(matches!(

@@ -1,0 +1,56 @@
+// Row reductions over an mma accumulator, and the online-softmax update of FlashAttention-2.
+#ifndef LADDER_SOFTMAX_CUH
+#define LADDER_SOFTMAX_CUH
+
+#include "types.cuh"
+
+// Max or sum across the four threads that share a row of an mma accumulator (lanes 4r … 4r+3).
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffff, x, 1);
+    return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+// Sum across the 32 lanes of a warp.
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffff, x, offset);
+    return x;
+}
+
+// The online-softmax step for one row half h (accumulator entries 2h, 2h + 1: row acc_row(2h))
+// of a score tile s, in base 2 (scale_log2 = softmax scale · log2 e):
+//   m_new = max(m, rowmax(s)·scale_log2),  P = 2^(s·scale_log2 − m_new),  l = alpha·l + rowsum P
+// and returns alpha = 2^(m − m_new), the factor that rescales the output accumulator. P is
+// rounded to 16 bits as soon as it is computed, two values per register (p[nt][h]): exactly the
+// A-operand layout of the P·V product (a_from_packed), and half the registers of f32 scores.
+// l is this thread's partial sum over its own columns; the quad is summed once at the end, since
+// alpha is the same for all four threads of a row.
+template <int NT>
+__device__ __forceinline__ float online_softmax(const float (&s)[NT][4], int h, float scale_log2,
+                                                float& m, float& l, u32 (&p)[NT][2]) {
+    float mx = m;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+        mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]) * scale_log2);
+    mx = quad_max(mx);
+    // A row that has seen only masked keys keeps max −inf; subtract 0 instead so that its
+    // probabilities are exp2(−inf) = 0 rather than NaN.
+    const float m_use = mx == LADDER_NEG_INF ? 0.f : mx;
+    const float alpha = m == mx ? 1.f : fast_exp2(m - m_use);
+    m = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        float p0 = fast_exp2(fmaf(s[nt][2 * h], scale_log2, -m_use));
+        float p1 = fast_exp2(fmaf(s[nt][2 * h + 1], scale_log2, -m_use));
+        sum += p0 + p1;
+        p[nt][h] = pack2(p0, p1);
+    }
+    l = l * alpha + sum;
+    return alpha;
+}
+
+#endif  // LADDER_SOFTMAX_CUH
