@@ -333,9 +333,16 @@ pub fn row_json(row: &Row, extra: &Map<String, Value>) -> Value {
 pub fn read_meta(dir: &Path) -> Map<String, Value> {
     std::fs::read_to_string(dir.join("meta.json"))
         .ok()
-        .and_then(|s| serde_json::from_str::<Value>(&s).ok())
-        .and_then(|v| v.as_object().cloned())
+        .and_then(|s| parse_meta(&s).ok())
         .unwrap_or_default()
+}
+
+/// The text of a `meta.json` as a map; an error if it is not a JSON object.
+pub fn parse_meta(json: &str) -> anyhow::Result<Map<String, Value>> {
+    match serde_json::from_str::<Value>(json)? {
+        Value::Object(map) => Ok(map),
+        other => bail!("meta.json must hold a JSON object, not `{other}`"),
+    }
 }
 
 /// A string field of `meta`, empty if absent.
@@ -450,6 +457,7 @@ mod tests {
         merge_meta(dir.path(), &[("torch", "2.11.0".into())]).unwrap();
         merge_meta(dir.path(), &[("card", "NVIDIA H200".into()), ("note", "n".into())]).unwrap();
         let meta = read_meta(dir.path());
+        assert!(parse_meta("[1]").is_err() && read_meta(&dir.path().join("none")).is_empty());
         assert_eq!(meta_str(&meta, "torch"), "2.11.0");
         assert_eq!(meta_str(&meta, "card"), "NVIDIA H200");
         for k in META_KEYS {
