@@ -28,6 +28,8 @@ import statistics
 import sys
 import warnings
 
+# The columns of ladder_compare::results::COLUMNS (crates/compare/src/results.rs), which reads this
+# file by column name: keep the two in step.
 HEADER = ["impl", "direction", "dtype", "causal", "batch", "heads_q", "heads_kv",
           "n_q", "n_kv", "d", "ms", "tflops", "tbps"]
 IMPLS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "triton"]
