@@ -11,6 +11,11 @@
 //!
 //! `scripts/peers.py` times PyTorch SDPA and Triton on the same shapes into `peers.csv` (same
 //! schema); `ladder bench --charts-only` redraws the charts with both and prints them side by side.
+//!
+//! The parts: `plan` (the flags and what they select), `timing` (inputs and the measurement of
+//! one case), `report` (the printed tables and the run's metadata), `charts` (the SVG charts);
+//! the files' schema is [`ladder_compare::results`] and the GPU rungs [`ladder_compare::GpuRung`].
+//! This module runs the cases in order and writes the files.
 
 mod charts;
 mod plan;
