@@ -7,18 +7,21 @@ use std::fmt::Write as _;
 
 use std::path::Path;
 
+use ladder_compare::GpuRung;
 #[cfg(test)]
 use ladder_compare::results::Case;
 use ladder_compare::results::{self, Outcome, Row};
 use ladder_kernels::Gpu;
 
-/// The order implementations appear in tables and chart legends; others follow alphabetically.
-const IMPL_ORDER: [&str; 6] =
-    ["fa1", "fa2", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "triton"];
+/// The peers `scripts/peers.py` times, in the order they follow the GPU rungs in tables and chart
+/// legends; other names come last, alphabetically.
+const PEER_ORDER: [&str; 4] = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "triton"];
 
-/// Sort key of an implementation name: the known ones in [`IMPL_ORDER`], then the rest.
+/// Sort key of an implementation name: the GPU rungs in table order, the peers in
+/// [`PEER_ORDER`], then the rest.
 pub fn impl_rank(name: &str) -> (usize, String) {
-    (IMPL_ORDER.iter().position(|n| *n == name).unwrap_or(IMPL_ORDER.len()), name.to_string())
+    let order: Vec<&str> = GpuRung::names().into_iter().chain(PEER_ORDER).collect();
+    (order.iter().position(|n| *n == name).unwrap_or(order.len()), name.to_string())
 }
 
 /// The run's table: one line per case, with its time and throughput or why it has none.
@@ -67,7 +70,8 @@ pub fn render_side_by_side(rows: &[Row]) -> String {
         table.entry(key).or_default().insert(c.imp.clone(), tflops);
     }
     let imps: Vec<String> = imps.into_iter().map(|(_, n)| n).collect();
-    let ratio = imps.iter().any(|i| i == "fa2") && imps.iter().any(|i| i == "sdpa-flash");
+    let fa2 = GpuRung::Fa2.name();
+    let ratio = imps.iter().any(|i| i == fa2) && imps.iter().any(|i| i == "sdpa-flash");
     let mut s = String::new();
     let _ = write!(
         s,
@@ -97,7 +101,7 @@ pub fn render_side_by_side(rows: &[Row]) -> String {
             }
         }
         if ratio {
-            match (cells.get("fa2"), cells.get("sdpa-flash")) {
+            match (cells.get(fa2), cells.get("sdpa-flash")) {
                 (Some(a), Some(b)) if *b > 0.0 => {
                     let _ = write!(s, " {:>13.2}x", a / b);
                 }
