@@ -3,11 +3,11 @@
 # (`ladder bench`), then PyTorch SDPA and the Triton tutorial kernel on the same shapes
 # (scripts/peers.py), then the charts of both and the side-by-side table, printed last.
 #
-# Run from the repo root after ../shared/tools/gpu-bundle (which puts the binary in .gpu/bin/):
+# Run from the repo root after scripts/gpu-bundle (which puts the binary in .gpu/bin/):
 #
 #   bash scripts/gpu-bench.sh OUT_DIR [flags...]
 #
-# e.g. through the device tool: command "bash scripts/gpu-bench.sh $OUT/bench", carry [".gpu"].
+# e.g. bash scripts/gpu-bench.sh bench-results --quick
 # Flags go to both tools, so use the ones they share: --quick, --d, --n, --causal, --direction,
 # --dtype, --repeats, --warmup, --tokens, --hidden, --case-budget-s. LADDER=path overrides the
 # binary. OUT_DIR gets bench.csv, bench.json, peers.csv, meta.json and one SVG chart per
@@ -18,7 +18,7 @@ out=${1:?usage: bash scripts/gpu-bench.sh OUT_DIR [flags...]}
 shift
 ladder=${LADDER:-.gpu/bin/ladder}
 if [ ! -x "$ladder" ]; then
-  echo "gpu-bench: $ladder not found; build it first (../shared/tools/gpu-bundle)" >&2
+  echo "gpu-bench: $ladder not found; build it first (scripts/gpu-bundle)" >&2
   exit 2
 fi
 mkdir -p "$out"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine call that checks the kernels: every bundled test binary with the GPU required,
 # compute-sanitizer (memcheck and racecheck) on small GPU cases, and optionally a timing of FA2
-# forward tile configurations (scripts/gpu-bench.sh does the benchmark itself). Run from the repo root after ../shared/tools/gpu-bundle:
+# forward tile configurations (scripts/gpu-bench.sh does the benchmark itself). Run from the repo
+# root after scripts/gpu-bundle:
 #
 #   bash scripts/gpu-check.sh OUT_DIR [tile configs...]     e.g. ... $OUT 2,32,4 1,64,8
 #

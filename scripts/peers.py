@@ -28,6 +28,8 @@ import statistics
 import sys
 import warnings
 
+# The columns of ladder_compare::results::COLUMNS (crates/compare/src/results.rs), which reads this
+# file by column name: keep the two in step.
 HEADER = ["impl", "direction", "dtype", "causal", "batch", "heads_q", "heads_kv",
           "n_q", "n_kv", "d", "ms", "tflops", "tbps"]
 IMPLS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "triton"]
@@ -199,7 +201,7 @@ def make_step(torch, impl, sets, causal, direction, d, args):
     """A function of the input set index that runs one call of `impl`."""
     F = torch.nn.functional
     # The sweep's shapes are square (n_q == n_kv), where PyTorch's top-left `is_causal=True` and
-    # the ladder's bottom-right causal mask (LADDER.md) are the same mask.
+    # the ladder's bottom-right causal mask (docs/conventions.md) are the same mask.
     if impl == "triton":
         if args.dtype != "fp16":
             raise Skip("the tutorial kernel is fp16 only")

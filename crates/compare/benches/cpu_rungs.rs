@@ -2,7 +2,7 @@
 //!
 //! `cargo bench -p ladder-compare --bench cpu_rungs` runs them all (about half an hour on two
 //! cores); pass a filter such as `-- fa2/4096` for one. Throughput is reported in FLOP/s with the
-//! FLOP count of `LADDER.md` (4·B·H·n²·d), so "elements/s" reads as FLOP/s.
+//! FLOP count of `docs/conventions.md` (4·B·H·n²·d), so "elements/s" reads as FLOP/s.
 
 use std::time::Duration;
 

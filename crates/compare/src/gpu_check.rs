@@ -3,18 +3,21 @@
 //!
 //! The kernels read 16-bit (or `f32`) inputs, so everything here starts from the case's tensors
 //! *rounded to the kernel's type* ([`device_inputs`]): the oracle, the CPU rung compared against
-//! and the kernel all see the same numbers. The tolerance follows LADDER.md's rule with the naive
-//! algorithm in the kernel's own precision ([`crate::low_precision`]) as the baseline.
+//! and the kernel all see the same numbers. The tolerance follows the ladder's rule
+//! (`docs/conventions.md`, "Tolerances") with the naive algorithm in the kernel's own precision
+//! ([`crate::low_precision`]) as the baseline. Which kernels there are: [`GpuRung`].
 
 use std::time::Duration;
 
-use ladder_kernels::{DType, Gpu, GpuConfig, KernelCache, KernelError, Options, Tensor, fa1, fa2};
+use anyhow::bail;
+use ladder_kernels::{DType, Gpu, GpuConfig, KernelCache, KernelError, Options, Tensor};
 use ladder_reference::{
     AttentionOptions, AttentionOutput, Fa2Options, Gradients, fa2 as cpu_fa2, naive,
 };
 use ndarray::{Array3, Array4};
 
 use crate::cases::{Case, Inputs};
+use crate::gpu_rungs::{GpuRung, Kernels};
 use crate::low_precision::{self, Half};
 use crate::metrics::{ErrorStats, Tolerance, error_between};
 use crate::oracle::{Expected, ExpectedGradients, GradientOracle, Oracle};
@@ -85,42 +88,6 @@ pub fn gpu_or_skip(test: &str) -> Option<Gpu> {
     }
 }
 
-/// A GPU forward rung.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GpuForward {
-    /// `ladder_kernels::fa1::forward`.
-    Fa1,
-    /// `ladder_kernels::fa2::forward`.
-    Fa2,
-}
-
-impl GpuForward {
-    /// Name in tables.
-    pub fn name(self) -> &'static str {
-        match self {
-            GpuForward::Fa1 => "fa1-gpu",
-            GpuForward::Fa2 => "fa2-gpu",
-        }
-    }
-
-    /// Whether the rung has a kernel for head dimension `d`.
-    pub fn supports(self, d: usize) -> bool {
-        match self {
-            GpuForward::Fa1 => fa1::HEAD_DIMS.contains(&d),
-            GpuForward::Fa2 => fa2::HEAD_DIMS.contains(&d),
-        }
-    }
-
-    fn run(self, gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) -> KResult {
-        match self {
-            GpuForward::Fa1 => fa1::forward(gpu, q, k, v, opts),
-            GpuForward::Fa2 => fa2::forward(gpu, q, k, v, opts),
-        }
-    }
-}
-
-type KResult = ladder_kernels::Result<ladder_kernels::Output>;
-
 /// The 16-bit format of `dtype`, if it is one.
 pub fn half_of(dtype: DType) -> Option<Half> {
     match dtype {
@@ -172,19 +139,23 @@ fn download3(t: &Tensor, dims: [usize; 3]) -> anyhow::Result<Array3<f32>> {
     Ok(Array3::from_shape_vec(dims, t.to_f32_vec()?)?)
 }
 
-/// Runs `rung` on `x` (already rounded to `dtype`); returns its output and the kernel time.
+/// Runs the forward rung `rung` on `x` (already rounded to `dtype`); returns its output and the
+/// kernel time.
 pub fn forward(
     gpu: &Gpu,
-    rung: GpuForward,
+    rung: GpuRung,
     x: &Inputs<f64>,
     opts: &Options,
     dtype: DType,
 ) -> anyhow::Result<(AttentionOutput<f32>, Duration)> {
+    let Kernels::Forward(run) = rung.kernels() else {
+        bail!("{rung} is not a forward rung");
+    };
     let (q, k, v) =
         (upload(gpu, &x.q, dtype)?, upload(gpu, &x.k, dtype)?, upload(gpu, &x.v, dtype)?);
     let mut out = None;
     let ms = gpu.time_ms(|| {
-        out = Some(rung.run(gpu, &q, &k, &v, opts)?);
+        out = Some(run(gpu, &q, &k, &v, opts)?);
         Ok(())
     })?;
     let out = out.expect("set by the timed closure");
@@ -218,19 +189,25 @@ pub fn expected_forward(
     Ok(Expected::from_baseline(oracle, &baseline))
 }
 
-/// Runs the GPU FA2 forward and backward on `x`; returns `dQ, dK, dV` and the backward's time.
+/// Runs the backward rung `rung` (after its forward pass) on `x`; returns `dQ, dK, dV` and the
+/// backward's time.
 pub fn backward(
     gpu: &Gpu,
+    rung: GpuRung,
     x: &Inputs<f64>,
     opts: &Options,
     dtype: DType,
 ) -> anyhow::Result<(Gradients<f32>, Duration)> {
+    let Kernels::Backward { forward, backward, deterministic } = rung.kernels() else {
+        bail!("{rung} is not a backward rung");
+    };
     let [q, k, v, d_o] = [&x.q, &x.k, &x.v, &x.d_o].map(|t| upload(gpu, t, dtype));
     let (q, k, v, d_o) = (q?, k?, v?, d_o?);
-    let out = fa2::forward(gpu, &q, &k, &v, opts)?;
+    let opts = &Options { deterministic, ..*opts };
+    let out = forward(gpu, &q, &k, &v, opts)?;
     let mut grads = None;
     let ms = gpu.time_ms(|| {
-        grads = Some(fa2::backward(gpu, &q, &k, &v, &out, &d_o, opts)?);
+        grads = Some(backward(gpu, &q, &k, &v, &out, &d_o, opts)?);
         Ok(())
     })?;
     let g = grads.expect("set by the timed closure");

@@ -1,7 +1,7 @@
 //! Baselines for the GPU rungs, which read 16-bit inputs, multiply 16-bit operands with `f32`
 //! accumulation, and write 16-bit outputs.
 //!
-//! LADDER.md's rule is that a rung may be off the oracle by about twice the error of the naive
+//! The ladder's rule (`docs/conventions.md`, "Tolerances") is that a rung may be off the oracle by about twice the error of the naive
 //! algorithm *in the same precision*. For a 16-bit GPU kernel "the same precision" means: the
 //! probabilities `P` rounded to 16 bits before they multiply `V` (they are a tensor-core operand),
 //! and `O` rounded to 16 bits when it is stored; products and sums are `f32` or better. These

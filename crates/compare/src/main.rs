@@ -180,7 +180,7 @@ fn verify_cmd(args: &VerifyArgs) -> anyhow::Result<bool> {
     })?;
     // The GPU rungs, when a GPU is there.
     let mut rows = rows;
-    match ladder_kernels::Gpu::new() {
+    match ladder_compare::gpu_check::open_gpu() {
         Ok(gpu) => {
             eprintln!("verify: GPU rungs on {} ({}), fp16", gpu.name(), gpu.arch());
             let gpu_rows = verify::gpu_rows(&gpu, &cases, &config, args.seed, |precision, row| {

@@ -4,8 +4,8 @@
 //! `f64`): the relative L2 error `‖out − ref‖ / ‖ref‖` and the max absolute error.
 //!
 //! A rung passes when its error is no worse than about twice the error of the naive algorithm
-//! run in the same precision (how FlashAttention's own tests set their tolerances, see
-//! `LADDER.md`), plus a floor for problems where the naive algorithm happens to be exact (a
+//! run in the same precision (how FlashAttention's own tests set their tolerances; the rule is
+//! written out in `docs/conventions.md`), plus a floor for problems where the naive algorithm happens to be exact (a
 //! single key, say, or any problem in `f64`, where naive *is* the oracle) while a reordered
 //! computation is not:
 //!

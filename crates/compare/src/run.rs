@@ -15,7 +15,10 @@ use ladder_compare::gpu_check::half_of;
 use ladder_compare::memory::human_bytes;
 use ladder_compare::npy::{self, DType, NpyTensor};
 use ladder_compare::{Rung, RungConfig};
-use ladder_kernels::{self as kernels, Gpu, KernelError, Tensor};
+use ladder_compare::GpuRung;
+use ladder_compare::gpu_rungs::Kernels;
+use ladder_compare::results::Direction;
+use ladder_kernels::{self as kernels, KernelError, Tensor};
 use ladder_reference::{AttentionShape, Element, Fa2Options, RunStats, fa2, naive};
 use ndarray::{Array, Array3, Array4, ArrayD, Dimension};
 
@@ -116,50 +119,33 @@ impl GpuDType {
     }
 }
 
-/// The rungs with a CUDA kernel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum GpuRung {
-    Fa1,
-    Fa2,
+/// The GPU forward rung whose CPU rung is `rung`, if it has one.
+fn gpu_forward(rung: Rung) -> Option<GpuRung> {
+    GpuRung::ALL.into_iter().find(|g| g.direction() == Direction::Fwd && g.cpu() == rung)
 }
 
-impl GpuRung {
-    const ALL: &[GpuRung] = &[GpuRung::Fa1, GpuRung::Fa2];
+/// The GPU forward rungs.
+fn gpu_forwards() -> Vec<GpuRung> {
+    GpuRung::ALL.into_iter().filter(|g| g.direction() == Direction::Fwd).collect()
+}
 
-    fn of(rung: Rung) -> Option<GpuRung> {
-        match rung {
-            Rung::Fa1 => Some(GpuRung::Fa1),
-            Rung::Fa2 => Some(GpuRung::Fa2),
-            _ => None,
-        }
-    }
+/// The backward kernel of a GPU forward rung, if it has one.
+fn gpu_backward(forward: GpuRung) -> Option<GpuRung> {
+    GpuRung::find(forward.name(), Direction::Bwd)
+}
 
-    fn rung(self) -> Rung {
-        match self {
-            GpuRung::Fa1 => Rung::Fa1,
-            GpuRung::Fa2 => Rung::Fa2,
-        }
-    }
+/// The types the rung's kernel takes, by their command-line names.
+fn gpu_dtypes(rung: GpuRung) -> Vec<GpuDType> {
+    let all = [GpuDType::Fp16, GpuDType::Bf16, GpuDType::F32];
+    all.into_iter().filter(|d| rung.dtypes().contains(&d.kernel())).collect()
+}
 
-    /// The types the forward kernel takes.
-    fn dtypes(self) -> &'static [GpuDType] {
-        match self {
-            GpuRung::Fa1 => &[GpuDType::Fp16, GpuDType::Bf16, GpuDType::F32],
-            GpuRung::Fa2 => &[GpuDType::Fp16, GpuDType::Bf16],
-        }
-    }
-
-    fn has_backward(self) -> bool {
-        self == GpuRung::Fa2
-    }
-
-    /// The type of q where the kernel has it, else fp16.
-    fn default_dtype(self, q: DType) -> GpuDType {
-        match q {
-            DType::F16 => GpuDType::Fp16,
-            DType::F32 | DType::F64 if self.dtypes().contains(&GpuDType::F32) => GpuDType::F32,
-            DType::F32 | DType::F64 => GpuDType::Fp16,
-        }
+/// The type of q where the kernel has it, else fp16.
+fn default_gpu_dtype(rung: GpuRung, q: DType) -> GpuDType {
+    match q {
+        DType::F16 => GpuDType::Fp16,
+        DType::F32 | DType::F64 if gpu_dtypes(rung).contains(&GpuDType::F32) => GpuDType::F32,
+        DType::F32 | DType::F64 => GpuDType::Fp16,
     }
 }
 
@@ -237,28 +223,29 @@ impl RunArgs {
                 Plan::Cpu
             }
             Device::Gpu => {
-                let rung = GpuRung::of(self.rung).ok_or_else(|| {
+                let rung = gpu_forward(self.rung).ok_or_else(|| {
                     usage(format!(
                         "{} has no GPU kernel (GPU rungs: {})",
                         self.rung,
-                        names(GpuRung::ALL, |r| r.rung().to_string())
+                        names(&gpu_forwards(), |r| r.cpu().to_string())
                     ))
                 })?;
-                if let Some(dtype) = self.dtype.filter(|d| !rung.dtypes().contains(d)) {
+                let dtypes = gpu_dtypes(rung);
+                if let Some(dtype) = self.dtype.filter(|d| !dtypes.contains(d)) {
                     return Err(usage(format!(
                         "{} on the GPU takes {}, not {}",
                         self.rung,
-                        names(rung.dtypes(), dtype_name),
+                        names(&dtypes, dtype_name),
                         dtype_name(dtype)
                     )));
                 }
-                if backward.is_some() && !rung.has_backward() {
+                if backward.is_some() && gpu_backward(rung).is_none() {
                     let with: Vec<GpuRung> =
-                        GpuRung::ALL.iter().copied().filter(|r| r.has_backward()).collect();
+                        gpu_forwards().into_iter().filter(|&r| gpu_backward(r).is_some()).collect();
                     return Err(usage(format!(
                         "{} has no backward kernel (GPU rungs with one: {})",
                         self.rung,
-                        names(&with, |r| r.rung().to_string())
+                        names(&with, |r| r.cpu().to_string())
                     )));
                 }
                 Plan::Gpu { rung, dtype: self.dtype }
@@ -337,7 +324,7 @@ fn run(args: &RunArgs) -> anyhow::Result<()> {
             }
         }
         Plan::Gpu { rung, dtype } => {
-            let dtype = dtype.unwrap_or_else(|| rung.default_dtype(q.dtype));
+            let dtype = dtype.unwrap_or_else(|| default_gpu_dtype(rung, q.dtype));
             gpu(rung, dtype, &tensors, args)?
         }
     };
@@ -436,7 +423,7 @@ fn gpu(rung: GpuRung, dtype: GpuDType, x: &Tensors, args: &RunArgs) -> anyhow::R
         check_range(&t.data, path, kind)?;
     }
     let gpu = ladder_compare::gpu_check::open_gpu().map_err(|e| anyhow!("no GPU: {e}"))?;
-    let label = rung.rung();
+    let label = rung.cpu();
     // Kernel errors that do not name the rung get its name.
     let kernel_error = |e: KernelError| match e {
         KernelError::UnsupportedDtype { .. } | KernelError::UnsupportedHeadDim { .. } => anyhow!(e),
@@ -452,17 +439,20 @@ fn gpu(rung: GpuRung, dtype: GpuDType, x: &Tensors, args: &RunArgs) -> anyhow::R
         scale: args.rung_args.scale.map(|s| s as f32),
         deterministic: args.deterministic,
     };
-    let out = match rung {
-        GpuRung::Fa1 => kernels::fa1::forward(&gpu, &q, &k, &v, &opts),
-        GpuRung::Fa2 => kernels::fa2::forward(&gpu, &q, &k, &v, &opts),
+    let out = match rung.kernels() {
+        Kernels::Forward(forward) => forward(&gpu, &q, &k, &v, &opts),
+        Kernels::Backward { .. } => bail!("{label}: not a forward kernel"),
     }
     .map_err(kernel_error)?;
     let grads = match x.d_o {
         None => None,
         Some(d_o) => {
             let d_o = upload(d_o)?;
-            let g = kernels::fa2::backward(&gpu, &q, &k, &v, &out, &d_o, &opts)
-                .map_err(kernel_error)?;
+            let Some(Kernels::Backward { backward, .. }) = gpu_backward(rung).map(|r| r.kernels())
+            else {
+                bail!("{label} has no backward kernel");
+            };
+            let g = backward(&gpu, &q, &k, &v, &out, &d_o, &opts).map_err(kernel_error)?;
             Some([download(&g.dq)?, download(&g.dk)?, download(&g.dv)?])
         }
     };

@@ -57,7 +57,7 @@ impl Rung {
         }
     }
 
-    /// The rung number in `LADDER.md`.
+    /// The rung number on the ladder (`docs/rungs/`; FA3 and its FP8 path share 4).
     pub fn number(self) -> usize {
         match self {
             Rung::Naive => 0,

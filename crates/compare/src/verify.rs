@@ -329,9 +329,10 @@ pub fn gpu_rows(
     seed: u64,
     mut progress: impl FnMut(&str, &Row),
 ) -> anyhow::Result<Vec<Row>> {
-    use crate::gpu_check::{self, GpuForward};
-    use ladder_kernels::{DType, fa2 as gpu_fa2};
-    use ladder_reference::{Fa1Options, fa1};
+    use crate::gpu_check;
+    use crate::gpu_rungs::GpuRung;
+    use crate::results::Direction;
+    use ladder_kernels::DType;
 
     let dtype = DType::F16;
     let mut rows = Vec::new();
@@ -345,68 +346,70 @@ pub fn gpu_rows(
         let cpu_expected = Expected::from_oracle(&oracle, &x32)?;
         let gpu_expected = gpu_check::expected_forward(&oracle, &x, dtype)?;
         let (q, k, v) = (x32.q.view(), x32.k.view(), x32.v.view());
-        for rung in [GpuForward::Fa1, GpuForward::Fa2] {
-            if !rung.supports(d) {
+        let cpu_config = RungConfig { attention, ..RungConfig::default() };
+        for rung in GpuRung::ALL {
+            if !rung.supports(d) || !rung.dtypes().contains(&dtype) {
                 continue;
             }
-            let (cpu_name, cpu_out) = match rung {
-                GpuForward::Fa1 => ("fa1", fa1::forward(q, k, v, &Fa1Options::new(attention))?),
-                GpuForward::Fa2 => ("fa2", fa2::forward(q, k, v, &Fa2Options::new(attention))?),
-            };
-            let (out, elapsed) = gpu_check::forward(gpu, rung, &x, &opts, dtype)?;
-            let verdict = gpu_expected.judge(&out);
-            let pair = judge_between(&out, &cpu_out, &gpu_expected, &cpu_expected);
-            let ratio = ratio_of(verdict.o, gpu_expected.o)
-                .max(ratio_of(verdict.lse, gpu_expected.lse))
-                .max(ratio_of(pair.o, gpu_expected.o.plus(cpu_expected.o)))
-                .max(ratio_of(pair.lse, gpu_expected.lse.plus(cpu_expected.lse)));
-            let row = Row {
-                case: case.name.clone(),
-                label: rung.name().to_string(),
-                vs_previous: Some((format!("{cpu_name}, CPU"), pair.o)),
-                vs_oracle: verdict.o,
-                err_over_tol: ratio,
-                f64_err_over_tol: f64::NAN,
-                elapsed,
-                extra_bytes: None,
-                hbm: None,
-                note: format!("fp16 on {}", gpu.name()),
-                pass: verdict.pass && pair.pass,
-            };
-            progress("fp16", &row);
-            rows.push(row);
-        }
-        if gpu_fa2::BACKWARD_HEAD_DIMS.contains(&d) {
-            let grad_oracle = GradientOracle::new(&x, &attention)?;
-            let expected = gpu_check::expected_backward(&grad_oracle, &x, dtype)?;
-            let (grads, elapsed) = gpu_check::backward(gpu, &x, &opts, dtype)?;
-            let (errs, mut pass) = expected.judge(&grads);
-            let mut ratio = errs
-                .iter()
-                .zip(&expected.tolerances)
-                .map(|(e, t)| ratio_of(*e, *t))
-                .fold(0.0, f64::max);
-            let pair = gpu_check::vs_cpu_backward(&grad_oracle, &x32, &grads, &expected)?;
-            for (e, tol) in &pair {
-                let r = ratio_of(*e, *tol);
-                ratio = ratio.max(r);
-                pass &= r <= 1.0;
-            }
-            let row = Row {
-                case: case.name.clone(),
-                label: "fa2-bwd-gpu".to_string(),
-                vs_previous: Some((
-                    "fa2-bwd, CPU".to_string(),
-                    pair.into_iter().map(|(e, _)| e).fold(ErrorStats::default(), ErrorStats::worst),
-                )),
-                vs_oracle: errs.into_iter().fold(ErrorStats::default(), ErrorStats::worst),
-                err_over_tol: ratio,
-                f64_err_over_tol: f64::NAN,
-                elapsed,
-                extra_bytes: None,
-                hbm: None,
-                note: format!("dQ, dK, dV; fp16 on {}", gpu.name()),
-                pass,
+            let cpu_name = format!("{}, CPU", rung.cpu_label());
+            let row = match rung.direction() {
+                Direction::Fwd => {
+                    let cpu_out = rung.cpu().forward(q, k, v, &cpu_config)?;
+                    let (out, elapsed) = gpu_check::forward(gpu, rung, &x, &opts, dtype)?;
+                    let verdict = gpu_expected.judge(&out);
+                    let pair = judge_between(&out, &cpu_out, &gpu_expected, &cpu_expected);
+                    let ratio = ratio_of(verdict.o, gpu_expected.o)
+                        .max(ratio_of(verdict.lse, gpu_expected.lse))
+                        .max(ratio_of(pair.o, gpu_expected.o.plus(cpu_expected.o)))
+                        .max(ratio_of(pair.lse, gpu_expected.lse.plus(cpu_expected.lse)));
+                    Row {
+                        case: case.name.clone(),
+                        label: rung.label().to_string(),
+                        vs_previous: Some((cpu_name, pair.o)),
+                        vs_oracle: verdict.o,
+                        err_over_tol: ratio,
+                        f64_err_over_tol: f64::NAN,
+                        elapsed,
+                        extra_bytes: None,
+                        hbm: None,
+                        note: format!("fp16 on {}", gpu.name()),
+                        pass: verdict.pass && pair.pass,
+                    }
+                }
+                Direction::Bwd => {
+                    let grad_oracle = GradientOracle::new(&x, &attention)?;
+                    let expected = gpu_check::expected_backward(&grad_oracle, &x, dtype)?;
+                    let (grads, elapsed) = gpu_check::backward(gpu, rung, &x, &opts, dtype)?;
+                    let (errs, mut pass) = expected.judge(&grads);
+                    let mut ratio = errs
+                        .iter()
+                        .zip(&expected.tolerances)
+                        .map(|(e, t)| ratio_of(*e, *t))
+                        .fold(0.0, f64::max);
+                    let pair = gpu_check::vs_cpu_backward(&grad_oracle, &x32, &grads, &expected)?;
+                    for (e, tol) in &pair {
+                        let r = ratio_of(*e, *tol);
+                        ratio = ratio.max(r);
+                        pass &= r <= 1.0;
+                    }
+                    let worst = pair
+                        .into_iter()
+                        .map(|(e, _)| e)
+                        .fold(ErrorStats::default(), ErrorStats::worst);
+                    Row {
+                        case: case.name.clone(),
+                        label: rung.label().to_string(),
+                        vs_previous: Some((cpu_name, worst)),
+                        vs_oracle: errs.into_iter().fold(ErrorStats::default(), ErrorStats::worst),
+                        err_over_tol: ratio,
+                        f64_err_over_tol: f64::NAN,
+                        elapsed,
+                        extra_bytes: None,
+                        hbm: None,
+                        note: format!("dQ, dK, dV; fp16 on {}", gpu.name()),
+                        pass,
+                    }
+                }
             };
             progress("fp16", &row);
             rows.push(row);

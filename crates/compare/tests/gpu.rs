@@ -3,20 +3,20 @@
 //! Every case draws fresh random tensors (the shared proptest strategies: GQA, causal with
 //! n_q ≠ n_kv, lengths that are not multiples of any tile), rounds them to the kernel's 16-bit
 //! type (or keeps f32), runs the kernel with its output buffers poisoned with NaN (an element the
-//! kernel forgets to write fails the check), and holds the result to LADDER.md's rule: within twice
-//! the error of the naive algorithm in the same precision ([`low_precision`]), and within the sum
-//! of both tolerances of the CPU rung.
+//! kernel forgets to write fails the check), and holds the result to the ladder's rule
+//! (`docs/conventions.md`): within twice the error of the naive algorithm in the same precision
+//! (`ladder_compare::low_precision`), and within the sum of both tolerances of the CPU rung.
 //!
 //! Without a GPU these tests print a notice and pass; with `LADDER_REQUIRE_GPU=1` (set by the GPU
 //! bundle) a missing GPU fails them.
 
 use std::sync::OnceLock;
 
-use ladder_compare::gpu_check::{self, GpuForward, device_inputs, narrow, options};
+use ladder_compare::gpu_check::{self, device_inputs, narrow, options};
 use ladder_compare::oracle::{Expected, GradientOracle, Oracle, check};
-use ladder_compare::{Case, CaseSpace, Inputs, cases};
-use ladder_kernels::{DType, Gpu, KernelError, Options, fa1, fa2, testing};
-use ladder_reference::{AttentionOutput, Fa1Options, Fa2Options};
+use ladder_compare::{Case, CaseSpace, GpuRung, RungConfig, cases};
+use ladder_compare::gpu_check::gpu_or_skip;
+use ladder_kernels::{DType, Gpu, KernelError, Options, fa1, fa2};
 use proptest::prelude::*;
 
 /// Random cases per property; `LADDER_GPU_CASES` lowers it (e.g. under compute-sanitizer).
@@ -26,7 +26,7 @@ fn cases_per_property() -> u32 {
 
 fn gpu() -> Option<&'static Gpu> {
     static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
-    GPU.get_or_init(|| testing::gpu_or_skip("GPU rung tests")).as_ref()
+    GPU.get_or_init(|| gpu_or_skip("GPU rung tests")).as_ref()
 }
 
 fn fail(e: impl std::fmt::Display) -> TestCaseError {
@@ -47,17 +47,8 @@ fn space(head_dims: &[usize]) -> CaseSpace {
     }
 }
 
-/// The CPU rung a GPU rung is checked against.
-type CpuForward = fn(&Inputs<f32>, &AttentionOptionsF) -> AttentionOutput<f32>;
-type AttentionOptionsF = ladder_reference::AttentionOptions;
-
-/// Runs a GPU forward rung on `case` and checks it against the oracle and `cpu_rung` (in f32).
-fn check_forward(
-    rung: GpuForward,
-    cpu_rung: (&str, CpuForward),
-    case: &Case,
-    dtype: DType,
-) -> Result<(), TestCaseError> {
+/// Runs a GPU forward rung on `case` and checks it against the oracle and its CPU rung (in f32).
+fn check_forward(rung: GpuRung, case: &Case, dtype: DType) -> Result<(), TestCaseError> {
     let Some(gpu) = gpu() else { return Ok(()) };
     let x = device_inputs(case, dtype);
     let (attention, opts) = options(&case.attention(), case.shape.d);
@@ -65,36 +56,29 @@ fn check_forward(
     let oracle = Oracle::new(&x, &attention).map_err(fail)?;
     let expected = gpu_check::expected_forward(&oracle, &x, dtype).map_err(fail)?;
     let x32 = narrow(&x);
-    let cpu_out = (cpu_rung.1)(&x32, &attention);
+    let config = RungConfig { attention, ..RungConfig::default() };
+    let cpu_out = rung.cpu().forward(x32.q.view(), x32.k.view(), x32.v.view(), &config);
+    let cpu_out = cpu_out.map_err(fail)?;
     let cpu_expected = Expected::from_oracle(&oracle, &x32).map_err(fail)?;
-    let label = format!("{} ({dtype})", rung.name());
-    check(&label, &got, &expected, Some((cpu_rung.0, &cpu_out, &cpu_expected))).map_err(fail)
-}
-
-fn cpu_fa1(x: &Inputs<f32>, attention: &AttentionOptionsF) -> AttentionOutput<f32> {
-    ladder_reference::fa1::forward(x.q.view(), x.k.view(), x.v.view(), &Fa1Options::new(*attention))
-        .expect("CPU FA1 on a valid case")
-}
-
-fn cpu_fa2(x: &Inputs<f32>, attention: &AttentionOptionsF) -> AttentionOutput<f32> {
-    ladder_reference::fa2::forward(x.q.view(), x.k.view(), x.v.view(), &Fa2Options::new(*attention))
-        .expect("CPU FA2 on a valid case")
+    let label = format!("{} ({dtype})", rung.label());
+    let cpu_label = format!("{} (CPU)", rung.cpu_label());
+    check(&label, &got, &expected, Some((&cpu_label, &cpu_out, &cpu_expected))).map_err(fail)
 }
 
 /// Runs the GPU FA2 forward and backward on `case` and checks `dQ, dK, dV` against the float64
 /// oracle (within twice the 16-bit naive backward's error) and against the CPU FA2 backward.
-fn check_backward(case: &Case, dtype: DType) -> Result<(), TestCaseError> {
+fn check_backward(rung: GpuRung, case: &Case, dtype: DType) -> Result<(), TestCaseError> {
     let Some(gpu) = gpu() else { return Ok(()) };
     let x = device_inputs(case, dtype);
     let (attention, opts) = options(&case.attention(), case.shape.d);
-    let (got, _) = gpu_check::backward(gpu, &x, &opts, dtype).map_err(fail)?;
+    let (got, _) = gpu_check::backward(gpu, rung, &x, &opts, dtype).map_err(fail)?;
     let oracle = GradientOracle::new(&x, &attention).map_err(fail)?;
     let expected = gpu_check::expected_backward(&oracle, &x, dtype).map_err(fail)?;
     let (errs, pass) = expected.judge(&got);
     let [tq, tk, tv] = expected.tolerances;
     if !pass {
         return Err(fail(format!(
-            "fa2 backward (GPU, {dtype}) vs oracle: dQ {} dK {} dV {} (tol {tq} / {tk} / {tv})",
+            "{rung} ({dtype}) vs oracle: dQ {} dK {} dV {} (tol {tq} / {tk} / {tv})",
             errs[0], errs[1], errs[2]
         )));
     }
@@ -103,7 +87,7 @@ fn check_backward(case: &Case, dtype: DType) -> Result<(), TestCaseError> {
     for (t, (err, tol)) in pairs.into_iter().enumerate() {
         if !tol.admits(err) {
             return Err(fail(format!(
-                "fa2 backward (GPU, {dtype}) vs CPU fa2 backward, gradient {t}: {err} (tol {tol})"
+                "{rung} ({dtype}) vs CPU fa2 backward, gradient {t}: {err} (tol {tol})"
             )));
         }
     }
@@ -114,33 +98,43 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(cases_per_property()))]
 
     #[test]
-    fn gpu_fa2_backward_fp16_matches_the_oracle_and_cpu_fa2(case in cases(space(fa2::BACKWARD_HEAD_DIMS))) {
-        check_backward(&case, DType::F16)?;
+    fn gpu_fa2_backward_fp16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa2Backward.head_dims()))) {
+        check_backward(GpuRung::Fa2Backward, &case, DType::F16)?;
     }
 
     #[test]
-    fn gpu_fa2_backward_bf16_matches_the_oracle_and_cpu_fa2(case in cases(space(fa2::BACKWARD_HEAD_DIMS))) {
-        check_backward(&case, DType::BF16)?;
+    fn gpu_fa2_deterministic_backward_fp16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa2BackwardDeterministic.head_dims()))) {
+        check_backward(GpuRung::Fa2BackwardDeterministic, &case, DType::F16)?;
     }
 
     #[test]
-    fn gpu_fa1_fp16_matches_cpu_fa1_and_the_oracle(case in cases(space(fa1::HEAD_DIMS))) {
-        check_forward(GpuForward::Fa1, ("fa1 (CPU)", cpu_fa1), &case, DType::F16)?;
+    fn gpu_fa2_deterministic_backward_bf16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa2BackwardDeterministic.head_dims()))) {
+        check_backward(GpuRung::Fa2BackwardDeterministic, &case, DType::BF16)?;
     }
 
     #[test]
-    fn gpu_fa1_f32_matches_cpu_fa1_and_the_oracle(case in cases(space(fa1::HEAD_DIMS))) {
-        check_forward(GpuForward::Fa1, ("fa1 (CPU)", cpu_fa1), &case, DType::F32)?;
+    fn gpu_fa2_backward_bf16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa2Backward.head_dims()))) {
+        check_backward(GpuRung::Fa2Backward, &case, DType::BF16)?;
     }
 
     #[test]
-    fn gpu_fa2_fp16_matches_cpu_fa2_and_the_oracle(case in cases(space(fa2::HEAD_DIMS))) {
-        check_forward(GpuForward::Fa2, ("fa2 (CPU)", cpu_fa2), &case, DType::F16)?;
+    fn gpu_fa1_fp16_matches_cpu_fa1_and_the_oracle(case in cases(space(GpuRung::Fa1.head_dims()))) {
+        check_forward(GpuRung::Fa1, &case, DType::F16)?;
     }
 
     #[test]
-    fn gpu_fa2_bf16_matches_cpu_fa2_and_the_oracle(case in cases(space(fa2::HEAD_DIMS))) {
-        check_forward(GpuForward::Fa2, ("fa2 (CPU)", cpu_fa2), &case, DType::BF16)?;
+    fn gpu_fa1_f32_matches_cpu_fa1_and_the_oracle(case in cases(space(GpuRung::Fa1.head_dims()))) {
+        check_forward(GpuRung::Fa1, &case, DType::F32)?;
+    }
+
+    #[test]
+    fn gpu_fa2_fp16_matches_cpu_fa2_and_the_oracle(case in cases(space(GpuRung::Fa2.head_dims()))) {
+        check_forward(GpuRung::Fa2, &case, DType::F16)?;
+    }
+
+    #[test]
+    fn gpu_fa2_bf16_matches_cpu_fa2_and_the_oracle(case in cases(space(GpuRung::Fa2.head_dims()))) {
+        check_forward(GpuRung::Fa2, &case, DType::BF16)?;
     }
 }
 
@@ -156,7 +150,7 @@ fn gpu_fa2_long_sequences() {
             splits: 1,
             seed: 1000 + d as u64,
         };
-        check_forward(GpuForward::Fa2, ("fa2 (CPU)", cpu_fa2), &case, DType::F16)
+        check_forward(GpuRung::Fa2, &case, DType::F16)
             .unwrap_or_else(|e| panic!("d = {d}, causal = {causal}: {e}"));
     }
 }
@@ -173,8 +167,10 @@ fn gpu_fa2_backward_long_sequences() {
             splits: 1,
             seed: 2000 + d as u64,
         };
-        check_backward(&case, DType::F16)
-            .unwrap_or_else(|e| panic!("d = {d}, causal = {causal}: {e}"));
+        for rung in [GpuRung::Fa2Backward, GpuRung::Fa2BackwardDeterministic] {
+            check_backward(rung, &case, DType::F16)
+                .unwrap_or_else(|e| panic!("{rung}, d = {d}, causal = {causal}: {e}"));
+        }
     }
 }
 
@@ -200,7 +196,7 @@ fn gpu_rungs_reject_bad_input() {
     assert!(matches!(err, KernelError::Shape(_)), "{err}");
     let q = t(&[1, 2, 8, 256], DType::F16);
     let out = fa2::forward(gpu, &q, &q, &q, &Options::full()).unwrap();
-    let err = fa2::backward(gpu, &q, &q, &q, &out.o, &out.lse, &q, &Options::full()).unwrap_err();
+    let err = fa2::backward(gpu, &q, &q, &q, &out, &q, &Options::full()).unwrap_err();
     assert!(matches!(err, KernelError::UnsupportedHeadDim { d: 256, .. }), "{err}");
     let err = gpu.upload(&[1.0; 3], &[2, 2], DType::F16).unwrap_err();
     assert!(matches!(err, KernelError::Shape(_)), "{err}");

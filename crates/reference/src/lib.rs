@@ -15,7 +15,7 @@
 //! | 1 | [`online_softmax`] | one pass per row with a running max and sum (Milakov & Gimelshein 2018): no N×N buffer |
 //! | 2 | [`fa1`] | FlashAttention-1 (Dao et al. 2022, Alg. 1): K/V-outer tile loop, `O, l, m` round-trip through HBM |
 //! | 3 | [`fa2`] | FlashAttention-2 (Dao 2023, Alg. 1 and 2): Q-outer loop, unnormalised accumulator, causal tile skipping, backward pass |
-//! | 4 | [`fa3`] | FlashAttention-3 (Shah et al. 2024): the overlapped schedule and the FP8 path with incoherent processing |
+//! | 4 | [`fa3`] | FlashAttention-3 (Shah et al. 2024): the overlapped schedule and the FP8 path with incoherent processing; [`fa3_schedule`] simulates its timeline |
 //! | 5 | [`flash_decoding`] | split K/V into chunks processed in parallel, combine partials by log-sum-exp |
 //! | 6 | [`flash_decoding_pp`] | unified max φ: chunks need no rescaling; rows that leave the safe range fall back to rung 5 |
 //!
@@ -23,7 +23,7 @@
 //! separates the algorithm from rounding, which is how the equivalence suite proves each rung
 //! exact before it checks its `f32` accuracy. [`naive::attention`] in `f64` is the oracle.
 //!
-//! Conventions (shared with the GPU rungs; see `LADDER.md`):
+//! Conventions (shared with the GPU rungs; see `docs/conventions.md` in the repository):
 //!
 //! - Causal masking with `n_q ≠ n_kv` is aligned bottom-right: query `i` sees keys
 //!   `j ≤ i + n_kv − n_q` ([`Mask`]).
@@ -60,6 +60,7 @@ mod tile;
 pub mod fa1;
 pub mod fa2;
 pub mod fa3;
+pub mod fa3_schedule;
 pub mod flash_decoding;
 pub mod flash_decoding_pp;
 pub mod fp8;

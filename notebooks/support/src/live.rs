@@ -4,8 +4,10 @@
 //! after it shows the figures measured on the H200.
 
 use ladder_compare::cases::Case;
-use ladder_compare::gpu_check::{self, GpuForward};
+use ladder_compare::gpu_check;
+use ladder_compare::gpu_rungs::GpuRung;
 use ladder_compare::oracle::{GradientOracle, Oracle};
+use ladder_compare::results::Direction;
 use ladder_kernels::{DType, Gpu};
 use ladder_reference::{AttentionShape, TileSizes};
 
@@ -15,7 +17,7 @@ use crate::Failure;
 /// problem in fp16 and checks it against the float64 oracle. `Ok` without a GPU (after saying so);
 /// an error when a kernel is outside its tolerance.
 pub fn gpu_live(rung: &str) -> Result<(), Failure> {
-    let gpu = match Gpu::new() {
+    let gpu = match ladder_compare::gpu_check::open_gpu() {
         Ok(gpu) => gpu,
         Err(e) => {
             println!("No GPU on this machine ({e}).");
@@ -25,10 +27,8 @@ pub fn gpu_live(rung: &str) -> Result<(), Failure> {
             return Ok(());
         }
     };
-    let forward = match rung {
-        "fa1" => GpuForward::Fa1,
-        "fa2" => GpuForward::Fa2,
-        other => return Err(Failure(format!("no GPU kernel for {other:?}"))),
+    let Some(forward) = GpuRung::find(rung, Direction::Fwd) else {
+        return Err(Failure(format!("no GPU kernel for {rung:?}")));
     };
     let fail = |e: &dyn std::fmt::Display| Failure(e.to_string());
     let shape = AttentionShape::new(1, 8, 2, 500, 700, 64).map_err(|e| fail(&e))?;
@@ -57,20 +57,21 @@ pub fn gpu_live(rung: &str) -> Result<(), Failure> {
     if !verdict.pass {
         return Err(Failure(format!("{rung} forward on the GPU is out of tolerance")));
     }
-    if forward == GpuForward::Fa2 {
-        let (grads, elapsed) = gpu_check::backward(&gpu, &x, &opts, dtype).map_err(|e| fail(&e))?;
+    if let Some(backward) = GpuRung::find(rung, Direction::Bwd) {
+        let (grads, elapsed) =
+            gpu_check::backward(&gpu, backward, &x, &opts, dtype).map_err(|e| fail(&e))?;
         let oracle = GradientOracle::new(&x, &attention).map_err(|e| fail(&e))?;
         let expected = gpu_check::expected_backward(&oracle, &x, dtype).map_err(|e| fail(&e))?;
         let (errs, pass) = expected.judge(&grads);
         println!(
-            "fa2 backward: dQ {} dK {} dV {} vs oracle, {:.3} ms",
+            "{rung} backward: dQ {} dK {} dV {} vs oracle, {:.3} ms",
             errs[0],
             errs[1],
             errs[2],
             elapsed.as_secs_f64() * 1e3
         );
         if !pass {
-            return Err(Failure("fa2 backward on the GPU is out of tolerance".into()));
+            return Err(Failure(format!("{rung} backward on the GPU is out of tolerance")));
         }
     }
     println!("ok: within tolerance");

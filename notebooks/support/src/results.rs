@@ -4,9 +4,13 @@
 //!
 //! - `bench.csv`, one row per measurement, with the header
 //!   `impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps`
-//!   (`tflops` by the FLOP convention of `LADDER.md`: forward `4·B·Hq·n_q·n_kv·d`, halved for
-//!   causal square, backward 2.5× forward; `tbps` may be empty);
+//!   (`tflops` by the FLOP convention of `docs/conventions.md`: forward `4·B·Hq·n_q·n_kv·d`,
+//!   halved for causal square, backward 2.5× forward; `tbps` may be empty);
 //! - `meta.json`, with `card`, `driver`, `cuda`, `date`, `torch` and `note`.
+//!
+//! Both files are read by `ladder_compare::results`, the same code that writes them (and that
+//! reads `scripts/peers.py`'s `peers.csv`); this module turns them into the notebooks' [`Row`] and
+//! [`Meta`] and charts them.
 //!
 //! The notebooks never invent figures: when the files are absent, [`load`] returns `None` and
 //! [`NOT_MEASURED`] says how to produce them.
@@ -15,6 +19,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
+use ladder_compare::results as bench;
 use plotters::prelude::*;
 
 /// What a notebook says where no GPU results are committed.
@@ -41,6 +46,27 @@ pub struct Row {
 }
 
 impl Row {
+    /// The notebook's view of a measured row of `ladder_compare::results` (`None` if unmeasured).
+    fn from_bench(row: bench::Row) -> Option<Row> {
+        let bench::Outcome::Measured { ms, tflops, tbps } = row.outcome else { return None };
+        let c = row.case;
+        Some(Row {
+            implementation: c.imp,
+            direction: c.direction,
+            dtype: c.dtype,
+            causal: c.causal,
+            batch: c.batch,
+            heads_q: c.heads_q,
+            heads_kv: c.heads_kv,
+            n_q: c.n_q,
+            n_kv: c.n_kv,
+            d: c.d,
+            ms,
+            tflops,
+            tbps,
+        })
+    }
+
     /// A decode step: a few query tokens against a cache.
     pub fn is_decode(&self) -> bool {
         self.n_q <= 16 && self.n_kv > self.n_q
@@ -123,51 +149,16 @@ pub fn load_from(dir: &Path) -> Result<Option<Results>, String> {
     Ok(Some(Results { dir: dir.to_owned(), rows, meta }))
 }
 
-const HEADER: &str = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps";
-
-/// Parses `bench.csv` (the header above, then one row per line).
+/// Parses `bench.csv` (columns found by name; rows without a time, a peer's skipped case, are
+/// left out).
 pub fn parse_csv(text: &str) -> Result<Vec<Row>, String> {
-    let mut lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty());
-    match lines.next() {
-        Some((_, header)) if header.trim() == HEADER => {}
-        other => {
-            return Err(format!("expected the header `{HEADER}`, found {:?}", other.map(|o| o.1)));
-        }
-    }
-    lines
-        .map(|(i, line)| {
-            let f: Vec<&str> = line.split(',').map(str::trim).collect();
-            if f.len() != 13 {
-                return Err(format!("line {}: {} fields, expected 13", i + 1, f.len()));
-            }
-            let int = |k: usize| {
-                f[k].parse::<usize>().map_err(|e| format!("line {}, field {}: {e}", i + 1, k + 1))
-            };
-            let num = |k: usize| {
-                f[k].parse::<f64>().map_err(|e| format!("line {}, field {}: {e}", i + 1, k + 1))
-            };
-            Ok(Row {
-                implementation: f[0].to_owned(),
-                direction: f[1].to_owned(),
-                dtype: f[2].to_owned(),
-                causal: matches!(f[3], "true" | "True" | "1"),
-                batch: int(4)?,
-                heads_q: int(5)?,
-                heads_kv: int(6)?,
-                n_q: int(7)?,
-                n_kv: int(8)?,
-                d: int(9)?,
-                ms: num(10)?,
-                tflops: num(11)?,
-                tbps: if f[12].is_empty() { None } else { Some(num(12)?) },
-            })
-        })
-        .collect()
+    let rows = bench::parse_csv(text).map_err(|e| format!("{e:#}"))?;
+    Ok(rows.into_iter().filter_map(Row::from_bench).collect())
 }
 
 /// Parses `meta.json`; missing keys read as empty.
 pub fn parse_meta(json: &str) -> Result<Meta, String> {
-    let value: serde_json::Value = serde_json::from_str(json).map_err(|e| e.to_string())?;
+    let value = bench::parse_meta(json).map_err(|e| format!("{e:#}"))?;
     let get = |k: &str| match value.get(k) {
         Some(serde_json::Value::String(s)) => s.clone(),
         Some(other) => other.to_string(),
@@ -398,8 +389,9 @@ mod tests {
     #[test]
     fn parses_the_bench_format() {
         let text = format!(
-            "{HEADER}\nfa2,fwd,fp16,true,4,32,32,4096,4096,128,1.5,400.0,\n\
-             sdpa-cudnn,fwd,fp16,false,1,32,8,1,8192,128,0.02,1.0,2.5\n"
+            "{}\nfa2,fwd,fp16,true,4,32,32,4096,4096,128,1.5,400.0,\n\
+             sdpa-cudnn,fwd,fp16,false,1,32,8,1,8192,128,0.02,1.0,2.5\n",
+            bench::CSV_HEADER
         );
         let rows = parse_csv(&text).unwrap();
         assert_eq!(rows.len(), 2);
@@ -409,6 +401,15 @@ mod tests {
         let figures = charts(&rows.iter().collect::<Vec<_>>());
         assert_eq!(figures.0.len(), 2);
         assert!(figures.0[0].contains("<svg"));
+    }
+
+    #[test]
+    fn the_committed_results_parse() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/results/h200");
+        let results = load_from(&dir).unwrap().expect("docs/results/h200/bench.csv is committed");
+        assert!(results.rows.iter().any(|r| r.implementation == "fa2"));
+        assert!(results.rows.iter().any(|r| r.implementation == "sdpa-flash"), "peers.csv too");
+        assert!(results.meta.card.contains("H200"), "{:?}", results.meta);
     }
 
     #[test]

@@ -10,7 +10,10 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use plotters::prelude::*;
 
-use super::report::{Row, impl_rank};
+use anyhow::bail;
+use ladder_compare::results::{self, Row};
+
+use super::report::{impl_rank, render_side_by_side};
 
 /// Line colours, one per implementation in legend order.
 const COLORS: [RGBColor; 8] = [
@@ -128,10 +131,52 @@ fn draw(path: &Path, title: &str, subtitle: &str, chart: &Chart) -> anyhow::Resu
     Ok(())
 }
 
+/// Redraw the charts from `dir/bench.csv` and `dir/peers.csv` and print them side by side.
+pub fn charts_only(dir: &Path) -> anyhow::Result<()> {
+    let (ours, peers) = (dir.join("bench.csv"), dir.join("peers.csv"));
+    if !ours.exists() && !peers.exists() {
+        bail!(
+            "neither {} nor {} exists: run `ladder bench` first",
+            ours.display(),
+            peers.display()
+        );
+    }
+    let mut rows = Vec::new();
+    for path in [&ours, &peers] {
+        if path.exists() {
+            rows.extend(results::read_csv(path)?);
+        }
+    }
+    let meta = results::read_meta(dir);
+    let card = results::meta_str(&meta, "card");
+    let subtitle = format!(
+        "{}, driver {}, CUDA {}, {}{}",
+        if card.is_empty() { "unknown GPU" } else { card },
+        results::meta_str(&meta, "driver"),
+        results::meta_str(&meta, "cuda"),
+        results::meta_str(&meta, "date"),
+        match results::meta_str(&meta, "torch") {
+            "" => String::new(),
+            torch => format!("; peers: torch {torch}"),
+        }
+    );
+    let files = draw_all(dir, &rows, &subtitle)?;
+    println!("{}", render_side_by_side(&rows));
+    eprintln!(
+        "charts: {} SVG file(s) in {} ({} rows from {}{})",
+        files.len(),
+        dir.display(),
+        rows.len(),
+        if ours.exists() { "bench.csv" } else { "" },
+        if peers.exists() { " + peers.csv" } else { "" }
+    );
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::report::parse_csv;
+    use ladder_compare::results::parse_csv;
 
     #[test]
     fn ticks_are_powers_of_two() {

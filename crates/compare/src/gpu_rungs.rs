@@ -1,0 +1,262 @@
+//! Every GPU kernel of `ladder-kernels` by name: [`GpuRung`].
+//!
+//! One table ([`GpuRung::ALL`] and one [`Spec`] per variant) says what each kernel is called in
+//! the CLI and the CSV files, which direction it computes, the head dimensions and element types
+//! it supports, the CPU rung it is checked against, and the functions that launch it. `ladder
+//! bench`, `ladder verify`, [`crate::gpu_check`] and the GPU tests read it, so a new kernel (FA3,
+//! the decoding kernels) is one variant and one [`Spec`] here.
+
+use std::fmt;
+use std::str::FromStr;
+
+use ladder_kernels::{DType, Gpu, Gradients, Options, Output, Tensor, fa1, fa2};
+
+use crate::results::Direction;
+use crate::rungs::Rung;
+
+/// A forward kernel: `O, lse` from `Q, K, V`.
+pub type ForwardFn =
+    fn(&Gpu, &Tensor, &Tensor, &Tensor, &Options) -> ladder_kernels::Result<Output>;
+
+/// A backward kernel: `dQ, dK, dV` from `Q, K, V`, the forward's output and `dO`.
+pub type BackwardFn = fn(
+    &Gpu,
+    &Tensor,
+    &Tensor,
+    &Tensor,
+    &Output,
+    &Tensor,
+    &Options,
+) -> ladder_kernels::Result<Gradients>;
+
+/// The functions that launch a GPU rung.
+#[derive(Clone, Copy)]
+pub enum Kernels {
+    /// A forward pass.
+    Forward(ForwardFn),
+    /// A backward pass, and the forward pass that gives it `O` and `lse`.
+    Backward {
+        /// The forward pass run first (untimed in `ladder bench`).
+        forward: ForwardFn,
+        /// The backward pass.
+        backward: BackwardFn,
+        /// Whether it runs with [`Options::deterministic`] (dQ without atomics).
+        deterministic: bool,
+    },
+}
+
+impl fmt::Debug for Kernels {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Kernels::Forward(_) => "Kernels::Forward",
+            Kernels::Backward { .. } => "Kernels::Backward",
+        })
+    }
+}
+
+/// What there is to know about one GPU rung.
+#[derive(Debug, Clone, Copy)]
+pub struct Spec {
+    /// The name in `ladder bench --rung` and the CSV's `impl` column (shared by the directions of
+    /// one algorithm).
+    pub name: &'static str,
+    /// The row label in `ladder verify` and in test messages (unique).
+    pub label: &'static str,
+    /// Forward or backward.
+    pub direction: Direction,
+    /// Head dimensions the kernel is compiled for.
+    pub head_dims: &'static [usize],
+    /// Element types of Q, K, V it accepts.
+    pub dtypes: &'static [DType],
+    /// The CPU rung it is checked against.
+    pub cpu: Rung,
+    /// The launch functions.
+    pub kernels: Kernels,
+}
+
+const HALF: &[DType] = &[DType::F16, DType::BF16];
+
+const FA1: Spec = Spec {
+    name: "fa1",
+    label: "fa1-gpu",
+    direction: Direction::Fwd,
+    head_dims: fa1::HEAD_DIMS,
+    dtypes: &[DType::F16, DType::BF16, DType::F32],
+    cpu: Rung::Fa1,
+    kernels: Kernels::Forward(fa1::forward),
+};
+
+const FA2: Spec = Spec {
+    name: "fa2",
+    label: "fa2-gpu",
+    direction: Direction::Fwd,
+    head_dims: fa2::HEAD_DIMS,
+    dtypes: HALF,
+    cpu: Rung::Fa2,
+    kernels: Kernels::Forward(fa2::forward),
+};
+
+const FA2_BACKWARD: Spec = Spec {
+    name: "fa2",
+    label: "fa2-bwd-gpu",
+    direction: Direction::Bwd,
+    head_dims: fa2::BACKWARD_HEAD_DIMS,
+    dtypes: HALF,
+    cpu: Rung::Fa2,
+    kernels: Kernels::Backward {
+        forward: fa2::forward,
+        backward: fa2::backward,
+        deterministic: false,
+    },
+};
+
+const FA2_BACKWARD_DETERMINISTIC: Spec = Spec {
+    name: "fa2-det",
+    label: "fa2-bwd-det-gpu",
+    direction: Direction::Bwd,
+    head_dims: fa2::BACKWARD_HEAD_DIMS,
+    dtypes: HALF,
+    cpu: Rung::Fa2,
+    kernels: Kernels::Backward {
+        forward: fa2::forward,
+        backward: fa2::backward,
+        deterministic: true,
+    },
+};
+
+/// A GPU kernel of the ladder, one per (algorithm, direction).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GpuRung {
+    /// FlashAttention-1 forward (`ladder_kernels::fa1::forward`).
+    Fa1,
+    /// FlashAttention-2 forward (`ladder_kernels::fa2::forward`).
+    Fa2,
+    /// FlashAttention-2 backward (`ladder_kernels::fa2::backward`), dQ by atomics.
+    Fa2Backward,
+    /// FlashAttention-2 backward with `Options::deterministic` (dQ by a separate pass).
+    Fa2BackwardDeterministic,
+}
+
+impl GpuRung {
+    /// Every GPU rung, in table order.
+    pub const ALL: [GpuRung; 4] =
+        [GpuRung::Fa1, GpuRung::Fa2, GpuRung::Fa2Backward, GpuRung::Fa2BackwardDeterministic];
+
+    /// Everything about the rung.
+    pub fn spec(self) -> &'static Spec {
+        match self {
+            GpuRung::Fa1 => &FA1,
+            GpuRung::Fa2 => &FA2,
+            GpuRung::Fa2Backward => &FA2_BACKWARD,
+            GpuRung::Fa2BackwardDeterministic => &FA2_BACKWARD_DETERMINISTIC,
+        }
+    }
+
+    /// The CLI and CSV name (`fa1`, `fa2`): the same for both directions of one algorithm.
+    pub fn name(self) -> &'static str {
+        self.spec().name
+    }
+
+    /// The unique label of `ladder verify`'s rows (`fa1-gpu`, `fa2-gpu`, `fa2-bwd-gpu`).
+    pub fn label(self) -> &'static str {
+        self.spec().label
+    }
+
+    /// Forward or backward.
+    pub fn direction(self) -> Direction {
+        self.spec().direction
+    }
+
+    /// The head dimensions the kernel supports.
+    pub fn head_dims(self) -> &'static [usize] {
+        self.spec().head_dims
+    }
+
+    /// The element types the kernel supports.
+    pub fn dtypes(self) -> &'static [DType] {
+        self.spec().dtypes
+    }
+
+    /// Whether the kernel supports head dimension `d`.
+    pub fn supports(self, d: usize) -> bool {
+        self.head_dims().contains(&d)
+    }
+
+    /// The CPU rung it is checked against.
+    pub fn cpu(self) -> Rung {
+        self.spec().cpu
+    }
+
+    /// The CPU rung's label in `ladder verify` (`fa2`, or `fa2-bwd` for a backward pass).
+    pub fn cpu_label(self) -> String {
+        match self.direction() {
+            Direction::Fwd => self.cpu().name().to_string(),
+            Direction::Bwd => format!("{}-bwd", self.cpu().name()),
+        }
+    }
+
+    /// The functions that launch it.
+    pub fn kernels(self) -> Kernels {
+        self.spec().kernels
+    }
+
+    /// The rung called `name` (as in the CSV's `impl` column) in `direction`, if there is one.
+    pub fn find(name: &str, direction: Direction) -> Option<GpuRung> {
+        GpuRung::ALL.into_iter().find(|r| r.name() == name && r.direction() == direction)
+    }
+
+    /// The distinct names, in table order (`fa1`, `fa2`, `fa2-det`).
+    pub fn names() -> Vec<&'static str> {
+        let mut names: Vec<&'static str> = GpuRung::ALL.iter().map(|r| r.name()).collect();
+        names.dedup();
+        names
+    }
+}
+
+impl fmt::Display for GpuRung {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+/// The GPU rung of a label (`fa2-bwd-gpu`), the inverse of [`GpuRung::label`].
+impl FromStr for GpuRung {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<GpuRung, String> {
+        GpuRung::ALL.into_iter().find(|r| r.label() == s.trim()).ok_or_else(|| {
+            let labels: Vec<&str> = GpuRung::ALL.iter().map(|r| r.label()).collect();
+            format!("no GPU rung `{s}` (known: {})", labels.join(", "))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_labels_and_lookups_agree() {
+        assert_eq!(GpuRung::names(), ["fa1", "fa2", "fa2-det"]);
+        for r in GpuRung::ALL {
+            assert_eq!(r.label().parse::<GpuRung>(), Ok(r));
+            assert_eq!(GpuRung::find(r.name(), r.direction()), Some(r));
+            assert_eq!(r.to_string(), r.label());
+            assert!(!r.head_dims().is_empty() && !r.dtypes().is_empty());
+            assert_eq!(
+                matches!(r.kernels(), Kernels::Backward { .. }),
+                r.direction() == Direction::Bwd
+            );
+        }
+        assert_eq!(GpuRung::find("fa2", Direction::Bwd), Some(GpuRung::Fa2Backward));
+        assert_eq!(GpuRung::find("fa1", Direction::Bwd), None);
+        assert_eq!(
+            GpuRung::find("fa2-det", Direction::Bwd),
+            Some(GpuRung::Fa2BackwardDeterministic)
+        );
+        assert!("fa9".parse::<GpuRung>().unwrap_err().contains("fa2-bwd-gpu"));
+        assert!(GpuRung::Fa2.supports(256) && !GpuRung::Fa2Backward.supports(256));
+        assert_eq!(GpuRung::Fa2Backward.cpu_label(), "fa2-bwd");
+        assert!(GpuRung::Fa1.dtypes().contains(&DType::F32));
+    }
+}

@@ -1,0 +1,477 @@
+//! The benchmark results files, one schema for every tool that reads or writes them:
+//!
+//! - `bench.csv` (written by `ladder bench`) and `peers.csv` (written by `scripts/peers.py`): one
+//!   measured case per line, columns [`COLUMNS`], found by name when read;
+//! - `bench.json`: every case, skipped and failed ones included ([`row_json`]);
+//! - `meta.json`: the card, driver, CUDA version, date, torch version and a note ([`META_KEYS`]),
+//!   filled by both tools without clobbering each other's keys ([`merge_meta`]).
+//!
+//! Throughput follows the FLOP convention of [`attention_flops`] (see `docs/conventions.md`).
+//! `ladder bench`, its report and charts, and the notebooks' support crate all read through here.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::{Context, bail};
+use serde_json::{Map, Value, json};
+
+/// The CSV columns, in the order they are written. `scripts/peers.py` writes the same schema;
+/// other tools read it, so it must not change.
+pub const COLUMNS: [&str; 13] = [
+    "impl",
+    "direction",
+    "dtype",
+    "causal",
+    "batch",
+    "heads_q",
+    "heads_kv",
+    "n_q",
+    "n_kv",
+    "d",
+    "ms",
+    "tflops",
+    "tbps",
+];
+
+/// [`COLUMNS`] as the CSV header line.
+pub const CSV_HEADER: &str =
+    "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps";
+
+/// The keys of `meta.json` (both `ladder bench` and `scripts/peers.py` fill it).
+pub const META_KEYS: [&str; 6] = ["card", "driver", "cuda", "date", "torch", "note"];
+
+/// Forward or backward pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, clap::ValueEnum)]
+pub enum Direction {
+    /// `O, lse` from `Q, K, V`.
+    Fwd,
+    /// `dQ, dK, dV` from `dO` (the forward's `O` and `lse` given).
+    Bwd,
+}
+
+impl Direction {
+    /// `fwd` or `bwd`, as in the CSV.
+    pub fn name(self) -> &'static str {
+        match self {
+            Direction::Fwd => "fwd",
+            Direction::Bwd => "bwd",
+        }
+    }
+
+    /// The direction named `fwd` or `bwd`.
+    pub fn parse(name: &str) -> Option<Direction> {
+        [Direction::Fwd, Direction::Bwd].into_iter().find(|d| d.name() == name)
+    }
+}
+
+/// Attention FLOPs by the ladder's convention: forward `4·B·Hq·n_q·n_kv·d`, halved for causal
+/// with `n_q == n_kv`; backward 2.5× forward. Causal with `n_q != n_kv` (bottom-right aligned)
+/// counts the query–key pairs that are actually visible.
+pub fn attention_flops(
+    direction: Direction,
+    batch: usize,
+    heads_q: usize,
+    n_q: usize,
+    n_kv: usize,
+    d: usize,
+    causal: bool,
+) -> f64 {
+    let pairs = if !causal {
+        n_q as f64 * n_kv as f64
+    } else if n_q == n_kv {
+        n_q as f64 * n_kv as f64 / 2.0
+    } else {
+        // Query i sees keys j <= i + n_kv - n_q.
+        (0..n_q).map(|i| (i + n_kv).saturating_sub(n_q - 1).min(n_kv) as f64).sum()
+    };
+    let forward = 4.0 * (batch * heads_q) as f64 * pairs * d as f64;
+    match direction {
+        Direction::Fwd => forward,
+        Direction::Bwd => 2.5 * forward,
+    }
+}
+
+/// One benchmark case: what ran, on which shape.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Case {
+    /// Implementation: `fa1`, `fa2`, or a peer (`sdpa-flash`, `sdpa-cudnn`, `sdpa-efficient`, `triton`).
+    pub imp: String,
+    /// `fwd` or `bwd`.
+    pub direction: String,
+    /// `fp16` or `bf16`.
+    pub dtype: String,
+    /// Causal mask (with `n_q == n_kv` in the standard shapes).
+    pub causal: bool,
+    /// Batch size.
+    pub batch: usize,
+    /// Query heads.
+    pub heads_q: usize,
+    /// Key/value heads.
+    pub heads_kv: usize,
+    /// Query length.
+    pub n_q: usize,
+    /// Key length.
+    pub n_kv: usize,
+    /// Head dimension.
+    pub d: usize,
+}
+
+impl Case {
+    /// A case of the standard shapes: `heads` query and key/value heads, `n` queries and keys.
+    #[allow(clippy::too_many_arguments)]
+    pub fn square(
+        imp: &str,
+        direction: Direction,
+        dtype: &str,
+        causal: bool,
+        batch: usize,
+        heads: usize,
+        n: usize,
+        d: usize,
+    ) -> Case {
+        Case {
+            imp: imp.to_string(),
+            direction: direction.name().to_string(),
+            dtype: dtype.to_string(),
+            causal,
+            batch,
+            heads_q: heads,
+            heads_kv: heads,
+            n_q: n,
+            n_kv: n,
+            d,
+        }
+    }
+
+    /// FLOPs of this case by the ladder's convention (an unknown direction counts as forward).
+    pub fn flops(&self) -> f64 {
+        let direction = Direction::parse(&self.direction).unwrap_or(Direction::Fwd);
+        attention_flops(
+            direction,
+            self.batch,
+            self.heads_q,
+            self.n_q,
+            self.n_kv,
+            self.d,
+            self.causal,
+        )
+    }
+
+    /// `fwd d=128 n=4096 causal` and the like, for progress lines and tables.
+    pub fn label(&self) -> String {
+        format!(
+            "{:<4} {} d={:<3} n={:<5} {:<8} b={} h={}",
+            self.direction,
+            self.dtype,
+            self.d,
+            self.n_q,
+            if self.causal { "causal" } else { "full" },
+            self.batch,
+            self.heads_q
+        )
+    }
+}
+
+/// What a case gave.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Outcome {
+    /// Timed: median milliseconds per call, and the throughput derived from it.
+    Measured {
+        /// Median milliseconds per call.
+        ms: f64,
+        /// TFLOP/s by the ladder's FLOP convention.
+        tflops: f64,
+        /// TB/s of the bytes the case must move (memory-bound cases only; empty here).
+        tbps: Option<f64>,
+    },
+    /// The implementation does not support this case (head dim, dtype): not an error.
+    Skipped(String),
+    /// The implementation failed on this case (driver error, out of memory, compile error).
+    Failed(String),
+}
+
+/// A case and its outcome: one line of the table, and of the CSV when measured.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Row {
+    /// What ran.
+    pub case: Case,
+    /// What it gave.
+    pub outcome: Outcome,
+}
+
+impl Row {
+    /// A measured row; TFLOP/s from the FLOP convention.
+    pub fn measured(case: Case, ms: f64) -> Row {
+        let tflops = case.flops() / (ms * 1e-3) / 1e12;
+        Row { case, outcome: Outcome::Measured { ms, tflops, tbps: None } }
+    }
+
+    /// `(ms, tflops)` if measured.
+    pub fn timing(&self) -> Option<(f64, f64)> {
+        match self.outcome {
+            Outcome::Measured { ms, tflops, .. } => Some((ms, tflops)),
+            _ => None,
+        }
+    }
+}
+
+/// The CSV text of the measured rows (skipped and failed rows are left out: every CSV row has
+/// numbers).
+pub fn to_csv(rows: &[Row]) -> String {
+    let mut s = format!("{CSV_HEADER}\n");
+    for row in rows {
+        let Outcome::Measured { ms, tflops, tbps } = row.outcome else { continue };
+        let c = &row.case;
+        let _ = writeln!(
+            s,
+            "{},{},{},{},{},{},{},{},{},{},{ms:.6},{tflops:.3},{}",
+            c.imp,
+            c.direction,
+            c.dtype,
+            c.causal,
+            c.batch,
+            c.heads_q,
+            c.heads_kv,
+            c.n_q,
+            c.n_kv,
+            c.d,
+            tbps.map_or(String::new(), |t| format!("{t:.4}"))
+        );
+    }
+    s
+}
+
+/// Parse CSV text in the schema of [`CSV_HEADER`] (columns found by name, so their order does not
+/// matter). Rows without a time (a peer's skipped case) are ignored.
+pub fn parse_csv(text: &str) -> anyhow::Result<Vec<Row>> {
+    let mut lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty());
+    let Some((_, header)) = lines.next() else { bail!("empty file: no CSV header") };
+    let names: Vec<&str> = header.split(',').map(str::trim).collect();
+    let column = |name: &str| {
+        names.iter().position(|n| *n == name).with_context(|| {
+            format!("the CSV header has no `{name}` column (expected `{CSV_HEADER}`)")
+        })
+    };
+    let cols: Vec<usize> =
+        CSV_HEADER.split(',').map(column).collect::<anyhow::Result<Vec<usize>>>()?;
+    let mut rows = Vec::new();
+    for (i, line) in lines {
+        let fields: Vec<&str> = line.split(',').map(str::trim).collect();
+        let get = |k: usize| fields.get(cols[k]).copied().unwrap_or("");
+        let parse_row = || -> anyhow::Result<Option<Row>> {
+            let int = |k: usize| -> anyhow::Result<usize> {
+                get(k).parse().with_context(|| format!("`{}` is not a count", get(k)))
+            };
+            let float = |k: usize| -> anyhow::Result<Option<f64>> {
+                let s = get(k);
+                if s.is_empty() {
+                    return Ok(None);
+                }
+                s.parse().map(Some).with_context(|| format!("`{s}` is not a number"))
+            };
+            let causal = match get(3).to_ascii_lowercase().as_str() {
+                "true" | "1" => true,
+                "false" | "0" => false,
+                other => bail!("causal must be true or false, got `{other}`"),
+            };
+            let (Some(ms), Some(tflops)) = (float(10)?, float(11)?) else { return Ok(None) };
+            let case = Case {
+                imp: get(0).to_string(),
+                direction: get(1).to_string(),
+                dtype: get(2).to_string(),
+                causal,
+                batch: int(4)?,
+                heads_q: int(5)?,
+                heads_kv: int(6)?,
+                n_q: int(7)?,
+                n_kv: int(8)?,
+                d: int(9)?,
+            };
+            Ok(Some(Row { case, outcome: Outcome::Measured { ms, tflops, tbps: float(12)? } }))
+        };
+        if let Some(row) = parse_row().with_context(|| format!("line {}: `{line}`", i + 1))? {
+            rows.push(row);
+        }
+    }
+    Ok(rows)
+}
+
+/// Read a CSV file of the schema, naming the file in errors.
+pub fn read_csv(path: &Path) -> anyhow::Result<Vec<Row>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    parse_csv(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+/// The JSON object of one row (skipped and failed rows included, with their reason).
+pub fn row_json(row: &Row, extra: &Map<String, Value>) -> Value {
+    let c = &row.case;
+    let mut obj = json!({
+        "impl": c.imp, "direction": c.direction, "dtype": c.dtype, "causal": c.causal,
+        "batch": c.batch, "heads_q": c.heads_q, "heads_kv": c.heads_kv,
+        "n_q": c.n_q, "n_kv": c.n_kv, "d": c.d,
+    });
+    let map = obj.as_object_mut().expect("an object literal");
+    match &row.outcome {
+        Outcome::Measured { ms, tflops, tbps } => {
+            map.insert("ms".into(), json!(ms));
+            map.insert("tflops".into(), json!(tflops));
+            map.insert("tbps".into(), json!(tbps));
+        }
+        Outcome::Skipped(reason) => {
+            map.insert("skipped".into(), json!(reason));
+        }
+        Outcome::Failed(reason) => {
+            map.insert("failed".into(), json!(reason));
+        }
+    }
+    map.extend(extra.clone());
+    obj
+}
+
+/// `meta.json` of a results folder as a map (empty if the file is missing or unreadable).
+pub fn read_meta(dir: &Path) -> Map<String, Value> {
+    std::fs::read_to_string(dir.join("meta.json"))
+        .ok()
+        .and_then(|s| parse_meta(&s).ok())
+        .unwrap_or_default()
+}
+
+/// The text of a `meta.json` as a map; an error if it is not a JSON object.
+pub fn parse_meta(json: &str) -> anyhow::Result<Map<String, Value>> {
+    match serde_json::from_str::<Value>(json)? {
+        Value::Object(map) => Ok(map),
+        other => bail!("meta.json must hold a JSON object, not `{other}`"),
+    }
+}
+
+/// A string field of `meta`, empty if absent.
+pub fn meta_str<'a>(meta: &'a Map<String, Value>, key: &str) -> &'a str {
+    meta.get(key).and_then(Value::as_str).unwrap_or("")
+}
+
+/// Merge `fields` into `dir/meta.json`, keeping the keys others wrote (e.g. `torch`, filled by
+/// `scripts/peers.py`) and making sure every key of [`META_KEYS`] is present.
+pub fn merge_meta(dir: &Path, fields: &[(&str, String)]) -> anyhow::Result<()> {
+    let mut meta = read_meta(dir);
+    for (k, v) in fields {
+        meta.insert((*k).to_string(), Value::String(v.clone()));
+    }
+    for k in META_KEYS {
+        meta.entry(k).or_insert_with(|| Value::String(String::new()));
+    }
+    let path = dir.join("meta.json");
+    let text = serde_json::to_string_pretty(&Value::Object(meta))? + "\n";
+    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+/// The current time in UTC, ISO 8601 to the second (`2026-11-29T14:03:07Z`).
+pub fn utc_now_iso() -> String {
+    iso_date(time::OffsetDateTime::now_utc())
+}
+
+/// `t` in UTC, ISO 8601 (RFC 3339) to the second.
+fn iso_date(t: time::OffsetDateTime) -> String {
+    let t = t.to_offset(time::UtcOffset::UTC).replace_nanosecond(0).unwrap_or(t);
+    t.format(&time::format_description::well_known::Rfc3339).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn case(imp: &str, direction: &str, causal: bool, n: usize) -> Case {
+        let direction = Direction::parse(direction).unwrap();
+        Case::square(imp, direction, "fp16", causal, 16384 / n, 16, n, 128)
+    }
+
+    #[test]
+    fn flops_follow_the_ladder_convention() {
+        // FA3 paper shape: hidden 2048, 16k tokens, d = 128, n = 16k: 4 · 1 · 16 · 16384² · 128.
+        let full = attention_flops(Direction::Fwd, 1, 16, 16384, 16384, 128, false);
+        assert_eq!(full, 4.0 * 16.0 * 16384.0 * 16384.0 * 128.0);
+        assert_eq!(full, 2_199_023_255_552.0);
+        assert_eq!(attention_flops(Direction::Fwd, 1, 16, 16384, 16384, 128, true), full / 2.0);
+        assert_eq!(attention_flops(Direction::Bwd, 1, 16, 16384, 16384, 128, false), 2.5 * full);
+        assert_eq!(attention_flops(Direction::Bwd, 1, 16, 16384, 16384, 128, true), 1.25 * full);
+        // Same FLOPs at every n of the sweep once batch·n is fixed... per n: 4 · tokens · n · hidden.
+        let at = |n: usize| attention_flops(Direction::Fwd, 16384 / n, 2048 / 64, n, n, 64, false);
+        assert_eq!(at(512), 4.0 * 16384.0 * 512.0 * 2048.0);
+        // Bottom-right causal, 2 queries over 5 keys: rows see 4 and 5 keys.
+        assert_eq!(attention_flops(Direction::Fwd, 1, 1, 2, 5, 1, true), 4.0 * 9.0);
+        // More queries than keys: the first rows see nothing.
+        assert_eq!(attention_flops(Direction::Fwd, 1, 1, 5, 2, 1, true), 4.0 * 3.0);
+        // 4 TFLOP in 10 ms is 400 TFLOP/s.
+        let row = Row::measured(case("fa2", "fwd", false, 16384), 10.0);
+        let (_, tflops) = row.timing().unwrap();
+        assert!((tflops - full / 1e-2 / 1e12).abs() < 1e-9);
+    }
+
+    #[test]
+    fn csv_round_trips_and_leaves_out_unmeasured_rows() {
+        let rows = vec![
+            Row::measured(case("fa2", "fwd", false, 512), 0.25),
+            Row::measured(case("fa1", "bwd", true, 2048), 123.456789),
+            Row { case: case("fa2", "fwd", true, 512), outcome: Outcome::Skipped("d".into()) },
+            Row { case: case("fa2", "bwd", true, 512), outcome: Outcome::Failed("oom".into()) },
+        ];
+        let text = to_csv(&rows);
+        assert_eq!(text.lines().next(), Some(CSV_HEADER));
+        assert_eq!(text.lines().count(), 3);
+        assert!(
+            text.lines()
+                .nth(1)
+                .unwrap()
+                .starts_with("fa2,fwd,fp16,false,32,16,16,512,512,128,0.250000,")
+        );
+        assert!(text.lines().nth(1).unwrap().ends_with(','), "tbps is empty");
+        let back = parse_csv(&text).unwrap();
+        assert_eq!(back.len(), 2);
+        for (a, b) in back.iter().zip(&rows) {
+            assert_eq!(a.case, b.case);
+            let ((ma, ta), (mb, tb)) = (a.timing().unwrap(), b.timing().unwrap());
+            assert!((ma - mb).abs() < 1e-6 && (ta - tb).abs() < 1e-3, "{ma} {mb} {ta} {tb}");
+        }
+    }
+
+    #[test]
+    fn csv_columns_are_found_by_name_and_errors_name_the_line() {
+        let text = "tflops,ms,impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,tbps\n\
+                    300.5,1.5,sdpa-flash,fwd,fp16,True,1,16,16,16384,16384,128,\n\
+                    ,,sdpa-efficient,bwd,fp16,true,1,16,16,16384,16384,128,\n";
+        let rows = parse_csv(text).unwrap();
+        assert_eq!(rows.len(), 1, "a row without a time is a peer's skipped case");
+        assert_eq!(rows[0].case.imp, "sdpa-flash");
+        assert!(rows[0].case.causal);
+        assert_eq!(rows[0].timing(), Some((1.5, 300.5)));
+        let err = parse_csv("impl,direction\nfa2,fwd\n").unwrap_err();
+        assert!(format!("{err:#}").contains("no `dtype` column"), "{err:#}");
+        let bad = format!("{CSV_HEADER}\nfa2,fwd,fp16,maybe,1,1,1,1,1,64,1.0,1.0,\n");
+        let err = format!("{:#}", parse_csv(&bad).unwrap_err());
+        assert!(err.contains("line 2") && err.contains("maybe"), "{err}");
+    }
+
+    #[test]
+    fn meta_merges_without_clobbering() {
+        let dir = tempfile::tempdir().unwrap();
+        merge_meta(dir.path(), &[("torch", "2.11.0".into())]).unwrap();
+        merge_meta(dir.path(), &[("card", "NVIDIA H200".into()), ("note", "n".into())]).unwrap();
+        let meta = read_meta(dir.path());
+        assert!(parse_meta("[1]").is_err() && read_meta(&dir.path().join("none")).is_empty());
+        assert_eq!(meta_str(&meta, "torch"), "2.11.0");
+        assert_eq!(meta_str(&meta, "card"), "NVIDIA H200");
+        for k in META_KEYS {
+            assert!(meta.contains_key(k), "{k}");
+        }
+    }
+
+    #[test]
+    fn iso_dates() {
+        let at = |secs| iso_date(time::OffsetDateTime::from_unix_timestamp(secs).unwrap());
+        assert_eq!(at(0), "1970-01-01T00:00:00Z");
+        assert_eq!(at(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(at(1_795_960_987), "2026-11-29T14:03:07Z");
+        assert_eq!(CSV_HEADER, COLUMNS.join(","));
+        assert!(utc_now_iso().ends_with('Z') && utc_now_iso().len() == 20);
+    }
+}
