@@ -31,7 +31,7 @@ if [ -n "$gpu_bin" ] && command -v compute-sanitizer >/dev/null; then
     start=$SECONDS
     (cd crates/compare && LADDER_REQUIRE_GPU=1 LADDER_GPU_CASES=2 compute-sanitizer \
       --tool "$tool" --error-exitcode 9 "../../$gpu_bin" --test-threads 1 \
-      gpu_fa1_fp16 gpu_fa2_fp16 gpu_fa2_backward_fp16) >"$out/$tool.log" 2>&1
+      gpu_fa1_fp16 gpu_fa2_fp16 gpu_fa2_backward_fp16 gpu_fa2_deterministic_backward_fp16) >"$out/$tool.log" 2>&1
     rc=$?
     summary+=("compute-sanitizer $tool  rc=$rc  $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$tool.log" | tail -1)  $((SECONDS - start)) s")
   done

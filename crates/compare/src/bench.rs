@@ -27,8 +27,8 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::Context;
-use ladder_compare::{GpuRung, gpu_check};
 use ladder_compare::results::{self, Case, Direction, Outcome, Row};
+use ladder_compare::{GpuRung, gpu_check};
 use ladder_kernels::{Gpu, KernelError, Options};
 use serde_json::{Map, Value, json};
 

@@ -19,7 +19,7 @@ use ndarray::{Array3, Array4};
 use crate::cases::{Case, Inputs};
 use crate::gpu_rungs::{GpuRung, Kernels};
 use crate::low_precision::{self, Half};
-use crate::metrics::{ErrorStats, Tolerance, error_between};
+use crate::metrics::{ErrorStats, Tolerance, error_between_in_units_of};
 use crate::oracle::{Expected, ExpectedGradients, GradientOracle, Oracle};
 
 /// The device configuration the `ladder` CLI, the notebooks and the tests use: the library
@@ -49,9 +49,8 @@ pub fn gpu_config_from_env() -> anyhow::Result<GpuConfig> {
         config = config.kernel_cache(cache);
     }
     if let Some(s) = var("LADDER_FA2_TILES") {
-        config = config.fa2_forward_tiles(
-            s.parse().map_err(|e| anyhow::anyhow!("LADDER_FA2_TILES: {e}"))?,
-        );
+        config = config
+            .fa2_forward_tiles(s.parse().map_err(|e| anyhow::anyhow!("LADDER_FA2_TILES: {e}"))?);
     }
     Ok(config)
 }
@@ -265,6 +264,8 @@ pub fn vs_cpu_backward(
     let pairs = [(&got.dq, &cpu.dq), (&got.dk, &cpu.dk), (&got.dv, &cpu.dv)];
     Ok(std::array::from_fn(|t| {
         let (gpu_t, cpu_t) = pairs[t];
-        (error_between(gpu_t, cpu_t), expected.tolerances[t].plus(cpu_expected.tolerances[t]))
+        let oracle_t = [&oracle.grads.dq, &oracle.grads.dk, &oracle.grads.dv][t];
+        let err = error_between_in_units_of(gpu_t, cpu_t, oracle_t);
+        (err, expected.tolerances[t].plus(cpu_expected.tolerances[t]))
     }))
 }

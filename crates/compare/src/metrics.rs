@@ -80,8 +80,8 @@ where
     ErrorStats { rel_l2, max_abs }
 }
 
-/// The error of `out` against `reference`, both in the precision under test, measured relative
-/// to the oracle's norm (used for "against the rung before").
+/// The error of `out` against `other`, both in the precision under test, relative to `other`'s
+/// norm (used for "against the rung before").
 pub fn error_between<A, D>(out: &ArrayBase<A, D>, other: &ArrayBase<A, D>) -> ErrorStats
 where
     A: Data,
@@ -89,6 +89,31 @@ where
     D: Dimension,
 {
     error(out, &other.mapv(|x| x.as_f64()))
+}
+
+/// The error of `out` against `other`, relative to the norm of `oracle`: the unit of tolerances
+/// measured against the oracle, so that two results each within its tolerance of the oracle are
+/// within the sum of both of each other (the triangle inequality), even where the oracle is
+/// (nearly) zero and `other` is rounding noise — e.g. `dQ` with a single key, which is 0 exactly.
+pub fn error_between_in_units_of<A, D>(
+    out: &ArrayBase<A, D>,
+    other: &ArrayBase<A, D>,
+    oracle: &ArrayBase<impl Data<Elem = f64>, D>,
+) -> ErrorStats
+where
+    A: Data,
+    A::Elem: Element,
+    D: Dimension,
+{
+    let raw = error_between(out, other);
+    if !raw.rel_l2.is_finite() {
+        return raw;
+    }
+    let other_norm = l2_norm(&other.mapv(|x| x.as_f64()));
+    let oracle_norm = l2_norm(oracle);
+    let diff = if other_norm > 0.0 { raw.rel_l2 * other_norm } else { raw.rel_l2 };
+    let rel_l2 = if oracle_norm > 0.0 { diff / oracle_norm } else { diff };
+    ErrorStats { rel_l2, max_abs: raw.max_abs }
 }
 
 /// Bounds on [`ErrorStats`] that a result must stay within.

@@ -11,13 +11,13 @@ use std::process::ExitCode;
 
 use anyhow::{Context, anyhow, bail};
 use clap::{Args, ValueEnum};
+use ladder_compare::GpuRung;
 use ladder_compare::gpu_check::half_of;
+use ladder_compare::gpu_rungs::Kernels;
 use ladder_compare::memory::human_bytes;
 use ladder_compare::npy::{self, DType, NpyTensor};
-use ladder_compare::{Rung, RungConfig};
-use ladder_compare::GpuRung;
-use ladder_compare::gpu_rungs::Kernels;
 use ladder_compare::results::Direction;
+use ladder_compare::{Rung, RungConfig};
 use ladder_kernels::{self as kernels, KernelError, Tensor};
 use ladder_reference::{AttentionShape, Element, Fa2Options, RunStats, fa2, naive};
 use ndarray::{Array, Array3, Array4, ArrayD, Dimension};

@@ -136,7 +136,9 @@ fn peers_py_writes_the_schema_ladder_reads() {
 /// On a GPU machine: a tiny `--quick` run writes every file with the agreed schema.
 #[test]
 fn quick_bench_on_the_gpu_writes_csv_json_meta_and_charts() {
-    let Some(gpu) = ladder_compare::gpu_check::gpu_or_skip("quick_bench_on_the_gpu") else { return };
+    let Some(gpu) = ladder_compare::gpu_check::gpu_or_skip("quick_bench_on_the_gpu") else {
+        return;
+    };
     let card = gpu.name().to_string();
     drop(gpu);
     let dir = tempfile::tempdir().unwrap();

@@ -297,7 +297,8 @@ fn run_on_the_gpu_matches_the_cpu_rung_or_says_there_is_no_gpu() {
     let dir = tempfile::tempdir().unwrap();
     // d = 64: a head dim every kernel has, backward included; f32 files of fp16/bf16 values.
     let problem = Problem::write(dir.path(), DType::F32, (1, 4, 37, 64), 53);
-    let gpu_expected = ladder_compare::gpu_check::gpu_required() || ladder_kernels::Gpu::new().is_ok();
+    let gpu_expected =
+        ladder_compare::gpu_check::gpu_required() || ladder_kernels::Gpu::new().is_ok();
     if !gpu_expected {
         for backward in [false, true] {
             let mut args = problem.args(dir.path(), "fa2", "gpu", backward);

@@ -12,10 +12,10 @@
 
 use std::sync::OnceLock;
 
+use ladder_compare::gpu_check::gpu_or_skip;
 use ladder_compare::gpu_check::{self, device_inputs, narrow, options};
 use ladder_compare::oracle::{Expected, GradientOracle, Oracle, check};
 use ladder_compare::{Case, CaseSpace, GpuRung, RungConfig, cases};
-use ladder_compare::gpu_check::gpu_or_skip;
 use ladder_kernels::{DType, Gpu, KernelError, Options, fa1, fa2};
 use proptest::prelude::*;
 

@@ -135,14 +135,20 @@ fn a_nan_reaches_only_the_rows_it_should() {
     let Some(gpu) = gpu() else { return };
     let (b, hq, hkv, n_q, n_kv, d) = (1, 4, 2, 150, 230, 64);
     let (qs, kvs) = ([b, hq, n_q, d], [b, hkv, n_kv, d]);
-    let (q, k, v) = (values(b * hq * n_q * d, 8), values(b * hkv * n_kv * d, 9), values(b * hkv * n_kv * d, 10));
+    let (q, k, v) = (
+        values(b * hq * n_q * d, 8),
+        values(b * hkv * n_kv * d, 9),
+        values(b * hkv * n_kv * d, 10),
+    );
     // (tensor, head, row, column) of the NaN; V only without the causal mask (see below).
-    let spots = [(0, 3, 77, 5, true), (1, 1, 101, 9, true), (1, 0, 3, 0, false), (2, 1, 200, 17, false)];
+    let spots =
+        [(0, 3, 77, 5, true), (1, 1, 101, 9, true), (1, 0, 3, 0, false), (2, 1, 200, 17, false)];
     for (tensor_ix, head, row, col, causal) in spots {
         let opts = if causal { Options::causal() } else { Options::full() };
         let run = |q: &[f32], k: &[f32], v: &[f32]| -> (Vec<f32>, Vec<f32>) {
             let up = |x: &[f32], s: &[usize]| gpu.upload(x, s, DType::F16).expect("upload");
-            let out = fa2::forward(gpu, &up(q, &qs), &up(k, &kvs), &up(v, &kvs), &opts).expect("fa2");
+            let out =
+                fa2::forward(gpu, &up(q, &qs), &up(k, &kvs), &up(v, &kvs), &opts).expect("fa2");
             (out.o.to_f32_vec().expect("o"), out.lse.to_f32_vec().expect("lse"))
         };
         let clean = run(&q, &k, &v);
@@ -167,16 +173,27 @@ fn a_nan_reaches_only_the_rows_it_should() {
                     let reached = reached_row && (tensor_ix < 2 || c == col);
                     let (was, now) = (clean.0[at], dirty.0[at]);
                     if reached {
-                        assert!(now.is_nan(), "tensor {tensor_ix}: O[{h},{i},{c}] = {now}, want NaN");
+                        assert!(
+                            now.is_nan(),
+                            "tensor {tensor_ix}: O[{h},{i},{c}] = {now}, want NaN"
+                        );
                     } else {
-                        assert_eq!(was.to_bits(), now.to_bits(), "tensor {tensor_ix}: O[{h},{i},{c}] changed");
+                        assert_eq!(
+                            was.to_bits(),
+                            now.to_bits(),
+                            "tensor {tensor_ix}: O[{h},{i},{c}] changed"
+                        );
                     }
                 }
                 let (was, now) = (clean.1[h * n_q + i], dirty.1[h * n_q + i]);
                 if reached_row && tensor_ix < 2 {
                     assert!(now.is_nan(), "tensor {tensor_ix}: lse[{h},{i}] = {now}, want NaN");
                 } else {
-                    assert_eq!(was.to_bits(), now.to_bits(), "tensor {tensor_ix}: lse[{h},{i}] changed");
+                    assert_eq!(
+                        was.to_bits(),
+                        now.to_bits(),
+                        "tensor {tensor_ix}: lse[{h},{i}] changed"
+                    );
                 }
             }
         }
@@ -187,7 +204,8 @@ fn a_nan_reaches_only_the_rows_it_should() {
 fn wrapped_cudarc_buffers_run_without_copies() {
     let Some(gpu) = gpu() else { return };
     let shape = [1, 2, 90, 64];
-    let host: Vec<f16> = values(shape.iter().product(), 11).into_iter().map(f16::from_f32).collect();
+    let host: Vec<f16> =
+        values(shape.iter().product(), 11).into_iter().map(f16::from_f32).collect();
     let slice = gpu.stream().clone_htod(&host).expect("copy");
     let q = Tensor::from_cuda_slice(slice, &shape).expect("wrap");
     let ours = gpu.upload_slice(&host, &shape).expect("upload");
@@ -231,7 +249,10 @@ fn deterministic_backward_is_bitwise_reproducible() {
         for run in 1..runs {
             let again = bits(&base.deterministic());
             for (t, name) in ["dQ", "dK", "dV"].iter().enumerate() {
-                assert!(first[t] == again[t], "causal={causal}: deterministic {name} differs in run {run}");
+                assert!(
+                    first[t] == again[t],
+                    "causal={causal}: deterministic {name} differs in run {run}"
+                );
             }
         }
         let atomic_first = bits(&base);
@@ -250,6 +271,9 @@ fn deterministic_backward_is_bitwise_reproducible() {
         let den: f64 = det.iter().map(|a| f64::from(*a).powi(2)).sum();
         let rel = (num / den).sqrt();
         // Two roundings of the same f32 sum to bf16 (2^-8 relative each) bound the difference.
-        assert!(rel < 2.0 * 2f64.powi(-8), "causal={causal}: deterministic vs atomic dQ rel L2 {rel:e}");
+        assert!(
+            rel < 2.0 * 2f64.powi(-8),
+            "causal={causal}: deterministic vs atomic dQ rel L2 {rel:e}"
+        );
     }
 }

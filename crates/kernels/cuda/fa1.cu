@@ -160,6 +160,6 @@ fa1_forward(const __grid_constant__ Fa1Params p) {
         if (row >= n_q) continue;
         const float l = gl[row];
         for (int c = 0; c < D; ++c) o[(bh * n_q + row) * D + c] = from_f32(gO[(size_t)row * D + c]);
-        lse[bh * n_q + row] = l > 0.f ? gm[row] + logf(l) : LADDER_NEG_INF;
+        lse[bh * n_q + row] = l == 0.f ? LADDER_NEG_INF : gm[row] + logf(l);
     }
 }

@@ -217,7 +217,8 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
     }
     if (n_tiles == 0) cp_async_wait<0>();
 
-    // ---- epilogue: O = acc / l, lse = m·ln2 + ln l; rows that saw no key get O = 0, lse = −inf --
+    // ---- epilogue: O = acc / l, lse = m·ln2 + ln l; rows that saw no key (l = 0) get O = 0 and
+    // lse = −inf, rows that met a NaN (l = NaN) get NaN in both ------------------------------------
     u16* gO = p.o + ((size_t)batch * p.heads_q + head) * p.n_q * D;
     float* gL = p.lse + ((size_t)batch * p.heads_q + head) * p.n_q;
 #pragma unroll
@@ -233,7 +234,7 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
                     *reinterpret_cast<u32*>(gO + (size_t)row * D + acc_col(dt, 0)) =
                         pack2(acc[mt][dt][2 * h] * inv, acc[mt][dt][2 * h + 1] * inv);
                 if (lane_id() % 4 == 0)
-                    gL[row] = l > 0.f ? row_max[mt][h] * LADDER_LN2 + logf(l) : LADDER_NEG_INF;
+                    gL[row] = l == 0.f ? LADDER_NEG_INF : row_max[mt][h] * LADDER_LN2 + logf(l);
             }
         }
 }

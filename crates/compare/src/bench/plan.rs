@@ -266,8 +266,9 @@ mod tests {
         assert_eq!(p.dims(64, 512), (32, 32));
         // fa1 stops at 2048.
         let at = |n| p.rungs_at(n);
-        assert_eq!(at(2048), [GpuRung::Fa1, GpuRung::Fa2, GpuRung::Fa2Backward]);
-        assert_eq!(at(4096), [GpuRung::Fa2, GpuRung::Fa2Backward]);
+        let (det, atomic) = (GpuRung::Fa2BackwardDeterministic, GpuRung::Fa2Backward);
+        assert_eq!(at(2048), [GpuRung::Fa1, GpuRung::Fa2, atomic, det]);
+        assert_eq!(at(4096), [GpuRung::Fa2, atomic, det]);
         assert_eq!((p.repeats_of(GpuRung::Fa1), p.repeats_of(GpuRung::Fa2)), (3, 30));
         assert!(p.notes().iter().any(|n| n.contains("n <= 2048")));
     }
