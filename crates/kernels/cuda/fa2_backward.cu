@@ -465,20 +465,7 @@ fa2_backward_dq(const __grid_constant__ Fa2BackwardParams p) {
         // ---- S = Q·Kᵀ -------------------------------------------------------------------------
         float s[MT_DQ][NT_DQ][4];
         zero(s);
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            u32 a[MT_DQ][4];
-#pragma unroll
-            for (int mt = 0; mt < MT_DQ; ++mt) qA.load(a[mt], kk, mt * 16);
-#pragma unroll
-            for (int np = 0; np < NT_DQ / 2; ++np) {
-                u32 b[4];
-                kB.load(b, kk, stage_rows + np * 16);
-#pragma unroll
-                for (int mt = 0; mt < MT_DQ; ++mt)
-                    mma_16x16(s[mt][2 * np], s[mt][2 * np + 1], a[mt], b);
-            }
-        }
+        mma_abt<D>(s, qA, kB, stage_rows);
 
         // ---- P = 2^(S·scale_log2 − lse2), 0 for keys past the end or right of the diagonal ------
         // (set after the exponential: a row that sees no key has lse2 = −inf)
@@ -503,20 +490,7 @@ fa2_backward_dq(const __grid_constant__ Fa2BackwardParams p) {
         {
             float dP[MT_DQ][NT_DQ][4];
             zero(dP);
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                u32 a[MT_DQ][4];
-#pragma unroll
-                for (int mt = 0; mt < MT_DQ; ++mt) dOA.load(a[mt], kk, mt * 16);
-#pragma unroll
-                for (int np = 0; np < NT_DQ / 2; ++np) {
-                    u32 b[4];
-                    vB.load(b, kk, stage_rows + np * 16);
-#pragma unroll
-                    for (int mt = 0; mt < MT_DQ; ++mt)
-                        mma_16x16(dP[mt][2 * np], dP[mt][2 * np + 1], a[mt], b);
-                }
-            }
+            mma_abt<D>(dP, dOA, vB, stage_rows);
 #pragma unroll
             for (int mt = 0; mt < MT_DQ; ++mt)
 #pragma unroll

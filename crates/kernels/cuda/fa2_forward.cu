@@ -142,20 +142,7 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
         // ---- S = Q·Kᵀ -------------------------------------------------------------------------
         float s[MT][NT][4];
         zero(s);
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            u32 a[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) qA.load(a[mt], kk, mt * 16);
-#pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                u32 b[4];
-                kB.load(b, kk, stage_rows + np * 16);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-                    mma_16x16(s[mt][2 * np], s[mt][2 * np + 1], a[mt], b);
-            }
-        }
+        mma_abt<D>(s, qA, kB, stage_rows);
 
         // ---- mask: keys past the end, and keys right of the causal diagonal ---------------------
         // Only the last tile and the tiles crossing the diagonal need it; the test is uniform

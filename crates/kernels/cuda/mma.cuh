@@ -194,4 +194,26 @@ __device__ __forceinline__ void mma_k16(float (&c0)[4], float (&c1)[4], const u3
     mma_16x16(c0, c1, a, f);
 }
 
+// C += A·Bᵀ over the whole head dimension D, for the warp's MT 16-row tiles of A and NT 8-column
+// tiles of C: the product S = Q·Kᵀ (and dP = dO·Vᵀ) of every kernel. `a` holds the warp's rows
+// (a_operand), `b` the rows of B from `b_rows` on (b_operand: the rows are C's columns, e.g. keys).
+// Per 16-wide k-step: the MT A fragments, then per pair of C tiles one B load and MT·2 mma.
+template <int D, int MT, int NT, int COLS>
+__device__ __forceinline__ void mma_abt(float (&c)[MT][NT][4], const Operand<COLS, false>& a,
+                                        const Operand<COLS, false>& b, int b_rows) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        u32 fa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) a.load(fa[mt], kk, mt * 16);
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+            u32 fb[4];
+            b.load(fb, kk, b_rows + np * 16);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) mma_16x16(c[mt][2 * np], c[mt][2 * np + 1], fa[mt], fb);
+        }
+    }
+}
+
 #endif  // LADDER_MMA_CUH

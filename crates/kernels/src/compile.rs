@@ -27,7 +27,11 @@ pub const HEADERS: &[(&str, &str)] = &[
 ];
 
 /// One compilable kernel: a rung's source plus the macro constants that pick the variant.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+///
+/// Equality and hashing use the file stem and the definitions only: each stem names one source,
+/// and hashing the source text (kilobytes) on every launch's function lookup would cost several
+/// microseconds per call. The disk cache's key does include the full text.
+#[derive(Clone, Debug)]
 pub struct Variant {
     /// File stem of the source, e.g. `fa2_forward`; also the name of its `extern "C"` entry points.
     pub file: &'static str,
@@ -35,6 +39,20 @@ pub struct Variant {
     pub source: &'static str,
     /// `-D` definitions, in order.
     pub defines: Vec<(&'static str, String)>,
+}
+
+impl PartialEq for Variant {
+    fn eq(&self, other: &Variant) -> bool {
+        (self.file, &self.defines) == (other.file, &other.defines)
+    }
+}
+
+impl Eq for Variant {}
+
+impl Hash for Variant {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        (self.file, &self.defines).hash(state);
+    }
 }
 
 impl Variant {

@@ -8,7 +8,7 @@ use ladder_compare::gpu_check;
 use ladder_compare::gpu_rungs::GpuRung;
 use ladder_compare::oracle::{GradientOracle, Oracle};
 use ladder_compare::results::Direction;
-use ladder_kernels::{DType, Gpu};
+use ladder_kernels::DType;
 use ladder_reference::{AttentionShape, TileSizes};
 
 use crate::Failure;
