@@ -140,9 +140,24 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
         const int k0 = j * BC;
 
         // ---- S = Q·Kᵀ -------------------------------------------------------------------------
+        // (mma_abt in mma.cuh is this loop; written out here because calling it tips ptxas into
+        // a 24-byte spill at d = 128, see docs/perf-notes.md)
         float s[MT][NT][4];
         zero(s);
-        mma_abt<D>(s, qA, kB, stage_rows);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) qA.load(a[mt], kk, mt * 16);
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                u32 b[4];
+                kB.load(b, kk, stage_rows + np * 16);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    mma_16x16(s[mt][2 * np], s[mt][2 * np + 1], a[mt], b);
+            }
+        }
 
         // ---- mask: keys past the end, and keys right of the causal diagonal ---------------------
         // Only the last tile and the tiles crossing the diagonal need it; the test is uniform
