@@ -67,6 +67,10 @@ pub trait Element: cudarc::driver::DeviceRepr + Sized + private::Sealed {
     fn unwrap(storage: Storage) -> std::result::Result<CudaSlice<Self>, Storage>;
     #[doc(hidden)]
     fn borrow(storage: &Storage) -> Option<&CudaSlice<Self>>;
+    /// The value widened to `f32` (exact for all three types).
+    fn to_f32(self) -> f32;
+    /// Append the value's little-endian bytes to `out`.
+    fn append_le_bytes(self, out: &mut Vec<u8>);
 }
 
 mod private {
@@ -86,9 +90,15 @@ pub enum Storage {
 }
 
 macro_rules! element {
-    ($t:ty, $variant:ident) => {
+    ($t:ty, $variant:ident, $widen:expr) => {
         impl Element for $t {
             const DTYPE: DType = DType::$variant;
+            fn to_f32(self) -> f32 {
+                $widen(self)
+            }
+            fn append_le_bytes(self, out: &mut Vec<u8>) {
+                out.extend_from_slice(&self.to_le_bytes());
+            }
             fn wrap(slice: CudaSlice<Self>) -> Storage {
                 Storage::$variant(slice)
             }
@@ -107,9 +117,25 @@ macro_rules! element {
         }
     };
 }
-element!(f16, F16);
-element!(bf16, BF16);
-element!(f32, F32);
+element!(f16, F16, f16::to_f32);
+element!(bf16, BF16, bf16::to_f32);
+element!(f32, F32, std::convert::identity);
+
+/// `$body` with `$s` bound to the typed slice of `$storage`, whatever its element type.
+macro_rules! each_storage {
+    ($storage:expr, $s:ident => $body:expr) => {
+        match $storage {
+            Storage::F16($s) => $body,
+            Storage::BF16($s) => $body,
+            Storage::F32($s) => $body,
+        }
+    };
+}
+
+/// Copy a device slice to the host (waits for the work queued before).
+fn download<T: Element>(s: &CudaSlice<T>) -> Result<Vec<T>> {
+    s.stream().clone_dtoh(s).map_err(KernelError::driver("copying a tensor to the host"))
+}
 
 impl Storage {
     fn dtype(&self) -> DType {
@@ -121,19 +147,11 @@ impl Storage {
     }
 
     fn len(&self) -> usize {
-        match self {
-            Storage::F16(s) => s.len(),
-            Storage::BF16(s) => s.len(),
-            Storage::F32(s) => s.len(),
-        }
+        each_storage!(self, s => s.len())
     }
 
     fn stream(&self) -> &Arc<CudaStream> {
-        match self {
-            Storage::F16(s) => s.stream(),
-            Storage::BF16(s) => s.stream(),
-            Storage::F32(s) => s.stream(),
-        }
+        each_storage!(self, s => s.stream())
     }
 }
 
@@ -220,62 +238,28 @@ impl Tensor {
     /// The device address for reading on `stream` (the guard orders the access with the buffer's
     /// other users when the context tracks events).
     pub(crate) fn read_ptr<'a>(&'a self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
-        match &self.storage {
-            Storage::F16(s) => s.device_ptr(stream),
-            Storage::BF16(s) => s.device_ptr(stream),
-            Storage::F32(s) => s.device_ptr(stream),
-        }
+        each_storage!(&self.storage, s => s.device_ptr(stream))
     }
 
     /// The device address for writing on `stream`.
     pub(crate) fn write_ptr<'a>(&'a mut self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
-        match &mut self.storage {
-            Storage::F16(s) => s.device_ptr_mut(stream),
-            Storage::BF16(s) => s.device_ptr_mut(stream),
-            Storage::F32(s) => s.device_ptr_mut(stream),
-        }
+        each_storage!(&mut self.storage, s => s.device_ptr_mut(stream))
     }
 
     /// Copy to the host, widened to `f32` (waits for the work queued before).
     pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
-        let copy = KernelError::driver("copying a tensor to the host");
-        Ok(match &self.storage {
-            Storage::F32(s) => s.stream().clone_dtoh(s).map_err(copy)?,
-            Storage::F16(s) => {
-                s.stream().clone_dtoh(s).map_err(copy)?.iter().map(|x| x.to_f32()).collect()
-            }
-            Storage::BF16(s) => {
-                s.stream().clone_dtoh(s).map_err(copy)?.iter().map(|x| x.to_f32()).collect()
-            }
-        })
+        Ok(each_storage!(&self.storage, s => {
+            download(s)?.into_iter().map(Element::to_f32).collect()
+        }))
     }
 
     /// Copy to the host as raw little-endian bytes, for bitwise comparisons.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
-        let copy = KernelError::driver("copying a tensor to the host");
-        Ok(match &self.storage {
-            Storage::F32(s) => s
-                .stream()
-                .clone_dtoh(s)
-                .map_err(copy)?
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
-            Storage::F16(s) => s
-                .stream()
-                .clone_dtoh(s)
-                .map_err(copy)?
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
-            Storage::BF16(s) => s
-                .stream()
-                .clone_dtoh(s)
-                .map_err(copy)?
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
-        })
+        let mut out = Vec::with_capacity(self.bytes());
+        each_storage!(&self.storage, s => {
+            download(s)?.into_iter().for_each(|x| x.append_le_bytes(&mut out))
+        });
+        Ok(out)
     }
 }
 
