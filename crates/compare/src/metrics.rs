@@ -60,15 +60,13 @@ where
     D: Dimension,
 {
     assert_eq!(out.shape(), reference.shape(), "error(): shapes differ");
-    let (mut diff2, mut ref2, mut max_abs) = (0.0f64, 0.0f64, 0.0f64);
+    let (mut diffs, mut refs) = (Vec::new(), Vec::new());
     let mut mismatch = false;
     Zip::from(out).and(reference).for_each(|&o, &r| {
         let o = o.as_f64();
         if o.is_finite() && r.is_finite() {
-            let e = (o - r).abs();
-            diff2 += e * e;
-            ref2 += r * r;
-            max_abs = max_abs.max(e);
+            diffs.push((o - r).abs());
+            refs.push(r);
         } else if !(o.is_nan() && r.is_nan() || o == r) {
             mismatch = true;
         }
@@ -76,7 +74,10 @@ where
     if mismatch {
         return ErrorStats { rel_l2: f64::INFINITY, max_abs: f64::INFINITY };
     }
-    let rel_l2 = if ref2 > 0.0 { (diff2 / ref2).sqrt() } else { diff2.sqrt() };
+    let max_abs = diffs.iter().fold(0.0f64, |m, &e| m.max(e));
+    let (diff_norm, ref_norm) =
+        (scaled_norm(diffs.iter().copied()), scaled_norm(refs.iter().copied()));
+    let rel_l2 = if ref_norm > 0.0 { diff_norm / ref_norm } else { diff_norm };
     ErrorStats { rel_l2, max_abs }
 }
 
@@ -208,7 +209,18 @@ pub fn l2_norm<S: Data, D: Dimension>(x: &ArrayBase<S, D>) -> f64
 where
     S::Elem: Element,
 {
-    x.iter().map(|v| v.as_f64()).filter(|v| v.is_finite()).map(|v| v * v).sum::<f64>().sqrt()
+    scaled_norm(x.iter().map(|v| v.as_f64()).filter(|v| v.is_finite()))
+}
+
+/// `sqrt(Σ x²)` without underflow or overflow: the sum is taken of `(x / max|x|)²`. Gradients of
+/// one-hot softmax rows are ~1e-160 in the float64 oracle, whose squares underflow to subnormals
+/// (and a ratio of two such sums overflows); scaled, their norm is exact to rounding.
+fn scaled_norm(values: impl Iterator<Item = f64> + Clone) -> f64 {
+    let max = values.clone().fold(0.0f64, |m, v| m.max(v.abs()));
+    if max == 0.0 || !max.is_finite() {
+        return max;
+    }
+    max * values.map(|v| (v / max).powi(2)).sum::<f64>().sqrt()
 }
 
 #[cfg(test)]
@@ -224,6 +236,18 @@ mod tests {
         assert_eq!(error(&array![3.0f32, 4.0, 0.0], &r).rel_l2, f64::INFINITY);
         assert_eq!(error(&array![f64::NAN], &array![f64::NAN]).max_abs, 0.0);
         assert_eq!(error(&array![f64::NAN], &array![1.0]).max_abs, f64::INFINITY);
+    }
+
+    #[test]
+    fn norms_neither_underflow_nor_overflow() {
+        // The squares of 1e-161 underflow; their ratio to a 1e-4 difference would overflow.
+        let tiny = array![1e-161, -2e-161];
+        assert!((l2_norm(&tiny) - 5f64.sqrt() * 1e-161).abs() < 1e-175);
+        let e = error(&array![1e-4, 0.0], &tiny);
+        assert!(
+            e.rel_l2.is_finite() && (e.rel_l2 / (1e-4 / (5f64.sqrt() * 1e-161)) - 1.0).abs() < 1e-9
+        );
+        assert_eq!(error(&array![3.0, 4.0], &array![0.0, 0.0]).rel_l2, 5.0);
     }
 
     #[test]
