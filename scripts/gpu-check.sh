@@ -8,7 +8,7 @@
 #
 # Logs go to OUT_DIR; a short table is printed last.
 set -uo pipefail
-out=${1:?usage: bash scripts/gpu-check.sh OUT_DIR [m_tiles,block_n,warps ...]}
+out=${1:?usage: bash scripts/gpu-check.sh OUT_DIR [m_tiles,bc,warps ...]}
 shift
 mkdir -p "$out"
 export LADDER_KERNEL_CACHE=${LADDER_KERNEL_CACHE:-/tmp/ladder-kernel-cache}
