@@ -35,7 +35,8 @@
 // sum l, unnormalised output acc): per tile S_w = Q·K_wᵀ (R × 16), P_w = 2^(S_w·scale_log2 − m),
 // acc += P_w·V_w. The warps' states are merged once at the end through shared memory with the
 // log-sum-exp rule (the combine of phase 2 in miniature):
-//   M = max_w m_w,  L = Σ_w 2^(m_w − M) · l_w,  O_s = Σ_w 2^(m_w − M) · acc_w / L,  lse_s = M·ln2 + ln L.
+//   M = max_w m_w,   L = Σ_w 2^(m_w − M) · l_w,
+//   O_s = Σ_w 2^(m_w − M) · acc_w / L,   lse_s = M·ln2 + ln L.
 //
 // Legend:
 //   R     rows of the block (group · n_new)           ROWS  rows of the padded Q tile (16·MT)
@@ -179,7 +180,7 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
         const int k0 = k_begin + j * BC;
         const int kw = stage * BC + warp * 16;  // tile row of this warp's first key
 
-        // ---- S = Q·K_wᵀ: ROWS × 16 scores of this warp's keys -------------------------------------
+        // ---- S = Q·K_wᵀ: ROWS × 16 scores of this warp's keys -----------------------------------
         float s[MT][2][4];
         zero(s);
 #pragma unroll
@@ -205,7 +206,7 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
                     mask_columns(s[mt], h, limit[mt][h] - (k0 + warp * 16), LADDER_NEG_INF);
         }
 
-        // ---- online softmax of the warp's state: P = 2^(S·scale_log2 − m), 16-bit -----------------
+        // ---- online softmax of the warp's state: P = 2^(S·scale_log2 − m), 16-bit ---------------
         u32 pk[MT][2][2];
         float alpha[MT][2];
 #pragma unroll
@@ -226,7 +227,7 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
                     for (int e = 0; e < 4; ++e) acc[mt][dt][e] *= alpha[mt][e / 2];
         }
 
-        // ---- acc += P_w·V_w: one 16-wide k-step (the warp's 16 keys) ------------------------------
+        // ---- acc += P_w·V_w: one 16-wide k-step (the warp's 16 keys) ----------------------------
         u32 a[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) a_from_packed(a[mt], pk[mt][0], pk[mt][1]);
@@ -245,7 +246,7 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
     cp_async_wait<0>();
     __syncthreads();
 
-    // ---- merge the warps' states through shared memory (log-sum-exp rule) ------------------------
+    // ---- merge the warps' states through shared memory (log-sum-exp rule) -----------------------
     float* red_acc = reinterpret_cast<float*>(smem);   // [WARPS][ROWS][RED_STRIDE]
     float* red_m = red_acc + WARPS * ROWS * RED_STRIDE;  // [WARPS][ROWS], base 2, scaled
     float* red_l = red_m + WARPS * ROWS;                 // [WARPS][ROWS]
@@ -282,7 +283,8 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
         for (int w = 0; w < WARPS; ++w) {
             const float f = fast_exp2(red_m[w * ROWS + r] - m_use);
             l += f * red_l[w * ROWS + r];
-            const float4 x = *reinterpret_cast<const float4*>(red_acc + (w * ROWS + r) * RED_STRIDE + c);
+            const float4 x =
+                *reinterpret_cast<const float4*>(red_acc + (w * ROWS + r) * RED_STRIDE + c);
             o.x += f * x.x;
             o.y += f * x.y;
             o.z += f * x.z;
