@@ -19,6 +19,13 @@ __device__ __forceinline__ float warp_sum(float x) {
     for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffff, x, offset);
     return x;
 }
+// Max across the 32 lanes of a warp (NaN-ignoring, like fmaxf).
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2)
+        x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, offset));
+    return x;
+}
 
 // The online-softmax step for one row half h (accumulator entries 2h, 2h + 1: row acc_row(2h))
 // of a score tile s, in base 2 (scale_log2 = softmax scale · log2 e):

@@ -22,6 +22,9 @@
 //! # Ok::<(), ladder_kernels::KernelError>(())
 //! ```
 //!
+//! Decoding against a KV cache (a few new tokens per sequence, the keys split across blocks):
+//! [`decode::forward`].
+//!
 //! **Your own buffers.** [`Tensor::from_cuda_slice`] wraps a cudarc `CudaSlice` (no copy) and
 //! [`Tensor::into_cuda_slice`] hands it back; [`Gpu::from_stream`] runs the kernels on a stream you
 //! already have, in order with your own work.
@@ -33,6 +36,7 @@
 #![warn(missing_docs)]
 
 mod compile;
+pub mod decode;
 mod error;
 pub mod fa1;
 pub mod fa2;
@@ -55,5 +59,6 @@ pub use cudarc;
 pub(crate) fn variants(arch: &str) -> Vec<compile::Variant> {
     let mut all = fa1::variants();
     all.extend(fa2::variants(arch));
+    all.extend(decode::variants());
     all
 }

@@ -1,0 +1,354 @@
+// FlashDecoding (Dao, Haziza, Massa, Sizov 2023): decoding against a KV cache, with the keys split
+// across thread blocks. Read it next to the CPU rung, crates/reference/src/flash_decoding.rs.
+//
+// A decoding step has a few new query tokens per sequence (n_new = 1 … 16) and a long KV cache.
+// FA2 gives one block to each (query block, head, batch): at batch 1 that is a few dozen blocks,
+// each streaming a whole KV cache alone, on a GPU with 132 SMs. Here:
+//
+//   phase 1, flash_decoding_split, grid (splits, heads_kv, batch):
+//       block (s, kv_head, b) runs FA2 over the keys of chunk s of sequence b and writes the
+//       partial output O_s (normalised within the chunk, f32) and lse_s (natural log, −inf when
+//       the chunk gives the row no key) to workspaces;
+//   phase 2, flash_decoding_combine, one warp per output row:
+//       lse = ln Σ_s exp(lse_s),  O = Σ_s exp(lse_s − lse) · O_s,  in the inputs' dtype.
+//
+// GQA packing. One block handles every query head of its kv head and every new token: its rows are
+// r = 0 … R−1 with R = group · n_new (group = heads_q / heads_kv), row r being query head
+// kv_head·group + r / n_new, new token t = r % n_new. In the [batch, heads_q, n_new, d] layout
+// these R rows are consecutive, so the Q tile is one contiguous copy and the output row of r is
+// (batch·heads_kv + kv_head)·R + r. K and V of the kv head are read once for the whole group.
+// Step 1 supports R ≤ 32 (FD_MT = 1 or 2 mma tiles of 16 rows); rows R … 16·FD_MT − 1 of the tile
+// are zeros and are never stored.
+//
+// Causal mask among the new tokens, bottom-right (mask.cuh): token t of a sequence of length len
+// (len counts the new tokens, which are the cache's last entries) sees keys j ≤ len − n_new + t.
+//
+// Chunks. Split s of sequence b owns keys [s·chunk, min((s+1)·chunk, len)) with
+// chunk = ceil(len / splits) rounded up to a multiple of BC, so chunks follow each sequence's own
+// length (short sequences of a batch do not pay for the longest one) and only a sequence's last
+// chunk ends inside a tile. Splits past the end get no key: they write O_s = 0 and lse_s = −inf,
+// weight 0 in the combine (exactly the CPU rung's empty chunk).
+//
+// Inside a split block: the block walks the chunk in tiles of BC = 64 keys, K and V double-
+// buffered with cp.async as in fa2_forward.cu. Each of the 4 warps owns 16 keys of every tile
+// (keys 16·warp … 16·warp + 15) and all R rows, with its own online-softmax state (row max m, row
+// sum l, unnormalised output acc): per tile S_w = Q·K_wᵀ (R × 16), P_w = 2^(S_w·scale_log2 − m),
+// acc += P_w·V_w. The warps' states are merged once at the end through shared memory with the
+// log-sum-exp rule (the combine of phase 2 in miniature):
+//   M = max_w m_w,   L = Σ_w 2^(m_w − M) · l_w,
+//   O_s = Σ_w 2^(m_w − M) · acc_w / L,   lse_s = M·ln2 + ln L.
+//
+// Legend:
+//   R     rows of the block (group · n_new)           ROWS  rows of the padded Q tile (16·MT)
+//   k0    first key of the current tile               kw    tile row of the warp's first key
+//   kk    16-wide k-step over d (S = Q·Kᵀ)            dp    pair of 8-column tiles of O
+//   mt    16-row mma tile                             h     row half of an accumulator tile
+//
+// Compile-time constants, set by the host for each variant:
+//   FD_D      head dimension (64, 128)
+//   FD_MT     16-row mma tiles of the Q tile (1: R ≤ 16, 2: R ≤ 32)
+//   FD_BC     keys per K/V tile (16 per warp)
+//   FD_WARPS  warps per block of the split kernel
+
+#include "copy.cuh"
+#include "mask.cuh"
+#include "mma.cuh"
+#include "softmax.cuh"
+#include "types.cuh"
+
+#ifndef FD_D
+#define FD_D 128
+#endif
+#ifndef FD_MT
+#define FD_MT 2
+#endif
+#ifndef FD_BC
+#define FD_BC 64
+#endif
+#ifndef FD_WARPS
+#define FD_WARPS 4
+#endif
+
+constexpr int D = FD_D;
+constexpr int MT = FD_MT;
+constexpr int BC = FD_BC;
+constexpr int WARPS = FD_WARPS;
+constexpr int THREADS = WARPS * 32;
+constexpr int ROWS = MT * 16;   // rows of the Q tile
+constexpr int DT = D / 8;       // 8-column accumulator tiles across one row of O
+// f32 row stride of the warp-merge buffer: 8 floats of padding put the 8 rows a half-warp's
+// float2 stores touch into 8 different groups of banks.
+constexpr int RED_STRIDE = D + 8;
+static_assert(BC == 16 * WARPS, "each warp owns 16 keys of a tile");
+static_assert(D % 32 == 0, "the combine gives each lane D / 32 columns");
+
+// Q and O are [batch, heads_q, n_new, D]; K and V [batch, heads_kv, capacity, D]; lengths[b] is the
+// number of valid cache entries of sequence b (the new tokens included). Workspaces, f32:
+// o_part [batch, heads_q, n_new, splits, D] and lse_part [batch, heads_q, n_new, splits]; lse is
+// [batch, heads_q, n_new], natural log. Both kernels take the same struct.
+struct FdParams {
+    const u16* q;
+    const u16* k;
+    const u16* v;
+    const int* lengths;
+    float* o_part;
+    float* lse_part;
+    u16* o;
+    float* lse;
+    int heads_q;
+    int heads_kv;
+    int n_new;
+    int capacity;
+    int splits;
+    int rows;          // batch · heads_q · n_new: output rows
+    float scale_log2;  // softmax scale · log2(e)
+};
+
+// Launch: grid (splits, heads_kv, batch), block (THREADS, 1, 1), dynamic shared memory
+// max((ROWS + 4·BC)·D·2, WARPS·ROWS·(RED_STRIDE + 2)·4) bytes: the Q tile and two stages of K and
+// V during the walk, then the same memory as the f32 buffer that merges the warps.
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
+flash_decoding_split(const __grid_constant__ FdParams p) {
+    extern __shared__ __align__(128) u16 smem[];
+    u16* sQ = smem;             // [ROWS][D]
+    u16* sK = sQ + ROWS * D;    // [2][BC][D]
+    u16* sV = sK + 2 * BC * D;  // [2][BC][D]
+
+    const int split = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+    const int warp = warp_id();
+    const int n_new = p.n_new;
+    const int R = (p.heads_q / p.heads_kv) * n_new;
+    const int len = p.lengths[batch];
+
+    // This split's keys [k_begin, k_end) (see "Chunks" above); 64-bit so that no product wraps.
+    const long long per_split = ((long long)len + p.splits - 1) / p.splits;
+    const long long chunk = (per_split + BC - 1) / BC * BC;
+    const int k_begin = (int)min((long long)split * chunk, (long long)len);
+    const int k_end = (int)min((long long)k_begin + chunk, (long long)len);
+    const int n_tiles = (k_end - k_begin + BC - 1) / BC;
+
+    // The block's first output row; its Q rows start there too (GQA packing above).
+    const size_t row0 = ((size_t)batch * p.heads_kv + kv_head) * R;
+    const size_t kv_off = ((size_t)batch * p.heads_kv + kv_head) * p.capacity * D;
+    const u16* gK = p.k + kv_off;
+    const u16* gV = p.v + kv_off;
+
+    // One past the last key each of the thread's rows sees, within this chunk: the causal limit of
+    // its token, or the chunk's end. Rows of every tile at or past min_limit need the mask.
+    int limit[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int t = (mt * 16 + acc_row(2 * h)) % n_new;
+            limit[mt][h] = min(len - n_new + t + 1, k_end);
+        }
+    const int min_limit = min(len - n_new + 1, k_end);  // token 0's limit: the smallest
+
+    float acc[MT][DT][4];  // this warp's O, unnormalised
+    float row_max[MT][2], row_sum[MT][2];
+    zero(acc);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        row_max[mt][0] = row_max[mt][1] = LADDER_NEG_INF;
+        row_sum[mt][0] = row_sum[mt][1] = 0.f;
+    }
+
+    load_tile<ROWS, D, THREADS>(sQ, p.q + row0 * D, 0, R);
+    if (n_tiles > 0) {
+        load_tile<BC, D, THREADS>(sK, gK, k_begin, k_end);
+        load_tile<BC, D, THREADS>(sV, gV, k_begin, k_end);
+    }
+    cp_async_commit();
+
+    const auto qA = a_operand<D>(sQ, 0);     // Q: A of S = Q·Kᵀ (all ROWS rows, per warp)
+    const auto kB = b_operand<D>(sK);        // K: B of S = Q·Kᵀ (rows = keys = n)
+    const auto vB = b_operand_trans<D>(sV);  // V: B of O = P·V (rows = keys = k)
+
+    for (int j = 0; j < n_tiles; ++j) {
+        const int stage = j & 1;
+        if (j + 1 < n_tiles) {
+            const int next = k_begin + (j + 1) * BC;
+            load_tile<BC, D, THREADS>(sK + (stage ^ 1) * BC * D, gK, next, k_end);
+            load_tile<BC, D, THREADS>(sV + (stage ^ 1) * BC * D, gV, next, k_end);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const int k0 = k_begin + j * BC;
+        const int kw = stage * BC + warp * 16;  // tile row of this warp's first key
+
+        // ---- S = Q·K_wᵀ: ROWS × 16 scores of this warp's keys -----------------------------------
+        float s[MT][2][4];
+        zero(s);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            u32 b[4];
+            kB.load(b, kk, kw);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                u32 a[4];
+                qA.load(a, kk, mt * 16);
+                mma_16x16(s[mt][0], s[mt][1], a, b);
+            }
+        }
+
+        // ---- mask: keys past the chunk or the sequence, and right of a token's diagonal ---------
+        // Uniform across the block: only a chunk's last tile and the tiles holding the new tokens
+        // (the last n_new ≤ 16 keys of the sequence) are masked.
+        if (k0 + BC > min_limit) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    mask_columns(s[mt], h, limit[mt][h] - (k0 + warp * 16), LADDER_NEG_INF);
+        }
+
+        // ---- online softmax of the warp's state: P = 2^(S·scale_log2 − m), 16-bit ---------------
+        u32 pk[MT][2][2];
+        float alpha[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                alpha[mt][h] =
+                    online_softmax(s[mt], h, p.scale_log2, row_max[mt][h], row_sum[mt][h], pk[mt]);
+        bool rescale = false;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) rescale |= alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
+        if (__any_sync(0xffffffff, rescale)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[mt][dt][e] *= alpha[mt][e / 2];
+        }
+
+        // ---- acc += P_w·V_w: one 16-wide k-step (the warp's 16 keys) ----------------------------
+        u32 a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) a_from_packed(a[mt], pk[mt][0], pk[mt][1]);
+#pragma unroll
+        for (int dp = 0; dp < DT / 2; ++dp) {
+            u32 b[4];
+            vB.load(b, dp, kw);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                mma_16x16(acc[mt][2 * dp], acc[mt][2 * dp + 1], a[mt], b);
+        }
+        // The next iteration's copies overwrite the stage read here.
+        __syncthreads();
+    }
+    // An empty chunk still has the Q copy in flight; the merge below reuses its memory.
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // ---- merge the warps' states through shared memory (log-sum-exp rule) -----------------------
+    float* red_acc = reinterpret_cast<float*>(smem);   // [WARPS][ROWS][RED_STRIDE]
+    float* red_m = red_acc + WARPS * ROWS * RED_STRIDE;  // [WARPS][ROWS], base 2, scaled
+    float* red_l = red_m + WARPS * ROWS;                 // [WARPS][ROWS]
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = mt * 16 + acc_row(2 * h);
+            const float l = quad_sum(row_sum[mt][h]);
+            float* dst = red_acc + (warp * ROWS + r) * RED_STRIDE;
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt)
+                *reinterpret_cast<float2*>(dst + acc_col(dt, 2 * h)) =
+                    make_float2(acc[mt][dt][2 * h], acc[mt][dt][2 * h + 1]);
+            if (lane_id() % 4 == 0) {
+                red_m[warp * ROWS + r] = row_max[mt][h];
+                red_l[warp * ROWS + r] = l;
+            }
+        }
+    __syncthreads();
+
+    // Each thread takes 4 consecutive columns of a row at a time; rows past R are padding.
+    for (int i = threadIdx.x; i < R * (D / 4); i += THREADS) {
+        const int r = i / (D / 4);
+        const int c = (i % (D / 4)) * 4;
+        float m = LADDER_NEG_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) m = fmaxf(m, red_m[w * ROWS + r]);
+        // No warp saw a key: subtract 0 so that the weights are 2^(−inf) = 0, not NaN.
+        const float m_use = m == LADDER_NEG_INF ? 0.f : m;
+        float l = 0.f;
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float f = fast_exp2(red_m[w * ROWS + r] - m_use);
+            l += f * red_l[w * ROWS + r];
+            const float4 x =
+                *reinterpret_cast<const float4*>(red_acc + (w * ROWS + r) * RED_STRIDE + c);
+            o.x += f * x.x;
+            o.y += f * x.y;
+            o.z += f * x.z;
+            o.w += f * x.w;
+        }
+        // A row that saw no key of this chunk: O_s = 0, lse_s = −inf (weight 0 in the combine).
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const size_t out = (row0 + r) * p.splits + split;
+        *reinterpret_cast<float4*>(p.o_part + out * D + c) =
+            make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+        if (c == 0) p.lse_part[out] = l == 0.f ? LADDER_NEG_INF : m * LADDER_LN2 + logf(l);
+    }
+}
+
+// N consecutive floats (N = 2 or 4, the address aligned to 4·N bytes) in one load.
+template <int N>
+__device__ __forceinline__ void load_f32(float (&x)[N], const float* src) {
+    static_assert(N == 2 || N == 4, "float2 or float4");
+    if constexpr (N == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(src);
+        x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+    } else {
+        const float2 v = *reinterpret_cast<const float2*>(src);
+        x[0] = v.x, x[1] = v.y;
+    }
+}
+
+// Launch: grid (ceil(rows / 4), 1, 1), block (128, 1, 1), no shared memory. Warp w of block x
+// combines output row 4x + w; lane i holds columns [i·D/32, (i+1)·D/32).
+extern "C" __global__ void __launch_bounds__(128)
+flash_decoding_combine(const __grid_constant__ FdParams p) {
+    constexpr int PER_LANE = D / 32;
+    const int row = blockIdx.x * 4 + warp_id();
+    if (row >= p.rows) return;  // the whole warp leaves together
+    const int lane = lane_id();
+    const int splits = p.splits;
+    const float* lse_s = p.lse_part + (size_t)row * splits;
+
+    float m = LADDER_NEG_INF;
+    for (int s = lane; s < splits; s += 32) m = fmaxf(m, lse_s[s]);
+    m = warp_max(m);
+
+    float o[PER_LANE];
+    zero(o);
+    float l = 0.f;
+    if (m != LADDER_NEG_INF) {
+        // w_s = exp(lse_s − m) ∈ [0, 1]; the largest is 1.
+        for (int s = lane; s < splits; s += 32) l += fast_exp2((lse_s[s] - m) * LADDER_LOG2E);
+        l = warp_sum(l);
+        const float* o_s = p.o_part + (size_t)row * splits * D + lane * PER_LANE;
+        for (int s = 0; s < splits; ++s) {
+            const float w = fast_exp2((lse_s[s] - m) * LADDER_LOG2E);
+            if (w == 0.f) continue;  // an empty chunk (uniform across the warp)
+            float x[PER_LANE];
+            load_f32<PER_LANE>(x, o_s + (size_t)s * D);
+#pragma unroll
+            for (int i = 0; i < PER_LANE; ++i) o[i] += w * x[i];
+        }
+    }
+    // All splits empty (the row sees no key): O = 0, lse = −inf, as everywhere in the project.
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    u16* dst = p.o + (size_t)row * D + lane * PER_LANE;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i += 2)
+        *reinterpret_cast<u32*>(dst + i) = pack2(o[i] * inv, o[i + 1] * inv);
+    if (lane == 0) p.lse[row] = l == 0.f ? LADDER_NEG_INF : m + logf(l);
+}
