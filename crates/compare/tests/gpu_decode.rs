@@ -219,6 +219,9 @@ fn cases(dtype: DType) -> Vec<Case> {
         case(8, 2, 1, 128, 100, &[100], 7),
         // A long cache: many tiles per split.
         case(32, 8, 1, 128, 4099, &[4099, 2500], 8),
+        // More sequences than one launch takes (their lengths travel in the parameter struct,
+        // 256 at a time): the batch is launched in chunks.
+        case(4, 2, 1, 64, 70, &(0..300).map(|b| (b * 7) % 71).collect::<Vec<_>>(), 9),
     ]
 }
 

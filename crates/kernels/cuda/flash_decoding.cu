@@ -82,6 +82,13 @@ constexpr int RED_STRIDE = D + 8;
 static_assert(BC == 16 * WARPS, "each warp owns 16 keys of a tile");
 static_assert(D % 32 == 0, "the combine gives each lane D / 32 columns");
 
+// The lengths travel in the parameter struct itself (a launch copies it to constant memory), so a
+// call needs no host-to-device copy; the host launches batches of more than FD_MAX_BATCH
+// sequences in chunks.
+#ifndef FD_MAX_BATCH
+#define FD_MAX_BATCH 256
+#endif
+
 // Q and O are [batch, heads_q, n_new, D]; K and V [batch, heads_kv, capacity, D]; lengths[b] is the
 // number of valid cache entries of sequence b (the new tokens included). Workspaces, f32:
 // o_part [batch, heads_q, n_new, splits, D] and lse_part [batch, heads_q, n_new, splits]; lse is
@@ -90,7 +97,6 @@ struct FdParams {
     const u16* q;
     const u16* k;
     const u16* v;
-    const int* lengths;
     float* o_part;
     float* lse_part;
     u16* o;
@@ -102,6 +108,7 @@ struct FdParams {
     int splits;
     int rows;          // batch · heads_q · n_new: output rows
     float scale_log2;  // softmax scale · log2(e)
+    int lengths[FD_MAX_BATCH];
 };
 
 // Launch: grid (splits, heads_kv, batch), block (THREADS, 1, 1), dynamic shared memory

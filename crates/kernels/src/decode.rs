@@ -31,7 +31,7 @@
 //! Kernel: `cuda/flash_decoding.cu`. Not in this step: a paged cache, FlashDecoding++ (a fixed
 //! softmax maximum), `group · n_new > 32` rows per kv head, head dimension 256, benchmark rows.
 
-use cudarc::driver::{DevicePtr, DeviceRepr};
+use cudarc::driver::DeviceRepr;
 
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
@@ -55,6 +55,9 @@ pub const MAX_NEW_TOKENS: usize = 16;
 pub const MAX_ROWS: usize = 32;
 /// The most splits the heuristic picks ([`num_splits`]).
 pub const MAX_SPLITS: usize = 128;
+/// Sequences per launch: their lengths travel inside the parameter struct (no host-to-device copy
+/// per call); larger batches are launched in chunks of this many.
+pub const MAX_BATCH_PER_LAUNCH: usize = 256;
 /// Output rows per block of the combine kernel (one warp each).
 const COMBINE_ROWS_PER_BLOCK: usize = 4;
 
@@ -120,6 +123,7 @@ pub(crate) fn variant(d: usize, dtype: DType, m_tiles: usize) -> Variant {
             ("FD_MT", m_tiles.to_string()),
             ("FD_BC", BC.to_string()),
             ("FD_WARPS", WARPS.to_string()),
+            ("FD_MAX_BATCH", MAX_BATCH_PER_LAUNCH.to_string()),
         ],
     }
 }
@@ -156,7 +160,6 @@ struct Params {
     q: u64,
     k: u64,
     v: u64,
-    lengths: u64,
     o_part: u64,
     lse_part: u64,
     o: u64,
@@ -168,6 +171,7 @@ struct Params {
     splits: i32,
     rows: i32,
     scale_log2: f32,
+    lengths: [i32; MAX_BATCH_PER_LAUNCH],
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror.
@@ -347,48 +351,58 @@ pub fn forward(gpu: &Gpu, q: &Tensor, cache: &KvCache, opts: &DecodeOptions) -> 
     gpu.prepare(&split_kernel, smem)?;
     gpu.prepare(&combine_kernel, 0)?;
 
-    let rows = p.rows();
-    let split_grid = grid(splits, p.heads_kv, p.batch)?;
-    let combine_grid = grid(rows.div_ceil(COMBINE_ROWS_PER_BLOCK), 1, 1)?;
     let o_shape = [p.batch, p.heads_q, p.n_new, p.d];
     let mut o = gpu.output(&o_shape, p.dtype)?;
     let mut lse = gpu.output(&o_shape[..3], DType::F32)?;
     // Workspaces: O_s [batch, heads_q, n_new, splits, d] and lse_s [batch, heads_q, n_new, splits].
+    let rows = p.rows();
     let mut o_part = gpu.output(&[rows, splits, p.d], DType::F32)?;
     let mut lse_part = gpu.output(&[rows, splits], DType::F32)?;
-    // Lengths fit in i32: each is at most the capacity, checked above.
-    let lengths: Vec<i32> = cache.lengths.iter().map(|&l| l as i32).collect();
     let s = gpu.stream();
-    let lengths = s.clone_htod(&lengths).map_err(KernelError::alloc(4 * p.batch))?;
-    {
-        let (q_ptr, _g0) = q.read_ptr(s);
-        let (k_ptr, _g1) = cache.k.read_ptr(s);
-        let (v_ptr, _g2) = cache.v.read_ptr(s);
-        let (len_ptr, _g3) = lengths.device_ptr(s);
-        let (o_part_ptr, _g4) = o_part.write_ptr(s);
-        let (lse_part_ptr, _g5) = lse_part.write_ptr(s);
-        let (o_ptr, _g6) = o.write_ptr(s);
-        let (lse_ptr, _g7) = lse.write_ptr(s);
+    let (q_ptr, _g0) = q.read_ptr(s);
+    let (k_ptr, _g1) = cache.k.read_ptr(s);
+    let (v_ptr, _g2) = cache.v.read_ptr(s);
+    let (o_part_ptr, _g3) = o_part.write_ptr(s);
+    let (lse_part_ptr, _g4) = lse_part.write_ptr(s);
+    let (o_ptr, _g5) = o.write_ptr(s);
+    let (lse_ptr, _g6) = lse.write_ptr(s);
+    // Batches of more than MAX_BATCH_PER_LAUNCH sequences go in chunks: every tensor is
+    // batch-major, so a chunk is the same call on pointers advanced by its first sequence.
+    let rows_per_seq = p.heads_q * p.n_new;
+    let elem = p.dtype.size();
+    for first in (0..p.batch).step_by(MAX_BATCH_PER_LAUNCH) {
+        let n = (p.batch - first).min(MAX_BATCH_PER_LAUNCH);
+        let (row0, chunk_rows) = (first * rows_per_seq, n * rows_per_seq);
+        let kv0 = first * p.heads_kv * p.capacity * p.d;
+        let mut lengths = [0i32; MAX_BATCH_PER_LAUNCH];
+        // Each length is at most the capacity, which fits in i32 (checked above).
+        for (dst, &len) in lengths.iter_mut().zip(&cache.lengths[first..first + n]) {
+            *dst = len as i32;
+        }
+        let at = |ptr: u64, elements: usize, size: usize| ptr + (elements * size) as u64;
         let params = Params {
-            q: q_ptr,
-            k: k_ptr,
-            v: v_ptr,
-            lengths: len_ptr,
-            o_part: o_part_ptr,
-            lse_part: lse_part_ptr,
-            o: o_ptr,
-            lse: lse_ptr,
+            q: at(q_ptr, row0 * p.d, elem),
+            k: at(k_ptr, kv0, elem),
+            v: at(v_ptr, kv0, elem),
+            o_part: at(o_part_ptr, row0 * splits * p.d, 4),
+            lse_part: at(lse_part_ptr, row0 * splits, 4),
+            o: at(o_ptr, row0 * p.d, elem),
+            lse: at(lse_ptr, row0, 4),
             heads_q: p.heads_q as i32,
             heads_kv: p.heads_kv as i32,
             n_new: p.n_new as i32,
             capacity: p.capacity as i32,
             splits: splits_i,
-            rows: rows as i32,
+            rows: chunk_rows as i32,
             scale_log2: p.scale * std::f32::consts::LOG2_E,
+            lengths,
         };
+        let split_grid = grid(splits, p.heads_kv, n)?;
+        let combine_grid = grid(chunk_rows.div_ceil(COMBINE_ROWS_PER_BLOCK), 1, 1)?;
         gpu.launch(&split_kernel, split_grid, 32 * WARPS as u32, smem, &params)?;
         gpu.launch(&combine_kernel, combine_grid, 32 * COMBINE_ROWS_PER_BLOCK as u32, 0, &params)?;
     }
+    drop((_g0, _g1, _g2, _g3, _g4, _g5, _g6));
     Ok(Output { o, lse })
 }
 
