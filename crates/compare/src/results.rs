@@ -4,7 +4,9 @@
 //!   measured case per line, columns [`COLUMNS`], found by name when read;
 //! - `bench.json`: every case, skipped and failed ones included ([`row_json`]);
 //! - `meta.json`: the card, driver, CUDA version, date, torch version and a note ([`META_KEYS`]),
-//!   filled by both tools without clobbering each other's keys ([`merge_meta`]).
+//!   filled by both tools without clobbering each other's keys ([`merge_meta`]); optionally
+//!   `hbm_read_tbps`, a measured HBM read bandwidth in TB/s (a number, written by hand or by a
+//!   bandwidth test; absent unless measured), drawn on the decode charts.
 //!
 //! Throughput follows the FLOP convention of [`attention_flops`] (see `docs/conventions.md`).
 //! `ladder bench`, its report and charts, and the notebooks' support crate all read through here.

@@ -78,9 +78,15 @@ pub fn render_rows(rows: &[Row]) -> String {
 pub fn render_side_by_side(rows: &[Row]) -> String {
     let (decode, prefill): (Vec<Row>, Vec<Row>) =
         rows.iter().cloned().partition(|r| r.case.is_decode());
-    let mut s = render_prefill_side_by_side(&prefill);
-    if decode.iter().any(|r| r.tbps().is_some()) {
-        s.push('\n');
+    let has_decode = decode.iter().any(|r| r.tbps().is_some());
+    let mut s = String::new();
+    if !has_decode || prefill.iter().any(|r| r.timing().is_some()) {
+        s += &render_prefill_side_by_side(&prefill);
+    }
+    if has_decode {
+        if !s.is_empty() {
+            s.push('\n');
+        }
         s += &render_decode_side_by_side(&decode);
     }
     s
@@ -311,6 +317,9 @@ mod tests {
         let listing = render_rows(&rows);
         assert!(listing.contains("1x8192") && listing.contains("32/8"), "{listing}");
         assert!(listing.contains("3.36"), "{listing}");
+        // Decode rows alone: no empty TFLOP/s table.
+        let alone = render_side_by_side(&rows[1..]);
+        assert!(alone.starts_with("TB/s of K and V read"), "{alone}");
     }
 
     #[test]
