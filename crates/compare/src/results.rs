@@ -50,7 +50,7 @@ pub enum Direction {
     /// `dQ, dK, dV` from `dO` (the forward's `O` and `lse` given).
     Bwd,
     /// A decoding step: `O, lse` of `n_q` new tokens against a KV cache of `n_kv` entries per
-    /// sequence (memory-bound: its figure of merit is TB/s of K and V read, [`Case::kv_bytes`]).
+    /// sequence (memory-bound: its figure of merit is TB/s of K and V read).
     Decode,
 }
 

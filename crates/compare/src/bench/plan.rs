@@ -352,6 +352,11 @@ impl Plan {
             .iter()
             .flat_map(|r| self.directions.iter().map(move |d| (*r, *d)))
             .filter(|(r, d)| GpuRung::find(r, *d).is_none())
+            // Decoding is its own kind of kernel: the prefill rungs have none, and the decoding
+            // rungs have no prefill pass; neither is a gap worth a note.
+            .filter(|(r, d)| {
+                *d != Direction::Decode && GpuRung::find(r, Direction::Decode).is_none()
+            })
             .map(|(r, d)| format!("{r} {}", d.name()))
             .collect();
         if !missing.is_empty() {
@@ -409,6 +414,10 @@ mod tests {
         assert_eq!(at(4096), [GpuRung::Fa2, atomic, det]);
         assert_eq!((p.repeats_of(GpuRung::Fa1), p.repeats_of(GpuRung::Fa2)), (3, 30));
         assert!(p.notes().iter().any(|n| n.contains("n <= 2048")));
+        let notes = p.notes().join("; ");
+        assert!(notes.contains("fa1 bwd") && !notes.contains("flash-decoding"), "{notes}");
+        let d = plan(&["--direction", "fwd,decode"]).unwrap().notes().join("; ");
+        assert!(!d.contains("fa2 decode") && !d.contains("flash-decoding fwd"), "{d}");
     }
 
     #[test]
