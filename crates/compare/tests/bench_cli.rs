@@ -265,3 +265,49 @@ fn quick_bench_on_the_gpu_writes_csv_json_meta_and_charts() {
     assert!(out.join("fwd-fp16-d128-noncausal.svg").exists());
     assert!(stderr.contains("fa1 (scalar FP32"), "the FA1 limits are said: {stderr}");
 }
+
+/// On a GPU machine: a tiny decode run writes FlashDecoding rows with TB/s, the split count in
+/// bench.json, and the decode chart.
+#[test]
+fn decode_bench_on_the_gpu_writes_tbps_rows_and_splits() {
+    let Some(gpu) = ladder_compare::gpu_check::gpu_or_skip("decode_bench_on_the_gpu") else {
+        return;
+    };
+    drop(gpu);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("r");
+    let base = ["bench", "--direction", "decode", "--n", "1024,4096", "--batch", "2"];
+    let flags = ["--heads-kv", "8", "--repeats", "3", "--warmup", "1", "--out", &path(&out)];
+    for splits in [None, Some("4")] {
+        let mut args: Vec<&str> = [&base[..], &flags].concat();
+        if let Some(s) = splits {
+            args.extend(["--splits", s]);
+        }
+        let run = ladder(&args);
+        let (stdout, stderr) = (text(&run.stdout), text(&run.stderr));
+        assert!(run.status.success(), "{stderr}\n{stdout}");
+        let csv = std::fs::read_to_string(out.join("bench.csv")).unwrap();
+        let rows: Vec<Vec<&str>> = csv.lines().skip(1).map(|l| l.split(',').collect()).collect();
+        assert_eq!(rows.len(), 2, "{csv}");
+        for (row, len) in rows.iter().zip(["1024", "4096"]) {
+            assert_eq!(
+                row[..10],
+                ["flash-decoding", "decode", "fp16", "false", "2", "32", "8", "1", len, "128"]
+            );
+            let tbps: f64 = row[12].parse().unwrap();
+            assert!(tbps > 0.0 && tbps.is_finite(), "{row:?}");
+        }
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("bench.json")).unwrap())
+                .unwrap();
+        for row in json["rows"].as_array().unwrap() {
+            let used = row["splits"].as_u64().expect("the split count");
+            match splits {
+                Some(s) => assert_eq!(used.to_string(), s),
+                None => assert!(used >= 1 && row["splits_from"] == "heuristic", "{row}"),
+            }
+        }
+        assert!(out.join("decode-fp16-d128-b2.svg").exists());
+        assert!(stdout.contains("TB/s of K and V read"), "{stdout}");
+    }
+}
