@@ -9,7 +9,8 @@
 #
 # e.g. bash scripts/gpu-bench.sh bench-results --quick
 # Flags go to both tools, so use the ones they share: --quick, --d, --n, --causal, --direction,
-# --dtype, --repeats, --warmup, --tokens, --hidden, --case-budget-s. LADDER=path overrides the
+# --dtype, --repeats, --warmup, --tokens, --hidden, --case-budget-s, and for --direction decode
+# --batch, --heads-kv, --splits (ladder only; peers.py ignores it). LADDER=path overrides the
 # binary. OUT_DIR gets bench.csv, bench.json, peers.csv, meta.json and one SVG chart per
 # (direction, dtype, d, mask). The default sweep takes a few minutes on an H200.
 set -uo pipefail

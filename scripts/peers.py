@@ -12,10 +12,16 @@ Writes OUT/peers.csv in the schema of bench.csv (`ladder bench --charts-only --o
 both), and fills OUT/meta.json's `torch` field (and card, cuda, date if `ladder bench` has not).
 A backend that refuses a shape is reported as skipped, with its reason.
 
+`--direction decode` times the SDPA backends (not the Triton tutorial) on the decoding shapes of
+`ladder bench --direction decode`: one new token, q [B, Hq, 1, d] against k, v [B, Hkv, L, d]
+(enable_gqa when Hq != Hkv), d = 128; rows with direction `decode` and tbps = bytes of K and V
+read / time. --n, --batch and --heads-kv replace the shapes by their grid, as in `ladder bench`.
+
 Run on the GPU machine from the repo root (torch and triton installed, no network needed):
 
     python3 scripts/peers.py --out bench-results              # the full sweep
     python3 scripts/peers.py --out /tmp/r --quick --impl sdpa-flash,triton
+    python3 scripts/peers.py --out bench-results --direction decode  # decoding, TB/s
 """
 import argparse
 import contextlib
@@ -35,6 +41,16 @@ HEADER = ["impl", "direction", "dtype", "causal", "batch", "heads_q", "heads_kv"
 IMPLS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "triton"]
 L2_BYTES = 50 << 20  # H100/H200 L2: inputs smaller than this rotate among several sets
 SAMPLE_MS = 1.0      # a timed sample spans at least this long
+# The decoding shapes of `ladder bench --direction decode` (crates/compare/src/bench/plan.rs):
+# keep the two in step.
+DECODE_HEADS_Q = 32
+DECODE_MAX_KV_BYTES = 40_000_000_000  # shapes whose K and V together exceed this are left out
+DECODE_ISSUE_SHAPES = [(1, 32, 32, 8 << 10), (1, 32, 32, 128 << 10), (16, 32, 32, 32 << 10),
+                       (1, 32, 8, 8 << 10), (16, 32, 8, 32 << 10)]  # (batch, heads_q, heads_kv, L)
+DECODE_BATCHES = [1, 4, 16, 64]
+DECODE_LENGTHS = [1 << 10, 4 << 10, 16 << 10, 64 << 10, 128 << 10]
+DECODE_HEADS_KV = [32, 8]
+DECODE_IMPLS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient"]  # no Triton tutorial in decode
 
 
 class Skip(Exception):
@@ -54,9 +70,13 @@ def csv_list(convert, choices=None):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--impl", type=csv_list(str, IMPLS), default=IMPLS, help="peers to time [all]")
-    p.add_argument("--direction", type=csv_list(str, ["fwd", "bwd"]), default=["fwd", "bwd"])
+    p.add_argument("--direction", type=csv_list(str, ["fwd", "bwd", "decode"]), default=["fwd", "bwd"],
+                   help="fwd, bwd, decode [fwd,bwd]")
     p.add_argument("--d", type=csv_list(int), help="head dims [64,128; 128 with --quick]")
-    p.add_argument("--n", type=csv_list(int), help="lengths [512..16384; 1024,4096 with --quick]")
+    p.add_argument("--n", type=csv_list(int),
+                   help="lengths [512..16384; 1024,4096 with --quick]; decode: KV cache lengths L")
+    p.add_argument("--batch", type=csv_list(int), help="decode only: batch sizes [1,4,16,64]")
+    p.add_argument("--heads-kv", type=csv_list(int), help="decode only: kv heads for 32 query heads [32,8]")
     p.add_argument("--causal", choices=["both", "true", "false"], default="both",
                    help="masks [both; false with --quick]")
     p.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
@@ -68,9 +88,13 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=2048, help="heads = hidden / d [2048]")
     p.add_argument("--case-budget-s", type=float, default=3.0,
                    help="stop sampling a case after this many seconds of samples [3]")
+    p.add_argument("--splits", type=int,
+                   help="ignored: ladder bench's decode split count (accepted so gpu-bench.sh can pass it)")
     p.add_argument("--triton-warp-specialize", action="store_true",
                    help="run the Triton kernel with warp_specialize=True (default False)")
     a = p.parse_args(argv)
+    a.decode_d = a.d or [128]
+    a.decode = decode_shapes(a) if "decode" in a.direction else []
     a.d = a.d or ([128] if a.quick else [64, 128])
     a.n = a.n or ([1024, 4096] if a.quick else [512, 1024, 2048, 4096, 8192, 16384])
     a.causals = {"true": [True], "false": [False]}.get(a.causal, [False] if a.quick else [False, True])
@@ -81,7 +105,27 @@ def parse_args(argv=None):
             p.error(f"--d {d}: the hidden size {a.hidden} must be a multiple of d")
     if a.tokens <= 0 or min(a.n) <= 0:
         p.error("--tokens and --n must be positive")
+    if min(a.batch or [1]) <= 0 or any(h <= 0 or DECODE_HEADS_Q % h for h in a.heads_kv or []):
+        p.error(f"--batch must be positive and --heads-kv must divide {DECODE_HEADS_Q}")
     return a
+
+
+def decode_shapes(a, elem_bytes=2):
+    """The decoding shapes (batch, heads_q, heads_kv, L), as `ladder bench --direction decode`
+    picks them: the issue's shapes and the batch × GQA × length sweep (the issue's only with
+    --quick), or the grid of --batch, --heads-kv, --n when any is given; K and V together at most
+    DECODE_MAX_KV_BYTES."""
+    overridden = bool(a.n or a.batch or a.heads_kv)
+    shapes = [] if overridden else list(DECODE_ISSUE_SHAPES)
+    if not a.quick or overridden:
+        for batch in a.batch or DECODE_BATCHES:
+            for heads_kv in a.heads_kv or DECODE_HEADS_KV:
+                for n in a.n or DECODE_LENGTHS:
+                    shape = (batch, DECODE_HEADS_Q, heads_kv, n)
+                    if shape not in shapes:
+                        shapes.append(shape)
+    d = max(a.decode_d)
+    return [s for s in shapes if 2 * s[0] * s[2] * s[3] * d * elem_bytes <= DECODE_MAX_KV_BYTES]
 
 
 def flops(direction, batch, heads_q, n_q, n_kv, d, causal):
@@ -116,6 +160,16 @@ def csv_row(impl, direction, dtype, causal, batch, heads, n, d, ms):
             "ms": f"{ms:.6f}", "tflops": f"{tflops:.3f}", "tbps": ""}
 
 
+def decode_row(impl, dtype, batch, heads_q, heads_kv, n_q, n_kv, d, ms, elem_bytes=2):
+    """A decode row: tbps = bytes of K and V (2 · B · Hkv · L · d · element size) / time, tflops by
+    the forward convention (4 · B · Hq · n_q · L · d)."""
+    tflops = flops("fwd", batch, heads_q, n_q, n_kv, d, False) / (ms * 1e-3) / 1e12
+    tbps = 2 * batch * heads_kv * n_kv * d * elem_bytes / (ms * 1e-3) / 1e12
+    return {"impl": impl, "direction": "decode", "dtype": dtype, "causal": "false",
+            "batch": batch, "heads_q": heads_q, "heads_kv": heads_kv, "n_q": n_q, "n_kv": n_kv,
+            "d": d, "ms": f"{ms:.6f}", "tflops": f"{tflops:.3f}", "tbps": f"{tbps:.4f}"}
+
+
 def write_csv(path, rows):
     with open(path, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=HEADER, lineterminator="\n")
@@ -145,15 +199,18 @@ def merge_meta(path, fields, if_empty):
 
 
 def render(results):
-    """One line per case: time and throughput, or why it was skipped."""
-    lines = [f"{'impl':<15} {'dir':<4} {'dtype':<5} {'d':>4} {'n':>6} {'mask':<8} {'ms':>10} {'TFLOP/s':>9}"]
+    """One line per case: time and throughput (and TB/s for decode), or why it was skipped."""
+    lines = [f"{'impl':<15} {'dir':<6} {'dtype':<5} {'d':>4} {'n':>12} {'mask':<8} {'ms':>10} "
+             f"{'TFLOP/s':>9} {'TB/s':>7}"]
     for (impl, direction, dtype, d, n, causal), outcome in results:
-        head = f"{impl:<15} {direction:<4} {dtype:<5} {d:>4} {n:>6} {'causal' if causal else 'full':<8}"
+        head = (f"{impl:<15} {direction:<6} {dtype:<5} {d:>4} {n:>12} "
+                f"{'causal' if causal else 'full':<8}")
         if isinstance(outcome, str):
             lines.append(f"{head} skipped: {outcome}")
         else:
-            ms, tflops = outcome
-            lines.append(f"{head} {ms:>10.4f} {tflops:>9.1f}")
+            ms, tflops, tbps = (*outcome, None)[:3]
+            tb = "-" if tbps is None else f"{tbps:.2f}"
+            lines.append(f"{head} {ms:>10.4f} {tflops:>9.1f} {tb:>7}")
     return "\n".join(lines)
 
 
@@ -237,14 +294,29 @@ def make_step(torch, impl, sets, causal, direction, d, args):
     return backward
 
 
+def make_decode_step(torch, sets, grouped):
+    """One decoding call of SDPA on input set i: q [B, Hq, 1, d] against the cache k, v."""
+    F = torch.nn.functional
+
+    def decode(i):
+        q, k, v = sets[i]
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=grouped)
+    return decode
+
+
 def time_case(torch, backend, impl, sets, causal, direction, d, args):
     """Median ms per call of one case; raises Skip with the reason when it does not run."""
+    if direction == "decode":
+        make = lambda: make_decode_step(torch, sets, sets[0][0].shape[1] != sets[0][1].shape[1])  # noqa: E731
+    else:
+        make = lambda: make_step(torch, impl, sets, causal, direction, d, args)  # noqa: E731
     from torch.nn.attention import sdpa_kernel
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
-                step = make_step(torch, impl, sets, causal, direction, d, args)
+                step = make()
                 return measure(torch, step, len(sets), args.warmup, args.repeats, args.case_budget_s * 1e3)
         except Skip:
             raise
@@ -285,21 +357,26 @@ def main(argv=None):
     })
     print(f"peers: {card}, torch {torch_desc}, {args.dtype}", file=sys.stderr)
 
-    total = len(args.d) * len(args.n) * len(args.causals) * len(args.direction) * len(args.impl)
+    prefill = [x for x in args.direction if x != "decode"]
+    decode_impls = [i for i in args.impl if i in DECODE_IMPLS]
+    if args.decode and len(decode_impls) < len(args.impl):
+        print("note: decode leaves out the Triton tutorial (a prefill kernel)", file=sys.stderr)
+    total = (len(args.d) * len(args.n) * len(args.causals) * len(prefill) * len(args.impl)
+             + len(args.decode_d) * len(args.decode) * len(decode_impls))
     done, rows, results = 0, [], []
-    for d in args.d:
+    for d in args.d if prefill else []:
         for n in args.n:
             batch, heads = dims(args, d, n)
             shape = (batch, heads, n, d)
             # Q, K, V and (for backward) dO per set; uniform in [-1, 1) like `ladder bench`.
-            tensors = 4 if "bwd" in args.direction else 3
+            tensors = 4 if "bwd" in prefill else 3
             nsets = sets_for(tensors * math.prod(shape) * 2)
             sets = []
             for _ in range(nsets):
                 ts = [torch.empty(shape, device="cuda", dtype=dtype).uniform_(-1, 1) for _ in range(tensors)]
                 sets.append(tuple(ts) if tensors == 4 else (*ts, None))
             for causal in args.causals:
-                for direction in args.direction:
+                for direction in prefill:
                     for impl in args.impl:
                         done += 1
                         key = (impl, direction, args.dtype, d, n, causal)
@@ -316,6 +393,38 @@ def main(argv=None):
                         results.append((key, (ms, float(row["tflops"]))))
                         print(f"{label}  {ms:>9.4f} ms  {float(row['tflops']):>7.1f} TFLOP/s", file=sys.stderr)
                         write_csv(csv_path, rows)  # after every case: a cut-short run keeps its rows
+            del sets
+            torch.cuda.empty_cache()
+    elem = 2  # fp16 and bf16
+    for d in args.decode_d if decode_impls else []:
+        for batch, heads_q, heads_kv, n in args.decode:
+            q_shape, kv_shape = (batch, heads_q, 1, d), (batch, heads_kv, n, d)
+            kv_bytes = 2 * math.prod(kv_shape) * elem
+            nsets = sets_for(kv_bytes + math.prod(q_shape) * elem)
+            try:
+                sets = [tuple(torch.empty(s, device="cuda", dtype=dtype).uniform_(-1, 1)
+                              for s in (q_shape, kv_shape, kv_shape)) for _ in range(nsets)]
+            except torch.cuda.OutOfMemoryError as e:
+                sets = None
+                oom = f"OutOfMemoryError: {str(e).splitlines()[0]}"
+            for impl in decode_impls:
+                done += 1
+                key = (impl, "decode", args.dtype, d, f"1x{n}", False)
+                label = (f"[{done:>3}/{total}] {impl:<15} decode {args.dtype} d={d:<3} L={n:<6} "
+                         f"b={batch:<2} h={heads_q}/{heads_kv}")
+                try:
+                    if sets is None:
+                        raise Skip(oom)
+                    ms = time_case(torch, backends.get(impl), impl, sets, False, "decode", d, args)
+                except Skip as e:
+                    results.append((key, str(e)))
+                    print(f"{label}  skipped: {e}", file=sys.stderr)
+                    continue
+                row = decode_row(impl, args.dtype, batch, heads_q, heads_kv, 1, n, d, ms, elem)
+                rows.append(row)
+                results.append((key, (ms, float(row["tflops"]), float(row["tbps"]))))
+                print(f"{label}  {ms:>9.4f} ms  {float(row['tbps']):>6.2f} TB/s", file=sys.stderr)
+                write_csv(csv_path, rows)
             del sets
             torch.cuda.empty_cache()
     write_csv(csv_path, rows)

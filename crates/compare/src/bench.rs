@@ -9,6 +9,11 @@
 //! inputs fit in L2, the calls rotate among several input sets so the cache is not what is
 //! measured.
 //!
+//! With `--direction decode`, FlashDecoding is timed on one new token against KV caches of 1k …
+//! 128k entries (the issue's shapes and a batch × length × GQA sweep, d = 128): the cache is
+//! allocated once per shape, every sequence full, and the row's TB/s is the bytes of K and V over
+//! the time; `--splits N` fixes the kernel's split count (the count used is in `bench.json`).
+//!
 //! `scripts/peers.py` times PyTorch SDPA and Triton on the same shapes into `peers.csv` (same
 //! schema); `ladder bench --charts-only` redraws the charts with both and prints them side by side.
 //!
@@ -29,12 +34,13 @@ use std::time::Instant;
 use anyhow::Context;
 use ladder_compare::results::{self, Case, Direction, Outcome, Row};
 use ladder_compare::{GpuRung, gpu_check};
+use ladder_kernels::decode::{self, DecodeOptions};
 use ladder_kernels::{Gpu, KernelError, Options};
 use serde_json::{Map, Value, json};
 
 pub use plan::BenchArgs;
-use plan::Plan;
-use timing::InputSet;
+use plan::{DecodeShape, Plan};
+use timing::{DecodeSet, InputSet, Timing};
 
 /// Run `ladder bench`; exit status 2 without a GPU or on a bad flag or file, 1 if a case failed.
 pub fn main(args: &BenchArgs) -> ExitCode {
@@ -82,10 +88,19 @@ fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
         gpu.sm_count(),
         plan.dtype
     );
-    eprintln!(
-        "shapes: hidden {} (heads = hidden / d), {} tokens (batch = tokens / n), d {:?}, n {:?}",
-        plan.hidden, plan.tokens, plan.ds, plan.ns
-    );
+    if plan.ns.iter().any(|&n| !plan.rungs_at(n).is_empty()) {
+        eprintln!(
+            "shapes: hidden {} (heads = hidden / d), {} tokens (batch = tokens / n), d {:?}, n {:?}",
+            plan.hidden, plan.tokens, plan.ds, plan.ns
+        );
+    }
+    if !plan.decode_rungs().is_empty() {
+        eprintln!(
+            "decode shapes: one new token, d {:?}, {} (batch, heads q/kv, L) shapes",
+            plan.decode_ds,
+            plan.decode.len()
+        );
+    }
     for note in &notes {
         eprintln!("note: {note}");
     }
@@ -124,27 +139,7 @@ fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
                     done += 1;
                     let case = case_of(rung, causal);
                     let (row, extra) = run_case(gpu, plan, rung, case, &sets);
-                    let progress =
-                        format!("[{done:>3}/{total}] {:<4} {}", row.case.imp, row.case.label());
-                    match &row.outcome {
-                        Outcome::Measured { ms, tflops, .. } => {
-                            let samples = extra.get("samples").and_then(Value::as_u64).unwrap_or(0);
-                            let wanted = plan.repeats_of(rung) as u64;
-                            let mut note = String::new();
-                            if samples < wanted {
-                                note += &format!("  ({samples} of {wanted} samples: time budget)");
-                            }
-                            let first = extra.get("first_call_s").and_then(Value::as_f64);
-                            if let Some(first) = first.filter(|s| *s > 1.0) {
-                                note += &format!(
-                                    "  (first call {first:.1} s, kernel compile included)"
-                                );
-                            }
-                            eprintln!("{progress}  {ms:>9.4} ms  {tflops:>7.1} TFLOP/s{note}");
-                        }
-                        Outcome::Skipped(why) => eprintln!("{progress}  skipped: {why}"),
-                        Outcome::Failed(why) => eprintln!("{progress}  FAILED: {why}"),
-                    }
+                    print_progress(done, total, plan.repeats_of(rung), &row, &extra);
                     rows.push(row);
                     extras.push(extra);
                     // Rewrite the CSV after every case: a run cut short keeps what it measured.
@@ -155,6 +150,46 @@ fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
             gpu.synchronize().ok();
         }
     }
+    let decode_rungs = plan.decode_rungs();
+    for &d in plan.decode_ds.iter().filter(|_| !decode_rungs.is_empty()) {
+        for &shape in &plan.decode {
+            let prepared = Instant::now();
+            let sets = timing::upload_decode_sets(gpu, &mut pool, plan, d, shape);
+            if let Ok(sets) = &sets {
+                let DecodeShape { batch, heads_q, heads_kv, len } = shape;
+                eprintln!(
+                    "inputs decode d={d} b={batch} h={heads_q}/{heads_kv} L={len}: {} set(s) of a \
+                     {:.2} GB KV cache, ready in {:.1} s",
+                    sets.len(),
+                    shape.kv_bytes(d, plan.dtype) as f64 / 1e9,
+                    prepared.elapsed().as_secs_f64()
+                );
+            }
+            let lengths = vec![shape.len; shape.batch];
+            for &rung in &decode_rungs {
+                done += 1;
+                let DecodeShape { batch, heads_q, heads_kv, len } = shape;
+                let case = Case::decode(
+                    rung.name(),
+                    plan.dtype.name(),
+                    batch,
+                    heads_q,
+                    heads_kv,
+                    1,
+                    len,
+                    d,
+                );
+                let (row, extra) = run_decode_case(gpu, plan, rung, case, &sets, &lengths);
+                print_progress(done, total, plan.repeats_of(rung), &row, &extra);
+                rows.push(row);
+                extras.push(extra);
+                write_file(&out.join("bench.csv"), &results::to_csv(&rows))?;
+            }
+            drop(sets);
+            gpu.synchronize().ok();
+        }
+    }
+    pool.release_caches();
 
     let meta = json!({
         "card": gpu.name(),
@@ -169,6 +204,7 @@ fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
         "warmup": plan.warmup,
         "tokens": plan.tokens,
         "hidden": plan.hidden,
+        "decode_splits": plan.splits,
         "notes": notes,
         "elapsed_s": started.elapsed().as_secs_f64(),
     });
@@ -188,6 +224,35 @@ fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
     );
     charts::charts_only(out)?;
     Ok(failed == 0)
+}
+
+/// The progress line of one case: its time and throughput (TB/s and splits for a decoding case),
+/// or why it has none.
+fn print_progress(done: usize, total: usize, wanted: usize, row: &Row, extra: &Map<String, Value>) {
+    let progress = format!("[{done:>3}/{total}] {:<4} {}", row.case.imp, row.case.label());
+    match &row.outcome {
+        Outcome::Measured { ms, tflops, tbps } => {
+            let samples = extra.get("samples").and_then(Value::as_u64).unwrap_or(0);
+            let wanted = wanted as u64;
+            let mut note = String::new();
+            if samples < wanted {
+                note += &format!("  ({samples} of {wanted} samples: time budget)");
+            }
+            let first = extra.get("first_call_s").and_then(Value::as_f64);
+            if let Some(first) = first.filter(|s| *s > 1.0) {
+                note += &format!("  (first call {first:.1} s, kernel compile included)");
+            }
+            match (tbps, extra.get("splits").and_then(Value::as_u64)) {
+                (Some(tbps), splits) => {
+                    let splits = splits.map_or(String::new(), |s| format!("  splits {s:>3}"));
+                    eprintln!("{progress}  {ms:>9.4} ms  {tbps:>6.2} TB/s{splits}{note}");
+                }
+                (None, _) => eprintln!("{progress}  {ms:>9.4} ms  {tflops:>7.1} TFLOP/s{note}"),
+            }
+        }
+        Outcome::Skipped(why) => eprintln!("{progress}  skipped: {why}"),
+        Outcome::Failed(why) => eprintln!("{progress}  FAILED: {why}"),
+    }
 }
 
 /// Time one case; an unsupported shape is skipped, any other error fails the case (never a panic).
@@ -210,12 +275,60 @@ fn run_case(
     let timed = timing::step(rung, gpu, sets, opts).and_then(|mut step| {
         timing::measure(gpu, &mut step, sets.len(), warmup, repeats, plan.budget_ms)
     });
+    outcome(case, timed, sets.len())
+}
+
+/// Time one decoding case on `sets` (every sequence `lengths[b]` long); the split count used goes
+/// into the row's extras (`splits`, and `splits_from`: `--splits` or `heuristic`).
+fn run_decode_case(
+    gpu: &Gpu,
+    plan: &Plan,
+    rung: GpuRung,
+    case: Case,
+    sets: &ladder_kernels::Result<Vec<DecodeSet>>,
+    lengths: &[usize],
+) -> (Row, Map<String, Value>) {
+    let sets = match sets {
+        Ok(sets) => sets,
+        Err(err) => {
+            let why = format!("uploading the KV cache: {err}");
+            return (Row { case, outcome: Outcome::Failed(why) }, Map::new());
+        }
+    };
+    // What `decode::forward` picks without `--splits`: the same heuristic on the same inputs.
+    let splits = plan.splits.unwrap_or_else(|| {
+        let max_len = lengths.iter().copied().max().unwrap_or(0);
+        decode::num_splits(
+            case.batch * case.heads_kv,
+            max_len.div_ceil(decode::BC),
+            gpu.sm_count() as usize,
+            decode::MAX_SPLITS,
+        )
+    });
+    let (warmup, repeats) = (plan.warmup_of(rung), plan.repeats_of(rung));
+    let opts = DecodeOptions { scale: None, splits: plan.splits };
+    let timed = timing::decode_step(rung, gpu, sets, lengths, opts).and_then(|mut step| {
+        timing::measure(gpu, &mut step, sets.len(), warmup, repeats, plan.budget_ms)
+    });
+    let (row, mut extra) = outcome(case, timed, sets.len());
+    extra.insert("splits".into(), json!(splits));
+    let from = if plan.splits.is_some() { "--splits" } else { "heuristic" };
+    extra.insert("splits_from".into(), json!(from));
+    (row, extra)
+}
+
+/// The row of a timed case, and its extras for `bench.json`.
+fn outcome(
+    case: Case,
+    timed: ladder_kernels::Result<Timing>,
+    input_sets: usize,
+) -> (Row, Map<String, Value>) {
     match timed {
         Ok(t) => {
             let mut extra = Map::new();
             extra.insert("samples".into(), json!(t.samples));
             extra.insert("calls_per_sample".into(), json!(t.calls_per_sample));
-            extra.insert("input_sets".into(), json!(sets.len()));
+            extra.insert("input_sets".into(), json!(input_sets));
             extra.insert("first_call_s".into(), json!(t.first_call_s));
             (Row::measured(case, t.ms), extra)
         }

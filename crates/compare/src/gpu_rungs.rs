@@ -9,6 +9,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use ladder_kernels::decode::{self, DecodeOptions, KvCache};
 use ladder_kernels::{DType, Gpu, Gradients, Options, Output, Tensor, fa1, fa2};
 
 use crate::results::Direction;
@@ -29,6 +30,10 @@ pub type BackwardFn = fn(
     &Options,
 ) -> ladder_kernels::Result<Gradients>;
 
+/// A decoding kernel: `O, lse` of a few new tokens `Q` against a KV cache.
+pub type DecodeFn =
+    fn(&Gpu, &Tensor, &KvCache<'_>, &DecodeOptions) -> ladder_kernels::Result<Output>;
+
 /// The functions that launch a GPU rung.
 #[derive(Clone, Copy)]
 pub enum Kernels {
@@ -43,6 +48,8 @@ pub enum Kernels {
         /// Whether it runs with [`Options::deterministic`] (dQ without atomics).
         deterministic: bool,
     },
+    /// A decoding step against a KV cache ([`Direction::Decode`]).
+    Decode(DecodeFn),
 }
 
 impl fmt::Debug for Kernels {
@@ -50,6 +57,7 @@ impl fmt::Debug for Kernels {
         f.write_str(match self {
             Kernels::Forward(_) => "Kernels::Forward",
             Kernels::Backward { .. } => "Kernels::Backward",
+            Kernels::Decode(_) => "Kernels::Decode",
         })
     }
 }
@@ -62,7 +70,7 @@ pub struct Spec {
     pub name: &'static str,
     /// The row label in `ladder verify` and in test messages (unique).
     pub label: &'static str,
-    /// Forward or backward.
+    /// Forward, backward or decode.
     pub direction: Direction,
     /// Head dimensions the kernel is compiled for.
     pub head_dims: &'static [usize],
@@ -124,6 +132,16 @@ const FA2_BACKWARD_DETERMINISTIC: Spec = Spec {
     },
 };
 
+const FLASH_DECODING: Spec = Spec {
+    name: "flash-decoding",
+    label: "flash-decoding-gpu",
+    direction: Direction::Decode,
+    head_dims: decode::HEAD_DIMS,
+    dtypes: decode::DTYPES,
+    cpu: Rung::FlashDecoding,
+    kernels: Kernels::Decode(decode::forward),
+};
+
 /// A GPU kernel of the ladder, one per (algorithm, direction).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GpuRung {
@@ -135,12 +153,19 @@ pub enum GpuRung {
     Fa2Backward,
     /// FlashAttention-2 backward with `Options::deterministic` (dQ by a separate pass).
     Fa2BackwardDeterministic,
+    /// FlashDecoding (`ladder_kernels::decode::forward`): new tokens against a KV cache.
+    FlashDecoding,
 }
 
 impl GpuRung {
     /// Every GPU rung, in table order.
-    pub const ALL: [GpuRung; 4] =
-        [GpuRung::Fa1, GpuRung::Fa2, GpuRung::Fa2Backward, GpuRung::Fa2BackwardDeterministic];
+    pub const ALL: [GpuRung; 5] = [
+        GpuRung::Fa1,
+        GpuRung::Fa2,
+        GpuRung::Fa2Backward,
+        GpuRung::Fa2BackwardDeterministic,
+        GpuRung::FlashDecoding,
+    ];
 
     /// Everything about the rung.
     pub fn spec(self) -> &'static Spec {
@@ -149,20 +174,23 @@ impl GpuRung {
             GpuRung::Fa2 => &FA2,
             GpuRung::Fa2Backward => &FA2_BACKWARD,
             GpuRung::Fa2BackwardDeterministic => &FA2_BACKWARD_DETERMINISTIC,
+            GpuRung::FlashDecoding => &FLASH_DECODING,
         }
     }
 
-    /// The CLI and CSV name (`fa1`, `fa2`): the same for both directions of one algorithm.
+    /// The CLI and CSV name (`fa1`, `fa2`, `flash-decoding`): the same for both directions of
+    /// one algorithm.
     pub fn name(self) -> &'static str {
         self.spec().name
     }
 
-    /// The unique label of `ladder verify`'s rows (`fa1-gpu`, `fa2-gpu`, `fa2-bwd-gpu`).
+    /// The unique label of `ladder verify`'s rows (`fa1-gpu`, `fa2-gpu`, `fa2-bwd-gpu`,
+    /// `flash-decoding-gpu`).
     pub fn label(self) -> &'static str {
         self.spec().label
     }
 
-    /// Forward or backward.
+    /// Forward, backward or decode.
     pub fn direction(self) -> Direction {
         self.spec().direction
     }
@@ -190,7 +218,7 @@ impl GpuRung {
     /// The CPU rung's label in `ladder verify` (`fa2`, or `fa2-bwd` for a backward pass).
     pub fn cpu_label(self) -> String {
         match self.direction() {
-            Direction::Fwd => self.cpu().name().to_string(),
+            Direction::Fwd | Direction::Decode => self.cpu().name().to_string(),
             Direction::Bwd => format!("{}-bwd", self.cpu().name()),
         }
     }
@@ -205,7 +233,7 @@ impl GpuRung {
         GpuRung::ALL.into_iter().find(|r| r.name() == name && r.direction() == direction)
     }
 
-    /// The distinct names, in table order (`fa1`, `fa2`, `fa2-det`).
+    /// The distinct names, in table order (`fa1`, `fa2`, `fa2-det`, `flash-decoding`).
     pub fn names() -> Vec<&'static str> {
         let mut names: Vec<&'static str> = GpuRung::ALL.iter().map(|r| r.name()).collect();
         names.dedup();
@@ -237,7 +265,7 @@ mod tests {
 
     #[test]
     fn names_labels_and_lookups_agree() {
-        assert_eq!(GpuRung::names(), ["fa1", "fa2", "fa2-det"]);
+        assert_eq!(GpuRung::names(), ["fa1", "fa2", "fa2-det", "flash-decoding"]);
         for r in GpuRung::ALL {
             assert_eq!(r.label().parse::<GpuRung>(), Ok(r));
             assert_eq!(GpuRung::find(r.name(), r.direction()), Some(r));
@@ -246,6 +274,10 @@ mod tests {
             assert_eq!(
                 matches!(r.kernels(), Kernels::Backward { .. }),
                 r.direction() == Direction::Bwd
+            );
+            assert_eq!(
+                matches!(r.kernels(), Kernels::Decode(_)),
+                r.direction() == Direction::Decode
             );
         }
         assert_eq!(GpuRung::find("fa2", Direction::Bwd), Some(GpuRung::Fa2Backward));
@@ -258,5 +290,13 @@ mod tests {
         assert!(GpuRung::Fa2.supports(256) && !GpuRung::Fa2Backward.supports(256));
         assert_eq!(GpuRung::Fa2Backward.cpu_label(), "fa2-bwd");
         assert!(GpuRung::Fa1.dtypes().contains(&DType::F32));
+        let fd = GpuRung::FlashDecoding;
+        assert_eq!(GpuRung::find("flash-decoding", Direction::Decode), Some(fd));
+        assert_eq!(GpuRung::find("flash-decoding", Direction::Fwd), None);
+        assert_eq!(
+            (fd.label(), fd.cpu(), fd.cpu_label()),
+            ("flash-decoding-gpu", Rung::FlashDecoding, "flash-decoding".to_string())
+        );
+        assert!(fd.supports(128) && fd.dtypes() == [DType::F16, DType::BF16]);
     }
 }

@@ -34,8 +34,9 @@ enum Command {
     Verify(VerifyArgs),
     /// Run one rung on your own tensors (.npy, float16/32/64, shape [batch, heads, seq, head_dim]).
     Run(run::RunArgs),
-    /// Time the GPU rungs (CUDA events) at the FlashAttention-3 paper's shapes; write CSV, JSON
-    /// and TFLOP/s charts (with scripts/peers.py's PyTorch/Triton figures when present).
+    /// Time the GPU rungs (CUDA events) at the FlashAttention-3 paper's shapes, and FlashDecoding
+    /// with `--direction decode`; write CSV, JSON and TFLOP/s (decode: TB/s) charts (with
+    /// scripts/peers.py's PyTorch/Triton figures when present).
     Bench(bench::BenchArgs),
 }
 

@@ -4,7 +4,9 @@
 //!   measured case per line, columns [`COLUMNS`], found by name when read;
 //! - `bench.json`: every case, skipped and failed ones included ([`row_json`]);
 //! - `meta.json`: the card, driver, CUDA version, date, torch version and a note ([`META_KEYS`]),
-//!   filled by both tools without clobbering each other's keys ([`merge_meta`]).
+//!   filled by both tools without clobbering each other's keys ([`merge_meta`]); optionally
+//!   `hbm_read_tbps`, a measured HBM read bandwidth in TB/s (a number, written by hand or by a
+//!   bandwidth test; absent unless measured), drawn on the decode charts.
 //!
 //! Throughput follows the FLOP convention of [`attention_flops`] (see `docs/conventions.md`).
 //! `ladder bench`, its report and charts, and the notebooks' support crate all read through here.
@@ -40,32 +42,39 @@ pub const CSV_HEADER: &str =
 /// The keys of `meta.json` (both `ladder bench` and `scripts/peers.py` fill it).
 pub const META_KEYS: [&str; 6] = ["card", "driver", "cuda", "date", "torch", "note"];
 
-/// Forward or backward pass.
+/// Forward or backward pass, or a decoding step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, clap::ValueEnum)]
 pub enum Direction {
     /// `O, lse` from `Q, K, V`.
     Fwd,
     /// `dQ, dK, dV` from `dO` (the forward's `O` and `lse` given).
     Bwd,
+    /// A decoding step: `O, lse` of `n_q` new tokens against a KV cache of `n_kv` entries per
+    /// sequence (memory-bound: its figure of merit is TB/s of K and V read).
+    Decode,
 }
 
 impl Direction {
-    /// `fwd` or `bwd`, as in the CSV.
+    /// Every direction, in table order.
+    pub const ALL: [Direction; 3] = [Direction::Fwd, Direction::Bwd, Direction::Decode];
+
+    /// `fwd`, `bwd` or `decode`, as in the CSV.
     pub fn name(self) -> &'static str {
         match self {
             Direction::Fwd => "fwd",
             Direction::Bwd => "bwd",
+            Direction::Decode => "decode",
         }
     }
 
-    /// The direction named `fwd` or `bwd`.
+    /// The direction named `fwd`, `bwd` or `decode`.
     pub fn parse(name: &str) -> Option<Direction> {
-        [Direction::Fwd, Direction::Bwd].into_iter().find(|d| d.name() == name)
+        Direction::ALL.into_iter().find(|d| d.name() == name)
     }
 }
 
-/// Attention FLOPs by the ladder's convention: forward `4·B·Hq·n_q·n_kv·d`, halved for causal
-/// with `n_q == n_kv`; backward 2.5× forward. Causal with `n_q != n_kv` (bottom-right aligned)
+/// Attention FLOPs by the ladder's convention: forward (and decode) `4·B·Hq·n_q·n_kv·d`, halved
+/// for causal with `n_q == n_kv`; backward 2.5× forward. Causal with `n_q != n_kv` (bottom-right aligned)
 /// counts the query–key pairs that are actually visible.
 pub fn attention_flops(
     direction: Direction,
@@ -86,7 +95,7 @@ pub fn attention_flops(
     };
     let forward = 4.0 * (batch * heads_q) as f64 * pairs * d as f64;
     match direction {
-        Direction::Fwd => forward,
+        Direction::Fwd | Direction::Decode => forward,
         Direction::Bwd => 2.5 * forward,
     }
 }
@@ -96,7 +105,7 @@ pub fn attention_flops(
 pub struct Case {
     /// Implementation: `fa1`, `fa2`, or a peer (`sdpa-flash`, `sdpa-cudnn`, `sdpa-efficient`, `triton`).
     pub imp: String,
-    /// `fwd` or `bwd`.
+    /// `fwd`, `bwd` or `decode`.
     pub direction: String,
     /// `fp16` or `bf16`.
     pub dtype: String,
@@ -143,6 +152,50 @@ impl Case {
         }
     }
 
+    /// A decoding case: `n_q` new tokens of `batch` sequences against `len` cached keys and
+    /// values each (`n_kv = len`, not causal: with one new token the mask changes nothing).
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode(
+        imp: &str,
+        dtype: &str,
+        batch: usize,
+        heads_q: usize,
+        heads_kv: usize,
+        n_q: usize,
+        len: usize,
+        d: usize,
+    ) -> Case {
+        Case {
+            imp: imp.to_string(),
+            direction: Direction::Decode.name().to_string(),
+            dtype: dtype.to_string(),
+            causal: false,
+            batch,
+            heads_q,
+            heads_kv,
+            n_q,
+            n_kv: len,
+            d,
+        }
+    }
+
+    /// Whether this is a decoding case (direction `decode`).
+    pub fn is_decode(&self) -> bool {
+        self.direction == Direction::Decode.name()
+    }
+
+    /// Bytes of K and V a decoding case must read, `2 · B · Hkv · n_kv · d · element size`
+    /// (`None` for other directions, or an unknown dtype).
+    pub fn kv_bytes(&self) -> Option<f64> {
+        let size = match self.dtype.as_str() {
+            "fp16" | "bf16" => 2.0,
+            "fp32" | "f32" => 4.0,
+            _ => return None,
+        };
+        self.is_decode()
+            .then(|| 2.0 * (self.batch * self.heads_kv * self.n_kv * self.d) as f64 * size)
+    }
+
     /// FLOPs of this case by the ladder's convention (an unknown direction counts as forward).
     pub fn flops(&self) -> f64 {
         let direction = Direction::parse(&self.direction).unwrap_or(Direction::Fwd);
@@ -157,8 +210,15 @@ impl Case {
         )
     }
 
-    /// `fwd d=128 n=4096 causal` and the like, for progress lines and tables.
+    /// `fwd d=128 n=4096 causal` and the like, for progress lines and tables (`decode fp16
+    /// d=128 L=8192 b=1 h=32/8` for a decoding case).
     pub fn label(&self) -> String {
+        if self.is_decode() {
+            return format!(
+                "decode {} d={:<3} L={:<6} b={:<2} h={}/{} new={}",
+                self.dtype, self.d, self.n_kv, self.batch, self.heads_q, self.heads_kv, self.n_q
+            );
+        }
         format!(
             "{:<4} {} d={:<3} n={:<5} {:<8} b={} h={}",
             self.direction,
@@ -181,7 +241,8 @@ pub enum Outcome {
         ms: f64,
         /// TFLOP/s by the ladder's FLOP convention.
         tflops: f64,
-        /// TB/s of the bytes the case must move (memory-bound cases only; empty here).
+        /// TB/s of the bytes the case must move: K and V for a decoding case
+        /// ([`Case::kv_bytes`]); empty for the compute-bound directions.
         tbps: Option<f64>,
     },
     /// The implementation does not support this case (head dim, dtype): not an error.
@@ -200,10 +261,20 @@ pub struct Row {
 }
 
 impl Row {
-    /// A measured row; TFLOP/s from the FLOP convention.
+    /// A measured row; TFLOP/s from the FLOP convention, and TB/s of K and V read for a decoding
+    /// case.
     pub fn measured(case: Case, ms: f64) -> Row {
         let tflops = case.flops() / (ms * 1e-3) / 1e12;
-        Row { case, outcome: Outcome::Measured { ms, tflops, tbps: None } }
+        let tbps = case.kv_bytes().map(|bytes| bytes / (ms * 1e-3) / 1e12);
+        Row { case, outcome: Outcome::Measured { ms, tflops, tbps } }
+    }
+
+    /// TB/s if measured and recorded.
+    pub fn tbps(&self) -> Option<f64> {
+        match self.outcome {
+            Outcome::Measured { tbps, .. } => tbps,
+            _ => None,
+        }
     }
 
     /// `(ms, tflops)` if measured.
@@ -432,6 +503,35 @@ mod tests {
             let ((ma, ta), (mb, tb)) = (a.timing().unwrap(), b.timing().unwrap());
             assert!((ma - mb).abs() < 1e-6 && (ta - tb).abs() < 1e-3, "{ma} {mb} {ta} {tb}");
         }
+    }
+
+    #[test]
+    fn decode_rows_carry_tbps_and_round_trip() {
+        // One new token, B = 1, 32 query heads over 8 kv heads, L = 8192, d = 128, fp16:
+        // K and V are 2 · 8 · 8192 · 128 · 2 bytes = 33.5 MB.
+        let case = Case::decode("flash-decoding", "fp16", 1, 32, 8, 1, 8192, 128);
+        assert!(case.is_decode() && !case.causal);
+        assert_eq!(case.kv_bytes(), Some(2.0 * 8.0 * 8192.0 * 128.0 * 2.0));
+        assert_eq!(case.flops(), 4.0 * 32.0 * 8192.0 * 128.0);
+        assert!(case.label().contains("L=8192") && case.label().contains("h=32/8"));
+        assert_eq!(Direction::parse("decode"), Some(Direction::Decode));
+        assert_eq!(Direction::Decode.name(), "decode");
+        let row = Row::measured(case.clone(), 0.01);
+        let tbps = row.tbps().unwrap();
+        assert!((tbps - 33_554_432.0 / 1e-5 / 1e12).abs() < 1e-9, "{tbps}");
+        let text = to_csv(std::slice::from_ref(&row));
+        let line = text.lines().nth(1).unwrap();
+        assert!(
+            line.starts_with("flash-decoding,decode,fp16,false,1,32,8,1,8192,128,0.010000,"),
+            "{line}"
+        );
+        assert!(line.ends_with(",3.3554"), "{line}");
+        let back = parse_csv(&text).unwrap();
+        assert_eq!(back.len(), 1);
+        assert_eq!(back[0].case, case);
+        assert!((back[0].tbps().unwrap() - tbps).abs() < 1e-3);
+        // Prefill rows have no TB/s.
+        assert_eq!(Row::measured(self::case("fa2", "fwd", false, 512), 1.0).tbps(), None);
     }
 
     #[test]

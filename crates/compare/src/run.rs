@@ -224,10 +224,20 @@ impl RunArgs {
             }
             Device::Gpu => {
                 let rung = gpu_forward(self.rung).ok_or_else(|| {
+                    // A decoding kernel (FlashDecoding) takes a KV cache, not `run`'s Q, K, V.
+                    let decoding = GpuRung::ALL
+                        .into_iter()
+                        .any(|g| g.direction() == Direction::Decode && g.cpu() == self.rung);
                     usage(format!(
-                        "{} has no GPU kernel (GPU rungs: {})",
+                        "{} has no GPU kernel (GPU rungs: {}){}",
                         self.rung,
-                        names(&gpu_forwards(), |r| r.cpu().to_string())
+                        names(&gpu_forwards(), |r| r.cpu().to_string()),
+                        if decoding {
+                            "; its decoding kernel takes a KV cache, not `run`'s Q, K, V: \
+                             `ladder bench --direction decode` times it"
+                        } else {
+                            ""
+                        }
                     ))
                 })?;
                 let dtypes = gpu_dtypes(rung);
@@ -441,7 +451,7 @@ fn gpu(rung: GpuRung, dtype: GpuDType, x: &Tensors, args: &RunArgs) -> anyhow::R
     };
     let out = match rung.kernels() {
         Kernels::Forward(forward) => forward(&gpu, &q, &k, &v, &opts),
-        Kernels::Backward { .. } => bail!("{label}: not a forward kernel"),
+        Kernels::Backward { .. } | Kernels::Decode(_) => bail!("{label}: not a forward kernel"),
     }
     .map_err(kernel_error)?;
     let grads = match x.d_o {

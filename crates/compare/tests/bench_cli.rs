@@ -41,10 +41,35 @@ fn bench_without_a_gpu_exits_2_with_one_line() {
 }
 
 #[test]
+fn decode_bench_without_a_gpu_exits_2_with_one_line() {
+    if let Ok(gpu) = ladder_kernels::Gpu::new() {
+        eprintln!("decode_bench_without_a_gpu_exits_2_with_one_line: skipped ({})", gpu.name());
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for args in [&["--direction", "decode"][..], &["--rung", "flash-decoding", "--splits", "8"]] {
+        let out = path(&dir.path().join("r"));
+        let run = ladder(&[&["bench", "--out", &out][..], args].concat());
+        let stderr = text(&run.stderr);
+        assert_eq!(run.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.starts_with("no CUDA device found: "), "{args:?}: {stderr}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: {stderr}");
+    }
+}
+
+#[test]
 fn bad_flags_exit_2_before_looking_for_a_gpu() {
     let run = ladder(&["bench", "--rung", "fa9"]);
     assert_eq!(run.status.code(), Some(2));
     assert!(text(&run.stderr).contains("no such GPU rung"), "{}", text(&run.stderr));
+    for (args, message) in [
+        (&["--direction", "decode", "--splits", "0"][..], "--splits must be at least 1"),
+        (&["--direction", "decode", "--heads-kv", "5"], "--heads-kv 5"),
+    ] {
+        let run = ladder(&[&["bench"][..], args].concat());
+        assert_eq!(run.status.code(), Some(2), "{args:?}");
+        assert!(text(&run.stderr).contains(message), "{}", text(&run.stderr));
+    }
 }
 
 fn write_results(dir: &Path) {
@@ -89,6 +114,51 @@ fn charts_only_draws_rungs_and_peers_side_by_side() {
 }
 
 #[test]
+fn charts_only_draws_the_decode_rows_in_tb_per_s() {
+    let dir = tempfile::tempdir().unwrap();
+    write_results(dir.path());
+    let mut bench = std::fs::read_to_string(dir.path().join("bench.csv")).unwrap();
+    bench += "flash-decoding,decode,fp16,false,1,32,8,1,8192,128,0.010000,13.422,3.3554\n\
+              flash-decoding,decode,fp16,false,1,32,8,1,131072,128,0.120000,17.896,4.4739\n\
+              flash-decoding,decode,fp16,false,16,32,32,1,32768,128,1.000000,8.590,4.2950\n";
+    let mut peers = std::fs::read_to_string(dir.path().join("peers.csv")).unwrap();
+    peers += "sdpa-flash,decode,fp16,false,1,32,8,1,8192,128,0.020000,6.711,1.6777\n\
+              sdpa-cudnn,decode,fp16,false,1,32,8,1,8192,128,0.015000,8.948,2.2369\n";
+    std::fs::write(dir.path().join("bench.csv"), bench).unwrap();
+    std::fs::write(dir.path().join("peers.csv"), peers).unwrap();
+    let run = ladder(&["bench", "--charts-only", "--out", &path(dir.path())]);
+    let stdout = text(&run.stdout);
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    // The TFLOP/s table is as before; the decode rows have their own TB/s table.
+    let header = stdout.lines().find(|l| l.starts_with("dir")).expect("a table header");
+    assert!(!header.contains("flash-decoding"), "{header}");
+    let decode = stdout.split("TB/s of K and V read").nth(1).expect("a decode table");
+    let header = decode.lines().nth(1).unwrap();
+    let columns: Vec<&str> = header.split_whitespace().collect();
+    assert_eq!(columns[6..], ["flash-decoding", "sdpa-flash", "sdpa-cudnn", "ours/sdpa-flash"]);
+    let row = decode.lines().find(|l| l.contains(" 8192")).expect("the 8k row");
+    assert!(row.contains("3.36") && row.contains("1.68") && row.contains("2.24"), "{row}");
+    assert!(row.trim_end().ends_with("2.00x"), "{row}");
+    for (file, names) in [
+        ("decode-fp16-d128-b1.svg", &["flash-decoding 32/8", "sdpa-flash 32/8", "sdpa-cudnn"][..]),
+        ("decode-fp16-d128-b16.svg", &["flash-decoding 32/32"]),
+    ] {
+        let svg = std::fs::read_to_string(dir.path().join(file)).unwrap();
+        for name in names.iter().chain(&["HBM datasheet", "NVIDIA H200"]) {
+            assert!(svg.contains(name), "{name} missing from {file}");
+        }
+        assert!(!svg.contains("measured"), "no measured bandwidth in meta.json");
+    }
+    // A measured read bandwidth in meta.json is a second line.
+    let meta = r#"{"card": "NVIDIA H200", "hbm_read_tbps": 4.31}"#;
+    std::fs::write(dir.path().join("meta.json"), meta).unwrap();
+    let run = ladder(&["bench", "--charts-only", "--out", &path(dir.path())]);
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    let svg = std::fs::read_to_string(dir.path().join("decode-fp16-d128-b1.svg")).unwrap();
+    assert!(svg.contains("HBM read, measured (4.31 TB/s)"), "the measured line");
+}
+
+#[test]
 fn charts_only_without_results_says_so() {
     let dir = tempfile::tempdir().unwrap();
     let run = ladder(&["bench", "--charts-only", "--out", &path(dir.path())]);
@@ -116,6 +186,9 @@ fn peers_py_writes_the_schema_ladder_reads() {
          assert peers.flops('bwd', 1, 16, 16384, 16384, 128, True) == 1.25 * 4 * 16 * 16384**2 * 128\n\
          rows = [peers.csv_row('sdpa-flash', 'fwd', 'fp16', False, 1, 16, 16384, 128, 6.4),\n\
                  peers.csv_row('triton', 'bwd', 'fp16', True, 32, 32, 512, 64, 0.5)]\n\
+         d = peers.parse_args(['--direction', 'decode'])\n\
+         assert d.decode[0] == (1, 32, 32, 8192) and len(d.decode) == 42, d.decode\n\
+         rows.append(peers.decode_row('sdpa-flash', 'fp16', 1, 32, 8, 1, 8192, 128, 0.01))\n\
          peers.write_csv({csv:?}, rows)\n",
         scripts = path(script.parent().unwrap()),
         csv = path(&dir.path().join("peers.csv")),
@@ -131,6 +204,10 @@ fn peers_py_writes_the_schema_ladder_reads() {
     assert!(stdout.contains("343.6"), "{stdout}");
     assert!(stdout.contains("171.8"), "{stdout}");
     assert!(dir.path().join("bwd-fp16-d64-causal.svg").exists());
+    // The decode row: 2 · 8 · 8192 · 128 · 2 bytes in 10 µs.
+    assert!(csv.contains("sdpa-flash,decode,fp16,false,1,32,8,1,8192,128,0.010000,"), "{csv}");
+    assert!(stdout.contains("3.36"), "{stdout}");
+    assert!(dir.path().join("decode-fp16-d128-b1.svg").exists());
 }
 
 /// On a GPU machine: a tiny `--quick` run writes every file with the agreed schema.
@@ -187,4 +264,50 @@ fn quick_bench_on_the_gpu_writes_csv_json_meta_and_charts() {
     }
     assert!(out.join("fwd-fp16-d128-noncausal.svg").exists());
     assert!(stderr.contains("fa1 (scalar FP32"), "the FA1 limits are said: {stderr}");
+}
+
+/// On a GPU machine: a tiny decode run writes FlashDecoding rows with TB/s, the split count in
+/// bench.json, and the decode chart.
+#[test]
+fn decode_bench_on_the_gpu_writes_tbps_rows_and_splits() {
+    let Some(gpu) = ladder_compare::gpu_check::gpu_or_skip("decode_bench_on_the_gpu") else {
+        return;
+    };
+    drop(gpu);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("r");
+    let base = ["bench", "--direction", "decode", "--n", "1024,4096", "--batch", "2"];
+    let flags = ["--heads-kv", "8", "--repeats", "3", "--warmup", "1", "--out", &path(&out)];
+    for splits in [None, Some("4")] {
+        let mut args: Vec<&str> = [&base[..], &flags].concat();
+        if let Some(s) = splits {
+            args.extend(["--splits", s]);
+        }
+        let run = ladder(&args);
+        let (stdout, stderr) = (text(&run.stdout), text(&run.stderr));
+        assert!(run.status.success(), "{stderr}\n{stdout}");
+        let csv = std::fs::read_to_string(out.join("bench.csv")).unwrap();
+        let rows: Vec<Vec<&str>> = csv.lines().skip(1).map(|l| l.split(',').collect()).collect();
+        assert_eq!(rows.len(), 2, "{csv}");
+        for (row, len) in rows.iter().zip(["1024", "4096"]) {
+            assert_eq!(
+                row[..10],
+                ["flash-decoding", "decode", "fp16", "false", "2", "32", "8", "1", len, "128"]
+            );
+            let tbps: f64 = row[12].parse().unwrap();
+            assert!(tbps > 0.0 && tbps.is_finite(), "{row:?}");
+        }
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("bench.json")).unwrap())
+                .unwrap();
+        for row in json["rows"].as_array().unwrap() {
+            let used = row["splits"].as_u64().expect("the split count");
+            match splits {
+                Some(s) => assert_eq!(used.to_string(), s),
+                None => assert!(used >= 1 && row["splits_from"] == "heuristic", "{row}"),
+            }
+        }
+        assert!(out.join("decode-fp16-d128-b2.svg").exists());
+        assert!(stdout.contains("TB/s of K and V read"), "{stdout}");
+    }
 }

@@ -248,7 +248,7 @@ fn run_rejects_bad_flag_combinations_and_gradients() {
             .to_vec()
     };
     let grads = ["--dq", "dq.npy", "--dk", "dk.npy", "--dv", "dv.npy"];
-    let cases: [(&str, Vec<&str>, i32, &str); 11] = [
+    let cases: [(&str, Vec<&str>, i32, &str); 12] = [
         ("fa2", vec!["--backward"], 2, "--backward needs --do"),
         ("fa2", vec!["--backward", "--do", &d_o], 2, "missing --dq, --dk, --dv"),
         ("fa2", vec!["--do", &d_o], 2, "--do goes with --backward"),
@@ -257,6 +257,12 @@ fn run_rejects_bad_flag_combinations_and_gradients() {
         ("fa2", [&["--backward", "--do", &missing][..], &grads].concat(), 1, "missing.npy"),
         ("naive", vec!["--device", "gpu"], 2, "naive has no GPU kernel (GPU rungs: fa1, fa2)"),
         ("fa3", vec!["--device", "gpu"], 2, "fa3 has no GPU kernel"),
+        (
+            "flash-decoding",
+            vec!["--device", "gpu"],
+            2,
+            "flash-decoding has no GPU kernel (GPU rungs: fa1, fa2); its decoding kernel",
+        ),
         ("fa2", vec!["--device", "gpu", "--dtype", "f32"], 2, "fa2 on the GPU takes fp16, bf16"),
         (
             "fa1",

@@ -67,9 +67,10 @@ impl Row {
         })
     }
 
-    /// A decode step: a few query tokens against a cache.
+    /// A decode step: a few query tokens against a cache (direction `decode`, as `ladder bench
+    /// --direction decode` and `scripts/peers.py` write it, or a shape of one).
     pub fn is_decode(&self) -> bool {
-        self.n_q <= 16 && self.n_kv > self.n_q
+        self.direction == "decode" || (self.n_q <= 16 && self.n_kv > self.n_q)
     }
 
     /// The problem, without the implementation: rows with the same case are compared.

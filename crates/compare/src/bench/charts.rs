@@ -1,9 +1,13 @@
 //! TFLOP/s against sequence length, one SVG per (direction, dtype, head dim, mask), one line per
-//! implementation: the ladder's rungs solid, the peers (PyTorch SDPA, Triton) dashed.
+//! implementation: the ladder's rungs solid, the peers (PyTorch SDPA, Triton) dashed. Decoding
+//! rows get their own charts ([`draw_decode`]): TB/s against the KV cache length, one SVG per
+//! (dtype, head dim, batch), one line per (implementation, query/kv heads), with the HBM
+//! bandwidth of the datasheet (and a measured one, when `meta.json` has [`HBM_READ_KEY`]).
 //!
 //! SVG text is written as `<text>` elements with plotters' built-in size estimate, so drawing
 //! needs no font files and no fontconfig.
 
+use std::cmp::Reverse;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -15,17 +19,29 @@ use ladder_compare::results::{self, Row};
 
 use super::report::{impl_rank, render_side_by_side};
 
-/// Line colours, one per implementation in legend order.
-const COLORS: [RGBColor; 8] = [
-    RGBColor(148, 103, 189), // fa1: purple
-    RGBColor(214, 39, 40),   // fa2: red
-    RGBColor(31, 119, 180),  // sdpa-flash: blue
-    RGBColor(44, 160, 44),   // sdpa-cudnn: green
-    RGBColor(255, 127, 14),  // sdpa-efficient: orange
-    RGBColor(23, 190, 207),  // triton: cyan
-    RGBColor(140, 86, 75),
-    RGBColor(127, 127, 127),
+/// Line colours of the known implementations; others take [`SPARE_COLORS`].
+const COLORS: [(&str, RGBColor); 8] = [
+    ("fa1", RGBColor(148, 103, 189)),           // purple
+    ("fa2", RGBColor(214, 39, 40)),             // red
+    ("fa2-det", RGBColor(227, 119, 194)),       // pink
+    ("flash-decoding", RGBColor(214, 39, 40)),  // red
+    ("sdpa-flash", RGBColor(31, 119, 180)),     // blue
+    ("sdpa-cudnn", RGBColor(44, 160, 44)),      // green
+    ("sdpa-efficient", RGBColor(255, 127, 14)), // orange
+    ("triton", RGBColor(23, 190, 207)),         // cyan
 ];
+const SPARE_COLORS: [RGBColor; 2] = [RGBColor(140, 86, 75), RGBColor(127, 127, 127)];
+
+/// The colour of implementation `name` (the `i`-th series of its chart).
+fn color_of(name: &str, i: usize) -> RGBColor {
+    COLORS.iter().find(|(n, _)| *n == name).map_or(SPARE_COLORS[i % 2], |(_, c)| *c)
+}
+
+/// HBM3e bandwidth of the H200 datasheet, TB/s: the decode charts' reference line.
+pub const HBM_DATASHEET_TBPS: f64 = 4.8;
+/// The `meta.json` key of a measured HBM read bandwidth in TB/s (a number; absent unless
+/// measured), drawn as a second line on the decode charts.
+pub const HBM_READ_KEY: &str = "hbm_read_tbps";
 
 /// One chart: the rows of one (direction, dtype, d, causal), by implementation.
 #[derive(Debug, Default)]
@@ -45,7 +61,7 @@ pub fn draw_all(dir: &Path, rows: &[Row], subtitle: &str) -> anyhow::Result<Vec<
     for row in rows {
         let Some((_, tflops)) = row.timing() else { continue };
         let c = &row.case;
-        if c.n_q != c.n_kv || !tflops.is_finite() {
+        if c.is_decode() || c.n_q != c.n_kv || !tflops.is_finite() {
             continue; // the sweep is square; other shapes have no place on an n axis
         }
         let key = (u8::from(c.direction != "fwd"), c.dtype.clone(), c.d, c.causal);
@@ -105,9 +121,9 @@ fn draw(path: &Path, title: &str, subtitle: &str, chart: &Chart) -> anyhow::Resu
         .y_label_formatter(&|y| format!("{y:.0}"))
         .label_style(("sans-serif", 14))
         .draw()?;
-    for (i, ((rank, name), points)) in chart.series.iter().enumerate() {
+    for (i, ((_, name), points)) in chart.series.iter().enumerate() {
         // Known implementations keep their colour from chart to chart; others take the spares.
-        let color = COLORS[if *rank < 6 { *rank } else { 6 + i % 2 }];
+        let color = color_of(name, i);
         let ours = name.starts_with("fa");
         let style = color.stroke_width(if ours { 3 } else { 2 });
         let pts: Vec<(f64, f64)> = points.iter().map(|(&n, &t)| ((n as f64).log2(), t)).collect();
@@ -129,6 +145,131 @@ fn draw(path: &Path, title: &str, subtitle: &str, chart: &Chart) -> anyhow::Resu
         .draw()?;
     root.present()?;
     Ok(())
+}
+
+/// One decode chart: TB/s by (implementation, heads_q, heads_kv) and cache length.
+type DecodeChart = BTreeMap<((usize, String), Reverse<usize>, usize), BTreeMap<usize, f64>>;
+
+/// File name of the decode chart of one group, e.g. `decode-fp16-d128-b16.svg`.
+pub fn decode_chart_name(dtype: &str, d: usize, batch: usize) -> String {
+    format!("decode-{dtype}-d{d}-b{batch}.svg")
+}
+
+/// Draw one TB/s chart per (dtype, d, batch) of the measured decoding `rows` into `dir`, with the
+/// datasheet's HBM bandwidth and, if given, a measured read bandwidth (TB/s). Returns the files
+/// written.
+pub fn draw_decode(
+    dir: &Path,
+    rows: &[Row],
+    subtitle: &str,
+    measured_tbps: Option<f64>,
+) -> anyhow::Result<Vec<PathBuf>> {
+    let mut charts: BTreeMap<(String, usize, usize), DecodeChart> = BTreeMap::new();
+    for row in rows {
+        let c = &row.case;
+        let Some(tbps) = row.tbps().filter(|t| t.is_finite() && c.is_decode()) else { continue };
+        let key = (c.dtype.clone(), c.d, c.batch);
+        let series = (impl_rank(&c.imp), Reverse(c.heads_kv), c.heads_q);
+        charts.entry(key).or_default().entry(series).or_default().insert(c.n_kv, tbps);
+    }
+    let mut written = Vec::new();
+    for ((dtype, d, batch), chart) in &charts {
+        let path = dir.join(decode_chart_name(dtype, *d, *batch));
+        let title =
+            format!("Decode {dtype}, d = {d}, batch {batch}, one new token: TB/s of K and V");
+        draw_decode_chart(&path, &title, subtitle, chart, measured_tbps)
+            .with_context(|| format!("drawing {}", path.display()))?;
+        written.push(path);
+    }
+    Ok(written)
+}
+
+fn draw_decode_chart(
+    path: &Path,
+    title: &str,
+    subtitle: &str,
+    chart: &DecodeChart,
+    measured_tbps: Option<f64>,
+) -> anyhow::Result<()> {
+    let all = || chart.values().flat_map(|s| s.iter());
+    let (lo, hi) = all().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), (&n, _)| {
+        let x = (n as f64).log2();
+        (lo.min(x), hi.max(x))
+    });
+    let (lo, hi) = (lo.floor() - 0.3, hi.ceil() + 0.3);
+    let top = all().map(|(_, &t)| t).chain(measured_tbps).fold(HBM_DATASHEET_TBPS, f64::max) * 1.15;
+
+    let root = SVGBackend::new(path, (960, 600)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (head, body) = root.split_vertically(56);
+    head.draw(&Text::new(title.to_string(), (16, 8), ("sans-serif", 22).into_font()))?;
+    head.draw(&Text::new(subtitle.to_string(), (16, 34), ("sans-serif", 15).into_font()))?;
+    let mut ctx = ChartBuilder::on(&body)
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(64)
+        .build_cartesian_2d(lo..hi, 0f64..top)?;
+    let ticks = (hi - lo).round() as usize + 1;
+    ctx.configure_mesh()
+        .x_labels(ticks)
+        .x_label_formatter(&|x| n_label(*x))
+        .x_desc("KV cache length L (log2 scale)")
+        .y_desc("TB/s")
+        .y_label_formatter(&|y| format!("{y:.1}"))
+        .label_style(("sans-serif", 14))
+        .draw()?;
+    let references = [
+        Some((HBM_DATASHEET_TBPS, "HBM datasheet", BLACK)),
+        measured_tbps.map(|t| (t, "HBM read, measured", RGBColor(100, 100, 100))),
+    ];
+    for (tbps, name, color) in references.into_iter().flatten() {
+        let line = vec![(lo, tbps), (hi, tbps)];
+        ctx.draw_series(DashedLineSeries::new(line, 4, 4, color.stroke_width(1)))?
+            .label(format!("{name} ({tbps:.2} TB/s)"))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color));
+        ctx.draw_series(std::iter::once(Text::new(
+            name.to_string(),
+            (hi - 0.3 - 0.12 * name.len() as f64, tbps + top * 0.012),
+            ("sans-serif", 13).into_font(),
+        )))?;
+    }
+    for (i, (((_, name), Reverse(heads_kv), heads_q), points)) in chart.iter().enumerate() {
+        let color = color_of(name, i);
+        let ours = !name.starts_with("sdpa") && name != "triton";
+        let style = color.stroke_width(if ours { 3 } else { 2 });
+        let pts: Vec<(f64, f64)> = points.iter().map(|(&n, &t)| ((n as f64).log2(), t)).collect();
+        // Grouped-query attention dashed, one kv head per query head solid.
+        let grouped = heads_q != heads_kv;
+        let anno = if grouped {
+            ctx.draw_series(DashedLineSeries::new(pts.clone(), 8, 5, style))?
+        } else {
+            ctx.draw_series(LineSeries::new(pts.clone(), style))?
+        };
+        anno.label(format!("{name} {heads_q}/{heads_kv}")).legend(move |(x, y)| {
+            PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3))
+        });
+        if grouped {
+            ctx.draw_series(pts.iter().map(|&p| TriangleMarker::new(p, 5, color.filled())))?;
+        } else {
+            ctx.draw_series(pts.iter().map(|&p| Circle::new(p, 4, color.filled())))?;
+        }
+    }
+    ctx.configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 15))
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
+
+/// The measured HBM read bandwidth recorded in `meta.json` (a number or a numeric string).
+fn measured_hbm(meta: &serde_json::Map<String, serde_json::Value>) -> Option<f64> {
+    let v = meta.get(HBM_READ_KEY)?;
+    v.as_f64()
+        .or_else(|| v.as_str().and_then(|s| s.trim().parse().ok()))
+        .filter(|t: &f64| t.is_finite() && *t > 0.0)
 }
 
 /// Redraw the charts from `dir/bench.csv` and `dir/peers.csv` and print them side by side.
@@ -160,7 +301,8 @@ pub fn charts_only(dir: &Path) -> anyhow::Result<()> {
             torch => format!("; peers: torch {torch}"),
         }
     );
-    let files = draw_all(dir, &rows, &subtitle)?;
+    let mut files = draw_all(dir, &rows, &subtitle)?;
+    files.extend(draw_decode(dir, &rows, &subtitle, measured_hbm(&meta))?);
     println!("{}", render_side_by_side(&rows));
     eprintln!(
         "charts: {} SVG file(s) in {} ({} rows from {}{})",
@@ -207,5 +349,42 @@ mod tests {
         }
         let svg = std::fs::read_to_string(&files[1]).unwrap();
         assert!(svg.contains("Backward") && !svg.contains("sdpa-flash"));
+    }
+
+    #[test]
+    fn decode_charts_per_batch_with_the_hbm_lines() {
+        let csv = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps\n\
+            flash-decoding,decode,fp16,false,1,32,32,1,1024,128,0.01,0.1,1.6\n\
+            flash-decoding,decode,fp16,false,1,32,32,1,131072,128,0.05,0.3,4.2\n\
+            flash-decoding,decode,fp16,false,1,32,8,1,131072,128,0.02,0.3,3.9\n\
+            sdpa-flash,decode,fp16,false,1,32,32,1,131072,128,0.06,0.2,3.5\n\
+            flash-decoding,decode,fp16,false,16,32,8,1,32768,128,0.1,0.3,4.1\n\
+            fa2,fwd,fp16,false,1,16,16,16384,16384,128,6.0,360.0,\n";
+        let rows = parse_csv(csv).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let files = draw_decode(dir.path(), &rows, "NVIDIA H200", Some(4.3)).unwrap();
+        let names: Vec<String> =
+            files.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
+        assert_eq!(names, ["decode-fp16-d128-b1.svg", "decode-fp16-d128-b16.svg"]);
+        let svg = std::fs::read_to_string(&files[0]).unwrap();
+        for text in [
+            "flash-decoding 32/32",
+            "flash-decoding 32/8",
+            "sdpa-flash 32/32",
+            "HBM datasheet",
+            "4.80 TB/s",
+            "HBM read, measured",
+            "128k",
+            "1k",
+            "batch 1",
+        ] {
+            assert!(svg.contains(text), "{text} missing from the decode SVG");
+        }
+        // The prefill charts leave the decoding rows out.
+        let prefill = draw_all(dir.path(), &rows, "x").unwrap();
+        assert_eq!(prefill.len(), 1);
+        let meta = serde_json::json!({ "hbm_read_tbps": 4.25, "card": "x" });
+        assert_eq!(measured_hbm(meta.as_object().unwrap()), Some(4.25));
+        assert_eq!(measured_hbm(&serde_json::Map::new()), None);
     }
 }

@@ -1,5 +1,7 @@
 //! What `ladder bench` runs: its flags ([`BenchArgs`]) resolved into a [`Plan`] of GPU rungs,
-//! head dims, lengths and masks, with the shapes of the FlashAttention-3 paper by default.
+//! head dims, lengths and masks, with the shapes of the FlashAttention-3 paper by default, and,
+//! with `--direction decode`, the decoding shapes ([`DecodeShape`]): one new token against KV
+//! caches of 1k … 128k entries.
 
 use std::path::PathBuf;
 
@@ -32,18 +34,31 @@ pub enum DtypeArg {
 /// `ladder bench` flags.
 #[derive(Args, Debug)]
 pub struct BenchArgs {
-    /// GPU rungs to time, comma-separated (fa1, fa2) [default: all].
+    /// GPU rungs to time, comma-separated (fa1, fa2, fa2-det, flash-decoding) [default: all].
     #[arg(long, value_delimiter = ',')]
     pub(super) rung: Vec<String>,
-    /// Directions, comma-separated [default: fwd,bwd].
+    /// Directions, comma-separated: fwd, bwd, decode [default: fwd,bwd, or the directions of the
+    /// rungs given with --rung]. `decode` times FlashDecoding on one new token against KV caches
+    /// (d = 128 unless --d; the issue's shapes and a sweep of batch × length × GQA; TB/s).
     #[arg(long, value_enum, value_delimiter = ',')]
     pub(super) direction: Vec<Direction>,
     /// Head dims, comma-separated [default: 64,128].
     #[arg(long, value_delimiter = ',')]
     pub(super) d: Vec<usize>,
-    /// Sequence lengths, comma-separated [default: 512,1024,2048,4096,8192,16384].
+    /// Sequence lengths, comma-separated [default: 512,1024,2048,4096,8192,16384]; for decode,
+    /// the KV cache lengths L [default: the issue's shapes, and 1k,4k,16k,64k,128k].
     #[arg(long, value_delimiter = ',')]
     pub(super) n: Vec<usize>,
+    /// Decode only: batch sizes, comma-separated [default: 1,4,16,64].
+    #[arg(long, value_delimiter = ',')]
+    pub(super) batch: Vec<usize>,
+    /// Decode only: key/value heads, comma-separated, for 32 query heads [default: 32,8].
+    #[arg(long, value_delimiter = ',')]
+    pub(super) heads_kv: Vec<usize>,
+    /// Decode only: a fixed number of splits of each KV cache (`DecodeOptions::splits`)
+    /// [default: the kernel's heuristic]. The count used is in bench.json's rows.
+    #[arg(long)]
+    pub(super) splits: Option<usize>,
     /// Masks: both, true (causal only) or false.
     #[arg(long, value_enum, default_value_t = CausalArg::Both)]
     pub(super) causal: CausalArg,
@@ -84,6 +99,39 @@ pub struct BenchArgs {
     pub(super) case_budget_s: f64,
 }
 
+/// Query heads of every decoding case (Llama-style 32 heads of d = 128).
+pub(super) const DECODE_HEADS_Q: usize = 32;
+/// Decoding cases whose K and V together exceed this many bytes are left out.
+pub(super) const DECODE_MAX_KV_BYTES: usize = 40_000_000_000;
+/// The issue's decoding shapes: (batch, heads_q, heads_kv, L).
+const DECODE_ISSUE_SHAPES: [(usize, usize, usize, usize); 5] = [
+    (1, 32, 32, 8 << 10),
+    (1, 32, 32, 128 << 10),
+    (16, 32, 32, 32 << 10),
+    (1, 32, 8, 8 << 10),
+    (16, 32, 8, 32 << 10),
+];
+const DECODE_BATCHES: [usize; 4] = [1, 4, 16, 64];
+const DECODE_LENGTHS: [usize; 5] = [1 << 10, 4 << 10, 16 << 10, 64 << 10, 128 << 10];
+const DECODE_HEADS_KV: [usize; 2] = [32, 8];
+
+/// One decoding shape: `batch` sequences of one new token with `heads_q` query heads, against a
+/// KV cache of `heads_kv` heads and `len` entries per sequence (every sequence full).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct DecodeShape {
+    pub(super) batch: usize,
+    pub(super) heads_q: usize,
+    pub(super) heads_kv: usize,
+    pub(super) len: usize,
+}
+
+impl DecodeShape {
+    /// Bytes of K and V together at head dim `d` in `dtype`.
+    pub(super) fn kv_bytes(&self, d: usize, dtype: DType) -> usize {
+        2 * self.batch * self.heads_kv * self.len * d * dtype.size()
+    }
+}
+
 /// The resolved flags.
 #[derive(Debug)]
 pub(super) struct Plan {
@@ -100,6 +148,14 @@ pub(super) struct Plan {
     pub(super) fa1_max_n: usize,
     pub(super) fa1_repeats: usize,
     pub(super) budget_ms: f64,
+    /// Head dims of the decoding cases.
+    pub(super) decode_ds: Vec<usize>,
+    /// The decoding shapes, in order (empty unless `decode` is a direction).
+    pub(super) decode: Vec<DecodeShape>,
+    /// Decoding shapes left out because K and V exceed [`DECODE_MAX_KV_BYTES`].
+    pub(super) decode_too_large: usize,
+    /// `--splits`: a fixed split count for the decoding kernel.
+    pub(super) splits: Option<usize>,
 }
 
 impl Plan {
@@ -128,10 +184,17 @@ impl Plan {
         };
         let ds = or(&a.d, &[64, 128], &[128]);
         let ns = or(&a.n, &[512, 1024, 2048, 4096, 8192, 16384], &[1024, 4096]);
-        let directions = if a.direction.is_empty() {
-            vec![Direction::Fwd, Direction::Bwd]
-        } else {
+        let directions = if !a.direction.is_empty() {
             a.direction.clone()
+        } else if !a.rung.is_empty() {
+            // The directions the named rungs have kernels for (`--rung flash-decoding` alone
+            // means decode).
+            Direction::ALL
+                .into_iter()
+                .filter(|&d| rungs.iter().any(|r| GpuRung::find(r, d).is_some()))
+                .collect()
+        } else {
+            vec![Direction::Fwd, Direction::Bwd]
         };
         let causals = match (a.causal, a.quick) {
             (CausalArg::True, _) => vec![true],
@@ -152,16 +215,58 @@ impl Plan {
         if a.case_budget_s.is_nan() || a.case_budget_s <= 0.0 {
             bail!("--case-budget-s must be positive");
         }
+        if a.batch.contains(&0) {
+            bail!("--batch: batch sizes must be positive");
+        }
+        for &h in &a.heads_kv {
+            if h == 0 || DECODE_HEADS_Q % h != 0 {
+                bail!("--heads-kv {h}: must divide the {DECODE_HEADS_Q} query heads");
+            }
+        }
+        if a.splits == Some(0) {
+            bail!("--splits must be at least 1");
+        }
+        let dtype = match a.dtype {
+            DtypeArg::Fp16 => DType::F16,
+            DtypeArg::Bf16 => DType::BF16,
+        };
+        let decode_ds = if a.d.is_empty() { vec![128] } else { a.d.clone() };
+        let mut decode = Vec::new();
+        if directions.contains(&Direction::Decode) {
+            let overridden = !(a.n.is_empty() && a.batch.is_empty() && a.heads_kv.is_empty());
+            if !overridden {
+                decode.extend(DECODE_ISSUE_SHAPES.map(|(batch, heads_q, heads_kv, len)| {
+                    DecodeShape { batch, heads_q, heads_kv, len }
+                }));
+            }
+            if !a.quick || overridden {
+                let pick = |given: &[usize], default: &[usize]| {
+                    if given.is_empty() { default.to_vec() } else { given.to_vec() }
+                };
+                for batch in pick(&a.batch, &DECODE_BATCHES) {
+                    for heads_kv in pick(&a.heads_kv, &DECODE_HEADS_KV) {
+                        for len in pick(&a.n, &DECODE_LENGTHS) {
+                            let shape =
+                                DecodeShape { batch, heads_q: DECODE_HEADS_Q, heads_kv, len };
+                            if !decode.contains(&shape) {
+                                decode.push(shape);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let max_d = decode_ds.iter().copied().max().unwrap_or(0);
+        let before = decode.len();
+        decode.retain(|s| s.kv_bytes(max_d, dtype) <= DECODE_MAX_KV_BYTES);
+        let decode_too_large = before - decode.len();
         Ok(Plan {
             rungs,
             directions,
             ds,
             ns,
             causals,
-            dtype: match a.dtype {
-                DtypeArg::Fp16 => DType::F16,
-                DtypeArg::Bf16 => DType::BF16,
-            },
+            dtype,
             repeats: a.repeats.unwrap_or(if a.quick { 5 } else { 30 }).max(1),
             warmup: a.warmup.unwrap_or(if a.quick { 2 } else { 5 }).max(1),
             tokens: a.tokens,
@@ -169,6 +274,10 @@ impl Plan {
             fa1_max_n: a.fa1_max_n,
             fa1_repeats: a.fa1_repeats.max(1),
             budget_ms: a.case_budget_s * 1e3,
+            decode_ds,
+            decode,
+            decode_too_large,
+            splits: a.splits,
         })
     }
 
@@ -177,10 +286,22 @@ impl Plan {
         ((self.tokens / n).max(1), self.hidden / d)
     }
 
-    /// The GPU rungs to run at length `n`, in order: by direction, then in table order.
+    /// The decoding rungs to run on every decoding shape, in table order.
+    pub(super) fn decode_rungs(&self) -> Vec<GpuRung> {
+        if !self.directions.contains(&Direction::Decode) {
+            return Vec::new();
+        }
+        GpuRung::ALL
+            .into_iter()
+            .filter(|r| r.direction() == Direction::Decode && self.rungs.contains(&r.name()))
+            .collect()
+    }
+
+    /// The prefill (forward and backward) GPU rungs to run at length `n`, in order: by
+    /// direction, then in table order.
     pub(super) fn rungs_at(&self, n: usize) -> Vec<GpuRung> {
         let mut out = Vec::new();
-        for &direction in &self.directions {
+        for &direction in self.directions.iter().filter(|d| **d != Direction::Decode) {
             for rung in GpuRung::ALL {
                 if rung.direction() == direction
                     && self.rungs.contains(&rung.name())
@@ -207,6 +328,7 @@ impl Plan {
         self.ds.len()
             * self.causals.len()
             * self.ns.iter().map(|&n| self.rungs_at(n).len()).sum::<usize>()
+            + self.decode_ds.len() * self.decode.len() * self.decode_rungs().len()
     }
 
     /// What the run leaves out or times differently, for the console and `meta.json`.
@@ -230,10 +352,31 @@ impl Plan {
             .iter()
             .flat_map(|r| self.directions.iter().map(move |d| (*r, *d)))
             .filter(|(r, d)| GpuRung::find(r, *d).is_none())
+            // Decoding is its own kind of kernel: the prefill rungs have none, and the decoding
+            // rungs have no prefill pass; neither is a gap worth a note.
+            .filter(|(r, d)| {
+                *d != Direction::Decode && GpuRung::find(r, Direction::Decode).is_none()
+            })
             .map(|(r, d)| format!("{r} {}", d.name()))
             .collect();
         if !missing.is_empty() {
             notes.push(format!("no GPU kernel (yet) for: {}", missing.join(", ")));
+        }
+        if !self.decode_rungs().is_empty() {
+            notes.push(format!(
+                "decode: one new token, {} shape(s), KV cache allocated once per shape with every \
+                 sequence full; TB/s = bytes of K and V / time; splits: {}",
+                self.decode.len(),
+                self.splits
+                    .map_or("the kernel's heuristic".to_string(), |s| format!("{s} (--splits)"))
+            ));
+        }
+        if self.decode_too_large > 0 {
+            notes.push(format!(
+                "decode: {} shape(s) left out, their K and V exceeding {} GB",
+                self.decode_too_large,
+                DECODE_MAX_KV_BYTES / 1_000_000_000
+            ));
         }
         notes
     }
@@ -271,6 +414,10 @@ mod tests {
         assert_eq!(at(4096), [GpuRung::Fa2, atomic, det]);
         assert_eq!((p.repeats_of(GpuRung::Fa1), p.repeats_of(GpuRung::Fa2)), (3, 30));
         assert!(p.notes().iter().any(|n| n.contains("n <= 2048")));
+        let notes = p.notes().join("; ");
+        assert!(notes.contains("fa1 bwd") && !notes.contains("flash-decoding"), "{notes}");
+        let d = plan(&["--direction", "fwd,decode"]).unwrap().notes().join("; ");
+        assert!(!d.contains("fa2 decode") && !d.contains("flash-decoding fwd"), "{d}");
     }
 
     #[test]
@@ -307,5 +454,73 @@ mod tests {
         assert!(plan(&["--rung", "fa9"]).unwrap_err().to_string().contains("known: fa1, fa2"));
         assert!(plan(&["--d", "96"]).is_err(), "2048 is not a multiple of 96");
         assert!(plan(&["--n", "0"]).is_err());
+        // No decoding cases unless asked for.
+        assert!(plan(&[]).unwrap().decode.is_empty());
+    }
+
+    #[test]
+    fn decode_plan_is_the_issue_shapes_and_the_sweep() {
+        let p = plan(&["--direction", "decode"]).unwrap();
+        assert_eq!(p.directions, [Direction::Decode]);
+        assert_eq!(p.decode_rungs(), [GpuRung::FlashDecoding]);
+        assert!(p.rungs_at(4096).is_empty(), "no prefill rungs");
+        assert_eq!(p.decode_ds, [128]);
+        let shape = |batch, heads_kv, len| DecodeShape { batch, heads_q: 32, heads_kv, len };
+        assert_eq!(
+            p.decode[..5],
+            [
+                shape(1, 32, 8192),
+                shape(1, 32, 131072),
+                shape(16, 32, 32768),
+                shape(1, 8, 8192),
+                shape(16, 8, 32768)
+            ]
+        );
+        // 4 batches × 2 GQA × 5 lengths, less (1, 32/32, 128k) already there and the two
+        // (64, 32/32) caches over 40 GB (64k: 68.7 GB, 128k: 137 GB).
+        assert_eq!(p.decode.len(), 5 + 40 - 1 - 2);
+        assert_eq!(p.decode_too_large, 2);
+        assert!(p.decode.contains(&shape(64, 8, 131072)), "34 GB fits");
+        assert!(p.decode.contains(&shape(16, 32, 131072)), "34 GB fits");
+        assert!(!p.decode.contains(&shape(64, 32, 65536)));
+        assert!(p.decode.iter().all(|s| s.kv_bytes(128, DType::F16) <= DECODE_MAX_KV_BYTES));
+        assert_eq!(p.case_count(), p.decode.len());
+        assert_eq!(p.splits, None);
+        let notes = p.notes().join("\n");
+        assert!(notes.contains("heuristic") && notes.contains("2 shape(s) left out"), "{notes}");
+
+        // --rung flash-decoding alone means decode; --quick keeps the issue's shapes.
+        let q = plan(&["--rung", "flash-decoding", "--quick"]).unwrap();
+        assert_eq!(q.directions, [Direction::Decode]);
+        assert_eq!(q.decode, p.decode[..5]);
+        assert_eq!(q.repeats, 5);
+        // --n, --batch, --heads-kv replace the shapes by their grid; --splits is passed on.
+        let g = plan(&[
+            "--direction",
+            "fwd,decode",
+            "--n",
+            "4096,65536",
+            "--batch",
+            "2",
+            "--heads-kv",
+            "4",
+            "--splits",
+            "16",
+            "--d",
+            "64",
+        ])
+        .unwrap();
+        assert_eq!(g.decode, [shape(2, 4, 4096), shape(2, 4, 65536)]);
+        assert_eq!((g.decode_ds.as_slice(), g.splits), (&[64][..], Some(16)));
+        assert_eq!(g.rungs_at(4096), [GpuRung::Fa2], "fa1 stops at 2048");
+        assert_eq!(g.case_count(), 2 * 2 + 2, "fa2 fwd × 2 masks × 2 lengths, and 2 decode");
+        assert!(g.notes().join(" ").contains("16 (--splits)"));
+        let l = plan(&["--direction", "decode", "--n", "1024"]).unwrap();
+        assert_eq!(l.decode.len(), 4 * 2, "every batch and GQA at L = 1024");
+        // Bad decode flags.
+        assert!(plan(&["--direction", "decode", "--heads-kv", "5"]).is_err());
+        assert!(plan(&["--direction", "decode", "--batch", "0"]).is_err());
+        assert!(plan(&["--direction", "decode", "--splits", "0"]).is_err());
+        assert!(plan(&["--direction", "sideways"]).is_err());
     }
 }

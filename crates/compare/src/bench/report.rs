@@ -2,15 +2,14 @@
 //! side by side) and the run's metadata (card, driver, date). The files themselves (CSV, JSON,
 //! `meta.json`) are [`ladder_compare::results`].
 
+use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
 use std::path::Path;
 
 use ladder_compare::GpuRung;
-#[cfg(test)]
-use ladder_compare::results::Case;
-use ladder_compare::results::{self, Outcome, Row};
+use ladder_compare::results::{self, Case, Outcome, Row};
 use ladder_kernels::Gpu;
 
 /// The peers `scripts/peers.py` times, in the order they follow the GPU rungs in tables and chart
@@ -24,30 +23,48 @@ pub fn impl_rank(name: &str) -> (usize, String) {
     (order.iter().position(|n| *n == name).unwrap_or(order.len()), name.to_string())
 }
 
-/// The run's table: one line per case, with its time and throughput or why it has none.
+/// `4096`, or `1x8192` (queries × keys) when they differ.
+fn n_of(c: &Case) -> String {
+    if c.n_q == c.n_kv { c.n_q.to_string() } else { format!("{}x{}", c.n_q, c.n_kv) }
+}
+
+/// `16`, or `32/8` (query / key-value heads) when they differ.
+fn heads_of(c: &Case) -> String {
+    if c.heads_q == c.heads_kv {
+        c.heads_q.to_string()
+    } else {
+        format!("{}/{}", c.heads_q, c.heads_kv)
+    }
+}
+
+/// The run's table: one line per case, with its time and throughput (and TB/s for a decoding
+/// case) or why it has none.
 pub fn render_rows(rows: &[Row]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<15} {:<4} {:<5} {:>4} {:>6} {:<8} {:>5} {:>6} {:>10} {:>9}",
-        "impl", "dir", "dtype", "d", "n", "mask", "batch", "heads", "ms", "TFLOP/s"
+        "{:<15} {:<6} {:<5} {:>4} {:>8} {:<8} {:>5} {:>6} {:>10} {:>9} {:>7}",
+        "impl", "dir", "dtype", "d", "n", "mask", "batch", "heads", "ms", "TFLOP/s", "TB/s"
     );
     for row in rows {
         let c = &row.case;
         let _ = write!(
             s,
-            "{:<15} {:<4} {:<5} {:>4} {:>6} {:<8} {:>5} {:>6} ",
+            "{:<15} {:<6} {:<5} {:>4} {:>8} {:<8} {:>5} {:>6} ",
             c.imp,
             c.direction,
             c.dtype,
             c.d,
-            c.n_q,
+            n_of(c),
             if c.causal { "causal" } else { "full" },
             c.batch,
-            c.heads_q
+            heads_of(c)
         );
         let _ = match &row.outcome {
-            Outcome::Measured { ms, tflops, .. } => writeln!(s, "{ms:>10.4} {tflops:>9.1}"),
+            Outcome::Measured { ms, tflops, tbps } => match tbps {
+                Some(tbps) => writeln!(s, "{ms:>10.4} {tflops:>9.3} {tbps:>7.2}"),
+                None => writeln!(s, "{ms:>10.4} {tflops:>9.1} {:>7}", "-"),
+            },
             Outcome::Skipped(r) => writeln!(s, "skipped: {r}"),
             Outcome::Failed(r) => writeln!(s, "FAILED: {r}"),
         };
@@ -55,9 +72,77 @@ pub fn render_rows(rows: &[Row]) -> String {
     s
 }
 
-/// The side-by-side table: one line per shape (direction, dtype, d, mask, n), one TFLOP/s column
-/// per implementation, and FA2 as a fraction of SDPA's flash backend when both are there.
+/// The side-by-side tables: for the prefill directions, one line per shape (direction, dtype, d,
+/// mask, n), one TFLOP/s column per implementation, and FA2 as a fraction of SDPA's flash backend
+/// when both are there; then, if there are decoding rows, [`render_decode_side_by_side`].
 pub fn render_side_by_side(rows: &[Row]) -> String {
+    let (decode, prefill): (Vec<Row>, Vec<Row>) =
+        rows.iter().cloned().partition(|r| r.case.is_decode());
+    let has_decode = decode.iter().any(|r| r.tbps().is_some());
+    let mut s = String::new();
+    if !has_decode || prefill.iter().any(|r| r.timing().is_some()) {
+        s += &render_prefill_side_by_side(&prefill);
+    }
+    if has_decode {
+        if !s.is_empty() {
+            s.push('\n');
+        }
+        s += &render_decode_side_by_side(&decode);
+    }
+    s
+}
+
+/// The decoding rows side by side: one line per shape (dtype, d, batch, heads q/kv, new tokens,
+/// L), one TB/s column per implementation (ours, SDPA's flash and cuDNN backends, ...), and
+/// FlashDecoding as a fraction of SDPA's flash backend when both are there.
+pub fn render_decode_side_by_side(rows: &[Row]) -> String {
+    type Key = (String, usize, usize, Reverse<usize>, usize, usize, usize);
+    let mut imps: BTreeSet<(usize, String)> = BTreeSet::new();
+    let mut table: BTreeMap<Key, BTreeMap<String, f64>> = BTreeMap::new();
+    for row in rows.iter().filter(|r| r.case.is_decode()) {
+        let Some(tbps) = row.tbps() else { continue };
+        let c = &row.case;
+        imps.insert(impl_rank(&c.imp));
+        let key = (c.dtype.clone(), c.d, c.batch, Reverse(c.heads_kv), c.heads_q, c.n_q, c.n_kv);
+        table.entry(key).or_default().insert(c.imp.clone(), tbps);
+    }
+    let imps: Vec<String> = imps.into_iter().map(|(_, n)| n).collect();
+    let ours = GpuRung::FlashDecoding.name();
+    let ratio = imps.iter().any(|i| i == ours) && imps.iter().any(|i| i == "sdpa-flash");
+    let mut s = String::new();
+    let _ = write!(
+        s,
+        "TB/s of K and V read (median), decode\n{:<5} {:>4} {:>5} {:>6} {:>3} {:>7}",
+        "dtype", "d", "batch", "heads", "new", "L"
+    );
+    for imp in &imps {
+        let _ = write!(s, " {:>14}", imp);
+    }
+    if ratio {
+        let _ = write!(s, " {:>14}", "ours/sdpa-flash");
+    }
+    s.push('\n');
+    for ((dtype, d, batch, Reverse(heads_kv), heads_q, n_q, len), cells) in &table {
+        let heads = format!("{heads_q}/{heads_kv}");
+        let _ = write!(s, "{dtype:<5} {d:>4} {batch:>5} {heads:>6} {n_q:>3} {len:>7}");
+        for imp in &imps {
+            let _ = match cells.get(imp) {
+                Some(t) => write!(s, " {t:>14.2}"),
+                None => write!(s, " {:>14}", "-"),
+            };
+        }
+        if ratio {
+            let _ = match (cells.get(ours), cells.get("sdpa-flash")) {
+                (Some(a), Some(b)) if *b > 0.0 => write!(s, " {:>14.2}x", a / b),
+                _ => write!(s, " {:>15}", "-"),
+            };
+        }
+        s.push('\n');
+    }
+    s
+}
+
+fn render_prefill_side_by_side(rows: &[Row]) -> String {
     type Key = (u8, String, usize, bool, usize, usize);
     let mut imps: BTreeSet<(usize, String)> = BTreeSet::new();
     let mut table: BTreeMap<Key, BTreeMap<String, f64>> = BTreeMap::new();
@@ -191,6 +276,50 @@ mod tests {
             outcome: Outcome::Skipped("unsupported head dimension".into()),
         }]);
         assert!(listing.contains("skipped: unsupported head dimension"), "{listing}");
+    }
+
+    #[test]
+    fn decode_rows_get_their_own_tb_per_s_table() {
+        let dec = |imp: &str, heads_kv, len, ms| {
+            Row::measured(Case::decode(imp, "fp16", 1, 32, heads_kv, 1, len, 128), ms)
+        };
+        let rows = vec![
+            Row::measured(case("fa2", "fwd", false, 16384), 4.0),
+            dec("flash-decoding", 8, 8192, 0.01),
+            dec("sdpa-flash", 8, 8192, 0.02),
+            dec("sdpa-cudnn", 32, 131072, 0.5),
+            dec("flash-decoding", 32, 131072, 0.4),
+        ];
+        let table = render_side_by_side(&rows);
+        let decode = table.split("TB/s of K and V read").nth(1).expect("a decode table");
+        assert!(!table.split("TB/s of K and V").next().unwrap().contains("flash-decoding"));
+        let lines: Vec<&str> = decode.lines().collect();
+        let header: Vec<&str> = lines[1].split_whitespace().collect();
+        assert_eq!(
+            header,
+            [
+                "dtype",
+                "d",
+                "batch",
+                "heads",
+                "new",
+                "L",
+                "flash-decoding",
+                "sdpa-flash",
+                "sdpa-cudnn",
+                "ours/sdpa-flash"
+            ]
+        );
+        // 32/32 before 32/8; 8 · 8192 · 128 · 2 · 2 bytes in 10 µs is 3.36 TB/s.
+        assert!(lines[2].contains("32/32") && lines[2].contains("131072"), "{decode}");
+        assert!(lines[3].contains("32/8") && lines[3].contains("3.36"), "{decode}");
+        assert!(lines[3].trim_end().ends_with("2.00x"), "{decode}");
+        let listing = render_rows(&rows);
+        assert!(listing.contains("1x8192") && listing.contains("32/8"), "{listing}");
+        assert!(listing.contains("3.36"), "{listing}");
+        // Decode rows alone: no empty TFLOP/s table.
+        let alone = render_side_by_side(&rows[1..]);
+        assert!(alone.starts_with("TB/s of K and V read"), "{alone}");
     }
 
     #[test]

@@ -1,14 +1,17 @@
 //! How `ladder bench` times a case: deterministic inputs uploaded in enough sets to rotate
 //! through when they fit in L2, one untimed (compiling) call, warm-up calls, then CUDA-event
-//! samples of one or several calls each, and their median.
+//! samples of one or several calls each, and their median. Decoding cases get their own inputs
+//! ([`DecodeSet`]: a KV cache allocated once per shape) and step ([`decode_step`]), and the same
+//! measurement.
 
 use std::time::Instant;
 
 use ladder_compare::GpuRung;
 use ladder_compare::gpu_rungs::Kernels;
-use ladder_kernels::{Gpu, KernelError, Options, Output, Tensor};
+use ladder_kernels::decode::{DecodeOptions, KvCache};
+use ladder_kernels::{DType, Gpu, KernelError, Options, Output, Tensor};
 
-use super::plan::Plan;
+use super::plan::{DecodeShape, Plan};
 
 /// L2 cache of an H100/H200 (50 MB): inputs smaller than this are rotated.
 const L2_BYTES: usize = 50 << 20;
@@ -41,6 +44,9 @@ pub(super) fn step<'a>(
             let out = forward(gpu, &s.q, &s.k, &s.v, &opts)?;
             Ok(vec![out.o, out.lse])
         })),
+        Kernels::Decode(_) => {
+            Err(KernelError::Config(format!("{rung} takes a KV cache: time it with decode_step")))
+        }
         Kernels::Backward { forward, backward, deterministic } => {
             let opts = Options { deterministic, ..opts };
             let outs: Vec<Output> = sets
@@ -59,35 +65,124 @@ pub(super) fn step<'a>(
     }
 }
 
+/// One set of decoding inputs: Q `[batch, heads_q, 1, d]` and the cache's K and V
+/// `[batch, heads_kv, L, d]`.
+pub(super) struct DecodeSet {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+}
+
+/// Prepare a decoding case of `rung` on `sets`, every sequence `lengths[b]` long; the step then
+/// runs one call on input set `i`.
+pub(super) fn decode_step<'a>(
+    rung: GpuRung,
+    gpu: &'a Gpu,
+    sets: &'a [DecodeSet],
+    lengths: &'a [usize],
+    opts: DecodeOptions,
+) -> ladder_kernels::Result<Step<'a>> {
+    let Kernels::Decode(forward) = rung.kernels() else {
+        return Err(KernelError::Config(format!("{rung} is not a decoding kernel")));
+    };
+    Ok(Box::new(move |i| {
+        let s = &sets[i];
+        let cache = KvCache { k: &s.k, v: &s.v, lengths };
+        let out = forward(gpu, &s.q, &cache, &opts)?;
+        Ok(vec![out.o, out.lse])
+    }))
+}
+
+/// Elements of the pseudo-random block a KV cache repeats (odd, so that the pattern does not line
+/// up with rows of d elements).
+const CACHE_BLOCK: usize = (1 << 20) + 7;
+
 /// Deterministic pseudo-random inputs in [-1, 1), generated once per slot and length and reused
-/// across cases (every default case has tokens × hidden elements per tensor).
+/// across cases (every default case has tokens × hidden elements per tensor). KV caches (up to
+/// tens of GB) repeat one block of [`CACHE_BLOCK`] values, kept in the 16-bit type it is
+/// uploaded in, and grown as larger caches come.
 #[derive(Default)]
 pub(super) struct HostPool {
     slots: Vec<Vec<f32>>,
+    cache_f16: Vec<half::f16>,
+    cache_bf16: Vec<half::bf16>,
+}
+
+/// `buf` extended to at least `len` elements by repeating `block` (converted by `conv`).
+fn repeat_to<T: Copy>(buf: &mut Vec<T>, block: &[f32], len: usize, conv: fn(f32) -> T) {
+    if buf.len() >= len {
+        return;
+    }
+    let block: Vec<T> = block.iter().map(|&x| conv(x)).collect();
+    buf.reserve_exact(len - buf.len());
+    while buf.len() < len {
+        let start = buf.len() % block.len();
+        let take = (block.len() - start).min(len - buf.len());
+        buf.extend_from_slice(&block[start..start + take]);
+    }
 }
 
 impl HostPool {
+    /// Upload a `[batch, heads_kv, L, d]` cache tensor in `dtype` (16-bit), its values starting
+    /// `shift` elements into the repeated block.
+    fn upload_cache(
+        &mut self,
+        gpu: &Gpu,
+        shape: &[usize],
+        dtype: DType,
+        shift: usize,
+    ) -> ladder_kernels::Result<Tensor> {
+        let len: usize = shape.iter().product();
+        let shift = shift % CACHE_BLOCK;
+        let block = pseudo_random(u64::MAX, CACHE_BLOCK);
+        match dtype {
+            DType::F16 => {
+                repeat_to(&mut self.cache_f16, &block, len + shift, half::f16::from_f32);
+                gpu.upload_slice(&self.cache_f16[shift..shift + len], shape)
+            }
+            DType::BF16 => {
+                repeat_to(&mut self.cache_bf16, &block, len + shift, half::bf16::from_f32);
+                gpu.upload_slice(&self.cache_bf16[shift..shift + len], shape)
+            }
+            DType::F32 => Err(KernelError::UnsupportedDtype {
+                rung: "flash-decoding",
+                dtype,
+                supported: "fp16, bf16",
+            }),
+        }
+    }
+
+    /// Give back the host copy of the caches (at the end of the decoding cases).
+    pub(super) fn release_caches(&mut self) {
+        self.cache_f16 = Vec::new();
+        self.cache_bf16 = Vec::new();
+    }
+
     pub(super) fn values(&mut self, slot: usize, len: usize) -> &[f32] {
         if self.slots.len() <= slot {
             self.slots.resize_with(slot + 1, Vec::new);
         }
         if self.slots[slot].len() != len {
-            let mut state =
-                0x9e37_79b9_7f4a_7c15u64 ^ (slot as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            self.slots[slot] = (0..len)
-                .map(|_| {
-                    // splitmix64
-                    state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-                    let mut z = state;
-                    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-                    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-                    z ^= z >> 31;
-                    (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-                })
-                .collect();
+            self.slots[slot] = pseudo_random(slot as u64, len);
         }
         &self.slots[slot]
     }
+}
+
+/// `len` values in [-1, 1) of the splitmix64 stream of `slot`.
+fn pseudo_random(slot: u64, len: usize) -> Vec<f32> {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ slot.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    (0..len)
+        .map(|_| {
+            // splitmix64
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
 }
 
 /// How many input sets to rotate among so that they do not all sit in L2.
@@ -122,6 +217,30 @@ pub(super) fn upload_sets(
                 v: up(2)?,
                 d_o: if with_d_o { Some(up(3)?) } else { None },
             })
+        })
+        .collect()
+}
+
+/// Upload the inputs of a decoding shape at head dim `d`: as many sets as rotate out of L2 (one
+/// when the cache is larger than L2), each a query of one new token and a full KV cache.
+pub(super) fn upload_decode_sets(
+    gpu: &Gpu,
+    pool: &mut HostPool,
+    plan: &Plan,
+    d: usize,
+    shape: DecodeShape,
+) -> ladder_kernels::Result<Vec<DecodeSet>> {
+    let DecodeShape { batch, heads_q, heads_kv, len } = shape;
+    let q_shape = [batch, heads_q, 1, d];
+    let q_len = batch * heads_q * d;
+    let kv_shape = [batch, heads_kv, len, d];
+    let sets = sets_for(shape.kv_bytes(d, plan.dtype) + q_len * plan.dtype.size());
+    (0..sets)
+        .map(|s| {
+            let q = gpu.upload(pool.values(4 * s, q_len), &q_shape, plan.dtype)?;
+            let k = pool.upload_cache(gpu, &kv_shape, plan.dtype, (2 * s) * 7919)?;
+            let v = pool.upload_cache(gpu, &kv_shape, plan.dtype, (2 * s + 1) * 7919)?;
+            Ok(DecodeSet { q, k, v })
         })
         .collect()
 }
@@ -201,5 +320,17 @@ mod tests {
         assert!(mean.abs() < 0.1, "{mean}");
         assert_ne!(a, pool.values(2, 1000));
         assert_eq!(a, HostPool::default().values(3, 1000));
+    }
+
+    #[test]
+    fn caches_repeat_one_block_and_grow_in_place() {
+        let block: Vec<f32> = (0..5).map(|i| i as f32).collect();
+        let mut buf: Vec<f32> = Vec::new();
+        repeat_to(&mut buf, &block, 7, |x| x);
+        assert_eq!(buf, [0.0, 1.0, 2.0, 3.0, 4.0, 0.0, 1.0]);
+        repeat_to(&mut buf, &block, 12, |x| x);
+        assert_eq!(buf[5..], [0.0, 1.0, 2.0, 3.0, 4.0, 0.0, 1.0]);
+        repeat_to(&mut buf, &block, 3, |x| x);
+        assert_eq!(buf.len(), 12, "never shrinks");
     }
 }
