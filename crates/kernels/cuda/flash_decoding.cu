@@ -49,6 +49,7 @@
 //   FD_MT     16-row mma tiles of the Q tile (1: R ≤ 16, 2: R ≤ 32)
 //   FD_BC     keys per K/V tile (16 per warp)
 //   FD_WARPS  warps per block of the split kernel
+//   FD_STAGES K/V tiles in shared memory (STAGES − 1 copies in flight while one tile is read)
 
 #include "copy.cuh"
 #include "mask.cuh"
@@ -68,11 +69,16 @@
 #ifndef FD_WARPS
 #define FD_WARPS 4
 #endif
+#ifndef FD_STAGES
+#define FD_STAGES 3
+#endif
 
 constexpr int D = FD_D;
 constexpr int MT = FD_MT;
 constexpr int BC = FD_BC;
 constexpr int WARPS = FD_WARPS;
+constexpr int STAGES = FD_STAGES;
+static_assert(STAGES >= 2, "at least one copy in flight");
 constexpr int THREADS = WARPS * 32;
 constexpr int ROWS = MT * 16;   // rows of the Q tile
 constexpr int DT = D / 8;       // 8-column accumulator tiles across one row of O
@@ -112,14 +118,14 @@ struct FdParams {
 };
 
 // Launch: grid (splits, heads_kv, batch), block (THREADS, 1, 1), dynamic shared memory
-// max((ROWS + 4·BC)·D·2, WARPS·ROWS·(RED_STRIDE + 2)·4) bytes: the Q tile and two stages of K and
-// V during the walk, then the same memory as the f32 buffer that merges the warps.
+// max((ROWS + 2·STAGES·BC)·D·2, WARPS·ROWS·(RED_STRIDE + 2)·4) bytes: the Q tile and STAGES stages
+// of K and V during the walk, then the same memory as the f32 buffer that merges the warps.
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
 flash_decoding_split(const __grid_constant__ FdParams p) {
     extern __shared__ __align__(128) u16 smem[];
     u16* sQ = smem;             // [ROWS][D]
-    u16* sK = sQ + ROWS * D;    // [2][BC][D]
-    u16* sV = sK + 2 * BC * D;  // [2][BC][D]
+    u16* sK = sQ + ROWS * D;           // [STAGES][BC][D]
+    u16* sV = sK + STAGES * BC * D;    // [STAGES][BC][D]
 
     const int split = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
     const int warp = warp_id();
@@ -161,31 +167,33 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
         row_sum[mt][0] = row_sum[mt][1] = 0.f;
     }
 
+    // Copies in flight: the Q tile and the first STAGES − 1 K/V tiles, one commit group each
+    // (empty groups past the last tile keep the count uniform: group g holds tile g).
+    auto load_kv = [&](int tile) {
+        if (tile < n_tiles) {
+            const int stage = tile % STAGES, first = k_begin + tile * BC;
+            load_tile<BC, D, THREADS>(sK + stage * BC * D, gK, first, k_end);
+            load_tile<BC, D, THREADS>(sV + stage * BC * D, gV, first, k_end);
+        }
+        cp_async_commit();
+    };
     load_tile<ROWS, D, THREADS>(sQ, p.q + row0 * D, 0, R);
-    if (n_tiles > 0) {
-        load_tile<BC, D, THREADS>(sK, gK, k_begin, k_end);
-        load_tile<BC, D, THREADS>(sV, gV, k_begin, k_end);
-    }
-    cp_async_commit();
+#pragma unroll
+    for (int t = 0; t < STAGES - 1; ++t) load_kv(t);
 
     const auto qA = a_operand<D>(sQ, 0);     // Q: A of S = Q·Kᵀ (all ROWS rows, per warp)
     const auto kB = b_operand<D>(sK);        // K: B of S = Q·Kᵀ (rows = keys = n)
     const auto vB = b_operand_trans<D>(sV);  // V: B of O = P·V (rows = keys = k)
 
     for (int j = 0; j < n_tiles; ++j) {
-        const int stage = j & 1;
-        if (j + 1 < n_tiles) {
-            const int next = k_begin + (j + 1) * BC;
-            load_tile<BC, D, THREADS>(sK + (stage ^ 1) * BC * D, gK, next, k_end);
-            load_tile<BC, D, THREADS>(sV + (stage ^ 1) * BC * D, gV, next, k_end);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        // Tile j has landed once at most STAGES − 2 younger groups are pending; after the
+        // barrier every warp is done with tile j − 1, whose stage the copy of tile
+        // j + STAGES − 1 then reuses. One barrier per tile.
+        cp_async_wait<STAGES - 2>();
         __syncthreads();
+        load_kv(j + STAGES - 1);
         const int k0 = k_begin + j * BC;
-        const int kw = stage * BC + warp * 16;  // tile row of this warp's first key
+        const int kw = (j % STAGES) * BC + warp * 16;  // tile row of this warp's first key
 
         // ---- S = Q·K_wᵀ: ROWS × 16 scores of this warp's keys -----------------------------------
         float s[MT][2][4];
@@ -246,8 +254,6 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
             for (int mt = 0; mt < MT; ++mt)
                 mma_16x16(acc[mt][2 * dp], acc[mt][2 * dp + 1], a[mt], b);
         }
-        // The next iteration's copies overwrite the stage read here.
-        __syncthreads();
     }
     // An empty chunk still has the Q copy in flight; the merge below reuses its memory.
     cp_async_wait<0>();

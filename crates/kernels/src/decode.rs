@@ -58,6 +58,13 @@ pub const MAX_SPLITS: usize = 128;
 /// Sequences per launch: their lengths travel inside the parameter struct (no host-to-device copy
 /// per call); larger batches are launched in chunks of this many.
 pub const MAX_BATCH_PER_LAUNCH: usize = 256;
+/// K/V tiles in shared memory per block of the split kernel on architecture `arch`: a decoding
+/// block does little arithmetic per byte, so it wants many copies in flight. Hopper gets three
+/// stages (two copies in flight while one tile is read; two blocks of ≤ 104 KB fit its 228 KB);
+/// older GPUs two, so that two blocks still fit their 164 KB.
+pub fn stages(arch: &str) -> usize {
+    if arch.starts_with("sm_90") { 3 } else { 2 }
+}
 /// Output rows per block of the combine kernel (one warp each).
 const COMBINE_ROWS_PER_BLOCK: usize = 4;
 
@@ -113,7 +120,7 @@ pub fn num_splits(
 
 /// The kernels' variant (both entry points live in one module) for head dimension `d`, element
 /// type `dtype` and `m_tiles` 16-row mma tiles of rows.
-pub(crate) fn variant(d: usize, dtype: DType, m_tiles: usize) -> Variant {
+pub(crate) fn variant(d: usize, dtype: DType, m_tiles: usize, stages: usize) -> Variant {
     Variant {
         file: "flash_decoding",
         source: SRC,
@@ -123,17 +130,18 @@ pub(crate) fn variant(d: usize, dtype: DType, m_tiles: usize) -> Variant {
             ("FD_MT", m_tiles.to_string()),
             ("FD_BC", BC.to_string()),
             ("FD_WARPS", WARPS.to_string()),
+            ("FD_STAGES", stages.to_string()),
             ("FD_MAX_BATCH", MAX_BATCH_PER_LAUNCH.to_string()),
         ],
     }
 }
 
-/// Dynamic shared memory of the split kernel in bytes: the Q tile and two stages of K and V
+/// Dynamic shared memory of the split kernel in bytes: the Q tile and `stages` stages of K and V
 /// (16-bit), or, if larger, the f32 buffer that merges the warps' states at the end (it reuses
 /// the same memory; rows padded by 8 floats).
-pub(crate) fn split_shared_bytes(d: usize, m_tiles: usize) -> usize {
+pub(crate) fn split_shared_bytes(d: usize, m_tiles: usize, stages: usize) -> usize {
     let rows = 16 * m_tiles;
-    let tiles = (rows + 4 * BC) * d * 2;
+    let tiles = (rows + 2 * stages * BC) * d * 2;
     let merge = WARPS * rows * (d + 8 + 2) * 4;
     tiles.max(merge)
 }
@@ -145,7 +153,9 @@ pub(crate) fn variants() -> Vec<Variant> {
     for &dtype in DTYPES {
         for &d in HEAD_DIMS {
             for m_tiles in [1, 2] {
-                all.push(variant(d, dtype, m_tiles));
+                for stages in [2, 3] {
+                    all.push(variant(d, dtype, m_tiles, stages));
+                }
             }
         }
     }
@@ -344,10 +354,11 @@ pub fn forward(gpu: &Gpu, q: &Tensor, cache: &KvCache, opts: &DecodeOptions) -> 
         .map_err(|_| KernelError::Config(format!("flash_decoding: {splits} splits is too many")))?;
     let r = p.rows_per_kv_head();
     let m_tiles = r.div_ceil(16);
-    let v = variant(p.d, p.dtype, m_tiles);
+    let stages = stages(gpu.arch());
+    let v = variant(p.d, p.dtype, m_tiles, stages);
     let split_kernel = Kernel { variant: v.clone(), entry: "flash_decoding_split" };
     let combine_kernel = Kernel { variant: v, entry: "flash_decoding_combine" };
-    let smem = split_shared_bytes(p.d, m_tiles);
+    let smem = split_shared_bytes(p.d, m_tiles, stages);
     gpu.prepare(&split_kernel, smem)?;
     gpu.prepare(&combine_kernel, 0)?;
 
@@ -434,15 +445,18 @@ mod tests {
 
     #[test]
     fn shared_memory_covers_tiles_and_the_merge() {
-        // d = 128, 32 rows: Q (8 KB) + two stages of K and V (64 KB).
-        assert_eq!(split_shared_bytes(128, 2), (32 + 256) * 128 * 2);
-        // d = 64, 32 rows: the f32 merge buffer is the larger.
-        assert_eq!(split_shared_bytes(64, 2), 4 * 32 * (64 + 10) * 4);
-        assert!(split_shared_bytes(64, 2) > (32 + 256) * 64 * 2);
+        // d = 128, 32 rows: Q (8 KB) + three stages of K and V (96 KB), or two (64 KB).
+        assert_eq!(split_shared_bytes(128, 2, 3), (32 + 384) * 128 * 2);
+        assert_eq!(split_shared_bytes(128, 2, 2), (32 + 256) * 128 * 2);
+        // d = 64, 32 rows, two stages: the f32 merge buffer is the larger.
+        assert_eq!(split_shared_bytes(64, 2, 2), 4 * 32 * (64 + 10) * 4);
+        assert!(split_shared_bytes(64, 2, 2) > (32 + 256) * 64 * 2);
         for d in HEAD_DIMS {
             for mt in [1, 2] {
-                // Two blocks per SM fit on sm_80 (164 KB) and sm_90 (228 KB).
-                assert!(2 * split_shared_bytes(*d, mt) <= 160 * 1024);
+                // Two blocks per SM fit on sm_80 (164 KB) and sm_90 (228 KB, 1 KB per block
+                // reserved).
+                assert!(2 * split_shared_bytes(*d, mt, stages("sm_80")) <= 164 * 1024);
+                assert!(2 * (split_shared_bytes(*d, mt, stages("sm_90a")) + 1024) <= 228 * 1024);
             }
         }
     }
