@@ -112,7 +112,7 @@ def parse_args(argv=None):
 
 def decode_shapes(a, elem_bytes=2):
     """The decoding shapes (batch, heads_q, heads_kv, L), as `ladder bench --direction decode`
-    picks them: the issue's shapes and the batch × GQA × length sweep (the issue's only with
+    picks them: the five reference decode shapes and the batch × GQA × length sweep (the reference shapes only with
     --quick), or the grid of --batch, --heads-kv, --n when any is given; K and V together at most
     DECODE_MAX_KV_BYTES."""
     overridden = bool(a.n or a.batch or a.heads_kv)

@@ -10,7 +10,7 @@
 //! measured.
 //!
 //! With `--direction decode`, FlashDecoding is timed on one new token against KV caches of 1k …
-//! 128k entries (the shapes and a batch × length × GQA sweep, d = 128): the cache is
+//! 128k entries (the five reference decode shapes and a batch × length × GQA sweep, d = 128): the cache is
 //! allocated once per shape, every sequence full, and the row's TB/s is the bytes of K and V over
 //! the time; `--splits N` fixes the kernel's split count (the count used is in `bench.json`).
 //!

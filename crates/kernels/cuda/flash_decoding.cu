@@ -29,8 +29,8 @@
 // chunk ends inside a tile. Splits past the end get no key: they write O_s = 0 and lse_s = −inf,
 // weight 0 in the combine (exactly the CPU rung's empty chunk).
 //
-// Inside a split block: the block walks the chunk in tiles of BC = 64 keys, K and V double-
-// buffered with cp.async as in fa2_forward.cu. Each of the 4 warps owns 16 keys of every tile
+// Inside a split block: the block walks the chunk in tiles of BC = 64 keys, K and V in a
+// STAGES-deep cp.async pipeline (STAGES − 1 tiles in flight while one is read). Each of the 4 warps owns 16 keys of every tile
 // (keys 16·warp … 16·warp + 15) and all R rows, with its own online-softmax state (row max m, row
 // sum l, unnormalised output acc): per tile S_w = Q·K_wᵀ (R × 16), P_w = 2^(S_w·scale_log2 − m),
 // acc += P_w·V_w. The warps' states are merged once at the end through shared memory with the
@@ -167,8 +167,9 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
         row_sum[mt][0] = row_sum[mt][1] = 0.f;
     }
 
-    // Copies in flight: the Q tile and the first STAGES − 1 K/V tiles, one commit group each
-    // (empty groups past the last tile keep the count uniform: group g holds tile g).
+    // Copies in flight: the first STAGES − 1 K/V tiles, one commit group each, the Q tile riding in
+    // group 0 with tile 0 (empty groups past the last tile keep the count uniform: group g holds
+    // tile g).
     auto load_kv = [&](int tile) {
         if (tile < n_tiles) {
             const int stage = tile % STAGES, first = k_begin + tile * BC;

@@ -29,7 +29,7 @@
 //! no key (`lengths[b] = 0`, or `lengths[b] < n_new`) gets `O = 0`, `lse = −∞`.
 //!
 //! Kernel: `cuda/flash_decoding.cu`. Not in this step: a paged cache, FlashDecoding++ (a fixed
-//! softmax maximum), `group · n_new > 32` rows per kv head, head dimension 256, benchmark rows.
+//! softmax maximum), `group · n_new > 32` rows per kv head, head dimension 256.
 
 use cudarc::driver::DeviceRepr;
 

@@ -174,8 +174,9 @@ impl Gpu {
             .map_err(|e| KernelError::NoCuda(format!("device {ordinal}: {e}")))?;
         // One stream, one order of work: the per-buffer events cudarc records for multi-stream
         // safety would only add launch overhead.
-        // SAFETY: every tensor this Gpu makes is used on the one stream below; tensors wrapped
-        // from elsewhere carry their own (tracked or not) events.
+        // SAFETY: with tracking off nothing orders two streams of this context, so every launch
+        // checks that its tensors were made on the one stream below (`check_context`), and
+        // `context()` / `stream()` say so to callers who make their own buffers.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
         Gpu::open(stream, config)
@@ -263,12 +264,14 @@ impl Gpu {
         Ok(format!("{}.{}", v / 1000, (v % 1000) / 10))
     }
 
-    /// The stream every kernel of this device runs on (hand it to cudarc for your own work).
+    /// The stream every kernel of this device runs on (hand it to cudarc for your own work). A
+    /// `Gpu` from [`Gpu::new`] / [`Gpu::with_config`] turns its context's event tracking off, so
+    /// buffers it is given must be made on this stream (a launch checks it).
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
 
-    /// The CUDA context.
+    /// The CUDA context (see [`Gpu::stream`] for which streams its buffers may come from).
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
@@ -332,8 +335,8 @@ impl Gpu {
 
     /// A tensor of zeros.
     pub fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let t = self.alloc(shape, dtype)?;
-        self.fill_bytes(&t, 0)?;
+        let mut t = self.alloc(shape, dtype)?;
+        self.fill_bytes(&mut t, 0)?;
         Ok(t)
     }
 
@@ -360,37 +363,46 @@ impl Gpu {
 
     /// A tensor a kernel is about to overwrite: uninitialised, or NaN when poisoning is on.
     pub(crate) fn output(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let t = self.alloc(shape, dtype)?;
+        let mut t = self.alloc(shape, dtype)?;
         if self.poison_outputs.load(Ordering::Relaxed) {
-            self.fill_bytes(&t, 0xff)?;
+            self.fill_bytes(&mut t, 0xff)?;
         }
         Ok(t)
     }
 
     /// Set every byte of `t` to `byte` (0xff makes every element NaN).
-    pub fn fill_bytes(&self, t: &Tensor, byte: u8) -> Result<()> {
+    pub fn fill_bytes(&self, t: &mut Tensor, byte: u8) -> Result<()> {
         self.check_context(t, "fill_bytes")?;
         if t.is_empty() {
             return Ok(());
         }
-        let (ptr, _guard) = t.read_ptr(&self.stream);
+        let bytes = t.bytes();
+        let (ptr, _guard) = t.write_ptr(&self.stream);
         // SAFETY: ptr addresses t.bytes() bytes owned by `t`, on this stream.
         unsafe {
-            cudarc::driver::result::memset_d8_async(ptr, byte, t.bytes(), self.stream.cu_stream())
+            cudarc::driver::result::memset_d8_async(ptr, byte, bytes, self.stream.cu_stream())
         }
         .map_err(KernelError::driver("filling a buffer"))
     }
 
     /// Fails with [`KernelError::Device`] unless `t` lives in this device's context.
+    /// Fails with [`KernelError::Device`] unless `t` lives in this device's context and, when the
+    /// context does not track events (a `Gpu` opened by [`Gpu::new`] / [`Gpu::with_config`]), was
+    /// made on this `Gpu`'s stream: nothing would order another stream's writes before our reads.
     pub(crate) fn check_context(&self, t: &Tensor, name: &str) -> Result<()> {
-        if t.stream().context().cu_ctx() == self.ctx.cu_ctx() {
-            Ok(())
-        } else {
-            Err(KernelError::Device(format!(
+        if t.stream().context().cu_ctx() != self.ctx.cu_ctx() {
+            return Err(KernelError::Device(format!(
                 "{name} lives in another CUDA context than this Gpu ({})",
                 self.name
-            )))
+            )));
         }
+        if !self.ctx.is_event_tracking() && t.stream().cu_stream() != self.stream.cu_stream() {
+            return Err(KernelError::Device(format!(
+                "{name} was made on another stream of a context without event tracking; make it \
+                 on gpu.stream(), or use Gpu::from_stream on a context that tracks events"
+            )));
+        }
+        Ok(())
     }
 
     /// The function `entry` of `variant`, compiled (or loaded from the cache) on first use and

@@ -39,14 +39,14 @@ pub struct BenchArgs {
     pub(super) rung: Vec<String>,
     /// Directions, comma-separated: fwd, bwd, decode [default: fwd,bwd, or the directions of the
     /// rungs given with --rung]. `decode` times FlashDecoding on one new token against KV caches
-    /// (d = 128 unless --d; the issue's shapes and a sweep of batch × length × GQA; TB/s).
+    /// (d = 128 unless --d; the five reference decode shapes and a sweep of batch × length × GQA; TB/s).
     #[arg(long, value_enum, value_delimiter = ',')]
     pub(super) direction: Vec<Direction>,
     /// Head dims, comma-separated [default: 64,128].
     #[arg(long, value_delimiter = ',')]
     pub(super) d: Vec<usize>,
     /// Sequence lengths, comma-separated [default: 512,1024,2048,4096,8192,16384]; for decode,
-    /// the KV cache lengths L [default: the issue's shapes, and 1k,4k,16k,64k,128k].
+    /// the KV cache lengths L [default: the reference shapes, and 1k,4k,16k,64k,128k].
     #[arg(long, value_delimiter = ',')]
     pub(super) n: Vec<usize>,
     /// Decode only: batch sizes, comma-separated [default: 1,4,16,64].
@@ -103,8 +103,9 @@ pub struct BenchArgs {
 pub(super) const DECODE_HEADS_Q: usize = 32;
 /// Decoding cases whose K and V together exceed this many bytes are left out.
 pub(super) const DECODE_MAX_KV_BYTES: usize = 40_000_000_000;
-/// The issue's decoding shapes: (batch, heads_q, heads_kv, L).
-const DECODE_ISSUE_SHAPES: [(usize, usize, usize, usize); 5] = [
+/// The five reference decoding shapes (one new token, d = 128: batch 1 and 16, all heads and
+/// grouped 4:1, short and long caches): (batch, heads_q, heads_kv, L).
+const DECODE_REFERENCE_SHAPES: [(usize, usize, usize, usize); 5] = [
     (1, 32, 32, 8 << 10),
     (1, 32, 32, 128 << 10),
     (16, 32, 32, 32 << 10),
@@ -235,7 +236,7 @@ impl Plan {
         if directions.contains(&Direction::Decode) {
             let overridden = !(a.n.is_empty() && a.batch.is_empty() && a.heads_kv.is_empty());
             if !overridden {
-                decode.extend(DECODE_ISSUE_SHAPES.map(|(batch, heads_q, heads_kv, len)| {
+                decode.extend(DECODE_REFERENCE_SHAPES.map(|(batch, heads_q, heads_kv, len)| {
                     DecodeShape { batch, heads_q, heads_kv, len }
                 }));
             }
@@ -459,7 +460,7 @@ mod tests {
     }
 
     #[test]
-    fn decode_plan_is_the_issue_shapes_and_the_sweep() {
+    fn decode_plan_is_the_reference_shapes_and_the_sweep() {
         let p = plan(&["--direction", "decode"]).unwrap();
         assert_eq!(p.directions, [Direction::Decode]);
         assert_eq!(p.decode_rungs(), [GpuRung::FlashDecoding]);
@@ -489,7 +490,7 @@ mod tests {
         let notes = p.notes().join("\n");
         assert!(notes.contains("heuristic") && notes.contains("2 shape(s) left out"), "{notes}");
 
-        // --rung flash-decoding alone means decode; --quick keeps the issue's shapes.
+        // --rung flash-decoding alone means decode; --quick keeps the reference shapes.
         let q = plan(&["--rung", "flash-decoding", "--quick"]).unwrap();
         assert_eq!(q.directions, [Direction::Decode]);
         assert_eq!(q.decode, p.decode[..5]);
