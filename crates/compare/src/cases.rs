@@ -161,3 +161,20 @@ pub fn cases(space: CaseSpace) -> impl Strategy<Value = Case> {
         },
     )
 }
+
+/// `len` deterministic values in [-1, 1): the splitmix64 stream of `seed`. The same inputs on
+/// every run and machine, for benchmarks and for GPU tests that need fixed data.
+pub fn pseudo_random(seed: u64, len: usize) -> Vec<f32> {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ seed.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    (0..len)
+        .map(|_| {
+            // splitmix64
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}

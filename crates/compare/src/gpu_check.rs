@@ -60,6 +60,13 @@ pub fn open_gpu() -> anyhow::Result<Gpu> {
     Ok(Gpu::with_config(gpu_config_from_env()?)?)
 }
 
+/// The one GPU of a test binary ([`gpu_or_skip`], opened on first use and shared by its tests),
+/// or `None` without a GPU. `what` names the tests in the skip notice.
+pub fn shared_gpu(what: &str) -> Option<&'static Gpu> {
+    static GPU: std::sync::OnceLock<Option<Gpu>> = std::sync::OnceLock::new();
+    GPU.get_or_init(|| gpu_or_skip(what)).as_ref()
+}
+
 /// Whether `LADDER_REQUIRE_GPU=1` is set: a GPU test must then fail, not skip, without a GPU.
 pub fn gpu_required() -> bool {
     std::env::var("LADDER_REQUIRE_GPU").is_ok_and(|v| v == "1")

@@ -10,9 +10,7 @@
 //! Without a GPU these tests print a notice and pass; with `LADDER_REQUIRE_GPU=1` (set by the GPU
 //! bundle) a missing GPU fails them.
 
-use std::sync::OnceLock;
-
-use ladder_compare::gpu_check::gpu_or_skip;
+use ladder_compare::gpu_check::shared_gpu;
 use ladder_compare::gpu_check::{self, device_inputs, narrow, options};
 use ladder_compare::oracle::{Expected, GradientOracle, Oracle, check};
 use ladder_compare::{Case, CaseSpace, GpuRung, RungConfig, cases};
@@ -25,8 +23,7 @@ fn cases_per_property() -> u32 {
 }
 
 fn gpu() -> Option<&'static Gpu> {
-    static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
-    GPU.get_or_init(|| gpu_or_skip("GPU rung tests")).as_ref()
+    shared_gpu("GPU rung tests")
 }
 
 fn fail(e: impl std::fmt::Display) -> TestCaseError {

@@ -5,30 +5,17 @@
 //! Without a GPU these tests print a notice and pass; with `LADDER_REQUIRE_GPU=1` a missing GPU
 //! fails them.
 
-use std::sync::OnceLock;
-
 use half::f16;
-use ladder_compare::gpu_check::gpu_or_skip;
+use ladder_compare::cases::pseudo_random;
+use ladder_compare::gpu_check::shared_gpu;
 use ladder_kernels::{DType, Gpu, KernelError, Options, Output, Tensor, fa1, fa2};
 
 fn gpu() -> Option<&'static Gpu> {
-    static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
-    GPU.get_or_init(|| gpu_or_skip("GPU API tests")).as_ref()
-}
-
-/// Deterministic pseudo-random values in [-1, 1) (a fixed LCG: the same inputs every run).
-fn values(len: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..len)
-        .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
+    shared_gpu("GPU API tests")
 }
 
 fn tensor(gpu: &Gpu, shape: &[usize], dtype: DType, seed: u64) -> Tensor {
-    gpu.upload(&values(shape.iter().product(), seed), shape, dtype).expect("upload")
+    gpu.upload(&pseudo_random(seed, shape.iter().product()), shape, dtype).expect("upload")
 }
 
 #[test]
@@ -136,9 +123,9 @@ fn a_nan_reaches_only_the_rows_it_should() {
     let (b, hq, hkv, n_q, n_kv, d) = (1, 4, 2, 150, 230, 64);
     let (qs, kvs) = ([b, hq, n_q, d], [b, hkv, n_kv, d]);
     let (q, k, v) = (
-        values(b * hq * n_q * d, 8),
-        values(b * hkv * n_kv * d, 9),
-        values(b * hkv * n_kv * d, 10),
+        pseudo_random(8, b * hq * n_q * d),
+        pseudo_random(9, b * hkv * n_kv * d),
+        pseudo_random(10, b * hkv * n_kv * d),
     );
     // (tensor, head, row, column) of the NaN; V only without the causal mask (see below).
     let spots =
@@ -205,7 +192,7 @@ fn wrapped_cudarc_buffers_run_without_copies() {
     let Some(gpu) = gpu() else { return };
     let shape = [1, 2, 90, 64];
     let host: Vec<f16> =
-        values(shape.iter().product(), 11).into_iter().map(f16::from_f32).collect();
+        pseudo_random(11, shape.iter().product()).into_iter().map(f16::from_f32).collect();
     let slice = gpu.stream().clone_htod(&host).expect("copy");
     let q = Tensor::from_cuda_slice(slice, &shape).expect("wrap");
     let ours = gpu.upload_slice(&host, &shape).expect("upload");

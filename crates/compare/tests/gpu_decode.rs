@@ -12,10 +12,9 @@
 //! Without a GPU these tests print a notice and pass; with `LADDER_REQUIRE_GPU=1` a missing GPU
 //! fails them.
 
-use std::sync::OnceLock;
-
 use ladder_compare::Inputs;
-use ladder_compare::gpu_check::{self, gpu_or_skip};
+use ladder_compare::cases::pseudo_random;
+use ladder_compare::gpu_check::{self, shared_gpu};
 use ladder_compare::oracle::{Expected, Oracle, judge_between};
 use ladder_kernels::decode::{self, DecodeOptions, KvCache};
 use ladder_kernels::{DType, Gpu, KernelError, Tensor, round_to};
@@ -23,19 +22,7 @@ use ladder_reference::{AttentionOptions, AttentionOutput};
 use ndarray::{Array3, Array4, s};
 
 fn gpu() -> Option<&'static Gpu> {
-    static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
-    GPU.get_or_init(|| gpu_or_skip("GPU decode tests")).as_ref()
-}
-
-/// Deterministic pseudo-random values in [-1, 1) (a fixed LCG: the same inputs every run).
-fn values(len: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..len)
-        .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
+    shared_gpu("GPU decode tests")
 }
 
 /// One decoding call: shapes, lengths and element type.
@@ -66,9 +53,9 @@ impl Case {
     fn inputs(&self) -> HostInputs {
         let (b, hq, hkv, n, d, cap) =
             (self.batch(), self.heads_q, self.heads_kv, self.n_new, self.d, self.capacity);
-        let q = values(b * hq * n * d, self.seed);
-        let mut k = values(b * hkv * cap * d, self.seed + 1);
-        let mut v = values(b * hkv * cap * d, self.seed + 2);
+        let q = pseudo_random(self.seed, b * hq * n * d);
+        let mut k = pseudo_random(self.seed + 1, b * hkv * cap * d);
+        let mut v = pseudo_random(self.seed + 2, b * hkv * cap * d);
         // Entries past each sequence's length must never be read.
         for (bi, &len) in self.lengths.iter().enumerate() {
             for h in 0..hkv {
@@ -243,7 +230,7 @@ fn gpu_decode_bf16_matches_the_oracle_for_every_split_count() {
 fn gpu_decode_bad_input_is_an_error_not_a_panic() {
     let Some(gpu) = gpu() else { return };
     let t = |shape: &[usize], dtype: DType| {
-        gpu.upload(&values(shape.iter().product(), 9), shape, dtype).expect("upload")
+        gpu.upload(&pseudo_random(9, shape.iter().product()), shape, dtype).expect("upload")
     };
     let f16 = DType::F16;
     let run = |q: &Tensor, k: &Tensor, v: &Tensor, lengths: &[usize], splits: Option<usize>| {

@@ -93,34 +93,83 @@ fn n_label(log2_n: f64) -> String {
     if n >= 1024 && n % 1024 == 0 { format!("{}k", n / 1024) } else { n.to_string() }
 }
 
+/// The chart area of every chart here: a title block, `log2(n)` on the x axis over `ns` (padded),
+/// `0 ..= top` on the y axis; `series` draws the lines, then the legend goes to `legend`.
+struct Frame<'a> {
+    title: &'a str,
+    subtitle: &'a str,
+    x_desc: &'a str,
+    y_desc: &'a str,
+    y_decimals: usize,
+    legend: SeriesLabelPosition,
+}
+
+type Axes<'c, 'p> = ChartContext<
+    'c,
+    SVGBackend<'p>,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
+
+impl Frame<'_> {
+    fn draw(
+        self,
+        path: &Path,
+        ns: impl Iterator<Item = usize>,
+        top: f64,
+        series: impl FnOnce(&mut Axes<'_, '_>, (f64, f64)) -> anyhow::Result<()>,
+    ) -> anyhow::Result<()> {
+        let (lo, hi) = ns.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), n| {
+            let x = (n as f64).log2();
+            (lo.min(x), hi.max(x))
+        });
+        let (lo, hi) = (lo.floor() - 0.3, hi.ceil() + 0.3);
+        let root = SVGBackend::new(path, (960, 600)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let (head, body) = root.split_vertically(56);
+        head.draw(&Text::new(self.title.to_string(), (16, 8), ("sans-serif", 22).into_font()))?;
+        head.draw(&Text::new(self.subtitle.to_string(), (16, 34), ("sans-serif", 15).into_font()))?;
+        let mut ctx = ChartBuilder::on(&body)
+            .margin(16)
+            .x_label_area_size(44)
+            .y_label_area_size(64)
+            .build_cartesian_2d(lo..hi, 0f64..top)?;
+        let ticks = (hi - lo).round() as usize + 1;
+        let decimals = self.y_decimals;
+        ctx.configure_mesh()
+            .x_labels(ticks)
+            .x_label_formatter(&|x| n_label(*x))
+            .x_desc(self.x_desc)
+            .y_desc(self.y_desc)
+            .y_label_formatter(&|y| format!("{y:.decimals$}"))
+            .label_style(("sans-serif", 14))
+            .draw()?;
+        series(&mut ctx, (lo, hi))?;
+        ctx.configure_series_labels()
+            .position(self.legend)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 15))
+            .draw()?;
+        root.present()?;
+        Ok(())
+    }
+}
+
 fn draw(path: &Path, title: &str, subtitle: &str, chart: &Chart) -> anyhow::Result<()> {
     let all = || chart.series.values().flat_map(|s| s.iter());
-    let (lo, hi) = all().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), (&n, _)| {
-        let x = (n as f64).log2();
-        (lo.min(x), hi.max(x))
-    });
-    let (lo, hi) = (lo.floor() - 0.3, hi.ceil() + 0.3);
     let top = all().map(|(_, &t)| t).fold(1.0, f64::max) * 1.15;
+    let frame = Frame {
+        title,
+        subtitle,
+        x_desc: "sequence length n (log2 scale; batch = tokens / n)",
+        y_desc: "TFLOP/s",
+        y_decimals: 0,
+        legend: SeriesLabelPosition::UpperLeft,
+    };
+    frame.draw(path, all().map(|(&n, _)| n), top, |ctx, _| draw_series(ctx, chart))
+}
 
-    let root = SVGBackend::new(path, (960, 600)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let (head, body) = root.split_vertically(56);
-    head.draw(&Text::new(title.to_string(), (16, 8), ("sans-serif", 22).into_font()))?;
-    head.draw(&Text::new(subtitle.to_string(), (16, 34), ("sans-serif", 15).into_font()))?;
-    let mut ctx = ChartBuilder::on(&body)
-        .margin(16)
-        .x_label_area_size(44)
-        .y_label_area_size(64)
-        .build_cartesian_2d(lo..hi, 0f64..top)?;
-    let ticks = (hi - lo).round() as usize + 1;
-    ctx.configure_mesh()
-        .x_labels(ticks)
-        .x_label_formatter(&|x| n_label(*x))
-        .x_desc("sequence length n (log2 scale; batch = tokens / n)")
-        .y_desc("TFLOP/s")
-        .y_label_formatter(&|y| format!("{y:.0}"))
-        .label_style(("sans-serif", 14))
-        .draw()?;
+fn draw_series(ctx: &mut Axes<'_, '_>, chart: &Chart) -> anyhow::Result<()> {
     for (i, ((_, name), points)) in chart.series.iter().enumerate() {
         // Known implementations keep their colour from chart to chart; others take the spares.
         let color = color_of(name, i);
@@ -137,13 +186,6 @@ fn draw(path: &Path, title: &str, subtitle: &str, chart: &Chart) -> anyhow::Resu
         });
         ctx.draw_series(pts.iter().map(|&p| Circle::new(p, 4, color.filled())))?;
     }
-    ctx.configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 15))
-        .draw()?;
-    root.present()?;
     Ok(())
 }
 
@@ -192,32 +234,27 @@ fn draw_decode_chart(
     measured_tbps: Option<f64>,
 ) -> anyhow::Result<()> {
     let all = || chart.values().flat_map(|s| s.iter());
-    let (lo, hi) = all().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), (&n, _)| {
-        let x = (n as f64).log2();
-        (lo.min(x), hi.max(x))
-    });
-    let (lo, hi) = (lo.floor() - 0.3, hi.ceil() + 0.3);
     let top = all().map(|(_, &t)| t).chain(measured_tbps).fold(HBM_DATASHEET_TBPS, f64::max) * 1.15;
+    let frame = Frame {
+        title,
+        subtitle,
+        x_desc: "KV cache length L (log2 scale)",
+        y_desc: "TB/s",
+        y_decimals: 1,
+        legend: SeriesLabelPosition::LowerRight,
+    };
+    frame.draw(path, all().map(|(&n, _)| n), top, |ctx, (lo, hi)| {
+        draw_decode_series(ctx, chart, measured_tbps, (lo, hi), top)
+    })
+}
 
-    let root = SVGBackend::new(path, (960, 600)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let (head, body) = root.split_vertically(56);
-    head.draw(&Text::new(title.to_string(), (16, 8), ("sans-serif", 22).into_font()))?;
-    head.draw(&Text::new(subtitle.to_string(), (16, 34), ("sans-serif", 15).into_font()))?;
-    let mut ctx = ChartBuilder::on(&body)
-        .margin(16)
-        .x_label_area_size(44)
-        .y_label_area_size(64)
-        .build_cartesian_2d(lo..hi, 0f64..top)?;
-    let ticks = (hi - lo).round() as usize + 1;
-    ctx.configure_mesh()
-        .x_labels(ticks)
-        .x_label_formatter(&|x| n_label(*x))
-        .x_desc("KV cache length L (log2 scale)")
-        .y_desc("TB/s")
-        .y_label_formatter(&|y| format!("{y:.1}"))
-        .label_style(("sans-serif", 14))
-        .draw()?;
+fn draw_decode_series(
+    ctx: &mut Axes<'_, '_>,
+    chart: &DecodeChart,
+    measured_tbps: Option<f64>,
+    (lo, hi): (f64, f64),
+    top: f64,
+) -> anyhow::Result<()> {
     let references = [
         Some((HBM_DATASHEET_TBPS, "HBM datasheet", BLACK)),
         measured_tbps.map(|t| (t, "HBM read, measured", RGBColor(100, 100, 100))),
@@ -254,13 +291,6 @@ fn draw_decode_chart(
             ctx.draw_series(pts.iter().map(|&p| Circle::new(p, 4, color.filled())))?;
         }
     }
-    ctx.configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 15))
-        .draw()?;
-    root.present()?;
     Ok(())
 }
 

@@ -6,8 +6,8 @@
 
 use std::time::Instant;
 
-use ladder_compare::GpuRung;
 use ladder_compare::gpu_rungs::Kernels;
+use ladder_compare::{GpuRung, cases};
 use ladder_kernels::decode::{DecodeOptions, KvCache};
 use ladder_kernels::{DType, Gpu, KernelError, Options, Output, Tensor};
 
@@ -134,7 +134,7 @@ impl HostPool {
     ) -> ladder_kernels::Result<Tensor> {
         let len: usize = shape.iter().product();
         let shift = shift % CACHE_BLOCK;
-        let block = pseudo_random(u64::MAX, CACHE_BLOCK);
+        let block = cases::pseudo_random(u64::MAX, CACHE_BLOCK);
         match dtype {
             DType::F16 => {
                 repeat_to(&mut self.cache_f16, &block, len + shift, half::f16::from_f32);
@@ -163,26 +163,10 @@ impl HostPool {
             self.slots.resize_with(slot + 1, Vec::new);
         }
         if self.slots[slot].len() != len {
-            self.slots[slot] = pseudo_random(slot as u64, len);
+            self.slots[slot] = cases::pseudo_random(slot as u64, len);
         }
         &self.slots[slot]
     }
-}
-
-/// `len` values in [-1, 1) of the splitmix64 stream of `slot`.
-fn pseudo_random(slot: u64, len: usize) -> Vec<f32> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ slot.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    (0..len)
-        .map(|_| {
-            // splitmix64
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 31;
-            (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
 }
 
 /// How many input sets to rotate among so that they do not all sit in L2.
