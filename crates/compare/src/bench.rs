@@ -69,6 +69,23 @@ pub fn main(args: &BenchArgs) -> ExitCode {
     }
 }
 
+/// The CSV name of `rung` on `gpu`: its own name, or for FA3 under a non-default schedule
+/// (`LADDER_FA3_SCHEDULE`, the ablation) or tiles (`LADDER_FA3_TILES`, tuning) `fa3-` and what
+/// differs, e.g. `fa3-no-pingpong` or `fa3-bc192c2s2`.
+fn impl_name(gpu: &Gpu, rung: GpuRung) -> String {
+    let mut name = rung.name().to_string();
+    if rung == GpuRung::Fa3 {
+        let schedule = gpu.config().fa3_schedule_or_default();
+        if schedule != ladder_kernels::fa3::Schedule::default() {
+            name = format!("{name}-{}", schedule.label().replace(',', "+"));
+        }
+        if let Some(t) = gpu.config().fa3_tiles_override() {
+            name = format!("{name}-bc{}c{}s{}", t.bc, t.consumers, t.stages);
+        }
+    }
+    name
+}
+
 fn fail(e: anyhow::Error) -> ExitCode {
     eprintln!("error: {e:#}");
     ExitCode::from(2)
@@ -120,7 +137,8 @@ fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
             let (batch, heads) = plan.dims(d, n);
             let case_of = |rung: GpuRung, causal: bool| {
                 let dtype = plan.dtype.name();
-                Case::square(rung.name(), rung.direction(), dtype, causal, batch, heads, n, d)
+                let imp = impl_name(gpu, rung);
+                Case::square(&imp, rung.direction(), dtype, causal, batch, heads, n, d)
             };
             let with_d_o = rungs.iter().any(|r| r.direction() == Direction::Bwd);
             let prepared = Instant::now();

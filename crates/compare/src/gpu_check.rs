@@ -33,6 +33,8 @@ use crate::oracle::{Expected, ExpectedGradients, GradientOracle, Oracle};
 /// | `LADDER_NVRTC_OPTIONS="..."` | extra NVRTC options, split at whitespace |
 /// | `LADDER_KERNEL_CACHE=DIR` or `off` | kernel cache folder, or none |
 /// | `LADDER_FA2_TILES=m_tiles,bc,warps` | FA2 forward tiles for every head dimension (tuning) |
+/// | `LADDER_FA3_TILES=bc,consumers,stages` | FA3 tiles for every head dimension and mask (tuning) |
+/// | `LADDER_FA3_SCHEDULE=no-pingpong,...` | FA3 schedule: `full`, or what to switch off (`no-pingpong`, `no-overlap`, `no-persistent`) |
 pub fn gpu_config_from_env() -> anyhow::Result<GpuConfig> {
     let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
     let mut config = GpuConfig::new();
@@ -51,6 +53,13 @@ pub fn gpu_config_from_env() -> anyhow::Result<GpuConfig> {
     if let Some(s) = var("LADDER_FA2_TILES") {
         config = config
             .fa2_forward_tiles(s.parse().map_err(|e| anyhow::anyhow!("LADDER_FA2_TILES: {e}"))?);
+    }
+    if let Some(s) = var("LADDER_FA3_TILES") {
+        config = config.fa3_tiles(s.parse().map_err(|e| anyhow::anyhow!("LADDER_FA3_TILES: {e}"))?);
+    }
+    if let Some(s) = var("LADDER_FA3_SCHEDULE") {
+        config = config
+            .fa3_schedule(s.parse().map_err(|e| anyhow::anyhow!("LADDER_FA3_SCHEDULE: {e}"))?);
     }
     Ok(config)
 }

@@ -10,7 +10,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use ladder_kernels::decode::{self, DecodeOptions, KvCache};
-use ladder_kernels::{DType, Gpu, Gradients, Options, Output, Tensor, fa1, fa2};
+use ladder_kernels::{DType, Gpu, Gradients, Options, Output, Tensor, fa1, fa2, fa3};
 
 use crate::results::Direction;
 use crate::rungs::Rung;
@@ -104,6 +104,16 @@ const FA2: Spec = Spec {
     kernels: Kernels::Forward(fa2::forward),
 };
 
+const FA3: Spec = Spec {
+    name: "fa3",
+    label: "fa3-gpu",
+    direction: Direction::Fwd,
+    head_dims: fa3::HEAD_DIMS,
+    dtypes: fa3::DTYPES,
+    cpu: Rung::Fa3,
+    kernels: Kernels::Forward(fa3::forward),
+};
+
 const FA2_BACKWARD: Spec = Spec {
     name: "fa2",
     label: "fa2-bwd-gpu",
@@ -149,6 +159,8 @@ pub enum GpuRung {
     Fa1,
     /// FlashAttention-2 forward (`ladder_kernels::fa2::forward`).
     Fa2,
+    /// FlashAttention-3 forward on Hopper (`ladder_kernels::fa3::forward`).
+    Fa3,
     /// FlashAttention-2 backward (`ladder_kernels::fa2::backward`), dQ by atomics.
     Fa2Backward,
     /// FlashAttention-2 backward with `Options::deterministic` (dQ by a separate pass).
@@ -159,9 +171,10 @@ pub enum GpuRung {
 
 impl GpuRung {
     /// Every GPU rung, in table order.
-    pub const ALL: [GpuRung; 5] = [
+    pub const ALL: [GpuRung; 6] = [
         GpuRung::Fa1,
         GpuRung::Fa2,
+        GpuRung::Fa3,
         GpuRung::Fa2Backward,
         GpuRung::Fa2BackwardDeterministic,
         GpuRung::FlashDecoding,
@@ -172,6 +185,7 @@ impl GpuRung {
         match self {
             GpuRung::Fa1 => &FA1,
             GpuRung::Fa2 => &FA2,
+            GpuRung::Fa3 => &FA3,
             GpuRung::Fa2Backward => &FA2_BACKWARD,
             GpuRung::Fa2BackwardDeterministic => &FA2_BACKWARD_DETERMINISTIC,
             GpuRung::FlashDecoding => &FLASH_DECODING,
@@ -210,6 +224,11 @@ impl GpuRung {
         self.head_dims().contains(&d)
     }
 
+    /// Whether the kernel runs on `gpu` (FA3 needs Hopper, `sm_90a`; the others sm_80+).
+    pub fn available_on(self, gpu: &Gpu) -> bool {
+        self != GpuRung::Fa3 || gpu.arch() == fa3::ARCH
+    }
+
     /// The CPU rung it is checked against.
     pub fn cpu(self) -> Rung {
         self.spec().cpu
@@ -233,10 +252,14 @@ impl GpuRung {
         GpuRung::ALL.into_iter().find(|r| r.name() == name && r.direction() == direction)
     }
 
-    /// The distinct names, in table order (`fa1`, `fa2`, `fa2-det`, `flash-decoding`).
+    /// The distinct names, in table order (`fa1`, `fa2`, `fa3`, `fa2-det`, `flash-decoding`).
     pub fn names() -> Vec<&'static str> {
-        let mut names: Vec<&'static str> = GpuRung::ALL.iter().map(|r| r.name()).collect();
-        names.dedup();
+        let mut names: Vec<&'static str> = Vec::new();
+        for r in GpuRung::ALL {
+            if !names.contains(&r.name()) {
+                names.push(r.name());
+            }
+        }
         names
     }
 }
@@ -265,7 +288,7 @@ mod tests {
 
     #[test]
     fn names_labels_and_lookups_agree() {
-        assert_eq!(GpuRung::names(), ["fa1", "fa2", "fa2-det", "flash-decoding"]);
+        assert_eq!(GpuRung::names(), ["fa1", "fa2", "fa3", "fa2-det", "flash-decoding"]);
         for r in GpuRung::ALL {
             assert_eq!(r.label().parse::<GpuRung>(), Ok(r));
             assert_eq!(GpuRung::find(r.name(), r.direction()), Some(r));

@@ -348,7 +348,7 @@ pub fn gpu_rows(
         let (q, k, v) = (x32.q.view(), x32.k.view(), x32.v.view());
         let cpu_config = RungConfig { attention, ..RungConfig::default() };
         for rung in GpuRung::ALL {
-            if !rung.supports(d) || !rung.dtypes().contains(&dtype) {
+            if !rung.supports(d) || !rung.dtypes().contains(&dtype) || !rung.available_on(gpu) {
                 continue;
             }
             let cpu_name = format!("{}, CPU", rung.cpu_label());

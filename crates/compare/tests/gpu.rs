@@ -14,7 +14,7 @@ use ladder_compare::gpu_check::shared_gpu;
 use ladder_compare::gpu_check::{self, device_inputs, narrow, options};
 use ladder_compare::oracle::{Expected, GradientOracle, Oracle, check};
 use ladder_compare::{Case, CaseSpace, GpuRung, RungConfig, cases};
-use ladder_kernels::{DType, Gpu, KernelError, Options, fa1, fa2};
+use ladder_kernels::{DType, Gpu, KernelError, Options, fa1, fa2, fa3};
 use proptest::prelude::*;
 
 /// Random cases per property; `LADDER_GPU_CASES` lowers it (e.g. under compute-sanitizer).
@@ -47,6 +47,10 @@ fn space(head_dims: &[usize]) -> CaseSpace {
 /// Runs a GPU forward rung on `case` and checks it against the oracle and its CPU rung (in f32).
 fn check_forward(rung: GpuRung, case: &Case, dtype: DType) -> Result<(), TestCaseError> {
     let Some(gpu) = gpu() else { return Ok(()) };
+    if !rung.available_on(gpu) {
+        eprintln!("{rung} skipped: {} is {}, not {}", gpu.name(), gpu.arch(), fa3::ARCH);
+        return Ok(());
+    }
     let x = device_inputs(case, dtype);
     let (attention, opts) = options(&case.attention(), case.shape.d);
     let (got, _) = gpu_check::forward(gpu, rung, &x, &opts, dtype).map_err(fail)?;
@@ -130,6 +134,16 @@ proptest! {
     }
 
     #[test]
+    fn gpu_fa3_fp16_matches_cpu_fa3_and_the_oracle(case in cases(space(GpuRung::Fa3.head_dims()))) {
+        check_forward(GpuRung::Fa3, &case, DType::F16)?;
+    }
+
+    #[test]
+    fn gpu_fa3_bf16_matches_cpu_fa3_and_the_oracle(case in cases(space(GpuRung::Fa3.head_dims()))) {
+        check_forward(GpuRung::Fa3, &case, DType::BF16)?;
+    }
+
+    #[test]
     fn gpu_fa2_bf16_matches_cpu_fa2_and_the_oracle(case in cases(space(GpuRung::Fa2.head_dims()))) {
         check_forward(GpuRung::Fa2, &case, DType::BF16)?;
     }
@@ -150,6 +164,120 @@ fn gpu_fa2_long_sequences() {
         check_forward(GpuRung::Fa2, &case, DType::F16)
             .unwrap_or_else(|e| panic!("d = {d}, causal = {causal}: {e}"));
     }
+}
+
+/// FA3 on longer problems: many K/V tiles (and pipeline rounds), GQA, causal with n_q < n_kv and
+/// n_q > n_kv (top rows that see no key), every head dimension; and problems of several hundred
+/// query tiles, so that each persistent block walks several tiles (the pipeline's stages and
+/// phases carry over from one tile to the next).
+#[test]
+fn gpu_fa3_long_sequences() {
+    for (b, hq, hkv, n_q, n_kv, d, causal) in [
+        (1, 4, 2, 700, 1500, 64, true),
+        (1, 4, 2, 700, 1500, 128, false),
+        (1, 4, 2, 700, 1500, 128, true),
+        (1, 4, 2, 1500, 700, 128, true),
+        (1, 4, 2, 700, 1500, 256, false),
+        (1, 4, 2, 700, 1500, 256, true),
+        (3, 24, 8, 600, 900, 128, false),
+        (3, 24, 8, 900, 600, 64, true),
+        (2, 16, 16, 1000, 1000, 128, true),
+    ] {
+        let case = Case {
+            shape: ladder_reference::AttentionShape::new(b, hq, hkv, n_q, n_kv, d).unwrap(),
+            causal,
+            logit_std: 1.0,
+            tiles: ladder_reference::TileSizes::new(128, 128).unwrap(),
+            splits: 1,
+            seed: 3000 + d as u64,
+        };
+        check_forward(GpuRung::Fa3, &case, DType::F16).unwrap_or_else(|e| {
+            panic!("[{b}, {hq}/{hkv}, {n_q}x{n_kv}, {d}], causal = {causal}: {e}")
+        });
+    }
+}
+
+/// Every FA3 schedule (no ping-pong, no intra-warpgroup overlap, neither; one block per tile) is
+/// right on its own
+/// (the oracle's rule) and computes what the full kernel computes, bit for bit: they reorder when
+/// products are issued, not the arithmetic. Each is also run twice (deterministic).
+#[test]
+fn gpu_fa3_ablation_variants_equal_the_full_kernel() {
+    let Some(gpu) = gpu() else { return };
+    if !GpuRung::Fa3.available_on(gpu) {
+        eprintln!("fa3 skipped: {} is {}", gpu.name(), gpu.arch());
+        return;
+    }
+    let schedules = [
+        (true, true, true),
+        (false, true, true),
+        (true, false, true),
+        (false, false, true),
+        (true, true, false),
+    ]
+    .map(|(pingpong, overlap, persistent)| fa3::Schedule { pingpong, overlap, persistent });
+    let mut failures = Vec::new();
+    for causal in [false, true] {
+        let shape = ladder_reference::AttentionShape::new(2, 4, 2, 517, 1029, 128).unwrap();
+        let case = Case {
+            shape,
+            causal,
+            logit_std: 1.0,
+            tiles: ladder_reference::TileSizes::new(128, 128).unwrap(),
+            splits: 1,
+            seed: 77,
+        };
+        let x = device_inputs(&case, DType::F16);
+        let (attention, opts) = options(&case.attention(), 128);
+        let oracle = Oracle::new(&x, &attention).unwrap();
+        let expected = gpu_check::expected_forward(&oracle, &x, DType::F16).unwrap();
+        let upload = |a: &ndarray::Array4<f64>| {
+            let v: Vec<f32> = a.iter().map(|&x| x as f32).collect();
+            gpu.upload(&v, a.shape(), DType::F16).unwrap()
+        };
+        let (q, k, v) = (upload(&x.q), upload(&x.k), upload(&x.v));
+        let run = |schedule| {
+            let out = fa3::forward_with(gpu, &q, &k, &v, &opts, schedule).unwrap();
+            (out.o.to_f32_vec().unwrap(), out.lse.to_f32_vec().unwrap())
+        };
+        let full = run(schedules[0]);
+        for schedule in schedules {
+            let got = run(schedule);
+            let again = run(schedule);
+            let what = format!("{schedule:?}, causal = {causal}");
+            let output = ladder_reference::AttentionOutput {
+                o: ndarray::Array4::from_shape_vec(x.q.dim(), got.0.clone()).unwrap(),
+                lse: ndarray::Array3::from_shape_vec(
+                    (x.q.dim().0, x.q.dim().1, x.q.dim().2),
+                    got.1.clone(),
+                )
+                .unwrap(),
+                stats: Default::default(),
+            };
+            let verdict = expected.judge(&output);
+            if !verdict.pass {
+                failures.push(format!("{what}: vs oracle O {} lse {}", verdict.o, verdict.lse));
+            }
+            let bits = |a: &[f32]| a.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            if bits(&got.0) != bits(&again.0) || bits(&got.1) != bits(&again.1) {
+                failures.push(format!("{what}: two runs differ"));
+            }
+            let differ = |a: &[f32], b: &[f32]| {
+                let n = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+                let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                (n, worst)
+            };
+            let (no, wo) = differ(&got.0, &full.0);
+            let (nl, wl) = differ(&got.1, &full.1);
+            if no + nl > 0 {
+                failures.push(format!(
+                    "{what}: differs from the full schedule in {no} of O (max {wo:e}), {nl} of \
+                     lse (max {wl:e})"
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// Backward on a longer problem: many K/V and query tiles, GQA, causal with n_q < n_kv.

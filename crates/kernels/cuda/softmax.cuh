@@ -60,4 +60,40 @@ __device__ __forceinline__ float online_softmax(const float (&s)[NT][4], int h, 
     return alpha;
 }
 
+// The same step with P left in s, in f32 (s = 2^(s·scale_log2 − m_new)); pack_p rounds it to the
+// 16-bit A operand later. FA3 uses this form: its softmax runs while the tensor cores still read
+// the previous P, so the new P may only be written into P's registers once that product is done.
+template <int NT>
+__device__ __forceinline__ float online_softmax_in_place(float (&s)[NT][4], int h,
+                                                         float scale_log2, float& m, float& l) {
+    float mx = m;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+        mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]) * scale_log2);
+    mx = quad_max(mx);
+    const float m_use = mx == LADDER_NEG_INF ? 0.f : mx;  // as in online_softmax
+    const float alpha = m == mx ? 1.f : fast_exp2(m - m_use);
+    m = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+            s[nt][e] = fast_exp2(fma_rn(s[nt][e], scale_log2, -m_use));
+            sum = add_rn(sum, s[nt][e]);
+        }
+    l = fma_rn(l, alpha, sum);
+    return alpha;
+}
+
+// Round P (f32, accumulator layout) to 16 bits, two values per register: p[nt][h] =
+// pack2(s[nt][2h], s[nt][2h + 1]), the A-operand layout of O += P·V.
+template <int NT>
+__device__ __forceinline__ void pack_p(const float (&s)[NT][4], u32 (&p)[NT][2]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) p[nt][h] = pack2(s[nt][2 * h], s[nt][2 * h + 1]);
+}
+
 #endif  // LADDER_SOFTMAX_CUH

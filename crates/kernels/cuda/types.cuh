@@ -76,6 +76,20 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
+// An add and a fused multiply-add the compiler may not reassociate or contract differently from
+// one inlined copy to the next: sums written with them round the same way in every variant of a
+// kernel (FA3's schedules are bitwise equal because of this).
+__device__ __forceinline__ float add_rn(float a, float b) {
+    float c;
+    asm("add.rn.ftz.f32 %0, %1, %2;" : "=f"(c) : "f"(a), "f"(b));
+    return c;
+}
+__device__ __forceinline__ float fma_rn(float a, float b, float c) {
+    float d;
+    asm("fma.rn.ftz.f32 %0, %1, %2, %3;" : "=f"(d) : "f"(a), "f"(b), "f"(c));
+    return d;
+}
+
 // ---- thread and block coordinates ---------------------------------------------------------------
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x % 32; }

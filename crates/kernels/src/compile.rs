@@ -24,6 +24,10 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("mma.cuh", include_str!("../cuda/mma.cuh")),
     ("softmax.cuh", include_str!("../cuda/softmax.cuh")),
     ("mask.cuh", include_str!("../cuda/mask.cuh")),
+    ("barrier.cuh", include_str!("../cuda/barrier.cuh")),
+    ("tma.cuh", include_str!("../cuda/tma.cuh")),
+    ("wgmma.cuh", include_str!("../cuda/wgmma.cuh")),
+    ("wgmma_ops.cuh", include_str!("../cuda/wgmma_ops.cuh")),
 ];
 
 /// One compilable kernel: a rung's source plus the macro constants that pick the variant.
@@ -301,6 +305,16 @@ mod tests {
                         continue;
                     }
                 };
+                // ptxas's notes matter on Hopper: "Potential Performance Loss: wgmma ... serialized"
+                // (C7510-C7515) or an ignored setmaxnreg (C7508) mean the kernel silently lost its
+                // asynchrony.
+                let notable = |l: &&str| l.contains("arning") || l.contains("Performance Loss");
+                for line in compiled.log.lines().filter(notable) {
+                    println!("{arch:7} {}: {line}", v.label());
+                    if line.contains("wgmma") || line.contains("setmaxnreg") {
+                        failures.push(format!("{arch} {}: {line}", v.label()));
+                    }
+                }
                 let reports = ResourceReport::parse(&compiled.log);
                 if reports.is_empty() {
                     failures.push(format!("{arch} {}: no ptxas report in the log", v.label()));
@@ -319,8 +333,9 @@ mod tests {
                     );
                     // The tensor-core kernels (FA2, FlashDecoding) keep everything in registers;
                     // FA1 is the scalar teaching kernel and may use local memory.
-                    let tensor_core =
-                        entry.starts_with("fa2_") || entry.starts_with("flash_decoding");
+                    let tensor_core = entry.starts_with("fa2_")
+                        || entry.starts_with("fa3_")
+                        || entry.starts_with("flash_decoding");
                     if tensor_core && r.spill_bytes > 0 {
                         failures.push(format!(
                             "{arch} {} {entry} spills {} bytes",

@@ -21,6 +21,16 @@ pub enum KernelError {
         /// Compute capability, minor.
         minor: i32,
     },
+    /// The rung needs a GPU architecture this device does not have (FA3 needs Hopper, `sm_90a`).
+    #[error("{rung} needs a {needed} GPU (Hopper: H100, H200); this device is {arch}")]
+    UnsupportedArch {
+        /// Rung name.
+        rung: &'static str,
+        /// The device's architecture, e.g. `sm_80`.
+        arch: String,
+        /// The architecture the rung needs.
+        needed: &'static str,
+    },
     /// NVRTC (`libnvrtc.so`) could not be loaded, failed to compile a kernel, or the driver could
     /// not load the result.
     #[error("compiling {kernel} failed: {log}")]

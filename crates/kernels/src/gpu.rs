@@ -16,6 +16,7 @@ use cudarc::nvrtc::Ptx;
 use crate::compile::{self, CompileSettings, Compiled, Variant};
 use crate::error::{KernelError, Result};
 use crate::fa2::ForwardTiles;
+use crate::fa3::{Fa3Tiles, Schedule};
 use crate::tensor::{DType, Element, Tensor, elements};
 
 /// One entry point of one compiled variant.
@@ -75,6 +76,8 @@ pub struct GpuConfig {
     nvrtc_options: Vec<String>,
     kernel_cache: KernelCache,
     fa2_forward_tiles: Option<ForwardTiles>,
+    fa3_schedule: Option<Schedule>,
+    fa3_tiles: Option<Fa3Tiles>,
 }
 
 impl GpuConfig {
@@ -124,6 +127,29 @@ impl GpuConfig {
     pub fn fa2_forward_tiles(mut self, tiles: ForwardTiles) -> GpuConfig {
         self.fa2_forward_tiles = Some(tiles);
         self
+    }
+
+    /// The schedule of [`crate::fa3::forward`] (the ablation of FA3's ideas; all on by default).
+    pub fn fa3_schedule(mut self, schedule: Schedule) -> GpuConfig {
+        self.fa3_schedule = Some(schedule);
+        self
+    }
+
+    /// Tiles of the FA3 kernel for every head dimension and mask, instead of FA3's own choices
+    /// (for tuning experiments).
+    pub fn fa3_tiles(mut self, tiles: Fa3Tiles) -> GpuConfig {
+        self.fa3_tiles = Some(tiles);
+        self
+    }
+
+    /// The FA3 tiles set with [`GpuConfig::fa3_tiles`], if any.
+    pub fn fa3_tiles_override(&self) -> Option<Fa3Tiles> {
+        self.fa3_tiles
+    }
+
+    /// The FA3 schedule set with [`GpuConfig::fa3_schedule`], or the full one.
+    pub fn fa3_schedule_or_default(&self) -> Schedule {
+        self.fa3_schedule.unwrap_or_default()
     }
 }
 
@@ -231,6 +257,11 @@ impl Gpu {
     /// The configuration this device was opened with.
     pub fn config(&self) -> &GpuConfig {
         &self.config
+    }
+
+    /// The FA3 tiles set in the configuration, if any.
+    pub(crate) fn fa3_tiles(&self) -> Option<Fa3Tiles> {
+        self.config.fa3_tiles
     }
 
     /// The FA2 forward tiles set in the configuration, if any.

@@ -40,6 +40,7 @@ pub mod decode;
 mod error;
 pub mod fa1;
 pub mod fa2;
+pub mod fa3;
 mod gpu;
 mod problem;
 mod tensor;
@@ -59,6 +60,7 @@ pub use cudarc;
 pub(crate) fn variants(arch: &str) -> Vec<compile::Variant> {
     let mut all = fa1::variants();
     all.extend(fa2::variants(arch));
+    all.extend(fa3::variants(arch));
     all.extend(decode::variants());
     all
 }

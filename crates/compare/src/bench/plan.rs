@@ -34,7 +34,7 @@ pub enum DtypeArg {
 /// `ladder bench` flags.
 #[derive(Args, Debug)]
 pub struct BenchArgs {
-    /// GPU rungs to time, comma-separated (fa1, fa2, fa2-det, flash-decoding) [default: all].
+    /// GPU rungs to time, comma-separated (fa1, fa2, fa3, fa2-det, flash-decoding) [default: all].
     #[arg(long, value_delimiter = ',')]
     pub(super) rung: Vec<String>,
     /// Directions, comma-separated: fwd, bwd, decode [default: fwd,bwd, or the directions of the
@@ -411,8 +411,8 @@ mod tests {
         // fa1 stops at 2048.
         let at = |n| p.rungs_at(n);
         let (det, atomic) = (GpuRung::Fa2BackwardDeterministic, GpuRung::Fa2Backward);
-        assert_eq!(at(2048), [GpuRung::Fa1, GpuRung::Fa2, atomic, det]);
-        assert_eq!(at(4096), [GpuRung::Fa2, atomic, det]);
+        assert_eq!(at(2048), [GpuRung::Fa1, GpuRung::Fa2, GpuRung::Fa3, atomic, det]);
+        assert_eq!(at(4096), [GpuRung::Fa2, GpuRung::Fa3, atomic, det]);
         assert_eq!((p.repeats_of(GpuRung::Fa1), p.repeats_of(GpuRung::Fa2)), (3, 30));
         assert!(p.notes().iter().any(|n| n.contains("n <= 2048")));
         let notes = p.notes().join("; ");
@@ -513,8 +513,12 @@ mod tests {
         .unwrap();
         assert_eq!(g.decode, [shape(2, 4, 4096), shape(2, 4, 65536)]);
         assert_eq!((g.decode_ds.as_slice(), g.splits), (&[64][..], Some(16)));
-        assert_eq!(g.rungs_at(4096), [GpuRung::Fa2], "fa1 stops at 2048");
-        assert_eq!(g.case_count(), 2 * 2 + 2, "fa2 fwd × 2 masks × 2 lengths, and 2 decode");
+        assert_eq!(g.rungs_at(4096), [GpuRung::Fa2, GpuRung::Fa3], "fa1 stops at 2048");
+        assert_eq!(
+            g.case_count(),
+            2 * 2 * 2 + 2,
+            "fa2, fa3 fwd × 2 masks × 2 lengths, and 2 decode"
+        );
         assert!(g.notes().join(" ").contains("16 (--splits)"));
         let l = plan(&["--direction", "decode", "--n", "1024"]).unwrap();
         assert_eq!(l.decode.len(), 4 * 2, "every batch and GQA at L = 1024");

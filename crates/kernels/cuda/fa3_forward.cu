@@ -1,0 +1,415 @@
+// FlashAttention-3 forward (Shah et al. 2024) on Hopper: TMA, wgmma, warp specialisation,
+// ping-pong between consumer warpgroups, and the intra-warpgroup overlap of Algorithm 2.
+//
+// The arithmetic is FA2's (fa2_forward.cu): per K/V tile, S = Q·Kᵀ, mask, online softmax,
+// O += P·V, and O / l at the end. What changes is who does what, and when:
+//
+//   producer warpgroup (one thread)        consumer warpgroups 1 … CONSUMERS (64 query rows each)
+//   ------------------------------         ------------------------------------------------------
+//   TMA: Q tile              -> q_full      wait q_full
+//   for each K/V tile j:                   for each K/V tile j:
+//     wait k_empty[stage]                    wait k_full;   S_j = Q·K_jᵀ          (wgmma, async)
+//     TMA: K_j               -> k_full       wait v_full;   O += P_{j-1}·V_{j-1}  (wgmma, async)
+//     wait v_empty[stage]                    softmax of S_j while the tensor cores run
+//     TMA: V_j               -> v_full       release K_j, V_{j-1};  rescale O
+//                                          O += P_last·V_last; O / l; write O and lse
+//
+// Shared memory holds the Q tile and STAGES stages of K and V, so the producer copies tiles
+// j+1 … j+STAGES-1 while tile j is computed. The producer gives its registers to the consumers
+// (setmaxnreg), who need them: S, P, the previous P and O all live in registers.
+//
+// Switches (compile time; the ablation of the FA3 paper, §4.2):
+//   FA3_OVERLAP   1: intra-warpgroup overlap (Algorithm 2): the softmax of S_j runs while the
+//                 tensor cores compute P_{j-1}·V_{j-1}. 0: each product is waited for before its
+//                 result is used (the plain warp-specialised loop).
+//   FA3_PINGPONG  1: consumer warpgroups take turns issuing their products (named barriers), so
+//                 one's softmax runs under the other's products. 0: no ordering between them.
+//
+// Legend (tiles as in the CPU rungs):
+//   BR  query rows per block (64 per consumer warpgroup)   BC  keys per K/V tile
+//   q0  first query row of the block                       k0  first key of tile j
+//   wg  consumer warpgroup (0 … CONSUMERS-1)               nt  8-column accumulator tile of S
+//   h   row half of an accumulator tile (see mma.cuh)      dt  8-column accumulator tile of O
+//
+// Compile-time constants, set by the host for each variant:
+//   FA3_D, FA3_BC, FA3_CONSUMERS, FA3_STAGES, FA3_CAUSAL, FA3_OVERLAP, FA3_PINGPONG
+
+#include "barrier.cuh"
+#include "mask.cuh"
+#include "mma.cuh"
+#include "softmax.cuh"
+#include "tma.cuh"
+#include "types.cuh"
+#include "wgmma.cuh"
+
+#ifndef FA3_D
+#define FA3_D 128
+#endif
+#ifndef FA3_BC
+#define FA3_BC 128
+#endif
+#ifndef FA3_CONSUMERS
+#define FA3_CONSUMERS 2
+#endif
+#ifndef FA3_STAGES
+#define FA3_STAGES 2
+#endif
+#ifndef FA3_CAUSAL
+#define FA3_CAUSAL 0
+#endif
+#ifndef FA3_OVERLAP
+#define FA3_OVERLAP 1
+#endif
+#ifndef FA3_PINGPONG
+#define FA3_PINGPONG 1
+#endif
+
+constexpr int D = FA3_D;
+constexpr int BC = FA3_BC;
+constexpr int CONSUMERS = FA3_CONSUMERS;
+constexpr int STAGES = FA3_STAGES;
+constexpr bool causal = FA3_CAUSAL;
+constexpr bool overlap = FA3_OVERLAP;
+constexpr bool pingpong = FA3_PINGPONG && CONSUMERS > 1;
+constexpr int BR = 64 * CONSUMERS;
+constexpr int THREADS = 128 * (CONSUMERS + 1);
+constexpr int NT = BC / 8;  // 8-column accumulator tiles across one row of S
+constexpr int DT = D / 8;   // 8-column accumulator tiles across one row of O
+static_assert(D % 64 == 0 && BC % 16 == 0 && BC <= 256, "tile shapes wgmma and TMA accept");
+
+// Registers per thread after the hand-over: 24 for the producer, the rest for the consumers
+// (65536 per SM; one block per SM).
+constexpr int PRODUCER_REGS = 24;
+constexpr int CONSUMER_REGS = CONSUMERS == 3 ? 160 : 240;
+
+// Named barriers of the ping-pong schedule: warpgroup wg waits on SCHEDULE_BARRIER + wg.
+constexpr int SCHEDULE_BARRIER = 1;
+
+// Q, K, V are described by tensor maps (tma.cuh); O is [batch, heads_q, n_q, D] and lse is
+// [batch, heads_q, n_q], natural log.
+struct Fa3ForwardParams {
+    TensorMap q;
+    TensorMap k;
+    TensorMap v;
+    u16* o;
+    float* lse;
+    int batch;
+    int heads_q;
+    int heads_kv;
+    int n_q;
+    int n_kv;
+    float scale_log2;  // softmax scale · log2(e)
+};
+
+// Shared memory (dynamic, 1024-byte aligned for the swizzle), in this order.
+struct SharedTiles {
+    u16 q[BR * D];              // D/64 column blocks of [BR × 64]
+    u16 k[STAGES][BC * D];      // D/64 column blocks of [BC × 64] per stage
+    u16 v[STAGES][BC * D];
+    u64 q_full;                 // Q has landed
+    u64 q_empty;                // every consumer warp is done with Q (its last S = Q·Kᵀ)
+    u64 k_full[STAGES];         // K tile has landed
+    u64 v_full[STAGES];
+    u64 k_empty[STAGES];        // every consumer warp is done with the stage's K
+    u64 v_empty[STAGES];
+};
+
+// ---- the work: persistent blocks over (query block, head, batch) tiles -------------------------
+
+// Each block walks tiles blockIdx.x, blockIdx.x + gridDim.x, … (one block per SM), so that while
+// the consumers finish one tile the producer already loads the next. Causal tiles are numbered
+// longest first (query blocks from the end), and blocks take them in snake order (round r goes
+// left to right when r is even, right to left when odd), so that each block's sum of tile
+// lengths comes out about even; otherwise consecutive tiles are query blocks of one head, which
+// share K and V in L2.
+struct Tile {
+    int q0;       // first query row
+    int head;
+    int batch;
+    int n_tiles;  // K/V tiles it needs
+};
+
+__device__ __forceinline__ int q_blocks(const Fa3ForwardParams& p) { return (p.n_q + BR - 1) / BR; }
+__device__ __forceinline__ int tile_count(const Fa3ForwardParams& p) {
+    return q_blocks(p) * p.heads_q * p.batch;
+}
+
+__device__ __forceinline__ Tile tile_at(const Fa3ForwardParams& p, int index) {
+    const int blocks = q_blocks(p), heads = p.heads_q * p.batch;
+    int q_block, bh;
+    if (causal) {
+        q_block = blocks - 1 - index / heads;
+        bh = index % heads;
+    } else {
+        q_block = index % blocks;
+        bh = index / blocks;
+    }
+    Tile t;
+    t.q0 = q_block * BR;
+    t.head = bh % p.heads_q;
+    t.batch = bh / p.heads_q;
+    t.n_tiles = key_tiles<causal, BC>(t.q0 + BR - 1, p.n_kv, p.n_kv - p.n_q);
+    return t;
+}
+
+// This block's first tile and the one after `index` (snake order for causal, see above).
+__device__ __forceinline__ int first_tile() { return blockIdx.x; }
+__device__ __forceinline__ int next_tile(int index) {
+    if (!causal) return index + gridDim.x;
+    const int round = index / gridDim.x, lane = index % gridDim.x;  // lane: this block's place
+    const int block = round % 2 == 0 ? lane : gridDim.x - 1 - lane;
+    const int next = round + 1;
+    return next * gridDim.x + (next % 2 == 0 ? block : gridDim.x - 1 - block);
+}
+
+// A position in the K/V pipeline, counted across the block's tiles: which stage, and the parity
+// of the round (how many times the stages have been cycled through) for the mbarrier waits.
+struct PipelineState {
+    int count = 0;
+    __device__ __forceinline__ int stage() const { return count % STAGES; }
+    __device__ __forceinline__ int parity() const { return (count / STAGES) & 1; }
+};
+
+// ---- producer ---------------------------------------------------------------------------------
+
+// One thread issues every copy in the consumers' order; a stage is reused once every consumer
+// warp has released it (the empty barrier's phase of the previous round; on the first round the
+// wait on parity 1 returns at once).
+__device__ void producer(const Fa3ForwardParams& p, SharedTiles& t) {
+    tma_prefetch(&p.q);
+    tma_prefetch(&p.k);
+    tma_prefetch(&p.v);
+    PipelineState kv;
+    int tiles_done = 0;
+    for (int index = first_tile(); index < tile_count(p); index = next_tile(index), ++tiles_done) {
+        const Tile tile = tile_at(p, index);
+        const int kv_head = tile.head / (p.heads_q / p.heads_kv);
+        mbar_wait(&t.q_empty, (tiles_done & 1) ^ 1);
+        mbar_expect_tx(&t.q_full, BR * D * 2);
+        tma_load_tile<BR, D>(t.q, &p.q, &t.q_full, tile.q0, tile.head, tile.batch);
+        for (int j = 0; j < tile.n_tiles; ++j, ++kv.count) {
+            const int stage = kv.stage(), free = kv.parity() ^ 1;
+            mbar_wait(&t.k_empty[stage], free);
+            mbar_expect_tx(&t.k_full[stage], BC * D * 2);
+            tma_load_tile<BC, D>(t.k[stage], &p.k, &t.k_full[stage], j * BC, kv_head, tile.batch);
+            mbar_wait(&t.v_empty[stage], free);
+            mbar_expect_tx(&t.v_full[stage], BC * D * 2);
+            tma_load_tile<BC, D>(t.v[stage], &p.v, &t.v_full[stage], j * BC, kv_head, tile.batch);
+        }
+    }
+}
+
+// ---- consumer ---------------------------------------------------------------------------------
+
+// Release a buffer: one arrival per warp, after the warp's wgmma reading it has completed.
+__device__ __forceinline__ void release(u64* empty) {
+    __syncwarp();
+    if (lane_id() == 0) mbar_arrive(empty);
+}
+
+// Ping-pong: wait for this warpgroup's turn to issue products, and pass the turn on.
+__device__ __forceinline__ void wait_turn(int wg) {
+    if (pingpong) named_sync(SCHEDULE_BARRIER + wg, 256);
+}
+__device__ __forceinline__ void pass_turn(int wg) {
+    if (pingpong) named_arrive(SCHEDULE_BARRIER + (wg + 1) % CONSUMERS, 256);
+}
+
+struct RowState {
+    float m[2], l[2];  // running max (base 2) and sum of the thread's two rows
+};
+
+// Mask S_j where needed (the sequence tail, the causal diagonal), then the online softmax in
+// place: s becomes P = 2^(S·scale_log2 − m) in f32. Returns whether any row's max moved
+// (alpha ≠ 1), in which case O must be rescaled by alpha.
+__device__ __forceinline__ bool softmax_step(float (&s)[NT][4], float (&alpha)[2], RowState& st,
+                                             const Fa3ForwardParams& p, int row0, int k0) {
+    const int shift = p.n_kv - p.n_q;
+    if (k0 + BC > p.n_kv || crosses_diagonal<causal>(row0, k0 + BC - 1, shift)) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + (warp_id() % 4) * 16 + acc_row(2 * h);
+            mask_columns(s, h, key_limit<causal>(row, k0, p.n_kv, shift), LADDER_NEG_INF);
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+        alpha[h] = online_softmax_in_place(s, h, p.scale_log2, st.m[h], st.l[h]);
+    return alpha[0] != 1.f || alpha[1] != 1.f;
+}
+
+__device__ __forceinline__ void rescale(float (&o)[DT][4], const float (&alpha)[2]) {
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[dt][e] *= alpha[e / 2];
+}
+
+// O = acc / l and lse = m·ln2 + ln l for the thread's rows; rows that saw no key (l = 0) get O = 0
+// and lse = −inf, rows that met a NaN get NaN.
+__device__ void epilogue(const Fa3ForwardParams& p, const Tile& tile, const float (&o)[DT][4],
+                         const RowState& st, int row0) {
+    u16* gO = p.o + ((size_t)tile.batch * p.heads_q + tile.head) * p.n_q * D;
+    float* gL = p.lse + ((size_t)tile.batch * p.heads_q + tile.head) * p.n_q;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row0 + (warp_id() % 4) * 16 + acc_row(2 * h);
+        const float l = quad_sum(st.l[h]);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        if (row < p.n_q) {
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt)
+                *reinterpret_cast<u32*>(gO + (size_t)row * D + acc_col(dt, 0)) =
+                    pack2(o[dt][2 * h] * inv, o[dt][2 * h + 1] * inv);
+            if (lane_id() % 4 == 0)
+                gL[row] = l == 0.f ? LADDER_NEG_INF : fma_rn(st.m[h], LADDER_LN2, logf(l));
+        }
+    }
+}
+
+// One consumer warpgroup's walk over the K/V tiles of one tile, for its 64 query rows (from
+// row0); `kv` is the pipeline position, shared in lockstep by every consumer and the producer.
+__device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t, const Tile& tile,
+                                       int wg, int row0, PipelineState& kv) {
+    float o[DT][4];
+    zero(o);
+    RowState st = {{LADDER_NEG_INF, LADDER_NEG_INF}, {0.f, 0.f}};
+    const int q_row0 = wg * 64;  // the warpgroup's rows inside the Q tile
+    const int n_tiles = tile.n_tiles;
+
+    if (overlap) {
+        // Algorithm 2. Prologue: S_0 and its softmax (O is still zero: nothing to rescale).
+        u32 pk[NT][2];
+        float alpha[2];
+        bool moved = false;  // whether the last softmax moved a row's max: O needs alpha
+        PipelineState v_read = kv;  // V lags K by one tile
+        if (n_tiles > 0) {
+            float s[NT][4];
+            wait_turn(wg);
+            mbar_wait(&t.k_full[kv.stage()], kv.parity());
+            wgmma_fence();
+            wgmma_qk<BR, BC, D>(s, t.q, q_row0, t.k[kv.stage()]);
+            wgmma_commit();
+            pass_turn(wg);
+            wgmma_wait<0>();
+            wgmma_hold(s);
+            release(&t.k_empty[kv.stage()]);
+            ++kv.count;
+            softmax_step(s, alpha, st, p, row0, 0);
+            pack_p(s, pk);
+        }
+        for (int j = 1; j < n_tiles; ++j, ++kv.count, ++v_read.count) {
+            float s[NT][4];
+            wait_turn(wg);
+            // Both tiles are waited for before the products are issued: ptxas serialises every
+            // wgmma of a kernel that waits (branches) between the issues of one batch.
+            mbar_wait(&t.k_full[kv.stage()], kv.parity());
+            mbar_wait(&t.v_full[v_read.stage()], v_read.parity());
+            wgmma_fence();
+            wgmma_qk<BR, BC, D>(s, t.q, q_row0, t.k[kv.stage()]);  // S_j
+            wgmma_commit();
+            // O *= alpha_{j-1} while the tensor cores compute S_j, then O += P_{j-1}·V_{j-1}.
+            if (__any_sync(0xffffffff, moved)) rescale(o, alpha);
+            wgmma_fence();
+            wgmma_pv<BC, D>(o, pk, t.v[v_read.stage()]);
+            wgmma_commit();
+            pass_turn(wg);
+            wgmma_wait<1>();  // S_j has landed; P·V still runs under the softmax below
+            wgmma_hold(s);
+            release(&t.k_empty[kv.stage()]);
+            moved = softmax_step(s, alpha, st, p, row0, j * BC);
+            wgmma_wait<0>();  // P_{j-1}·V_{j-1} has landed: O and P's registers are free
+            wgmma_hold(o);
+            wgmma_hold(pk);
+            release(&t.v_empty[v_read.stage()]);
+            pack_p(s, pk);
+        }
+        // Every S = Q·Kᵀ of the tile is done: the producer may load the next tile's Q.
+        release(&t.q_empty);
+        if (n_tiles > 0) {
+            if (__any_sync(0xffffffff, moved)) rescale(o, alpha);
+            mbar_wait(&t.v_full[v_read.stage()], v_read.parity());
+            wgmma_fence();
+            wgmma_pv<BC, D>(o, pk, t.v[v_read.stage()]);
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_hold(o);
+            release(&t.v_empty[v_read.stage()]);
+        }
+    } else {
+        // The plain loop: each product waited for before its result is used.
+        for (int j = 0; j < n_tiles; ++j, ++kv.count) {
+            const int stage = kv.stage(), parity = kv.parity();
+            float s[NT][4];
+            wait_turn(wg);
+            mbar_wait(&t.k_full[stage], parity);
+            wgmma_fence();
+            wgmma_qk<BR, BC, D>(s, t.q, q_row0, t.k[stage]);
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_hold(s);
+            release(&t.k_empty[stage]);
+            if (j == n_tiles - 1) release(&t.q_empty);
+            u32 pk[NT][2];
+            float alpha[2];
+            const bool moved = softmax_step(s, alpha, st, p, row0, j * BC);
+            if (__any_sync(0xffffffff, moved)) rescale(o, alpha);
+            pack_p(s, pk);
+            mbar_wait(&t.v_full[stage], parity);
+            wgmma_fence();
+            wgmma_pv<BC, D>(o, pk, t.v[stage]);
+            wgmma_commit();
+            pass_turn(wg);
+            wgmma_wait<0>();
+            wgmma_hold(o);
+            release(&t.v_empty[stage]);
+        }
+        if (n_tiles == 0) release(&t.q_empty);
+    }
+    epilogue(p, tile, o, st, row0);
+}
+
+__device__ void consumer(const Fa3ForwardParams& p, SharedTiles& t, int wg) {
+    // The first warpgroup moves first: the last gives it the turn (and takes the last turn back
+    // at the end, so that every named barrier ends balanced).
+    if (pingpong && wg == CONSUMERS - 1) named_arrive(SCHEDULE_BARRIER, 256);
+    PipelineState kv;
+    int tiles_done = 0;
+    for (int index = first_tile(); index < tile_count(p); index = next_tile(index), ++tiles_done) {
+        const Tile tile = tile_at(p, index);
+        mbar_wait(&t.q_full, tiles_done & 1);
+        attend(p, t, tile, wg, tile.q0 + wg * 64, kv);
+    }
+    if (pingpong && wg == CONSUMERS - 1) named_sync(SCHEDULE_BARRIER, 256);
+}
+
+// Launch: grid (min(tiles, SMs), 1, 1), block THREADS = 128·(CONSUMERS + 1), dynamic shared
+// memory sizeof(SharedTiles) + 1024 (for the alignment).
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+fa3_forward(const __grid_constant__ Fa3ForwardParams p) {
+    extern __shared__ unsigned char smem_raw[];
+    SharedTiles& t = *reinterpret_cast<SharedTiles*>(
+        (reinterpret_cast<size_t>(smem_raw) + 1023) & ~static_cast<size_t>(1023));
+
+    if (threadIdx.x == 0) {
+        mbar_init(&t.q_full, 1);
+        mbar_init(&t.q_empty, CONSUMERS * 4);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(&t.k_full[s], 1);
+            mbar_init(&t.v_full[s], 1);
+            mbar_init(&t.k_empty[s], CONSUMERS * 4);
+            mbar_init(&t.v_empty[s], CONSUMERS * 4);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    const int warpgroup = threadIdx.x / 128;
+    if (warpgroup == 0) {
+        warpgroup_reg_dealloc<PRODUCER_REGS>();
+        if (threadIdx.x == 0) producer(p, t);
+    } else {
+        warpgroup_reg_alloc<CONSUMER_REGS>();
+        consumer(p, t, warpgroup - 1);
+    }
+}

@@ -1,0 +1,47 @@
+// Tensor Memory Accelerator (TMA, sm_90): whole tiles copied from global to shared memory by the
+// copy engine, one instruction from one thread, completing on an mbarrier (barrier.cuh).
+//
+// The host describes each tensor once with cuTensorMapEncodeTiled (crates/kernels/src/fa3.rs):
+// Q, K, V of shape [batch, heads, n, d] become 4-d maps with dimensions (d, n, heads, batch),
+// innermost first, boxes of 64 columns × ROWS rows, and the 128-byte swizzle. A box of 64
+// 16-bit columns is one 128-byte row per tile row, so a [ROWS × d] tile lands in shared memory as
+// d/64 column blocks of [ROWS × 64], each swizzled exactly as wgmma's 128-byte-swizzle layout
+// expects (wgmma.cuh). Rows past the end of a sequence are filled with zeros by the copy engine.
+#ifndef LADDER_TMA_CUH
+#define LADDER_TMA_CUH
+
+#include "copy.cuh"
+#include "types.cuh"
+
+// The driver's opaque 128-byte tensor map (CUtensorMap; NVRTC has no cuda.h), passed inside the
+// kernel's __grid_constant__ parameter struct, whose address the copy instructions take.
+struct alignas(128) TensorMap {
+    u64 opaque[16];
+};
+
+// Fetch a tensor map into the copy engine's descriptor cache ahead of its first use.
+__device__ __forceinline__ void tma_prefetch(const TensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
+}
+
+// Copy the box at coordinates (col, row, head, batch) of `map` to `smem` (1024-byte aligned, for
+// the swizzle); completion adds the box's bytes to `bar`'s transaction count.
+__device__ __forceinline__ void tma_load_4d(void* smem, const TensorMap* map, u64* bar, int col,
+                                            int row, int head, int batch) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6];" ::"r"(smem_addr(smem)),
+        "l"(map), "r"(col), "r"(row), "r"(head), "r"(batch), "r"(smem_addr(bar))
+        : "memory");
+}
+
+// A [ROWS × D] tile starting at row `row0` of (head, batch), as D/64 column blocks of [ROWS × 64].
+template <int ROWS, int D>
+__device__ __forceinline__ void tma_load_tile(u16* smem, const TensorMap* map, u64* bar, int row0,
+                                              int head, int batch) {
+#pragma unroll
+    for (int cb = 0; cb < D / 64; ++cb)
+        tma_load_4d(smem + cb * ROWS * 64, map, bar, cb * 64, row0, head, batch);
+}
+
+#endif  // LADDER_TMA_CUH

@@ -1,0 +1,432 @@
+//! Rung 4 on the GPU: FlashAttention-3 (Shah et al. 2024), forward, on Hopper (`sm_90a`).
+//!
+//! The same arithmetic as FA2 ([`crate::fa2`]), scheduled for Hopper's asynchronous hardware
+//! (the paper's §3; kernel `cuda/fa3_forward.cu`):
+//!
+//! - **TMA**: a producer warpgroup copies whole Q, K, V tiles with single instructions, described
+//!   by tensor maps built here on the host (`cuTensorMapEncodeTiled`); the copy engine fills rows
+//!   past a sequence's end with zeros.
+//! - **wgmma**: the consumer warpgroups (64 query rows each) multiply from shared memory
+//!   asynchronously: `S = Q Kᵀ` with both operands in shared memory, `O += P V` with `P` in
+//!   registers.
+//! - **Warp specialisation**: the producer hands most of its registers to the consumers
+//!   (`setmaxnreg`); an mbarrier pipeline of [`Fa3Tiles::stages`] shared-memory stages connects
+//!   them.
+//! - **Ping-pong** ([`Schedule::pingpong`]): the consumer warpgroups take turns issuing their
+//!   products, so that one's softmax runs under the other's matrix products.
+//! - **Intra-warpgroup overlap** ([`Schedule::overlap`], Algorithm 2): the softmax of tile `j`
+//!   runs while the product `P_{j-1} V_{j-1}` is computed.
+//!
+//! The CPU rung `ladder_reference::fa3` runs the loop of Algorithm 2 in the same order, and
+//! `ladder_reference::fa3_schedule` simulates the schedules that [`Schedule`] switches between.
+
+use std::ffi::c_void;
+
+use cudarc::driver::DeviceRepr;
+use cudarc::driver::sys::{
+    CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
+    CUtensorMapL2promotion, CUtensorMapSwizzle, cuTensorMapEncodeTiled,
+};
+
+use crate::compile::Variant;
+use crate::error::{KernelError, Result};
+use crate::gpu::{Gpu, Kernel};
+use crate::problem::{Options, Output, Problem, grid};
+use crate::tensor::{DType, Tensor};
+
+const SRC: &str = include_str!("../cuda/fa3_forward.cu");
+
+/// Head dimensions with an FA3 kernel.
+pub const HEAD_DIMS: &[usize] = &[64, 128, 256];
+/// Element types of the FA3 kernels.
+pub const DTYPES: &[DType] = &[DType::F16, DType::BF16];
+/// The architecture the kernels need (wgmma and setmaxnreg exist only in `sm_90a`).
+pub const ARCH: &str = "sm_90a";
+
+/// Tile configuration of the FA3 forward kernel: `64 · consumers` query rows per block, `bc`
+/// keys per K/V tile, `stages` K/V tiles in shared memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fa3Tiles {
+    /// Keys per K/V tile (a multiple of 16, at most 256).
+    pub bc: usize,
+    /// Consumer warpgroups, 64 query rows each (2 or 3).
+    pub consumers: usize,
+    /// Shared-memory stages of the K/V pipeline (2 or more).
+    pub stages: usize,
+}
+
+impl Fa3Tiles {
+    /// Checked tiles: `bc` a multiple of 16 in 16..=256, 1 to 3 consumer warpgroups, 2 to 8
+    /// stages (whether they fit the device's shared memory is checked at launch).
+    pub fn new(bc: usize, consumers: usize, stages: usize) -> Result<Fa3Tiles> {
+        if bc == 0 || bc % 16 != 0 || bc > 256 || !(1..=3).contains(&consumers) {
+            return Err(KernelError::Config(format!(
+                "FA3 tiles bc={bc}, consumers={consumers}, stages={stages}: expected bc a \
+                 multiple of 16 in 16..=256, 1 to 3 consumers, 2 to 8 stages"
+            )));
+        }
+        if !(2..=8).contains(&stages) {
+            return Err(KernelError::Config(format!(
+                "FA3 tiles: {stages} stages (expected 2 to 8)"
+            )));
+        }
+        Ok(Fa3Tiles { bc, consumers, stages })
+    }
+
+    /// FA3's own choices (paper §4.1): d = 64: 192 × 128; d = 128: 128 × 128 causal and 128 × 176
+    /// without the mask; d = 256: 128 × 80.
+    pub fn for_head_dim(d: usize, causal: bool) -> Result<Fa3Tiles> {
+        match d {
+            64 => Ok(Fa3Tiles { bc: 128, consumers: 3, stages: 2 }),
+            128 => Ok(Fa3Tiles { bc: if causal { 128 } else { 176 }, consumers: 2, stages: 2 }),
+            256 => Ok(Fa3Tiles { bc: 80, consumers: 2, stages: 2 }),
+            _ => Err(KernelError::UnsupportedHeadDim { rung: "fa3", d, supported: HEAD_DIMS }),
+        }
+    }
+
+    /// Query rows per block.
+    pub fn br(&self) -> usize {
+        64 * self.consumers
+    }
+
+    /// Threads per block: the producer warpgroup and the consumers.
+    pub fn threads(&self) -> usize {
+        128 * (self.consumers + 1)
+    }
+
+    /// Dynamic shared memory in bytes: the Q tile, `stages` K and V tiles (16-bit), the
+    /// pipeline's mbarriers (Q full/empty, K and V full/empty per stage), and 1024 bytes to align
+    /// the tiles for the 128-byte swizzle.
+    pub fn shared_bytes(&self, d: usize) -> usize {
+        (self.br() + 2 * self.stages * self.bc) * d * 2 + 8 * (2 + 4 * self.stages) + 1024
+    }
+}
+
+impl std::str::FromStr for Fa3Tiles {
+    type Err = KernelError;
+
+    /// `bc,consumers,stages`, e.g. `176,2,2`.
+    fn from_str(spec: &str) -> Result<Fa3Tiles> {
+        let parts: Vec<Option<usize>> = spec.split(',').map(|x| x.trim().parse().ok()).collect();
+        match parts[..] {
+            [Some(bc), Some(consumers), Some(stages)] => Fa3Tiles::new(bc, consumers, stages),
+            _ => Err(KernelError::Config(format!(
+                "FA3 tiles {spec:?}: expected bc,consumers,stages (e.g. 176,2,2)"
+            ))),
+        }
+    }
+}
+
+/// Which of FA3's scheduling ideas the kernel uses (all on by default): switching one off runs a
+/// variant without it, for the paper's ablation (§4.2). Every variant computes the same result,
+/// bit for bit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Schedule {
+    /// Consumer warpgroups take turns issuing their products (named barriers).
+    pub pingpong: bool,
+    /// The softmax of tile `j` overlaps the product `P_{j-1} V_{j-1}` (Algorithm 2).
+    pub overlap: bool,
+    /// One block per SM walks many query tiles, loading the next tile while it finishes the last
+    /// (off: one block per query tile, scheduled by the hardware).
+    pub persistent: bool,
+}
+
+impl Default for Schedule {
+    fn default() -> Schedule {
+        Schedule { pingpong: true, overlap: true, persistent: true }
+    }
+}
+
+impl Schedule {
+    /// `full`, or the ideas switched off joined by commas (`no-pingpong,no-overlap`): the form
+    /// [`std::str::FromStr`] reads.
+    pub fn label(&self) -> String {
+        let off: Vec<&str> = [
+            (self.pingpong, "no-pingpong"),
+            (self.overlap, "no-overlap"),
+            (self.persistent, "no-persistent"),
+        ]
+        .into_iter()
+        .filter(|(on, _)| !on)
+        .map(|(_, name)| name)
+        .collect();
+        if off.is_empty() { "full".to_string() } else { off.join(",") }
+    }
+}
+
+impl std::str::FromStr for Schedule {
+    type Err = KernelError;
+
+    /// `full`, or a comma-separated list of `no-pingpong`, `no-overlap`, `no-persistent`.
+    fn from_str(spec: &str) -> Result<Schedule> {
+        let mut s = Schedule::default();
+        for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty() && *p != "full") {
+            match part {
+                "no-pingpong" => s.pingpong = false,
+                "no-overlap" => s.overlap = false,
+                "no-persistent" => s.persistent = false,
+                other => {
+                    return Err(KernelError::Config(format!(
+                        "FA3 schedule {spec:?}: unknown part {other:?} (expected full, or any of \
+                         no-pingpong, no-overlap, no-persistent)"
+                    )));
+                }
+            }
+        }
+        Ok(s)
+    }
+}
+
+/// The kernel variant for head dimension `d`, element type, masking, tiles and schedule.
+pub(crate) fn variant(d: usize, dtype: DType, causal: bool, t: Fa3Tiles, s: Schedule) -> Variant {
+    Variant {
+        file: "fa3_forward",
+        source: SRC,
+        defines: vec![
+            ("LADDER_DTYPE", dtype.code().to_string()),
+            ("FA3_D", d.to_string()),
+            ("FA3_BC", t.bc.to_string()),
+            ("FA3_CONSUMERS", t.consumers.to_string()),
+            ("FA3_STAGES", t.stages.to_string()),
+            ("FA3_CAUSAL", (causal as u32).to_string()),
+            ("FA3_OVERLAP", (s.overlap as u32).to_string()),
+            ("FA3_PINGPONG", (s.pingpong as u32).to_string()),
+        ],
+    }
+}
+
+/// Mirror of `Fa3ForwardParams` in `cuda/fa3_forward.cu`: three tensor maps (128-byte aligned,
+/// as the kernel's `TensorMap`), then the output pointers and sizes.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct ForwardParams {
+    q: CUtensorMap,
+    k: CUtensorMap,
+    v: CUtensorMap,
+    o: u64,
+    lse: u64,
+    batch: i32,
+    heads_q: i32,
+    heads_kv: i32,
+    n_q: i32,
+    n_kv: i32,
+    scale_log2: f32,
+}
+
+// SAFETY: a plain #[repr(C)] struct (opaque tensor-map words, integers, floats), laid out as its
+// CUDA mirror: CUtensorMap is 128 bytes aligned to 128 in both (cudarc's cuda-13000 binding and
+// the kernel's TensorMap).
+unsafe impl DeviceRepr for ForwardParams {}
+
+/// A TMA tensor map of a `[batch, heads, n, d]` 16-bit tensor at device address `ptr`: dimensions
+/// (d, n, heads, batch) innermost first, boxes of 64 columns × `rows` rows, 128-byte swizzle.
+fn tensor_map(name: &str, t: &Tensor, ptr: u64, rows: usize) -> Result<CUtensorMap> {
+    let shape = t.shape();
+    let (b, h, n, d) = (shape[0], shape[1], shape[2], shape[3]);
+    if ptr % 16 != 0 {
+        return Err(KernelError::Shape(format!(
+            "{name} must start at a 16-byte aligned device address for TMA (got {ptr:#x})"
+        )));
+    }
+    let elem = t.dtype().size() as u64;
+    let dims = [d as u64, n as u64, h as u64, b as u64];
+    let strides = [d as u64 * elem, (n * d) as u64 * elem, (h * n * d) as u64 * elem];
+    let boxes = [64u32, rows as u32, 1, 1];
+    let element_strides = [1u32; 4];
+    let dtype = match t.dtype() {
+        DType::F16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        DType::BF16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        other => {
+            return Err(KernelError::UnsupportedDtype {
+                rung: "fa3",
+                dtype: other,
+                supported: "fp16, bf16",
+            });
+        }
+    };
+    let mut map = std::mem::MaybeUninit::<CUtensorMap>::zeroed();
+    // SAFETY: every array has the length the rank (4) implies (strides: rank − 1), `map` is valid
+    // for writes, and `ptr` is a device address of the tensor's `len` elements; the driver only
+    // records it.
+    unsafe {
+        cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            dtype,
+            4,
+            ptr as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            element_strides.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    }
+    .result()
+    .map_err(KernelError::driver(format!("building the TMA tensor map of {name} {shape:?}")))?;
+    // SAFETY: cuTensorMapEncodeTiled succeeded and wrote the whole map (it was zeroed before).
+    Ok(unsafe { map.assume_init() })
+}
+
+/// `softmax(scale · Q Kᵀ + mask) V` and its log-sum-exp, as [`crate::fa2::forward`] computes
+/// them (fp16 or bf16; head dim 64, 128 or 256; any lengths, `n_q != n_kv` with bottom-right
+/// causal, GQA), on a Hopper GPU, with the schedule of the `Gpu`'s configuration (all of FA3's
+/// ideas by default; [`crate::GpuConfig::fa3_schedule`]). Other GPUs get
+/// [`KernelError::UnsupportedArch`].
+pub fn forward(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) -> Result<Output> {
+    forward_with(gpu, q, k, v, opts, gpu.config().fa3_schedule_or_default())
+}
+
+/// [`forward`] with some of FA3's scheduling ideas switched off (the ablation).
+pub fn forward_with(
+    gpu: &Gpu,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    opts: &Options,
+    schedule: Schedule,
+) -> Result<Output> {
+    let p = Problem::new(gpu, q, k, v, opts)?;
+    if gpu.arch() != ARCH {
+        return Err(KernelError::UnsupportedArch {
+            rung: "fa3",
+            arch: gpu.arch().to_string(),
+            needed: ARCH,
+        });
+    }
+    p.require_dtype("fa3", DTYPES, "fp16, bf16")?;
+    if !HEAD_DIMS.contains(&p.d) {
+        return Err(KernelError::UnsupportedHeadDim { rung: "fa3", d: p.d, supported: HEAD_DIMS });
+    }
+    let tiles = match gpu.fa3_tiles() {
+        Some(t) => t,
+        None => Fa3Tiles::for_head_dim(p.d, p.causal)?,
+    };
+    let kernel =
+        Kernel { variant: variant(p.d, p.dtype, p.causal, tiles, schedule), entry: "fa3_forward" };
+    let smem = tiles.shared_bytes(p.d);
+    gpu.prepare(&kernel, smem)?;
+
+    let mut o = gpu.output(&p.o_shape(), p.dtype)?;
+    let mut lse = gpu.output(&p.lse_shape(), DType::F32)?;
+    {
+        let s = gpu.stream();
+        let (q_ptr, _g0) = q.read_ptr(s);
+        let (k_ptr, _g1) = k.read_ptr(s);
+        let (v_ptr, _g2) = v.read_ptr(s);
+        let (o_ptr, _g3) = o.write_ptr(s);
+        let (lse_ptr, _g4) = lse.write_ptr(s);
+        let [hq, hkv, nq, nkv] = p.dims_i32();
+        let params = ForwardParams {
+            q: tensor_map("q", q, q_ptr, tiles.br())?,
+            k: tensor_map("k", k, k_ptr, tiles.bc)?,
+            v: tensor_map("v", v, v_ptr, tiles.bc)?,
+            o: o_ptr,
+            lse: lse_ptr,
+            batch: p.batch as i32,
+            heads_q: hq,
+            heads_kv: hkv,
+            n_q: nq,
+            n_kv: nkv,
+            scale_log2: p.scale_log2(),
+        };
+        // Persistent blocks, one per SM, each walking the tiles (query block, head, batch); or one
+        // block per tile (the kernel's tile loop then runs once).
+        let work = p.n_q.div_ceil(tiles.br()) * p.heads_q * p.batch;
+        if work > i32::MAX as usize {
+            return Err(KernelError::Shape(format!(
+                "{work} query tiles of {} rows exceed the kernel's 32-bit tile index",
+                tiles.br()
+            )));
+        }
+        let blocks = if schedule.persistent { work.min(gpu.sm_count() as usize) } else { work };
+        gpu.launch(&kernel, grid(blocks, 1, 1)?, tiles.threads() as u32, smem, &params)?;
+    }
+    Ok(Output { o, lse })
+}
+
+/// Every variant of this rung for `arch` (none before Hopper), for the compile check: each head
+/// dimension, dtype and mask with the full schedule, and the ablation variants at d = 128.
+#[cfg(test)]
+pub(crate) fn variants(arch: &str) -> Vec<Variant> {
+    let mut all = Vec::new();
+    if arch != ARCH {
+        return all;
+    }
+    for &dtype in DTYPES {
+        for &d in HEAD_DIMS {
+            for causal in [false, true] {
+                if let Ok(t) = Fa3Tiles::for_head_dim(d, causal) {
+                    all.push(variant(d, dtype, causal, t, Schedule::default()));
+                }
+            }
+        }
+    }
+    for (pingpong, overlap) in [(false, true), (true, false), (false, false)] {
+        for causal in [false, true] {
+            let t = Fa3Tiles::for_head_dim(128, causal).expect("d = 128 has tiles");
+            let schedule = Schedule { pingpong, overlap, persistent: true };
+            all.push(variant(128, DType::F16, causal, t, schedule));
+        }
+    }
+    all
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiles_follow_the_paper_and_fit_shared_memory() {
+        let t = Fa3Tiles::for_head_dim(128, false).unwrap();
+        assert_eq!((t.br(), t.bc, t.threads()), (128, 176, 384));
+        assert_eq!(Fa3Tiles::for_head_dim(64, true).unwrap().br(), 192);
+        // The Hopper opt-in limit is 227 KiB per block.
+        for d in [64, 128, 256] {
+            for causal in [false, true] {
+                let t = Fa3Tiles::for_head_dim(d, causal).unwrap();
+                assert!(t.shared_bytes(d) <= 227 * 1024, "d = {d}: {}", t.shared_bytes(d));
+            }
+        }
+        // d = 256: Q (128 × 256) and two stages of K and V (80 × 256), 16-bit.
+        let t = Fa3Tiles::for_head_dim(256, false).unwrap();
+        assert_eq!(t.shared_bytes(256), (128 + 4 * 80) * 512 + 80 + 1024);
+        assert!(matches!(
+            Fa3Tiles::for_head_dim(96, false),
+            Err(KernelError::UnsupportedHeadDim { d: 96, .. })
+        ));
+    }
+
+    #[test]
+    fn schedules_parse_and_print() {
+        assert_eq!("full".parse::<Schedule>().unwrap(), Schedule::default());
+        let s: Schedule = "no-pingpong, no-persistent".parse().unwrap();
+        assert_eq!(s, Schedule { pingpong: false, overlap: true, persistent: false });
+        assert_eq!(s.label(), "no-pingpong,no-persistent");
+        assert_eq!(s.label().parse::<Schedule>().unwrap(), s);
+        assert_eq!(Schedule::default().label(), "full");
+        assert!(matches!("no-tma".parse::<Schedule>(), Err(KernelError::Config(_))));
+    }
+
+    #[test]
+    fn tiles_parse_and_reject_bad_specs() {
+        let t: Fa3Tiles = "176, 2, 2".parse().unwrap();
+        assert_eq!(t, Fa3Tiles { bc: 176, consumers: 2, stages: 2 });
+        for bad in ["", "176,2", "170,2,2", "176,4,2", "176,2,1", "0,2,2", "272,2,2", "a,b,c"] {
+            assert!(
+                matches!(bad.parse::<Fa3Tiles>(), Err(KernelError::Config(_))),
+                "{bad:?} should be rejected"
+            );
+        }
+    }
+
+    #[test]
+    fn params_are_laid_out_as_the_kernel_expects() {
+        // Three 128-byte maps, then the pointers at byte 384.
+        assert_eq!(std::mem::align_of::<ForwardParams>(), 128);
+        assert_eq!(std::mem::offset_of!(ForwardParams, o), 384);
+        assert_eq!(std::mem::offset_of!(ForwardParams, scale_log2), 384 + 16 + 20);
+    }
+}
