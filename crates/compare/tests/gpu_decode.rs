@@ -96,7 +96,7 @@ fn run(
     let (q, k, v) = (up(&x.q), up(&x.k), up(&x.v));
     let cache = KvCache { k: &k, v: &v, lengths: &case.lengths };
     let opts = DecodeOptions { scale: Some(case.options().1), splits };
-    let out = decode::forward(gpu, &q, &cache, &opts)
+    let out = decode::forward(gpu, &q, cache, &opts)
         .unwrap_or_else(|e| panic!("{case:?} splits {splits:?}: {e}"));
     let (b, hq, n, d) = x.q.dim();
     let o = Array4::from_shape_vec((b, hq, n, d), out.o.to_f32_vec().expect("copy")).expect("o");
@@ -235,7 +235,7 @@ fn gpu_decode_bad_input_is_an_error_not_a_panic() {
     let f16 = DType::F16;
     let run = |q: &Tensor, k: &Tensor, v: &Tensor, lengths: &[usize], splits: Option<usize>| {
         let cache = KvCache { k, v, lengths };
-        decode::forward(gpu, q, &cache, &DecodeOptions { scale: None, splits })
+        decode::forward(gpu, q, cache, &DecodeOptions { scale: None, splits })
     };
     let q = t(&[2, 8, 1, 64], f16);
     let kv = t(&[2, 2, 50, 64], f16);
@@ -243,11 +243,10 @@ fn gpu_decode_bad_input_is_an_error_not_a_panic() {
     // Sanity: the valid call works.
     assert!(run(&q, &kv, &kv, &[50, 3], None).is_ok());
 
-    // More than 32 rows per kv head: 16 query heads per kv head × 4 tokens.
+    // More than 32 rows per kv head is no error: 16 query heads per kv head × 4 tokens.
     let q64 = t(&[1, 16, 4, 64], f16);
     let kv1 = t(&[1, 1, 50, 64], f16);
-    let r = run(&q64, &kv1, &kv1, &[50], None);
-    assert!(matches!(&r, Err(KernelError::Config(m)) if m.contains("32")), "{r:?}");
+    assert!(run(&q64, &kv1, &kv1, &[50], None).is_ok());
     // Splits = 0.
     let r = run(&q, &kv, &kv, &[50, 3], Some(0));
     assert!(matches!(r, Err(KernelError::Config(_))), "{r:?}");

@@ -88,7 +88,7 @@ pub(super) fn decode_step<'a>(
     Ok(Box::new(move |i| {
         let s = &sets[i];
         let cache = KvCache { k: &s.k, v: &s.v, lengths };
-        let out = forward(gpu, &s.q, &cache, &opts)?;
+        let out = forward(gpu, &s.q, cache.into(), &opts)?;
         Ok(vec![out.o, out.lse])
     }))
 }
