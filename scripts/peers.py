@@ -37,7 +37,7 @@ import warnings
 # The columns of ladder_compare::results::COLUMNS (crates/compare/src/results.rs), which reads this
 # file by column name: keep the two in step.
 HEADER = ["impl", "direction", "dtype", "causal", "batch", "heads_q", "heads_kv",
-          "n_q", "n_kv", "d", "ms", "tflops", "tbps"]
+          "n_q", "n_kv", "d", "ms", "tflops", "tbps", "page_size"]  # page_size: empty (no paged peers)
 IMPLS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "triton"]
 L2_BYTES = 50 << 20  # H100/H200 L2: inputs smaller than this rotate among several sets
 SAMPLE_MS = 1.0      # a timed sample spans at least this long
