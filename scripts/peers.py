@@ -16,6 +16,9 @@ A backend that refuses a shape is reported as skipped, with its reason.
 `ladder bench --direction decode`: one new token, q [B, Hq, 1, d] against k, v [B, Hkv, L, d]
 (enable_gqa when Hq != Hkv), d = 128; rows with direction `decode` and tbps = bytes of K and V
 read / time. --n, --batch and --heads-kv replace the shapes by their grid, as in `ladder bench`.
+`ladder bench` also times 4 new tokens and paged caches on the reference shapes; the peers time
+one new token against a contiguous cache (--new-tokens and --page-size are accepted and ignored,
+so that scripts/gpu-bench.sh can pass its flags to both).
 
 Run on the GPU machine from the repo root (torch and triton installed, no network needed):
 
@@ -90,6 +93,8 @@ def parse_args(argv=None):
                    help="stop sampling a case after this many seconds of samples [3]")
     p.add_argument("--splits", type=int,
                    help="ignored: ladder bench's decode split count (accepted so gpu-bench.sh can pass it)")
+    p.add_argument("--new-tokens", help="ignored: ladder bench's decode new tokens (the peers time one)")
+    p.add_argument("--page-size", help="ignored: ladder bench's paged KV caches (the peers' are contiguous)")
     p.add_argument("--triton-warp-specialize", action="store_true",
                    help="run the Triton kernel with warp_specialize=True (default False)")
     a = p.parse_args(argv)
