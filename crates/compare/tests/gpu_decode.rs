@@ -775,3 +775,31 @@ fn paginate_puts_every_key_where_the_table_says() {
         );
     }
 }
+
+/// `ladder verify` on a GPU has a `flash-decoding-gpu` row for each decoding-step case (at most 16
+/// queries, the last tokens of a full cache), within tolerance of the oracle and the CPU rung,
+/// and none for a case of more queries.
+#[test]
+fn verify_has_a_flash_decoding_gpu_row() {
+    use ladder_compare::RungConfig;
+    use ladder_compare::verify::{self, VerifyCase};
+    use ladder_reference::AttentionShape;
+    let Some(gpu) = gpu() else { return };
+    let shape = |b, hq, hkv, n_q, n_kv, d| AttentionShape::new(b, hq, hkv, n_q, n_kv, d).unwrap();
+    let cases = [
+        VerifyCase::decode(),
+        VerifyCase { name: "speculative".into(), shape: shape(1, 16, 2, 4, 300, 128) },
+        VerifyCase { name: "long".into(), shape: shape(1, 4, 2, 17, 40, 64) },
+    ];
+    let config = RungConfig { attention: AttentionOptions::causal(), ..RungConfig::default() };
+    let rows = verify::gpu_rows(gpu, &cases, &config, 7, |_, _| {}).expect("gpu rows");
+    let decode_rows: Vec<_> = rows.iter().filter(|r| r.label == "flash-decoding-gpu").collect();
+    let names: Vec<&str> = decode_rows.iter().map(|r| r.case.as_str()).collect();
+    assert_eq!(names, ["decode", "speculative"]);
+    for row in decode_rows {
+        assert!(row.pass && row.err_over_tol <= 1.0, "{row:?}");
+        let (vs, _) = row.vs_previous.as_ref().expect("against the CPU rung");
+        assert_eq!(vs, "flash-decoding, CPU");
+        assert!(row.note.contains("8 splits"), "{}", row.note);
+    }
+}
