@@ -10,7 +10,10 @@
 # e.g. bash scripts/gpu-bench.sh bench-results --quick
 # Flags go to both tools, so use the ones they share: --quick, --d, --n, --causal, --direction,
 # --dtype, --repeats, --warmup, --tokens, --hidden, --case-budget-s, and for --direction decode
-# --batch, --heads-kv, --splits (ladder only; peers.py ignores it). LADDER=path overrides the
+# --batch, --heads-kv, and --splits, --new-tokens, --page-size (ladder only; peers.py ignores
+# them). `--direction decode` alone gives the decode table of issue 10 in one run: the five
+# reference shapes with 1 and 4 new tokens, contiguous and in pages of 16 and 64 (ours), one new
+# token for the peers, and the batch × L × GQA sweep. LADDER=path overrides the
 # binary. OUT_DIR gets bench.csv, bench.json, peers.csv, meta.json and one SVG chart per
 # (direction, dtype, d, mask). The default sweep takes a few minutes on an H200.
 set -uo pipefail

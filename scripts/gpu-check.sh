@@ -24,17 +24,27 @@ rc=$?
 summary+=("tests (all binaries, GPU required)  rc=$rc  $((SECONDS - start)) s")
 grep -E "^test result|FAILED|panicked|=== " "$out/tests.log" | tail -40
 
-# The GPU test binary is the one built from crates/compare/tests/gpu.rs.
+# The GPU test binaries built from crates/compare/tests/gpu.rs (the prefill rungs) and
+# gpu_decode.rs (FlashDecoding: drawn shapes contiguous and paged, and page tables pointing
+# outside the cache, which must never be followed).
 gpu_bin=$(ls .gpu/bin/gpu-* 2>/dev/null | head -1)
-if [ -n "$gpu_bin" ] && command -v compute-sanitizer >/dev/null; then
+decode_bin=$(ls .gpu/bin/gpu_decode-* 2>/dev/null | head -1)
+sanitize() {  # sanitize NAME BINARY TEST_FILTERS...
+  local name=$1 bin=$2; shift 2
   for tool in memcheck racecheck; do
     start=$SECONDS
     (cd crates/compare && LADDER_REQUIRE_GPU=1 LADDER_GPU_CASES=2 compute-sanitizer \
-      --tool "$tool" --error-exitcode 9 "../../$gpu_bin" --test-threads 1 \
-      gpu_fa1_fp16 gpu_fa2_fp16 gpu_fa2_backward_fp16 gpu_fa2_deterministic_backward_fp16) >"$out/$tool.log" 2>&1
+      --tool "$tool" --error-exitcode 9 "../../$bin" --test-threads 1 "$@") >"$out/$name-$tool.log" 2>&1
     rc=$?
-    summary+=("compute-sanitizer $tool  rc=$rc  $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$tool.log" | tail -1)  $((SECONDS - start)) s")
+    summary+=("compute-sanitizer $tool ($name)  rc=$rc  $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$name-$tool.log" | tail -1)  $((SECONDS - start)) s")
   done
+}
+if [ -n "$gpu_bin" ] && command -v compute-sanitizer >/dev/null; then
+  sanitize gpu "$gpu_bin" \
+    gpu_fa1_fp16 gpu_fa2_fp16 gpu_fa2_backward_fp16 gpu_fa2_deterministic_backward_fp16
+  if [ -n "$decode_bin" ]; then
+    sanitize decode "$decode_bin" gpu_decode_drawn_shapes gpu_decode_bad_page_tables
+  fi
 else
   summary+=("compute-sanitizer: not run (no gpu test binary or no sanitizer)")
 fi

@@ -16,6 +16,9 @@ A backend that refuses a shape is reported as skipped, with its reason.
 `ladder bench --direction decode`: one new token, q [B, Hq, 1, d] against k, v [B, Hkv, L, d]
 (enable_gqa when Hq != Hkv), d = 128; rows with direction `decode` and tbps = bytes of K and V
 read / time. --n, --batch and --heads-kv replace the shapes by their grid, as in `ladder bench`.
+`ladder bench` also times 4 new tokens and paged caches on the reference shapes; the peers time
+one new token against a contiguous cache (--new-tokens and --page-size are accepted and ignored,
+so that scripts/gpu-bench.sh can pass its flags to both).
 
 Run on the GPU machine from the repo root (torch and triton installed, no network needed):
 
@@ -37,7 +40,7 @@ import warnings
 # The columns of ladder_compare::results::COLUMNS (crates/compare/src/results.rs), which reads this
 # file by column name: keep the two in step.
 HEADER = ["impl", "direction", "dtype", "causal", "batch", "heads_q", "heads_kv",
-          "n_q", "n_kv", "d", "ms", "tflops", "tbps"]
+          "n_q", "n_kv", "d", "ms", "tflops", "tbps", "page_size"]  # page_size: empty (no paged peers)
 IMPLS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "triton"]
 L2_BYTES = 50 << 20  # H100/H200 L2: inputs smaller than this rotate among several sets
 SAMPLE_MS = 1.0      # a timed sample spans at least this long
@@ -90,6 +93,8 @@ def parse_args(argv=None):
                    help="stop sampling a case after this many seconds of samples [3]")
     p.add_argument("--splits", type=int,
                    help="ignored: ladder bench's decode split count (accepted so gpu-bench.sh can pass it)")
+    p.add_argument("--new-tokens", help="ignored: ladder bench's decode new tokens (the peers time one)")
+    p.add_argument("--page-size", help="ignored: ladder bench's paged KV caches (the peers' are contiguous)")
     p.add_argument("--triton-warp-specialize", action="store_true",
                    help="run the Triton kernel with warp_specialize=True (default False)")
     a = p.parse_args(argv)

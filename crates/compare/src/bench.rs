@@ -9,10 +9,12 @@
 //! inputs fit in L2, the calls rotate among several input sets so the cache is not what is
 //! measured.
 //!
-//! With `--direction decode`, FlashDecoding is timed on one new token against KV caches of 1k …
-//! 128k entries (the five reference decode shapes and a batch × length × GQA sweep, d = 128): the cache is
-//! allocated once per shape, every sequence full, and the row's TB/s is the bytes of K and V over
-//! the time; `--splits N` fixes the kernel's split count (the count used is in `bench.json`).
+//! With `--direction decode`, FlashDecoding is timed against KV caches of 1k … 128k entries (the
+//! five reference decode shapes and a batch × length × GQA sweep, d = 128): one new token
+//! everywhere, and on the reference shapes also four (speculative decoding) and paged caches of
+//! 16 and 64 tokens per page (`--new-tokens`, `--page-size` choose). The cache is allocated once
+//! per shape and layout, every sequence full, and the row's TB/s is the bytes of K and V over the
+//! time; `--splits N` fixes the kernel's split count (the count used is in `bench.json`).
 //!
 //! `scripts/peers.py` times PyTorch SDPA and Triton on the same shapes into `peers.csv` (same
 //! schema); `ladder bench --charts-only` redraws the charts with both and prints them side by side.
@@ -39,7 +41,7 @@ use ladder_kernels::{Gpu, KernelError, Options};
 use serde_json::{Map, Value, json};
 
 pub use plan::BenchArgs;
-use plan::{DecodeShape, Plan};
+use plan::{CacheLayout, DecodeShape, Plan};
 use timing::{DecodeSet, InputSet, Timing};
 
 /// Run `ladder bench`; exit status 2 without a GPU or on a bad flag or file, 1 if a case failed.
@@ -113,7 +115,7 @@ fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
     }
     if !plan.decode_rungs().is_empty() {
         eprintln!(
-            "decode shapes: one new token, d {:?}, {} (batch, heads q/kv, L) shapes",
+            "decode shapes: d {:?}, {} (batch, heads q/kv, L) shapes",
             plan.decode_ds,
             plan.decode.len()
         );
@@ -171,40 +173,51 @@ fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
     let decode_rungs = plan.decode_rungs();
     for &d in plan.decode_ds.iter().filter(|_| !decode_rungs.is_empty()) {
         for &shape in &plan.decode {
-            let prepared = Instant::now();
-            let sets = timing::upload_decode_sets(gpu, &mut pool, plan, d, shape);
-            if let Ok(sets) = &sets {
-                let DecodeShape { batch, heads_q, heads_kv, len } = shape;
-                eprintln!(
-                    "inputs decode d={d} b={batch} h={heads_q}/{heads_kv} L={len}: {} set(s) of a \
-                     {:.2} GB KV cache, ready in {:.1} s",
-                    sets.len(),
-                    shape.kv_bytes(d, plan.dtype) as f64 / 1e9,
-                    prepared.elapsed().as_secs_f64()
-                );
+            let DecodeShape { batch, heads_q, heads_kv, len } = shape;
+            let lengths = vec![len; batch];
+            let new_tokens = plan.decode_new_tokens(shape);
+            for layout in plan.decode_layouts(shape) {
+                let prepared = Instant::now();
+                let sets =
+                    timing::upload_decode_sets(gpu, &mut pool, plan, d, shape, layout, &new_tokens);
+                if let Ok(sets) = &sets {
+                    let how = match layout {
+                        CacheLayout::Contiguous => "contiguous".to_string(),
+                        CacheLayout::Paged(p) => format!("pages of {p}"),
+                    };
+                    eprintln!(
+                        "inputs decode d={d} b={batch} h={heads_q}/{heads_kv} L={len} ({how}): {} \
+                         set(s) of a {:.2} GB KV cache, ready in {:.1} s",
+                        sets.len(),
+                        shape.kv_bytes(d, plan.dtype) as f64 / 1e9,
+                        prepared.elapsed().as_secs_f64()
+                    );
+                }
+                for &n_new in &new_tokens {
+                    for &rung in &decode_rungs {
+                        done += 1;
+                        let dtype = plan.dtype.name();
+                        let case = Case::decode(
+                            rung.name(),
+                            dtype,
+                            batch,
+                            heads_q,
+                            heads_kv,
+                            n_new,
+                            len,
+                            d,
+                        )
+                        .paged(layout.page_size());
+                        let (row, extra) = run_decode_case(gpu, plan, rung, case, &sets, &lengths);
+                        print_progress(done, total, plan.repeats_of(rung), &row, &extra);
+                        rows.push(row);
+                        extras.push(extra);
+                        write_file(&out.join("bench.csv"), &results::to_csv(&rows))?;
+                    }
+                }
+                drop(sets);
+                gpu.synchronize().ok();
             }
-            let lengths = vec![shape.len; shape.batch];
-            for &rung in &decode_rungs {
-                done += 1;
-                let DecodeShape { batch, heads_q, heads_kv, len } = shape;
-                let case = Case::decode(
-                    rung.name(),
-                    plan.dtype.name(),
-                    batch,
-                    heads_q,
-                    heads_kv,
-                    1,
-                    len,
-                    d,
-                );
-                let (row, extra) = run_decode_case(gpu, plan, rung, case, &sets, &lengths);
-                print_progress(done, total, plan.repeats_of(rung), &row, &extra);
-                rows.push(row);
-                extras.push(extra);
-                write_file(&out.join("bench.csv"), &results::to_csv(&rows))?;
-            }
-            drop(sets);
-            gpu.synchronize().ok();
         }
     }
     pool.release_caches();
@@ -316,16 +329,19 @@ fn run_decode_case(
     // What `decode::forward` picks without `--splits`: the same heuristic on the same inputs.
     let splits = plan.splits.unwrap_or_else(|| {
         let max_len = lengths.iter().copied().max().unwrap_or(0);
-        decode::num_splits(
-            case.batch * case.heads_kv,
-            max_len.div_ceil(decode::BC),
+        let rows_per_kv_head = case.heads_q / case.heads_kv.max(1) * case.n_q;
+        decode::default_splits(
+            case.batch,
+            case.heads_kv,
+            rows_per_kv_head,
+            max_len,
             gpu.sm_count() as usize,
-            decode::MAX_SPLITS,
         )
     });
     let (warmup, repeats) = (plan.warmup_of(rung), plan.repeats_of(rung));
     let opts = DecodeOptions { scale: None, splits: plan.splits };
-    let timed = timing::decode_step(rung, gpu, sets, lengths, opts).and_then(|mut step| {
+    let n_new = case.n_q;
+    let timed = timing::decode_step(rung, gpu, sets, n_new, lengths, opts).and_then(|mut step| {
         timing::measure(gpu, &mut step, sets.len(), warmup, repeats, plan.budget_ms)
     });
     let (row, mut extra) = outcome(case, timed, sets.len());

@@ -178,3 +178,29 @@ pub fn pseudo_random(seed: u64, len: usize) -> Vec<f32> {
         })
         .collect()
 }
+
+/// A deterministic shuffle of `0 .. n` (the order of [`pseudo_random`]`(seed, n)`, ties broken by
+/// index): page tables whose pages are scattered, the same on every run.
+pub fn permutation(seed: u64, n: usize) -> Vec<usize> {
+    let keys = pseudo_random(seed, n);
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| keys[a].total_cmp(&keys[b]).then(a.cmp(&b)));
+    order
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permutations_shuffle_every_index_once() {
+        let p = permutation(7, 1000);
+        let mut sorted = p.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..1000).collect::<Vec<_>>());
+        assert_ne!(p, sorted, "shuffled");
+        assert_eq!(p, permutation(7, 1000));
+        assert_ne!(p, permutation(8, 1000));
+        assert!(permutation(1, 0).is_empty());
+    }
+}

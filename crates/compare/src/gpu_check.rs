@@ -10,6 +10,7 @@
 use std::time::Duration;
 
 use anyhow::bail;
+use ladder_kernels::decode::{DecodeOptions, KvCache};
 use ladder_kernels::{DType, Gpu, GpuConfig, KernelCache, KernelError, Options, Tensor};
 use ladder_reference::{
     AttentionOptions, AttentionOutput, Fa2Options, Gradients, fa2 as cpu_fa2, naive,
@@ -175,6 +176,39 @@ pub fn forward(
     })?;
     let out = out.expect("set by the timed closure");
     let (b, hq, n_q, d) = x.q.dim();
+    let got = AttentionOutput {
+        o: download4(&out.o, [b, hq, n_q, d])?,
+        lse: download3(&out.lse, [b, hq, n_q])?,
+        stats: Default::default(),
+    };
+    Ok((got, Duration::from_secs_f64(f64::from(ms) / 1e3)))
+}
+
+/// Runs the decoding rung `rung` on `x` (already rounded to `dtype`) as one decoding step: `x.q`'s
+/// `n_q` rows are the new tokens, `x.k` and `x.v` a full contiguous cache (every sequence `n_kv`
+/// long, the new tokens its last entries, causal among themselves). Returns the output and the
+/// kernel time.
+pub fn decode(
+    gpu: &Gpu,
+    rung: GpuRung,
+    x: &Inputs<f64>,
+    opts: &DecodeOptions,
+    dtype: DType,
+) -> anyhow::Result<(AttentionOutput<f32>, Duration)> {
+    let Kernels::Decode(run) = rung.kernels() else {
+        bail!("{rung} is not a decoding rung");
+    };
+    let (q, k, v) =
+        (upload(gpu, &x.q, dtype)?, upload(gpu, &x.k, dtype)?, upload(gpu, &x.v, dtype)?);
+    let (b, hq, n_q, d) = x.q.dim();
+    let lengths = vec![x.k.dim().2; b];
+    let cache = KvCache { k: &k, v: &v, lengths: &lengths };
+    let mut out = None;
+    let ms = gpu.time_ms(|| {
+        out = Some(run(gpu, &q, cache.into(), opts)?);
+        Ok(())
+    })?;
+    let out = out.expect("set by the timed closure");
     let got = AttentionOutput {
         o: download4(&out.o, [b, hq, n_q, d])?,
         lse: download3(&out.lse, [b, hq, n_q])?,

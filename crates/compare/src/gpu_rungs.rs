@@ -9,7 +9,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use ladder_kernels::decode::{self, DecodeOptions, KvCache};
+use ladder_kernels::decode::{self, Cache, DecodeOptions};
 use ladder_kernels::{DType, Gpu, Gradients, Options, Output, Tensor, fa1, fa2, fa3};
 
 use crate::results::Direction;
@@ -30,9 +30,8 @@ pub type BackwardFn = fn(
     &Options,
 ) -> ladder_kernels::Result<Gradients>;
 
-/// A decoding kernel: `O, lse` of a few new tokens `Q` against a KV cache.
-pub type DecodeFn =
-    fn(&Gpu, &Tensor, &KvCache<'_>, &DecodeOptions) -> ladder_kernels::Result<Output>;
+/// A decoding kernel: `O, lse` of a few new tokens `Q` against a KV cache, contiguous or paged.
+pub type DecodeFn = fn(&Gpu, &Tensor, Cache<'_>, &DecodeOptions) -> ladder_kernels::Result<Output>;
 
 /// The functions that launch a GPU rung.
 #[derive(Clone, Copy)]
@@ -149,8 +148,18 @@ const FLASH_DECODING: Spec = Spec {
     head_dims: decode::HEAD_DIMS,
     dtypes: decode::DTYPES,
     cpu: Rung::FlashDecoding,
-    kernels: Kernels::Decode(decode::forward),
+    kernels: Kernels::Decode(flash_decoding),
 };
+
+/// [`decode::forward`] on a [`Cache`]: the generic function at one type, for the table.
+fn flash_decoding(
+    gpu: &Gpu,
+    q: &Tensor,
+    cache: Cache<'_>,
+    opts: &DecodeOptions,
+) -> ladder_kernels::Result<Output> {
+    decode::forward(gpu, q, cache, opts)
+}
 
 /// A GPU kernel of the ladder, one per (algorithm, direction).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

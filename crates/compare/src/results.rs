@@ -18,8 +18,9 @@ use anyhow::{Context, bail};
 use serde_json::{Map, Value, json};
 
 /// The CSV columns, in the order they are written. `scripts/peers.py` writes the same schema;
-/// other tools read it, so it must not change.
-pub const COLUMNS: [&str; 13] = [
+/// other tools read it by column name, so columns are only ever added at the end, and a reader
+/// takes a column added later (`page_size`) as empty when a file has none.
+pub const COLUMNS: [&str; 14] = [
     "impl",
     "direction",
     "dtype",
@@ -33,11 +34,15 @@ pub const COLUMNS: [&str; 13] = [
     "ms",
     "tflops",
     "tbps",
+    "page_size",
 ];
 
 /// [`COLUMNS`] as the CSV header line.
 pub const CSV_HEADER: &str =
-    "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps";
+    "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps,page_size";
+
+/// The columns a file may lack (added to the schema later): read as empty.
+pub const OPTIONAL_COLUMNS: [&str; 1] = ["page_size"];
 
 /// The keys of `meta.json` (both `ladder bench` and `scripts/peers.py` fill it).
 pub const META_KEYS: [&str; 6] = ["card", "driver", "cuda", "date", "torch", "note"];
@@ -123,6 +128,9 @@ pub struct Case {
     pub n_kv: usize,
     /// Head dimension.
     pub d: usize,
+    /// Decode only: tokens per page of a paged KV cache; `None` for a contiguous cache (and for
+    /// the other directions).
+    pub page_size: Option<usize>,
 }
 
 impl Case {
@@ -149,11 +157,13 @@ impl Case {
             n_q: n,
             n_kv: n,
             d,
+            page_size: None,
         }
     }
 
     /// A decoding case: `n_q` new tokens of `batch` sequences against `len` cached keys and
-    /// values each (`n_kv = len`, not causal: with one new token the mask changes nothing).
+    /// values each (`n_kv = len`; causal among the new tokens, bottom-right, when there are
+    /// several), in a contiguous cache ([`Case::paged`] for pages).
     #[allow(clippy::too_many_arguments)]
     pub fn decode(
         imp: &str,
@@ -169,14 +179,20 @@ impl Case {
             imp: imp.to_string(),
             direction: Direction::Decode.name().to_string(),
             dtype: dtype.to_string(),
-            causal: false,
+            causal: n_q > 1,
             batch,
             heads_q,
             heads_kv,
             n_q,
             n_kv: len,
             d,
+            page_size: None,
         }
+    }
+
+    /// This case with its KV cache in pages of `page_size` tokens (`None`: contiguous).
+    pub fn paged(self, page_size: Option<usize>) -> Case {
+        Case { page_size, ..self }
     }
 
     /// Whether this is a decoding case (direction `decode`).
@@ -211,11 +227,12 @@ impl Case {
     }
 
     /// `fwd d=128 n=4096 causal` and the like, for progress lines and tables (`decode fp16
-    /// d=128 L=8192 b=1 h=32/8` for a decoding case).
+    /// d=128 L=8192 b=1 h=32/8 new=1`, and ` page=16` for a paged cache, for a decoding case).
     pub fn label(&self) -> String {
         if self.is_decode() {
+            let page = self.page_size.map_or(String::new(), |p| format!(" page={p}"));
             return format!(
-                "decode {} d={:<3} L={:<6} b={:<2} h={}/{} new={}",
+                "decode {} d={:<3} L={:<6} b={:<2} h={}/{} new={}{page}",
                 self.dtype, self.d, self.n_kv, self.batch, self.heads_q, self.heads_kv, self.n_q
             );
         }
@@ -295,7 +312,7 @@ pub fn to_csv(rows: &[Row]) -> String {
         let c = &row.case;
         let _ = writeln!(
             s,
-            "{},{},{},{},{},{},{},{},{},{},{ms:.6},{tflops:.3},{}",
+            "{},{},{},{},{},{},{},{},{},{},{ms:.6},{tflops:.3},{},{}",
             c.imp,
             c.direction,
             c.dtype,
@@ -306,22 +323,27 @@ pub fn to_csv(rows: &[Row]) -> String {
             c.n_q,
             c.n_kv,
             c.d,
-            tbps.map_or(String::new(), |t| format!("{t:.4}"))
+            tbps.map_or(String::new(), |t| format!("{t:.4}")),
+            c.page_size.map_or(String::new(), |p| p.to_string())
         );
     }
     s
 }
 
 /// Parse CSV text in the schema of [`CSV_HEADER`] (columns found by name, so their order does not
-/// matter). Rows without a time (a peer's skipped case) are ignored.
+/// matter; the [`OPTIONAL_COLUMNS`] may be missing). Rows without a time (a peer's skipped case)
+/// are ignored.
 pub fn parse_csv(text: &str) -> anyhow::Result<Vec<Row>> {
     let mut lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty());
     let Some((_, header)) = lines.next() else { bail!("empty file: no CSV header") };
     let names: Vec<&str> = header.split(',').map(str::trim).collect();
-    let column = |name: &str| {
-        names.iter().position(|n| *n == name).with_context(|| {
-            format!("the CSV header has no `{name}` column (expected `{CSV_HEADER}`)")
-        })
+    // Each column's position; a missing optional column reads as empty (position past the end).
+    let column = |name: &str| match names.iter().position(|n| *n == name) {
+        Some(i) => Ok(i),
+        None if OPTIONAL_COLUMNS.contains(&name) => Ok(usize::MAX),
+        None => {
+            Err(anyhow::anyhow!("the CSV header has no `{name}` column (expected `{CSV_HEADER}`)"))
+        }
     };
     let cols: Vec<usize> =
         CSV_HEADER.split(',').map(column).collect::<anyhow::Result<Vec<usize>>>()?;
@@ -357,6 +379,10 @@ pub fn parse_csv(text: &str) -> anyhow::Result<Vec<Row>> {
                 n_q: int(7)?,
                 n_kv: int(8)?,
                 d: int(9)?,
+                page_size: match get(13) {
+                    "" => None,
+                    _ => Some(int(13)?),
+                },
             };
             Ok(Some(Row { case, outcome: Outcome::Measured { ms, tflops, tbps: float(12)? } }))
         };
@@ -380,7 +406,7 @@ pub fn row_json(row: &Row, extra: &Map<String, Value>) -> Value {
     let mut obj = json!({
         "impl": c.imp, "direction": c.direction, "dtype": c.dtype, "causal": c.causal,
         "batch": c.batch, "heads_q": c.heads_q, "heads_kv": c.heads_kv,
-        "n_q": c.n_q, "n_kv": c.n_kv, "d": c.d,
+        "n_q": c.n_q, "n_kv": c.n_kv, "d": c.d, "page_size": c.page_size,
     });
     let map = obj.as_object_mut().expect("an object literal");
     match &row.outcome {
@@ -525,11 +551,20 @@ mod tests {
             line.starts_with("flash-decoding,decode,fp16,false,1,32,8,1,8192,128,0.010000,"),
             "{line}"
         );
-        assert!(line.ends_with(",3.3554"), "{line}");
+        assert!(line.ends_with(",3.3554,"), "{line}");
         let back = parse_csv(&text).unwrap();
         assert_eq!(back.len(), 1);
         assert_eq!(back[0].case, case);
         assert!((back[0].tbps().unwrap() - tbps).abs() < 1e-3);
+        // Four new tokens (causal among themselves) in pages of 16: the page size round-trips,
+        // and the bytes of K and V are those of the same cache.
+        let paged = Case::decode("flash-decoding", "fp16", 1, 32, 8, 4, 8192, 128).paged(Some(16));
+        assert!(paged.causal && paged.label().ends_with("new=4 page=16"), "{}", paged.label());
+        assert_eq!(paged.kv_bytes(), case.kv_bytes());
+        let text = to_csv(&[Row::measured(paged.clone(), 0.01)]);
+        assert!(text.lines().nth(1).unwrap().ends_with(",16"), "{text}");
+        assert_eq!(parse_csv(&text).unwrap()[0].case, paged);
+        assert_eq!(row_json(&Row::measured(paged, 0.01), &Map::new())["page_size"], 16);
         // Prefill rows have no TB/s.
         assert_eq!(Row::measured(self::case("fa2", "fwd", false, 512), 1.0).tbps(), None);
     }

@@ -317,9 +317,11 @@ pub fn render(rows: &[Row]) -> String {
     out
 }
 
-/// The GPU rungs on each case, in fp16: FA1 and FA2 forward against their CPU rungs and FA2
-/// backward against the CPU FA2 backward, all on the case's inputs rounded to fp16 and judged by
-/// the float64 oracle of those inputs (tolerance: twice the 16-bit naive error, see
+/// The GPU rungs on each case, in fp16: FA1 and FA2 forward against their CPU rungs, FA2
+/// backward against the CPU FA2 backward, and FlashDecoding (on a case of at most 16 queries,
+/// causal or a single one: a decoding step, the queries the last tokens of a full cache) against
+/// the CPU FlashDecoding rung with the same split count, all on the case's inputs rounded to fp16
+/// and judged by the float64 oracle of those inputs (tolerance: twice the 16-bit naive error, see
 /// [`crate::low_precision`]). Times are the kernels' own (CUDA events), the first call of a
 /// variant including its compilation.
 pub fn gpu_rows(
@@ -333,6 +335,7 @@ pub fn gpu_rows(
     use crate::gpu_rungs::GpuRung;
     use crate::results::Direction;
     use ladder_kernels::DType;
+    use ladder_kernels::decode::{self, DecodeOptions};
 
     let dtype = DType::F16;
     let mut rows = Vec::new();
@@ -347,6 +350,32 @@ pub fn gpu_rows(
         let gpu_expected = gpu_check::expected_forward(&oracle, &x, dtype)?;
         let (q, k, v) = (x32.q.view(), x32.k.view(), x32.v.view());
         let cpu_config = RungConfig { attention, ..RungConfig::default() };
+        // A forward-like row: the GPU output against the oracle and against its CPU rung's.
+        let forward_row = |rung: GpuRung,
+                           out: &AttentionOutput<f32>,
+                           cpu_out: &AttentionOutput<f32>,
+                           elapsed: Duration,
+                           note: String| {
+            let verdict = gpu_expected.judge(out);
+            let pair = judge_between(out, cpu_out, &gpu_expected, &cpu_expected);
+            let ratio = ratio_of(verdict.o, gpu_expected.o)
+                .max(ratio_of(verdict.lse, gpu_expected.lse))
+                .max(ratio_of(pair.o, gpu_expected.o.plus(cpu_expected.o)))
+                .max(ratio_of(pair.lse, gpu_expected.lse.plus(cpu_expected.lse)));
+            Row {
+                case: case.name.clone(),
+                label: rung.label().to_string(),
+                vs_previous: Some((format!("{}, CPU", rung.cpu_label()), pair.o)),
+                vs_oracle: verdict.o,
+                err_over_tol: ratio,
+                f64_err_over_tol: f64::NAN,
+                elapsed,
+                extra_bytes: None,
+                hbm: None,
+                note,
+                pass: verdict.pass && pair.pass,
+            }
+        };
         for rung in GpuRung::ALL {
             if !rung.supports(d) || !rung.dtypes().contains(&dtype) || !rung.available_on(gpu) {
                 continue;
@@ -356,25 +385,22 @@ pub fn gpu_rows(
                 Direction::Fwd => {
                     let cpu_out = rung.cpu().forward(q, k, v, &cpu_config)?;
                     let (out, elapsed) = gpu_check::forward(gpu, rung, &x, &opts, dtype)?;
-                    let verdict = gpu_expected.judge(&out);
-                    let pair = judge_between(&out, &cpu_out, &gpu_expected, &cpu_expected);
-                    let ratio = ratio_of(verdict.o, gpu_expected.o)
-                        .max(ratio_of(verdict.lse, gpu_expected.lse))
-                        .max(ratio_of(pair.o, gpu_expected.o.plus(cpu_expected.o)))
-                        .max(ratio_of(pair.lse, gpu_expected.lse.plus(cpu_expected.lse)));
-                    Row {
-                        case: case.name.clone(),
-                        label: rung.label().to_string(),
-                        vs_previous: Some((cpu_name, pair.o)),
-                        vs_oracle: verdict.o,
-                        err_over_tol: ratio,
-                        f64_err_over_tol: f64::NAN,
-                        elapsed,
-                        extra_bytes: None,
-                        hbm: None,
-                        note: format!("fp16 on {}", gpu.name()),
-                        pass: verdict.pass && pair.pass,
+                    forward_row(rung, &out, &cpu_out, elapsed, format!("fp16 on {}", gpu.name()))
+                }
+                Direction::Decode => {
+                    // A decoding step has 1 to 16 new tokens, causal among themselves: a case
+                    // with more queries, or several without the mask, is not one.
+                    let n_q = case.shape.n_q;
+                    if n_q > decode::MAX_NEW_TOKENS || (n_q > 1 && !attention.causal) {
+                        continue;
                     }
+                    let splits = config.splits;
+                    let decode_config = RungConfig { splits, ..cpu_config };
+                    let cpu_out = rung.cpu().forward(q, k, v, &decode_config)?;
+                    let decode_opts = DecodeOptions { scale: opts.scale, splits: Some(splits) };
+                    let (out, elapsed) = gpu_check::decode(gpu, rung, &x, &decode_opts, dtype)?;
+                    let note = format!("fp16 on {}, {splits} splits (--splits)", gpu.name());
+                    forward_row(rung, &out, &cpu_out, elapsed, note)
                 }
                 Direction::Bwd => {
                     let grad_oracle = GradientOracle::new(&x, &attention)?;
@@ -410,10 +436,6 @@ pub fn gpu_rows(
                         pass,
                     }
                 }
-                // `verify`'s cases are prefill problems (n_q queries, no cache); the decoding
-                // kernel is checked against its own oracle, per sequence and split count, by
-                // `tests/gpu_decode.rs`, and timed by `ladder bench --direction decode`.
-                Direction::Decode => continue,
             };
             progress("fp16", &row);
             rows.push(row);

@@ -4,7 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-const HEADER: &str = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps";
+const HEADER: &str =
+    "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps,page_size";
 
 /// The `ladder` binary: cargo's, or where gpu-bundle puts it when this test binary was carried to
 /// another machine (it runs there from the crate folder).
@@ -188,6 +189,7 @@ fn peers_py_writes_the_schema_ladder_reads() {
                  peers.csv_row('triton', 'bwd', 'fp16', True, 32, 32, 512, 64, 0.5)]\n\
          d = peers.parse_args(['--direction', 'decode'])\n\
          assert d.decode[0] == (1, 32, 32, 8192) and len(d.decode) == 42, d.decode\n\
+         peers.parse_args(['--direction', 'decode', '--new-tokens', '1,4', '--page-size', 'none,16'])\n\
          rows.append(peers.decode_row('sdpa-flash', 'fp16', 1, 32, 8, 1, 8192, 128, 0.01))\n\
          peers.write_csv({csv:?}, rows)\n",
         scripts = path(script.parent().unwrap()),
@@ -310,4 +312,56 @@ fn decode_bench_on_the_gpu_writes_tbps_rows_and_splits() {
         assert!(out.join("decode-fp16-d128-b2.svg").exists());
         assert!(stdout.contains("TB/s of K and V read"), "{stdout}");
     }
+}
+
+/// On a GPU machine: `--new-tokens` and `--page-size` give one row per (tokens, layout), the page
+/// size in its column, and the paged columns and ratios in the side-by-side table.
+#[test]
+fn paged_and_speculative_decode_rows_on_the_gpu() {
+    let Some(gpu) = ladder_compare::gpu_check::gpu_or_skip("paged_decode_bench_on_the_gpu") else {
+        return;
+    };
+    drop(gpu);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("r");
+    let run = ladder(&[
+        "bench",
+        "--direction",
+        "decode",
+        "--n",
+        "3000",
+        "--batch",
+        "3",
+        "--heads-kv",
+        "8",
+        "--new-tokens",
+        "1,4",
+        "--page-size",
+        "none,16,64",
+        "--repeats",
+        "3",
+        "--warmup",
+        "1",
+        "--out",
+        &path(&out),
+    ]);
+    let (stdout, stderr) = (text(&run.stdout), text(&run.stderr));
+    assert!(run.status.success(), "{stderr}\n{stdout}");
+    let csv = std::fs::read_to_string(out.join("bench.csv")).unwrap();
+    assert_eq!(csv.lines().next(), Some(HEADER));
+    let rows: Vec<Vec<&str>> = csv.lines().skip(1).map(|l| l.split(',').collect()).collect();
+    assert_eq!(rows.len(), 6, "2 token counts × 3 layouts\n{csv}");
+    // In order: each layout, its token counts.
+    let expected = [("1", ""), ("4", ""), ("1", "16"), ("4", "16"), ("1", "64"), ("4", "64")];
+    for (row, (new, page)) in rows.iter().zip(expected) {
+        let causal = if new == "1" { "false" } else { "true" };
+        assert_eq!(
+            row[..10],
+            ["flash-decoding", "decode", "fp16", causal, "3", "32", "8", new, "3000", "128"]
+        );
+        assert_eq!(row[13], page, "{row:?}");
+        let tbps: f64 = row[12].parse().unwrap();
+        assert!(tbps > 0.0 && tbps.is_finite(), "{row:?}");
+    }
+    assert!(stdout.contains("flash-decoding/p16") && stdout.contains("p64/contig"), "{stdout}");
 }

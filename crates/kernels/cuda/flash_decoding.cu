@@ -5,20 +5,26 @@
 // FA2 gives one block to each (query block, head, batch): at batch 1 that is a few dozen blocks,
 // each streaming a whole KV cache alone, on a GPU with 132 SMs. Here:
 //
-//   phase 1, flash_decoding_split, grid (splits, heads_kv, batch):
+//   phase 1, flash_decoding_split, grid (splits · row_blocks, heads_kv, batch):
 //       block (s, kv_head, b) runs FA2 over the keys of chunk s of sequence b and writes the
 //       partial output O_s (normalised within the chunk, f32) and lse_s (natural log, −inf when
 //       the chunk gives the row no key) to workspaces;
 //   phase 2, flash_decoding_combine, one warp per output row:
 //       lse = ln Σ_s exp(lse_s),  O = Σ_s exp(lse_s − lse) · O_s,  in the inputs' dtype.
 //
-// GQA packing. One block handles every query head of its kv head and every new token: its rows are
-// r = 0 … R−1 with R = group · n_new (group = heads_q / heads_kv), row r being query head
-// kv_head·group + r / n_new, new token t = r % n_new. In the [batch, heads_q, n_new, d] layout
-// these R rows are consecutive, so the Q tile is one contiguous copy and the output row of r is
-// (batch·heads_kv + kv_head)·R + r. K and V of the kv head are read once for the whole group.
-// Step 1 supports R ≤ 32 (FD_MT = 1 or 2 mma tiles of 16 rows); rows R … 16·FD_MT − 1 of the tile
-// are zeros and are never stored.
+// GQA packing. One kv head's rows are r = 0 … R−1 with R = group · n_new (group = heads_q /
+// heads_kv), row r being query head kv_head·group + r / n_new, new token t = r % n_new. In the
+// [batch, heads_q, n_new, d] layout these R rows are consecutive, so a block's Q tile is one
+// contiguous copy and the output row of r is (batch·heads_kv + kv_head)·R + r. K and V of the kv
+// head are read once for all the rows a block holds.
+//
+// Row blocks. A block holds at most ROWS = 16·MT ≤ 32 rows (MT = 1 or 2 mma tiles of 16; rows
+// past the block's last are zeros and are never stored): every warp keeps the output of all its
+// rows in registers, 16·MT·D/32 floats per lane, and two tiles are what fits. A kv head with more
+// rows (GQA 8 × 16 speculative tokens = 128) is shared by row_blocks = ceil(R / ROWS) blocks of
+// consecutive rows, each reading the chunk's K and V. They are neighbours in the grid
+// (blockIdx.x = split · row_blocks + row_block), so they run together and all but one find the
+// tiles in L2: HBM traffic stays one read of the cache, L2 traffic grows row_blocks-fold.
 //
 // Causal mask among the new tokens, bottom-right (mask.cuh): token t of a sequence of length len
 // (len counts the new tokens, which are the cache's last entries) sees keys j ≤ len − n_new + t.
@@ -29,27 +35,34 @@
 // chunk ends inside a tile. Splits past the end get no key: they write O_s = 0 and lse_s = −inf,
 // weight 0 in the combine (exactly the CPU rung's empty chunk).
 //
+// The cache, contiguous or paged (FD_PAGED): see "where the keys live" below, the one place the
+// two kernels differ.
+//
 // Inside a split block: the block walks the chunk in tiles of BC = 64 keys, K and V in a
-// STAGES-deep cp.async pipeline (STAGES − 1 tiles in flight while one is read). Each of the 4 warps owns 16 keys of every tile
-// (keys 16·warp … 16·warp + 15) and all R rows, with its own online-softmax state (row max m, row
-// sum l, unnormalised output acc): per tile S_w = Q·K_wᵀ (R × 16), P_w = 2^(S_w·scale_log2 − m),
-// acc += P_w·V_w. The warps' states are merged once at the end through shared memory with the
-// log-sum-exp rule (the combine of phase 2 in miniature):
+// STAGES-deep cp.async pipeline (STAGES − 1 tiles in flight while one is read). Each of the 4
+// warps owns 16 keys of every tile (keys 16·warp … 16·warp + 15) and all the block's rows, with
+// its own online-softmax state (row max m, row sum l, unnormalised output acc): per tile
+// S_w = Q·K_wᵀ (ROWS × 16), P_w = 2^(S_w·scale_log2 − m), acc += P_w·V_w. The warps' states are
+// merged once at the end through shared memory with the log-sum-exp rule (the combine of phase 2
+// in miniature):
 //   M = max_w m_w,   L = Σ_w 2^(m_w − M) · l_w,
 //   O_s = Σ_w 2^(m_w − M) · acc_w / L,   lse_s = M·ln2 + ln L.
 //
 // Legend:
-//   R     rows of the block (group · n_new)           ROWS  rows of the padded Q tile (16·MT)
+//   R     rows of the kv head (group · n_new)         RB    rows of this block (≤ ROWS)
+//   ROWS  rows of the padded Q tile (16·MT)           r0    the block's first row of the R
 //   k0    first key of the current tile               kw    tile row of the warp's first key
 //   kk    16-wide k-step over d (S = Q·Kᵀ)            dp    pair of 8-column tiles of O
 //   mt    16-row mma tile                             h     row half of an accumulator tile
+//   g     16-key group of a tile (never split by a page boundary)
 //
 // Compile-time constants, set by the host for each variant:
 //   FD_D      head dimension (64, 128)
-//   FD_MT     16-row mma tiles of the Q tile (1: R ≤ 16, 2: R ≤ 32)
+//   FD_MT     16-row mma tiles of the Q tile (1: ≤ 16 rows per block, 2: ≤ 32)
 //   FD_BC     keys per K/V tile (16 per warp)
 //   FD_WARPS  warps per block of the split kernel
 //   FD_STAGES K/V tiles in shared memory (STAGES − 1 copies in flight while one tile is read)
+//   FD_PAGED  0: contiguous cache, 1: paged cache
 
 #include "copy.cuh"
 #include "mask.cuh"
@@ -72,20 +85,29 @@
 #ifndef FD_STAGES
 #define FD_STAGES 3
 #endif
+#ifndef FD_PAGED
+#define FD_PAGED 0
+#endif
 
 constexpr int D = FD_D;
 constexpr int MT = FD_MT;
 constexpr int BC = FD_BC;
 constexpr int WARPS = FD_WARPS;
 constexpr int STAGES = FD_STAGES;
+constexpr bool PAGED = FD_PAGED != 0;
 static_assert(STAGES >= 2, "at least one copy in flight");
 constexpr int THREADS = WARPS * 32;
 constexpr int ROWS = MT * 16;   // rows of the Q tile
 constexpr int DT = D / 8;       // 8-column accumulator tiles across one row of O
+// Keys that always share a page (pages hold a multiple of 16 keys, tiles start at multiples of
+// 16), and such groups per tile.
+constexpr int KEY_GROUP = 16;
+constexpr int GROUPS = BC / KEY_GROUP;
 // f32 row stride of the warp-merge buffer: 8 floats of padding put the 8 rows a half-warp's
 // float2 stores touch into 8 different groups of banks.
 constexpr int RED_STRIDE = D + 8;
 static_assert(BC == 16 * WARPS, "each warp owns 16 keys of a tile");
+static_assert(BC % KEY_GROUP == 0, "whole groups per tile");
 static_assert(D % 32 == 0, "the combine gives each lane D / 32 columns");
 
 // The lengths travel in the parameter struct itself (a launch copies it to constant memory), so a
@@ -95,14 +117,16 @@ static_assert(D % 32 == 0, "the combine gives each lane D / 32 columns");
 #define FD_MAX_BATCH 256
 #endif
 
-// Q and O are [batch, heads_q, n_new, D]; K and V [batch, heads_kv, capacity, D]; lengths[b] is the
-// number of valid cache entries of sequence b (the new tokens included). Workspaces, f32:
+// Q and O are [batch, heads_q, n_new, D]; K and V are [batch, heads_kv, capacity, D] (contiguous)
+// or [num_pages, heads_kv, page_size, D] (paged, with page_table [batch, max_pages]); lengths[b]
+// is the number of valid cache entries of sequence b (the new tokens included). Workspaces, f32:
 // o_part [batch, heads_q, n_new, splits, D] and lse_part [batch, heads_q, n_new, splits]; lse is
 // [batch, heads_q, n_new], natural log. Both kernels take the same struct.
 struct FdParams {
     const u16* q;
     const u16* k;
     const u16* v;
+    const int* page_table;  // paged only
     float* o_part;
     float* lse_part;
     u16* o;
@@ -110,28 +134,116 @@ struct FdParams {
     int heads_q;
     int heads_kv;
     int n_new;
-    int capacity;
+    int capacity;      // contiguous: entries per (sequence, kv head)
+    int max_pages;     // paged: entries per row of page_table
+    int num_pages;     // paged: pages in k and v
+    int log2_page;     // paged: page_size = 2^log2_page
     int splits;
+    int row_blocks;    // blocks per (split, kv head, sequence): ceil(R / ROWS)
     int rows;          // batch · heads_q · n_new: output rows
     float scale_log2;  // softmax scale · log2(e)
     int lengths[FD_MAX_BATCH];
 };
 
-// Launch: grid (splits, heads_kv, batch), block (THREADS, 1, 1), dynamic shared memory
-// max((ROWS + 2·STAGES·BC)·D·2, WARPS·ROWS·(RED_STRIDE + 2)·4) bytes: the Q tile and STAGES stages
-// of K and V during the walk, then the same memory as the f32 buffer that merges the warps.
+// ---- where the keys live: the one place the contiguous and the paged kernel differ -------------
+//
+// In both layouts the keys of one (sequence, kv head) lie in runs of consecutive rows of D
+// elements: one run of `capacity` rows when the cache is contiguous, one run per page when it is
+// paged. A page holds a multiple of 16 keys and a tile's groups of 16 keys start at multiples of
+// 16, so each group lies inside one run: the copy asks where each group starts, and nothing else
+// changes.
+//
+//   contiguous  K, V [batch, heads_kv, capacity, D]:
+//               key j of (b, h) is row (b·heads_kv + h)·capacity + j
+//   paged       K, V [num_pages, heads_kv, page_size, D] and page_table [batch, max_pages]:
+//               key j of (b, h) is row (page·heads_kv + h)·page_size + j % page_size,
+//               page = page_table[b][j / page_size]
+//
+// start(key, k_end, bad) is where the group of keys key … key + 15 begins (key a multiple of 16).
+// Paged, a group at or past the chunk's end k_end is not looked up (the table may have no entry
+// for it) and gets −1, and so does a group whose page-table entry is outside [0, num_pages): that
+// entry is never followed, the group is not read, and `bad` is set, so that the block turns the
+// sequence's rows into NaN rather than a wrong number. (The host checks every table whose entries
+// it has seen; this guards tables that live only on the device.) Contiguous, it is arithmetic,
+// never −1 (a group past the chunk gets an address that is never read).
+#if FD_PAGED
+struct CacheRows {
+    const int* pages;  // this sequence's row of the page table
+    int kv_head, heads_kv, log2_page, num_pages;
+
+    __device__ __forceinline__ CacheRows(const FdParams& p, int batch, int kv_head)
+        : pages(p.page_table + (size_t)batch * p.max_pages),
+          kv_head(kv_head),
+          heads_kv(p.heads_kv),
+          log2_page(p.log2_page),
+          num_pages(p.num_pages) {}
+
+    __device__ __forceinline__ long long start(int key, int k_end, bool& bad) const {
+        if (key >= k_end) return -1;
+        const int page = pages[key >> log2_page];
+        if ((unsigned)page >= (unsigned)num_pages) {  // negative or past the last page
+            bad = true;
+            return -1;
+        }
+        const long long run = (long long)page * heads_kv + kv_head;
+        return ((run << log2_page) + (key & ((1 << log2_page) - 1))) * D;
+    }
+};
+#else
+struct CacheRows {
+    long long first;  // element offset of key 0 of this (sequence, kv head)
+
+    __device__ __forceinline__ CacheRows(const FdParams& p, int batch, int kv_head)
+        : first(((long long)batch * p.heads_kv + kv_head) * p.capacity * D) {}
+
+    __device__ __forceinline__ long long start(int key, int, bool&) const {
+        return first + (long long)key * D;
+    }
+};
+#endif
+
+// Copy keys k0 … k0 + BC − 1 of K and V into one pipeline stage (swizzled tiles, as load_tile in
+// copy.cuh): start[g] is where the tile's g-th group of 16 keys begins (CacheRows::start); keys at
+// or past k_end and groups starting at −1 become zeros and are never read. Each thread copies one
+// 16-byte column chunk of rows r, r + STEP, r + 2·STEP, …; STEP divides 16, so the group of each
+// of those rows is a compile-time constant and a row never leaves its group.
+__device__ __forceinline__ void load_kv_tile(u16* sK, u16* sV, const u16* gK, const u16* gV,
+                                             const long long (&start)[GROUPS], int k0, int k_end) {
+    constexpr int CHUNKS = D / 8;           // 16-byte chunks per row
+    constexpr int STEP = THREADS / CHUNKS;  // rows between one thread's copies
+    static_assert(THREADS % CHUNKS == 0 && KEY_GROUP % STEP == 0, "rows stay in their group");
+    const int r = threadIdx.x / CHUNKS;
+    const int col = (threadIdx.x % CHUNKS) * 8;
+#pragma unroll
+    for (int i = 0; i < BC / STEP; ++i) {
+        const int row = r + i * STEP;         // tile row: key k0 + row
+        const int g = i * STEP / KEY_GROUP;   // its group
+        const long long src = start[g] + (long long)(row - g * KEY_GROUP) * D + col;
+        const bool valid = k0 + row < k_end && (!PAGED || start[g] >= 0);
+        cp_async_16(sK + swz<D>(row, col), gK + src, valid);
+        cp_async_16(sV + swz<D>(row, col), gV + src, valid);
+    }
+}
+
+// Launch: grid (splits · row_blocks, heads_kv, batch), block (THREADS, 1, 1), dynamic shared
+// memory max((ROWS + 2·STAGES·BC)·D·2, WARPS·ROWS·(RED_STRIDE + 2)·4) bytes: the Q tile and STAGES
+// stages of K and V during the walk, then the same memory as the f32 buffer that merges the warps.
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
 flash_decoding_split(const __grid_constant__ FdParams p) {
     extern __shared__ __align__(128) u16 smem[];
-    u16* sQ = smem;             // [ROWS][D]
+    u16* sQ = smem;                    // [ROWS][D]
     u16* sK = sQ + ROWS * D;           // [STAGES][BC][D]
     u16* sV = sK + STAGES * BC * D;    // [STAGES][BC][D]
 
-    const int split = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+    const int split = blockIdx.x / p.row_blocks, row_block = blockIdx.x % p.row_blocks;
+    const int kv_head = blockIdx.y, batch = blockIdx.z;
     const int warp = warp_id();
     const int n_new = p.n_new;
     const int R = (p.heads_q / p.heads_kv) * n_new;
+    const int r0 = row_block * ROWS;
+    const int RB = min(ROWS, R - r0);
     const int len = p.lengths[batch];
+    const CacheRows cache(p, batch, kv_head);
 
     // This split's keys [k_begin, k_end) (see "Chunks" above); 64-bit so that no product wraps.
     const long long per_split = ((long long)len + p.splits - 1) / p.splits;
@@ -141,10 +253,7 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
     const int n_tiles = (k_end - k_begin + BC - 1) / BC;
 
     // The block's first output row; its Q rows start there too (GQA packing above).
-    const size_t row0 = ((size_t)batch * p.heads_kv + kv_head) * R;
-    const size_t kv_off = ((size_t)batch * p.heads_kv + kv_head) * p.capacity * D;
-    const u16* gK = p.k + kv_off;
-    const u16* gV = p.v + kv_off;
+    const size_t row0 = ((size_t)batch * p.heads_kv + kv_head) * R + r0;
 
     // One past the last key each of the thread's rows sees, within this chunk: the causal limit of
     // its token, or the chunk's end. Rows of every tile at or past min_limit need the mask.
@@ -153,7 +262,7 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int t = (mt * 16 + acc_row(2 * h)) % n_new;
+            const int t = (r0 + mt * 16 + acc_row(2 * h)) % n_new;
             limit[mt][h] = min(len - n_new + t + 1, k_end);
         }
     const int min_limit = min(len - n_new + 1, k_end);  // token 0's limit: the smallest
@@ -167,32 +276,48 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
         row_sum[mt][0] = row_sum[mt][1] = 0.f;
     }
 
+    // Where the groups of tile `tile` start in the cache (CacheRows::start; a tile past the last
+    // starts past k_end). `bad`: this thread met a page-table entry outside the cache.
+    bool bad = false;
+    auto tile_starts = [&](int tile, long long (&start)[GROUPS]) {
+#pragma unroll
+        for (int g = 0; g < GROUPS; ++g)
+            start[g] = cache.start(k_begin + tile * BC + g * KEY_GROUP, k_end, bad);
+    };
     // Copies in flight: the first STAGES − 1 K/V tiles, one commit group each, the Q tile riding in
     // group 0 with tile 0 (empty groups past the last tile keep the count uniform: group g holds
     // tile g).
-    auto load_kv = [&](int tile) {
+    auto load_kv = [&](int tile, const long long (&start)[GROUPS]) {
         if (tile < n_tiles) {
-            const int stage = tile % STAGES, first = k_begin + tile * BC;
-            load_tile<BC, D, THREADS>(sK + stage * BC * D, gK, first, k_end);
-            load_tile<BC, D, THREADS>(sV + stage * BC * D, gV, first, k_end);
+            const int stage = tile % STAGES;
+            load_kv_tile(sK + stage * BC * D, sV + stage * BC * D, p.k, p.v, start,
+                         k_begin + tile * BC, k_end);
         }
         cp_async_commit();
     };
-    load_tile<ROWS, D, THREADS>(sQ, p.q + row0 * D, 0, R);
+    load_tile<ROWS, D, THREADS>(sQ, p.q + row0 * D, 0, RB);
 #pragma unroll
-    for (int t = 0; t < STAGES - 1; ++t) load_kv(t);
+    for (int t = 0; t < STAGES - 1; ++t) {
+        long long start[GROUPS];
+        tile_starts(t, start);
+        load_kv(t, start);
+    }
 
     const auto qA = a_operand<D>(sQ, 0);     // Q: A of S = Q·Kᵀ (all ROWS rows, per warp)
     const auto kB = b_operand<D>(sK);        // K: B of S = Q·Kᵀ (rows = keys = n)
     const auto vB = b_operand_trans<D>(sV);  // V: B of O = P·V (rows = keys = k)
 
     for (int j = 0; j < n_tiles; ++j) {
+        // Where tile j + STAGES − 1 lies, found before the wait: with a paged cache that reads the
+        // page table, and its latency overlaps the wait instead of delaying the copy.
+        long long next[GROUPS];
+        tile_starts(j + STAGES - 1, next);
         // Tile j has landed once at most STAGES − 2 younger groups are pending; after the
         // barrier every warp is done with tile j − 1, whose stage the copy of tile
         // j + STAGES − 1 then reuses. One barrier per tile.
         cp_async_wait<STAGES - 2>();
         __syncthreads();
-        load_kv(j + STAGES - 1);
+        load_kv(j + STAGES - 1, next);
         const int k0 = k_begin + j * BC;
         const int kw = (j % STAGES) * BC + warp * 16;  // tile row of this warp's first key
 
@@ -259,6 +384,8 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
     // An empty chunk still has the Q copy in flight; the merge below reuses its memory.
     cp_async_wait<0>();
     __syncthreads();
+    // Paged: whether any thread of the block met a page outside the cache.
+    const bool bad_page = PAGED && __syncthreads_or(bad);
 
     // ---- merge the warps' states through shared memory (log-sum-exp rule) -----------------------
     float* red_acc = reinterpret_cast<float*>(smem);   // [WARPS][ROWS][RED_STRIDE]
@@ -282,8 +409,8 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
         }
     __syncthreads();
 
-    // Each thread takes 4 consecutive columns of a row at a time; rows past R are padding.
-    for (int i = threadIdx.x; i < R * (D / 4); i += THREADS) {
+    // Each thread takes 4 consecutive columns of a row at a time; rows past RB are padding.
+    for (int i = threadIdx.x; i < RB * (D / 4); i += THREADS) {
         const int r = i / (D / 4);
         const int c = (i % (D / 4)) * 4;
         float m = LADDER_NEG_INF;
@@ -305,11 +432,18 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
             o.w += f * x.w;
         }
         // A row that saw no key of this chunk: O_s = 0, lse_s = −inf (weight 0 in the combine).
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        float inv = l > 0.f ? 1.f / l : 0.f;
+        float lse_s = l == 0.f ? LADDER_NEG_INF : m * LADDER_LN2 + logf(l);
+        // A page outside the cache: O_s = NaN and lse_s = +inf, which turn the combined row into
+        // NaN whatever the other splits hold (+inf is their maximum, and +inf − +inf is NaN).
+        if (bad_page) {
+            inv = __int_as_float(0x7fc00000);
+            lse_s = __int_as_float(0x7f800000);
+        }
         const size_t out = (row0 + r) * p.splits + split;
         *reinterpret_cast<float4*>(p.o_part + out * D + c) =
             make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
-        if (c == 0) p.lse_part[out] = l == 0.f ? LADDER_NEG_INF : m * LADDER_LN2 + logf(l);
+        if (c == 0) p.lse_part[out] = lse_s;
     }
 }
 

@@ -43,11 +43,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         for splits in [None, Some(1), Some(4), Some(16), Some(64)] {
             let opts = DecodeOptions { splits, ..DecodeOptions::default() };
             for _ in 0..3 {
-                decode::forward(&gpu, &q, &cache, &opts)?;
+                decode::forward(&gpu, &q, cache, &opts)?;
             }
             let ms = gpu.time_ms(|| {
                 for _ in 0..20 {
-                    decode::forward(&gpu, &q, &cache, &opts)?;
+                    decode::forward(&gpu, &q, cache, &opts)?;
                 }
                 Ok(())
             })? / 20.0;

@@ -9,15 +9,26 @@
 //! (`ladder_reference::flash_decoding`) does:
 //!
 //! ```text
-//! phase 1, flash_decoding_split, grid (splits, heads_kv, batch):
+//! phase 1, flash_decoding_split, grid (splits · row_blocks, heads_kv, batch):
 //!     (O_s, lse_s) = FA2 over the keys of chunk s        (O_s normalised within the chunk, f32)
 //! phase 2, flash_decoding_combine, one warp per output row:
 //!     lse = ln Σ_s exp(lse_s),   O = Σ_s exp(lse_s − lse) · O_s     (O in the inputs' dtype)
 //! ```
 //!
-//! **GQA packing.** One block of phase 1 handles every query head of its kv head and every new
+//! **GQA packing.** The blocks of a kv head handle every query head of that kv head and every new
 //! token: `R = group · n_new` rows, row `r` being query head `kv_head · group + r / n_new`, token
-//! `r % n_new`. K and V are read once per kv head, not once per query head.
+//! `r % n_new`. K and V are read once per block, not once per query head.
+//!
+//! **Row blocks.** A block holds at most [`ROWS_PER_BLOCK`] = 32 of those rows: each of its warps
+//! keeps the output of every row in registers (`d` floats per lane at 32 rows, 128 at d = 128),
+//! and two 16-row tiles are what fits beside the rest. More rows per kv head (GQA 8 × 16 speculative tokens
+//! = 128) are shared by [`row_blocks`]`(R)` blocks of 32 consecutive rows, each reading the
+//! chunk's K and V. They sit next to each other in the grid, so they run together and all but the
+//! first find the tiles in L2: one HBM read of the cache, `row_blocks`-fold L2 traffic. The
+//! alternative, one block with more 16-row tiles whose warps split the rows instead of the keys
+//! (FA2's forward layout), reads K and V once from L2 too, but needs a second warp layout in the
+//! kernel; at R ≤ 32, the shapes of ordinary and speculative decoding with GQA ≤ 8 × 4 tokens,
+//! both are the same one block.
 //!
 //! **Chunks.** Split `s` of sequence `b` owns keys `[s·chunk, min((s+1)·chunk, len_b))` with
 //! `chunk = ceil(len_b / splits)` rounded up to a multiple of [`BC`]: chunks follow each
@@ -28,10 +39,22 @@
 //! `j ≤ lengths[b] − n_new + t`. Keys at or past `lengths[b]` are never read. A row that sees
 //! no key (`lengths[b] = 0`, or `lengths[b] < n_new`) gets `O = 0`, `lse = −∞`.
 //!
-//! Kernel: `cuda/flash_decoding.cu`. Not in this step: a paged cache, FlashDecoding++ (a fixed
-//! softmax maximum), `group · n_new > 32` rows per kv head, head dimension 256.
+//! **The cache** ([`Cache`]) is contiguous ([`KvCache`]: K and V `[batch, heads_kv, capacity, d]`)
+//! or paged ([`PagedKvCache`]: K and V `[num_pages, heads_kv, page_size, d]`, and a [`PageTable`]
+//! `[batch, max_pages]` of `i32` page indices, vLLM's `block_tables` / FlashAttention's
+//! `block_table`; the page layout is FlashInfer's `HND`). Pages hold 16, 32, 64, 128 or 256 tokens
+//! ([`PAGE_SIZES`]): a power of two, as vLLM's block sizes, so that a key's page and slot are a
+//! shift and a mask; at least 16, so that the 16 keys a warp reads per tile (one mma k-step)
+//! never straddle two pages. With pages of 64 or more a 64-key tile lies in one page; with 16 or
+//! 32 the copy of a tile gathers from 4 or 2. The paged kernel is the contiguous one with another
+//! address helper (a compile-time switch), so both compute the same bits on the same data.
+//!
+//! Kernel: `cuda/flash_decoding.cu`. Not in this step: FlashDecoding++ (a fixed softmax maximum),
+//! head dimension 256.
 
-use cudarc::driver::DeviceRepr;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr};
 
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
@@ -51,13 +74,19 @@ pub const BC: usize = 64;
 pub const WARPS: usize = 4;
 /// The most new tokens per sequence.
 pub const MAX_NEW_TOKENS: usize = 16;
-/// The most rows (`group · n_new`, query heads per kv head times new tokens) one block handles.
-pub const MAX_ROWS: usize = 32;
+/// The most rows (query heads per kv head times new tokens) one block of the split kernel holds;
+/// a kv head with more is shared by several blocks ([`row_blocks`]).
+pub const ROWS_PER_BLOCK: usize = 32;
+/// Tokens per page a paged cache may have ([`PagedKvCache`]).
+pub const PAGE_SIZES: &[usize] = &[16, 32, 64, 128, 256];
 /// The most splits the heuristic picks ([`num_splits`]).
 pub const MAX_SPLITS: usize = 128;
 /// Sequences per launch: their lengths travel inside the parameter struct (no host-to-device copy
 /// per call); larger batches are launched in chunks of this many.
 pub const MAX_BATCH_PER_LAUNCH: usize = 256;
+/// The longest sequence: the kernels count keys in 32-bit ints, with a few tiles of headroom past
+/// a sequence's end.
+pub const MAX_LENGTH: usize = i32::MAX as usize - 1024;
 /// K/V tiles in shared memory per block of the split kernel on architecture `arch`: a decoding
 /// block does little arithmetic per byte, so it wants many copies in flight. Hopper gets three
 /// stages (two copies in flight while one tile is read; two blocks of ≤ 104 KB fit its 228 KB);
@@ -68,8 +97,8 @@ pub fn stages(arch: &str) -> usize {
 /// Output rows per block of the combine kernel (one warp each).
 const COMBINE_ROWS_PER_BLOCK: usize = 4;
 
-/// A KV cache: K and V `[batch, heads_kv, capacity, d]`, and the number of valid tokens per
-/// sequence (the new tokens included: they are the last `n_new` valid entries).
+/// A contiguous KV cache: K and V `[batch, heads_kv, capacity, d]`, and the number of valid
+/// tokens per sequence (the new tokens included: they are the last `n_new` valid entries).
 #[derive(Clone, Copy, Debug)]
 pub struct KvCache<'a> {
     /// Keys, `[batch, heads_kv, capacity, d]`.
@@ -80,23 +109,297 @@ pub struct KvCache<'a> {
     pub lengths: &'a [usize],
 }
 
+/// A paged KV cache: K and V in pages of `page_size` tokens, `[num_pages, heads_kv, page_size,
+/// d]` (FlashInfer's `HND` layout: each page holds every kv head, each head's tokens
+/// contiguous), and a [`PageTable`] whose row `b` lists the pages of sequence `b` in order: key
+/// `j` of sequence `b` is slot `j % page_size` of page `page_table[b][j / page_size]`.
+///
+/// `page_size` is `k_pages.shape()[2]`, one of [`PAGE_SIZES`]. Sequence `b` reads the first
+/// `ceil(lengths[b] / page_size)` entries of its row; entries past those are never read (pad
+/// them with anything, e.g. −1). Sequences may share pages (a common prefix).
+#[derive(Clone, Copy, Debug)]
+pub struct PagedKvCache<'a> {
+    /// Keys, `[num_pages, heads_kv, page_size, d]`.
+    pub k_pages: &'a Tensor,
+    /// Values, `[num_pages, heads_kv, page_size, d]`.
+    pub v_pages: &'a Tensor,
+    /// The pages of each sequence, `[batch, max_pages]`.
+    pub page_table: &'a PageTable,
+    /// Valid entries of each sequence (the new tokens included), each at most
+    /// `max_pages · page_size` (0 allowed).
+    pub lengths: &'a [usize],
+}
+
+/// The KV cache of a decoding call, contiguous or paged. [`forward`] takes either (or a reference
+/// to either) through `Into<Cache>`.
+#[derive(Clone, Copy, Debug)]
+pub enum Cache<'a> {
+    /// One buffer per sequence and kv head.
+    Contiguous(KvCache<'a>),
+    /// Pages and a page table.
+    Paged(PagedKvCache<'a>),
+}
+
+impl Cache<'_> {
+    /// Valid entries of each sequence.
+    pub fn lengths(&self) -> &[usize] {
+        match self {
+            Cache::Contiguous(c) => c.lengths,
+            Cache::Paged(c) => c.lengths,
+        }
+    }
+}
+
+impl<'a> From<KvCache<'a>> for Cache<'a> {
+    fn from(cache: KvCache<'a>) -> Cache<'a> {
+        Cache::Contiguous(cache)
+    }
+}
+
+impl<'a> From<&KvCache<'a>> for Cache<'a> {
+    fn from(cache: &KvCache<'a>) -> Cache<'a> {
+        Cache::Contiguous(*cache)
+    }
+}
+
+impl<'a> From<PagedKvCache<'a>> for Cache<'a> {
+    fn from(cache: PagedKvCache<'a>) -> Cache<'a> {
+        Cache::Paged(cache)
+    }
+}
+
+impl<'a> From<&PagedKvCache<'a>> for Cache<'a> {
+    fn from(cache: &PagedKvCache<'a>) -> Cache<'a> {
+        Cache::Paged(*cache)
+    }
+}
+
+/// The page table of a paged cache on the device: `[batch, max_pages]` page indices, `i32`, row
+/// by row (vLLM's `block_tables`, FlashAttention's `block_table`).
+///
+/// A table made by [`PageTable::upload`] keeps a host copy of its entries, so that every call
+/// checks the entries it will read: an entry that is not a page of the cache is a
+/// [`KernelError::PageTable`]. A table that already lives on the device
+/// ([`PageTable::from_cuda_slice`], no copy) cannot be checked without copying it back, so it is
+/// not: the kernel still never follows an entry outside the cache, and instead makes every output
+/// row of that sequence NaN (never an out-of-bounds read, never a plausible wrong number).
+/// [`PageTable::with_host_copy`] copies it back once to get the checks.
+#[derive(Debug)]
+pub struct PageTable {
+    table: CudaSlice<i32>,
+    info: TableInfo,
+}
+
+impl PageTable {
+    /// Upload `entries` (`[batch, max_pages]`, row-major) and keep a host copy for the checks.
+    pub fn upload(gpu: &Gpu, entries: &[i32], batch: usize, max_pages: usize) -> Result<PageTable> {
+        let mut info = TableInfo::new(batch, max_pages)?;
+        info.host = Some(HostEntries::new(entries, batch, max_pages)?);
+        let table = gpu
+            .stream()
+            .clone_htod(entries)
+            .map_err(KernelError::alloc(std::mem::size_of_val(entries)))?;
+        Ok(PageTable { table, info })
+    }
+
+    /// Wrap a table already on the device (no copy): `batch · max_pages` entries. Its entries are
+    /// not checked on the host (see the type's docs); [`PageTable::with_host_copy`] adds the
+    /// checks.
+    pub fn from_cuda_slice(
+        table: CudaSlice<i32>,
+        batch: usize,
+        max_pages: usize,
+    ) -> Result<PageTable> {
+        let info = TableInfo::new(batch, max_pages)?;
+        if table.len() != batch * max_pages {
+            return Err(KernelError::Shape(format!(
+                "a page table of {} entries cannot be [{batch}, {max_pages}]",
+                table.len()
+            )));
+        }
+        Ok(PageTable { table, info })
+    }
+
+    /// Copy the entries to the host (once; it waits for the work queued on the table's stream), so
+    /// that every call checks them as for a table made by [`PageTable::upload`].
+    pub fn with_host_copy(mut self) -> Result<PageTable> {
+        let entries = self
+            .table
+            .stream()
+            .clone_dtoh(&self.table)
+            .map_err(KernelError::driver("copying a page table to the host"))?;
+        self.info.host = Some(HostEntries::new(&entries, self.info.batch, self.info.max_pages)?);
+        Ok(self)
+    }
+
+    /// Whether the entries are checked on the host at every call.
+    pub fn has_host_copy(&self) -> bool {
+        self.info.host.is_some()
+    }
+
+    /// `[batch, max_pages]`.
+    pub fn shape(&self) -> [usize; 2] {
+        [self.info.batch, self.info.max_pages]
+    }
+
+    /// The device buffer, borrowed.
+    pub fn as_cuda_slice(&self) -> &CudaSlice<i32> {
+        &self.table
+    }
+
+    /// Hand the device buffer back (no copy).
+    pub fn into_cuda_slice(self) -> CudaSlice<i32> {
+        self.table
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.table.stream()
+    }
+}
+
+/// What the checks know of a page table: its shape, and its entries if they were seen on the host.
+#[derive(Clone, Debug, PartialEq)]
+struct TableInfo {
+    batch: usize,
+    max_pages: usize,
+    host: Option<HostEntries>,
+}
+
+impl TableInfo {
+    fn new(batch: usize, max_pages: usize) -> Result<TableInfo> {
+        if batch == 0 || max_pages == 0 {
+            return Err(KernelError::Shape(format!(
+                "a page table [{batch}, {max_pages}] needs at least one row and one column"
+            )));
+        }
+        // The kernel indexes a row's entries with 32-bit ints.
+        if max_pages > i32::MAX as usize || batch.checked_mul(max_pages).is_none() {
+            return Err(KernelError::Shape(format!(
+                "a page table [{batch}, {max_pages}] is too large"
+            )));
+        }
+        Ok(TableInfo { batch, max_pages, host: None })
+    }
+
+    /// Checks that sequence `b` of length `lengths[b]` finds its `ceil(len / page_size)` pages in
+    /// its row, and, when the entries are known, that each of them is a page of the cache
+    /// (`0 ≤ entry < num_pages`).
+    fn check(&self, lengths: &[usize], page_size: usize, num_pages: usize) -> Result<()> {
+        if lengths.len() != self.batch {
+            return Err(KernelError::Shape(format!(
+                "{} lengths given for a page table of {} rows",
+                lengths.len(),
+                self.batch
+            )));
+        }
+        for (b, &len) in lengths.iter().enumerate() {
+            let needed = len.div_ceil(page_size);
+            if needed > self.max_pages {
+                return Err(KernelError::PageTable(format!(
+                    "lengths[{b}] = {len} needs {needed} pages of {page_size} tokens, but the \
+                     table has {} per sequence",
+                    self.max_pages
+                )));
+            }
+            if let (Some(host), true) = (&self.host, needed > 0) {
+                host.check_row(b, needed, num_pages)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A host copy of a page table's entries, and for each entry the largest entry of its row up to
+/// it (negative entries counting as larger than any page), so that checking the first `n` entries
+/// of a row against the cache's page count is one comparison.
+#[derive(Clone, Debug, PartialEq)]
+struct HostEntries {
+    entries: Vec<i32>,
+    prefix_max: Vec<i32>,
+    max_pages: usize,
+}
+
+impl HostEntries {
+    fn new(entries: &[i32], batch: usize, max_pages: usize) -> Result<HostEntries> {
+        if entries.len() != batch * max_pages {
+            return Err(KernelError::Shape(format!(
+                "{} page-table entries given for [{batch}, {max_pages}]",
+                entries.len()
+            )));
+        }
+        let mut prefix_max = Vec::with_capacity(entries.len());
+        for row in entries.chunks(max_pages) {
+            let mut running = i32::MIN;
+            for &e in row {
+                running = running.max(if e < 0 { i32::MAX } else { e });
+                prefix_max.push(running);
+            }
+        }
+        Ok(HostEntries { entries: entries.to_vec(), prefix_max, max_pages })
+    }
+
+    /// Whether the first `needed` (≥ 1) entries of row `b` are pages of a cache of `num_pages`.
+    fn check_row(&self, b: usize, needed: usize, num_pages: usize) -> Result<()> {
+        let row = b * self.max_pages;
+        // num_pages ≤ i32::MAX (checked with the cache's shape), and a negative entry counts as
+        // i32::MAX, so it fails too.
+        if (self.prefix_max[row + needed - 1] as usize) < num_pages {
+            return Ok(());
+        }
+        let (i, page) = self.entries[row..row + needed]
+            .iter()
+            .enumerate()
+            .find(|&(_, &e)| e < 0 || e as usize >= num_pages)
+            .map(|(i, &e)| (i, e))
+            .unwrap_or((needed - 1, self.prefix_max[row + needed - 1]));
+        Err(KernelError::PageTable(format!(
+            "page_table[{b}][{i}] = {page} is not a page of the cache (0 ≤ page < {num_pages}); \
+             sequence {b} reads its first {needed} entries"
+        )))
+    }
+}
+
 /// Options of [`forward`].
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct DecodeOptions {
     /// Softmax scale; `None` means `1/sqrt(head_dim)`.
     pub scale: Option<f32>,
     /// Number of chunks the keys of each sequence are split into (at least 1); `None` lets
-    /// [`num_splits`] choose from the shape and the device.
+    /// [`default_splits`] choose from the shape and the device.
     pub splits: Option<usize>,
+}
+
+/// Blocks of the split kernel per (split, kv head, sequence) for `rows_per_kv_head` rows (query
+/// heads per kv head times new tokens): one up to [`ROWS_PER_BLOCK`], then one per 32 rows.
+pub fn row_blocks(rows_per_kv_head: usize) -> usize {
+    rows_per_kv_head.div_ceil(16 * m_tiles(rows_per_kv_head)).max(1)
+}
+
+/// 16-row mma tiles of a block's Q tile: one for up to 16 rows, else two (32 rows per block).
+fn m_tiles(rows_per_kv_head: usize) -> usize {
+    if rows_per_kv_head <= 16 { 1 } else { ROWS_PER_BLOCK / 16 }
+}
+
+/// The split count [`forward`] uses when [`DecodeOptions::splits`] is `None`: [`num_splits`] with
+/// `batch · heads_kv · row_blocks` blocks per split and the longest sequence's key tiles.
+pub fn default_splits(
+    batch: usize,
+    heads_kv: usize,
+    rows_per_kv_head: usize,
+    max_len: usize,
+    sm_count: usize,
+) -> usize {
+    let blocks = batch.saturating_mul(heads_kv).saturating_mul(row_blocks(rows_per_kv_head));
+    num_splits(blocks, max_len.div_ceil(BC), sm_count, MAX_SPLITS)
 }
 
 /// How many splits fill the device: FlashAttention's `num_splits_heuristic` (wave efficiency).
 ///
-/// `batch_heads_kv` blocks per split (one per kv head and sequence), `key_blocks` tiles of
-/// [`BC`] keys in the longest sequence. With enough blocks already (at least 80 % of the SMs)
-/// it is 1. Otherwise, for `s` in `1 ..= min(max_splits, key_blocks, 128)`, the last wave of
-/// `batch_heads_kv · s` blocks on `sm_count` SMs is `efficiency(s) = n / ceil(n)` full
-/// (`n = batch_heads_kv · s / sm_count` waves); the answer is the smallest `s` within 85 % of
+/// `batch_heads_kv` blocks per split (one per kv head and sequence, times [`row_blocks`]),
+/// `key_blocks` tiles of [`BC`] keys in the longest sequence. With enough blocks already (at least
+/// 80 % of the SMs) it is 1. Otherwise, for `s` in `1 ..= min(max_splits, key_blocks, 128)`, the
+/// last wave of `batch_heads_kv · s` blocks on `sm_count` SMs is `efficiency(s) = n / ceil(n)`
+/// full (`n = batch_heads_kv · s / sm_count` waves); the answer is the smallest `s` within 85 % of
 /// the best efficiency. As in FlashAttention, an `s` that gives each split as many key blocks as
 /// `s − 1` does is skipped (it is `s − 1` splits with an empty one).
 pub fn num_splits(
@@ -119,8 +422,15 @@ pub fn num_splits(
 }
 
 /// The kernels' variant (both entry points live in one module) for head dimension `d`, element
-/// type `dtype` and `m_tiles` 16-row mma tiles of rows.
-pub(crate) fn variant(d: usize, dtype: DType, m_tiles: usize, stages: usize) -> Variant {
+/// type `dtype`, `m_tiles` 16-row mma tiles of rows, `stages` K/V stages, and a contiguous or a
+/// paged cache.
+pub(crate) fn variant(
+    d: usize,
+    dtype: DType,
+    m_tiles: usize,
+    stages: usize,
+    paged: bool,
+) -> Variant {
     Variant {
         file: "flash_decoding",
         source: SRC,
@@ -131,6 +441,7 @@ pub(crate) fn variant(d: usize, dtype: DType, m_tiles: usize, stages: usize) -> 
             ("FD_BC", BC.to_string()),
             ("FD_WARPS", WARPS.to_string()),
             ("FD_STAGES", stages.to_string()),
+            ("FD_PAGED", u8::from(paged).to_string()),
             ("FD_MAX_BATCH", MAX_BATCH_PER_LAUNCH.to_string()),
         ],
     }
@@ -154,7 +465,9 @@ pub(crate) fn variants() -> Vec<Variant> {
         for &d in HEAD_DIMS {
             for m_tiles in [1, 2] {
                 for stages in [2, 3] {
-                    all.push(variant(d, dtype, m_tiles, stages));
+                    for paged in [false, true] {
+                        all.push(variant(d, dtype, m_tiles, stages, paged));
+                    }
                 }
             }
         }
@@ -170,6 +483,7 @@ struct Params {
     q: u64,
     k: u64,
     v: u64,
+    page_table: u64,
     o_part: u64,
     lse_part: u64,
     o: u64,
@@ -178,7 +492,11 @@ struct Params {
     heads_kv: i32,
     n_new: i32,
     capacity: i32,
+    max_pages: i32,
+    num_pages: i32,
+    log2_page: i32,
     splits: i32,
+    row_blocks: i32,
     rows: i32,
     scale_log2: f32,
     lengths: [i32; MAX_BATCH_PER_LAUNCH],
@@ -187,6 +505,51 @@ struct Params {
 // SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror.
 unsafe impl DeviceRepr for Params {}
 
+/// What the checks need of a tensor: its shape and element type.
+#[derive(Clone, Copy, Debug)]
+struct Desc<'a> {
+    shape: &'a [usize],
+    dtype: DType,
+}
+
+impl<'a> Desc<'a> {
+    fn of(t: &'a Tensor) -> Desc<'a> {
+        Desc { shape: t.shape(), dtype: t.dtype() }
+    }
+}
+
+/// A cache as the checks see it (shapes, types, the page table's shape and known entries).
+#[derive(Clone, Copy, Debug)]
+enum CacheDesc<'a> {
+    Contiguous { k: Desc<'a>, v: Desc<'a>, lengths: &'a [usize] },
+    Paged { k: Desc<'a>, v: Desc<'a>, table: &'a TableInfo, lengths: &'a [usize] },
+}
+
+impl<'a> CacheDesc<'a> {
+    fn of(cache: &Cache<'a>) -> CacheDesc<'a> {
+        match *cache {
+            Cache::Contiguous(c) => {
+                CacheDesc::Contiguous { k: Desc::of(c.k), v: Desc::of(c.v), lengths: c.lengths }
+            }
+            Cache::Paged(c) => CacheDesc::Paged {
+                k: Desc::of(c.k_pages),
+                v: Desc::of(c.v_pages),
+                table: &c.page_table.info,
+                lengths: c.lengths,
+            },
+        }
+    }
+}
+
+/// How a checked cache is laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Layout {
+    /// `[batch, heads_kv, capacity, d]`.
+    Contiguous { capacity: usize },
+    /// `[num_pages, heads_kv, page_size, d]` and a `[batch, max_pages]` table.
+    Paged { page_size: usize, num_pages: usize, max_pages: usize },
+}
+
 /// The checked dimensions of one decoding call.
 #[derive(Clone, Copy, Debug)]
 struct Shape {
@@ -194,43 +557,65 @@ struct Shape {
     heads_q: usize,
     heads_kv: usize,
     n_new: usize,
-    capacity: usize,
     d: usize,
     dtype: DType,
     scale: f32,
+    layout: Layout,
 }
 
 impl Shape {
-    fn new(gpu: &Gpu, q: &Tensor, cache: &KvCache, opts: &DecodeOptions) -> Result<Shape> {
-        for (name, t) in [("q", q), ("k", cache.k), ("v", cache.v)] {
-            gpu.check_context(t, name)?;
-        }
-        let dims = |t: &Tensor, what: &str| -> Result<[usize; 4]> {
-            <[usize; 4]>::try_from(t.shape())
-                .map_err(|_| KernelError::Shape(format!("{what}, got shape {:?}", t.shape())))
+    /// Every check of a call that needs no device: shapes, element types, lengths, the page
+    /// table against the cache, the options.
+    fn check(q: Desc, cache: &CacheDesc, opts: &DecodeOptions) -> Result<Shape> {
+        let dims = |t: Desc, what: &str| -> Result<[usize; 4]> {
+            <[usize; 4]>::try_from(t.shape)
+                .map_err(|_| KernelError::Shape(format!("{what}, got shape {:?}", t.shape)))
         };
         let [batch, heads_q, n_new, d] = dims(q, "q must be [batch, heads_q, n_new, head_dim]")?;
-        let [kb, heads_kv, capacity, kd] =
-            dims(cache.k, "k must be [batch, heads_kv, capacity, head_dim]")?;
-        if cache.v.shape() != cache.k.shape() {
+        let (k, v, lengths) = match *cache {
+            CacheDesc::Contiguous { k, v, lengths } => (k, v, lengths),
+            CacheDesc::Paged { k, v, lengths, .. } => (k, v, lengths),
+        };
+        let (layout, heads_kv, kd) = match *cache {
+            CacheDesc::Contiguous { .. } => {
+                let [kb, heads_kv, capacity, kd] =
+                    dims(k, "k must be [batch, heads_kv, capacity, head_dim]")?;
+                if kb != batch {
+                    return Err(KernelError::Shape(format!(
+                        "q {:?} and the cache {:?} differ in batch",
+                        q.shape, k.shape
+                    )));
+                }
+                (Layout::Contiguous { capacity }, heads_kv, kd)
+            }
+            CacheDesc::Paged { table, .. } => {
+                let [num_pages, heads_kv, page_size, kd] =
+                    dims(k, "k_pages must be [num_pages, heads_kv, page_size, head_dim]")?;
+                if table.batch != batch {
+                    return Err(KernelError::Shape(format!(
+                        "the page table has {} rows for a batch of {batch}",
+                        table.batch
+                    )));
+                }
+                (Layout::Paged { page_size, num_pages, max_pages: table.max_pages }, heads_kv, kd)
+            }
+        };
+        if v.shape != k.shape {
             return Err(KernelError::Shape(format!(
                 "v has shape {:?} but k has {:?}",
-                cache.v.shape(),
-                cache.k.shape()
+                v.shape, k.shape
             )));
         }
-        if kb != batch || kd != d {
+        if kd != d {
             return Err(KernelError::Shape(format!(
-                "q {:?} and the cache {:?} differ in batch or head_dim",
-                q.shape(),
-                cache.k.shape()
+                "q {:?} and the cache {:?} differ in head_dim",
+                q.shape, k.shape
             )));
         }
-        if [batch, heads_q, n_new, d, heads_kv, capacity].contains(&0) {
+        if q.shape.contains(&0) || k.shape.contains(&0) {
             return Err(KernelError::Shape(format!(
                 "every dimension must be at least 1 (q {:?}, cache {:?})",
-                q.shape(),
-                cache.k.shape()
+                q.shape, k.shape
             )));
         }
         if heads_q % heads_kv != 0 {
@@ -243,26 +628,56 @@ impl Shape {
                 "n_new = {n_new} new tokens per sequence; decoding takes 1 to {MAX_NEW_TOKENS}"
             )));
         }
-        if cache.lengths.len() != batch {
+        if lengths.len() != batch {
             return Err(KernelError::Shape(format!(
                 "{} lengths given for a batch of {batch}",
-                cache.lengths.len()
+                lengths.len()
             )));
         }
-        if let Some((b, &len)) = cache.lengths.iter().enumerate().find(|&(_, &l)| l > capacity) {
+        if let Some((b, &len)) = lengths.iter().enumerate().find(|&(_, &l)| l > MAX_LENGTH) {
             return Err(KernelError::Shape(format!(
-                "lengths[{b}] = {len} exceeds the cache capacity {capacity}"
+                "lengths[{b}] = {len} exceeds the kernels' limit {MAX_LENGTH}"
             )));
         }
-        if cache.k.dtype() != q.dtype() || cache.v.dtype() != q.dtype() {
+        // The kernels take these counts as 32-bit ints.
+        let limit = i32::MAX as usize;
+        match layout {
+            Layout::Contiguous { capacity } => {
+                if let Some((b, &len)) = lengths.iter().enumerate().find(|&(_, &l)| l > capacity) {
+                    return Err(KernelError::Shape(format!(
+                        "lengths[{b}] = {len} exceeds the cache capacity {capacity}"
+                    )));
+                }
+                if capacity > limit {
+                    return Err(KernelError::Shape(format!("cache {:?} too large", k.shape)));
+                }
+            }
+            Layout::Paged { page_size, num_pages, .. } => {
+                if !PAGE_SIZES.contains(&page_size) {
+                    return Err(KernelError::Config(format!(
+                        "flash_decoding: pages of {page_size} tokens (k_pages {:?}); the paged \
+                         kernel takes {PAGE_SIZES:?}",
+                        k.shape
+                    )));
+                }
+                if num_pages > limit {
+                    return Err(KernelError::Shape(format!(
+                        "{num_pages} pages (k_pages {:?}) is too many",
+                        k.shape
+                    )));
+                }
+                if let CacheDesc::Paged { table, .. } = *cache {
+                    table.check(lengths, page_size, num_pages)?;
+                }
+            }
+        }
+        if k.dtype != q.dtype || v.dtype != q.dtype {
             return Err(KernelError::DType(format!(
                 "q, k, v must share a dtype (got {}, {}, {})",
-                q.dtype(),
-                cache.k.dtype(),
-                cache.v.dtype()
+                q.dtype, k.dtype, v.dtype
             )));
         }
-        let dtype = q.dtype();
+        let dtype = q.dtype;
         if !DTYPES.contains(&dtype) {
             return Err(KernelError::UnsupportedDtype {
                 rung: "flash_decoding",
@@ -277,31 +692,17 @@ impl Shape {
                 supported: HEAD_DIMS,
             });
         }
-        let rows = heads_q / heads_kv * n_new;
-        if rows > MAX_ROWS {
-            return Err(KernelError::Config(format!(
-                "flash_decoding: {} query heads per kv head × {n_new} new tokens = {rows} rows per \
-                 kv head; this kernel packs at most {MAX_ROWS}",
-                heads_q / heads_kv
-            )));
-        }
-        // The kernels index rows and keys with 32-bit ints and offsets with 64 bits.
-        let limit = i32::MAX as usize;
-        if capacity > limit || batch.saturating_mul(heads_q).saturating_mul(n_new) > limit {
-            return Err(KernelError::Shape(format!(
-                "q {:?} / cache {:?} too large",
-                q.shape(),
-                cache.k.shape()
-            )));
+        if batch.saturating_mul(heads_q).saturating_mul(n_new) > limit {
+            return Err(KernelError::Shape(format!("q {:?} too large", q.shape)));
         }
         let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
         if !scale.is_finite() {
             return Err(KernelError::Shape(format!("scale {scale} is not finite")));
         }
-        Ok(Shape { batch, heads_q, heads_kv, n_new, capacity, d, dtype, scale })
+        Ok(Shape { batch, heads_q, heads_kv, n_new, d, dtype, scale, layout })
     }
 
-    /// Rows per block of the split kernel: query heads per kv head times new tokens.
+    /// Rows of the split kernel per kv head: query heads per kv head times new tokens.
     fn rows_per_kv_head(&self) -> usize {
         self.heads_q / self.heads_kv * self.n_new
     }
@@ -314,12 +715,13 @@ impl Shape {
 
 /// Attention of `q`'s new tokens against the cache: `softmax(scale · Q Kᵀ + mask) V` and its
 /// log-sum-exp, for each sequence over its first `lengths[b]` keys, causal among the new tokens
-/// (see the module docs).
+/// (see the module docs). The cache is a [`KvCache`], a [`PagedKvCache`] or a [`Cache`] (or a
+/// reference to one).
 ///
 /// `q` is `[batch, heads_q, n_new, d]` with `n_new` in `1 ..= 16`, fp16 or bf16, `d` 64 or 128,
-/// `heads_q` a multiple of `heads_kv` with `heads_q / heads_kv · n_new ≤ 32`. Returns `O` as `q`
-/// (`[batch, heads_q, n_new, d]`, `q`'s dtype) and `lse` `[batch, heads_q, n_new]` (`f32`,
-/// natural log).
+/// `heads_q` a multiple of `heads_kv` (any group: past [`ROWS_PER_BLOCK`] rows per kv head the
+/// rows are shared by several blocks). Returns `O` as `q` (`[batch, heads_q, n_new, d]`, `q`'s
+/// dtype) and `lse` `[batch, heads_q, n_new]` (`f32`, natural log).
 ///
 /// ```no_run
 /// use ladder_kernels::{DType, Gpu, decode};
@@ -330,12 +732,55 @@ impl Shape {
 /// let k = gpu.zeros(&[b, hkv, cap, d], DType::BF16)?;
 /// let v = gpu.zeros(&[b, hkv, cap, d], DType::BF16)?;
 /// let cache = decode::KvCache { k: &k, v: &v, lengths: &[1000, 4096] };
-/// let out = decode::forward(&gpu, &q, &cache, &decode::DecodeOptions::default())?;
+/// let out = decode::forward(&gpu, &q, cache, &decode::DecodeOptions::default())?;
+///
+/// // The same lengths in pages of 64 tokens: sequence 0 (16 pages) in pages 15, 14, …, 0,
+/// // sequence 1 (64 pages) in pages 16 … 79; entries past a sequence's pages are never read.
+/// let (num_pages, page, max_pages) = (80, 64, 64);
+/// let k_pages = gpu.zeros(&[num_pages, hkv, page, d], DType::BF16)?;
+/// let v_pages = gpu.zeros(&[num_pages, hkv, page, d], DType::BF16)?;
+/// let mut table = vec![-1i32; b * max_pages];
+/// for i in 0..16 {
+///     table[i] = 15 - i as i32;
+/// }
+/// for i in 0..64 {
+///     table[max_pages + i] = 16 + i as i32;
+/// }
+/// let page_table = decode::PageTable::upload(&gpu, &table, b, max_pages)?;
+/// let paged = decode::PagedKvCache {
+///     k_pages: &k_pages,
+///     v_pages: &v_pages,
+///     page_table: &page_table,
+///     lengths: &[1000, 4096],
+/// };
+/// let out = decode::forward(&gpu, &q, paged, &decode::DecodeOptions::default())?;
 /// # Ok::<(), ladder_kernels::KernelError>(())
 /// ```
-pub fn forward(gpu: &Gpu, q: &Tensor, cache: &KvCache, opts: &DecodeOptions) -> Result<Output> {
-    let p = Shape::new(gpu, q, cache, opts)?;
-    let max_len = cache.lengths.iter().copied().max().unwrap_or(0);
+pub fn forward<'a>(
+    gpu: &Gpu,
+    q: &Tensor,
+    cache: impl Into<Cache<'a>>,
+    opts: &DecodeOptions,
+) -> Result<Output> {
+    let cache = cache.into();
+    let (k, v) = match cache {
+        Cache::Contiguous(c) => (c.k, c.v),
+        Cache::Paged(c) => (c.k_pages, c.v_pages),
+    };
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        gpu.check_context(t, name)?;
+    }
+    let table = match cache {
+        Cache::Contiguous(_) => None,
+        Cache::Paged(c) => {
+            gpu.check_stream(c.page_table.stream(), "page_table")?;
+            Some(c.page_table)
+        }
+    };
+    let p = Shape::check(Desc::of(q), &CacheDesc::of(&cache), opts)?;
+    let lengths = cache.lengths();
+    let max_len = lengths.iter().copied().max().unwrap_or(0);
+    let r = p.rows_per_kv_head();
     let splits = match opts.splits {
         Some(0) => {
             return Err(KernelError::Config(
@@ -343,21 +788,16 @@ pub fn forward(gpu: &Gpu, q: &Tensor, cache: &KvCache, opts: &DecodeOptions) -> 
             ));
         }
         Some(s) => s,
-        None => num_splits(
-            p.batch * p.heads_kv,
-            max_len.div_ceil(BC),
-            gpu.sm_count() as usize,
-            MAX_SPLITS,
-        ),
+        None => default_splits(p.batch, p.heads_kv, r, max_len, gpu.sm_count() as usize),
     };
-    let splits_i = i32::try_from(splits)
-        .map_err(|_| KernelError::Config(format!("flash_decoding: {splits} splits is too many")))?;
-    let r = p.rows_per_kv_head();
-    let m_tiles = r.div_ceil(16);
+    let too_many = || KernelError::Config(format!("flash_decoding: {splits} splits is too many"));
+    let splits_i = i32::try_from(splits).map_err(|_| too_many())?;
+    let (m_tiles, row_blocks) = (m_tiles(r), row_blocks(r));
+    let blocks_x = splits.checked_mul(row_blocks).ok_or_else(too_many)?;
     let stages = stages(gpu.arch());
-    let v = variant(p.d, p.dtype, m_tiles, stages);
-    let split_kernel = Kernel { variant: v.clone(), entry: "flash_decoding_split" };
-    let combine_kernel = Kernel { variant: v, entry: "flash_decoding_combine" };
+    let kernels = variant(p.d, p.dtype, m_tiles, stages, table.is_some());
+    let split_kernel = Kernel { variant: kernels.clone(), entry: "flash_decoding_split" };
+    let combine_kernel = Kernel { variant: kernels, entry: "flash_decoding_combine" };
     let smem = split_shared_bytes(p.d, m_tiles, stages);
     gpu.prepare(&split_kernel, smem)?;
     gpu.prepare(&combine_kernel, 0)?;
@@ -371,23 +811,39 @@ pub fn forward(gpu: &Gpu, q: &Tensor, cache: &KvCache, opts: &DecodeOptions) -> 
     let mut lse_part = gpu.output(&[rows, splits], DType::F32)?;
     let s = gpu.stream();
     let (q_ptr, _g0) = q.read_ptr(s);
-    let (k_ptr, _g1) = cache.k.read_ptr(s);
-    let (v_ptr, _g2) = cache.v.read_ptr(s);
+    let (k_ptr, _g1) = k.read_ptr(s);
+    let (v_ptr, _g2) = v.read_ptr(s);
     let (o_part_ptr, _g3) = o_part.write_ptr(s);
     let (lse_part_ptr, _g4) = lse_part.write_ptr(s);
     let (o_ptr, _g5) = o.write_ptr(s);
     let (lse_ptr, _g6) = lse.write_ptr(s);
-    // Batches of more than MAX_BATCH_PER_LAUNCH sequences go in chunks: every tensor is
-    // batch-major, so a chunk is the same call on pointers advanced by its first sequence.
+    let (table_ptr, _g7) = match table {
+        Some(t) => {
+            let (ptr, guard) = t.table.device_ptr(s);
+            (ptr, Some(guard))
+        }
+        None => (0, None),
+    };
+    // The layout's numbers: a contiguous cache's capacity, or the pages' count and size (the
+    // size a power of two, checked) and the table's row length.
+    let (capacity, max_pages, num_pages, log2_page) = match p.layout {
+        Layout::Contiguous { capacity } => (capacity, 0, 0, 0),
+        Layout::Paged { page_size, num_pages, max_pages } => {
+            (0, max_pages, num_pages, page_size.trailing_zeros())
+        }
+    };
+    // Batches of more than MAX_BATCH_PER_LAUNCH sequences go in chunks: Q, O, the workspaces, a
+    // contiguous cache and the page table are batch-major, so a chunk is the same call on pointers
+    // advanced by its first sequence (pages are shared by all sequences: not advanced).
     let rows_per_seq = p.heads_q * p.n_new;
     let elem = p.dtype.size();
     for first in (0..p.batch).step_by(MAX_BATCH_PER_LAUNCH) {
         let n = (p.batch - first).min(MAX_BATCH_PER_LAUNCH);
         let (row0, chunk_rows) = (first * rows_per_seq, n * rows_per_seq);
-        let kv0 = first * p.heads_kv * p.capacity * p.d;
-        let mut lengths = [0i32; MAX_BATCH_PER_LAUNCH];
-        // Each length is at most the capacity, which fits in i32 (checked above).
-        for (dst, &len) in lengths.iter_mut().zip(&cache.lengths[first..first + n]) {
+        let kv0 = first * p.heads_kv * capacity * p.d;
+        let mut chunk_lengths = [0i32; MAX_BATCH_PER_LAUNCH];
+        // Each length is at most MAX_LENGTH, which fits in i32 (checked above).
+        for (dst, &len) in chunk_lengths.iter_mut().zip(&lengths[first..first + n]) {
             *dst = len as i32;
         }
         let at = |ptr: u64, elements: usize, size: usize| ptr + (elements * size) as u64;
@@ -395,6 +851,7 @@ pub fn forward(gpu: &Gpu, q: &Tensor, cache: &KvCache, opts: &DecodeOptions) -> 
             q: at(q_ptr, row0 * p.d, elem),
             k: at(k_ptr, kv0, elem),
             v: at(v_ptr, kv0, elem),
+            page_table: if table.is_some() { at(table_ptr, first * max_pages, 4) } else { 0 },
             o_part: at(o_part_ptr, row0 * splits * p.d, 4),
             lse_part: at(lse_part_ptr, row0 * splits, 4),
             o: at(o_ptr, row0 * p.d, elem),
@@ -402,18 +859,23 @@ pub fn forward(gpu: &Gpu, q: &Tensor, cache: &KvCache, opts: &DecodeOptions) -> 
             heads_q: p.heads_q as i32,
             heads_kv: p.heads_kv as i32,
             n_new: p.n_new as i32,
-            capacity: p.capacity as i32,
+            // Each at most i32::MAX (checked above).
+            capacity: capacity as i32,
+            max_pages: max_pages as i32,
+            num_pages: num_pages as i32,
+            log2_page: log2_page as i32,
             splits: splits_i,
+            row_blocks: row_blocks as i32,
             rows: chunk_rows as i32,
             scale_log2: p.scale * std::f32::consts::LOG2_E,
-            lengths,
+            lengths: chunk_lengths,
         };
-        let split_grid = grid(splits, p.heads_kv, n)?;
+        let split_grid = grid(blocks_x, p.heads_kv, n)?;
         let combine_grid = grid(chunk_rows.div_ceil(COMBINE_ROWS_PER_BLOCK), 1, 1)?;
         gpu.launch(&split_kernel, split_grid, 32 * WARPS as u32, smem, &params)?;
         gpu.launch(&combine_kernel, combine_grid, 32 * COMBINE_ROWS_PER_BLOCK as u32, 0, &params)?;
     }
-    drop((_g0, _g1, _g2, _g3, _g4, _g5, _g6));
+    drop((_g0, _g1, _g2, _g3, _g4, _g5, _g6, _g7));
     Ok(Output { o, lse })
 }
 
@@ -459,5 +921,189 @@ mod tests {
                 assert!(2 * (split_shared_bytes(*d, mt, stages("sm_90a")) + 1024) <= 228 * 1024);
             }
         }
+    }
+
+    #[test]
+    fn rows_past_32_go_to_more_blocks() {
+        // Up to 16 rows: one tile; up to 32: two tiles, one block; then a block per 32 rows.
+        assert_eq!((m_tiles(1), row_blocks(1)), (1, 1));
+        assert_eq!((m_tiles(16), row_blocks(16)), (1, 1));
+        assert_eq!((m_tiles(17), row_blocks(17)), (2, 1));
+        assert_eq!((m_tiles(32), row_blocks(32)), (2, 1));
+        assert_eq!((m_tiles(33), row_blocks(33)), (2, 2));
+        assert_eq!((m_tiles(128), row_blocks(128)), (2, 4)); // GQA 8 × 16 tokens
+        assert_eq!(row_blocks(0), 1);
+        // The heuristic counts the row blocks: 4 of them on 8 kv heads are 32 blocks per split.
+        assert_eq!(default_splits(1, 8, 128, 128 * BC, 132), num_splits(32, 128, 132, MAX_SPLITS));
+        assert_eq!(default_splits(1, 8, 4, 128 * BC, 132), num_splits(8, 128, 132, MAX_SPLITS));
+    }
+
+    #[test]
+    fn params_are_laid_out_like_the_cuda_struct() {
+        // 8 pointers, 10 ints, a float, then the lengths; 8-byte aligned.
+        assert_eq!(std::mem::offset_of!(Params, heads_q), 64);
+        assert_eq!(std::mem::offset_of!(Params, scale_log2), 104);
+        assert_eq!(std::mem::offset_of!(Params, lengths), 108);
+        assert_eq!(std::mem::size_of::<Params>(), 1136);
+    }
+
+    fn desc(shape: &[usize], dtype: DType) -> Desc<'_> {
+        Desc { shape, dtype }
+    }
+
+    /// A host-checked page table of `rows`, each padded with −1 to `max_pages`.
+    fn table(rows: &[&[i32]], max_pages: usize) -> TableInfo {
+        let mut entries = Vec::new();
+        for row in rows {
+            entries.extend_from_slice(row);
+            entries.resize(entries.len() + max_pages - row.len(), -1);
+        }
+        let mut info = TableInfo::new(rows.len(), max_pages).unwrap();
+        info.host = Some(HostEntries::new(&entries, rows.len(), max_pages).unwrap());
+        info
+    }
+
+    fn check_paged(
+        q: &[usize],
+        pages: &[usize],
+        info: &TableInfo,
+        lengths: &[usize],
+    ) -> Result<Shape> {
+        let f16 = DType::F16;
+        let cache =
+            CacheDesc::Paged { k: desc(pages, f16), v: desc(pages, f16), table: info, lengths };
+        Shape::check(desc(q, f16), &cache, &DecodeOptions::default())
+    }
+
+    #[test]
+    fn a_good_paged_cache_passes_the_checks() {
+        // Two sequences in pages of 16: 40 keys (3 pages) and 16 keys (1 page); 2 kv heads.
+        let info = table(&[&[4, 0, 2], &[1]], 4);
+        let p = check_paged(&[2, 8, 2, 64], &[5, 2, 16, 64], &info, &[40, 16]).unwrap();
+        assert_eq!(p.layout, Layout::Paged { page_size: 16, num_pages: 5, max_pages: 4 });
+        assert_eq!((p.batch, p.heads_q, p.heads_kv, p.n_new, p.d), (2, 8, 2, 2, 64));
+        assert_eq!(p.rows_per_kv_head(), 8);
+        // Empty sequences read no entry: a row of −1 is fine.
+        let empty = table(&[&[-1], &[3]], 1);
+        assert!(check_paged(&[2, 8, 1, 64], &[5, 2, 16, 64], &empty, &[0, 9]).is_ok());
+        // A device-only table (entries unknown) is checked for its shape only.
+        let unseen = TableInfo::new(2, 3).unwrap();
+        assert!(check_paged(&[2, 8, 1, 64], &[5, 2, 16, 64], &unseen, &[48, 1]).is_ok());
+        // Every page size of PAGE_SIZES.
+        for &page in PAGE_SIZES {
+            let one = table(&[&[0]], 1);
+            assert!(check_paged(&[1, 4, 1, 128], &[1, 1, page, 128], &one, &[page]).is_ok());
+        }
+    }
+
+    #[test]
+    fn bad_page_tables_are_errors() {
+        let pages = [5, 2, 16, 64];
+        let q = [2, 8, 1, 64];
+        let page_err = |r: Result<Shape>, needle: &str| match r {
+            Err(KernelError::PageTable(m)) => assert!(m.contains(needle), "{m}"),
+            other => panic!("expected a page-table error with {needle:?}, got {other:?}"),
+        };
+        // Too short for a length: 49 keys need 4 pages of 16, the table has 3 per sequence.
+        let info = table(&[&[0, 1, 2], &[3]], 3);
+        page_err(check_paged(&q, &pages, &info, &[49, 1]), "needs 4 pages");
+        // So is a device-only table of the same shape.
+        let unseen = TableInfo::new(2, 3).unwrap();
+        page_err(check_paged(&q, &pages, &unseen, &[49, 1]), "needs 4 pages");
+        // An entry past the last page, and a negative one, among the entries a sequence reads.
+        let info = table(&[&[0, 5, 1], &[3]], 3);
+        page_err(check_paged(&q, &pages, &info, &[33, 1]), "page_table[0][1] = 5");
+        let info = table(&[&[0, 1, 2], &[3, -1]], 3);
+        page_err(check_paged(&q, &pages, &info, &[48, 17]), "page_table[1][1] = -1");
+        // The same entries past what the lengths read are never read: fine.
+        assert!(check_paged(&q, &pages, &table(&[&[0, 5, 1], &[3]], 3), &[16, 1]).is_ok());
+        // Rows and lengths that do not match the batch.
+        let three = table(&[&[0], &[1], &[2]], 1);
+        let r = check_paged(&q, &pages, &three, &[1, 1]);
+        assert!(matches!(&r, Err(KernelError::Shape(m)) if m.contains("3 rows")), "{r:?}");
+        let r = check_paged(&q, &pages, &table(&[&[0], &[1]], 1), &[1, 1, 1]);
+        assert!(matches!(r, Err(KernelError::Shape(_))), "{r:?}");
+        // A table with no entries, and host entries that do not fill the shape.
+        assert!(matches!(TableInfo::new(0, 4), Err(KernelError::Shape(_))));
+        assert!(matches!(TableInfo::new(2, 0), Err(KernelError::Shape(_))));
+        assert!(matches!(HostEntries::new(&[0, 1, 2], 2, 2), Err(KernelError::Shape(_))));
+    }
+
+    #[test]
+    fn page_sizes_and_shapes_are_checked() {
+        let q = [1, 8, 1, 64];
+        let one = table(&[&[0, 1, 2, 3]], 4);
+        // Not a power of two, too small, too large: a configuration error naming the sizes.
+        for page in [48, 8, 512, 100] {
+            let r = check_paged(&q, &[4, 2, page, 64], &one, &[1]);
+            assert!(matches!(&r, Err(KernelError::Config(m)) if m.contains("16, 32")), "{r:?}");
+        }
+        let f16 = DType::F16;
+        let check = |q: Desc, k: Desc, v: Desc| {
+            let cache = CacheDesc::Paged { k, v, table: &one, lengths: &[10] };
+            Shape::check(q, &cache, &DecodeOptions::default())
+        };
+        let pages = [4, 2, 16, 64];
+        // v unlike k, head dims differing, heads not a multiple, zero pages, rank 3.
+        let shape_errors = [
+            (desc(&q, f16), desc(&pages, f16), desc(&[4, 2, 32, 64], f16)),
+            (desc(&q, f16), desc(&[4, 2, 16, 128], f16), desc(&[4, 2, 16, 128], f16)),
+            (desc(&q, f16), desc(&[4, 3, 16, 64], f16), desc(&[4, 3, 16, 64], f16)),
+            (desc(&q, f16), desc(&[0, 2, 16, 64], f16), desc(&[0, 2, 16, 64], f16)),
+            (desc(&q, f16), desc(&[2, 16, 64], f16), desc(&[2, 16, 64], f16)),
+        ];
+        for (i, (q, k, v)) in shape_errors.into_iter().enumerate() {
+            let r = check(q, k, v);
+            assert!(matches!(r, Err(KernelError::Shape(_))), "case {i}: {r:?}");
+        }
+        // Pages of another dtype than q, and an element type without a kernel.
+        let bf = DType::BF16;
+        let r = check(desc(&q, f16), desc(&pages, bf), desc(&pages, bf));
+        assert!(matches!(r, Err(KernelError::DType(_))), "{r:?}");
+        let r = check(desc(&q, f16), desc(&pages, f16), desc(&pages, bf));
+        assert!(matches!(r, Err(KernelError::DType(_))), "{r:?}");
+        let f32_ = DType::F32;
+        let r = check(desc(&q, f32_), desc(&pages, f32_), desc(&pages, f32_));
+        assert!(matches!(r, Err(KernelError::UnsupportedDtype { .. })), "{r:?}");
+    }
+
+    #[test]
+    fn contiguous_checks_take_any_number_of_rows() {
+        let f16 = DType::F16;
+        let check = |q: &[usize], kv: &[usize], lengths: &[usize]| {
+            let cache = CacheDesc::Contiguous { k: desc(kv, f16), v: desc(kv, f16), lengths };
+            Shape::check(desc(q, f16), &cache, &DecodeOptions::default())
+        };
+        // GQA 8 × 16 tokens = 128 rows per kv head, and 32 × 16 = 512 (MQA).
+        let p = check(&[1, 16, 16, 128], &[1, 2, 300, 128], &[300]).unwrap();
+        assert_eq!((p.rows_per_kv_head(), p.layout), (128, Layout::Contiguous { capacity: 300 }));
+        assert_eq!(
+            check(&[1, 32, 16, 64], &[1, 1, 30, 64], &[30]).unwrap().rows_per_kv_head(),
+            512
+        );
+        // A length past the capacity, the wrong number of lengths, 17 tokens, batch differing.
+        for (q, kv, lengths) in [
+            (&[1, 8, 1, 64][..], &[1, 2, 30, 64][..], &[31][..]),
+            (&[1, 8, 1, 64], &[1, 2, 30, 64], &[3, 3]),
+            (&[1, 8, 17, 64], &[1, 2, 30, 64], &[30]),
+            (&[2, 8, 1, 64], &[1, 2, 30, 64], &[3, 3]),
+        ] {
+            let r = check(q, kv, lengths);
+            assert!(matches!(r, Err(KernelError::Shape(_))), "{q:?} {kv:?} {lengths:?}: {r:?}");
+        }
+        let r = check(&[1, 8, 1, 96], &[1, 2, 30, 96], &[30]);
+        assert!(matches!(r, Err(KernelError::UnsupportedHeadDim { d: 96, .. })), "{r:?}");
+    }
+
+    #[test]
+    fn host_entries_keep_prefix_maxima() {
+        let h = HostEntries::new(&[3, 1, 7, -1, 0, 2, 2, 9], 2, 4).unwrap();
+        assert_eq!(h.prefix_max, [3, 3, 7, i32::MAX, 0, 2, 2, 9]);
+        assert!(h.check_row(0, 3, 8).is_ok());
+        assert!(h.check_row(0, 3, 7).is_err(), "7 is not a page of 7");
+        assert!(h.check_row(0, 4, 100).is_err(), "−1 is read");
+        assert!(h.check_row(1, 3, 3).is_ok());
+        let e = h.check_row(1, 4, 3).unwrap_err().to_string();
+        assert!(e.contains("page_table[1][3] = 9"), "{e}");
     }
 }

@@ -69,6 +69,10 @@ pub enum KernelError {
     /// A tensor lives in another CUDA context (another device) than the [`crate::Gpu`] given.
     #[error("wrong device: {0}")]
     Device(String),
+    /// A page table of a paged KV cache does not fit the call: too few pages for a sequence's
+    /// length, or an entry that is not a page of the cache.
+    #[error("invalid page table: {0}")]
+    PageTable(String),
     /// A configuration value is invalid (a tile specification, an NVRTC option list, ...).
     #[error("invalid configuration: {0}")]
     Config(String),

@@ -416,18 +416,22 @@ impl Gpu {
         .map_err(KernelError::driver("filling a buffer"))
     }
 
-    /// Fails with [`KernelError::Device`] unless `t` lives in this device's context.
     /// Fails with [`KernelError::Device`] unless `t` lives in this device's context and, when the
     /// context does not track events (a `Gpu` opened by [`Gpu::new`] / [`Gpu::with_config`]), was
     /// made on this `Gpu`'s stream: nothing would order another stream's writes before our reads.
     pub(crate) fn check_context(&self, t: &Tensor, name: &str) -> Result<()> {
-        if t.stream().context().cu_ctx() != self.ctx.cu_ctx() {
+        self.check_stream(t.stream(), name)
+    }
+
+    /// [`Gpu::check_context`] for any buffer, given the stream it was made on.
+    pub(crate) fn check_stream(&self, stream: &Arc<CudaStream>, name: &str) -> Result<()> {
+        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
             return Err(KernelError::Device(format!(
                 "{name} lives in another CUDA context than this Gpu ({})",
                 self.name
             )));
         }
-        if !self.ctx.is_event_tracking() && t.stream().cu_stream() != self.stream.cu_stream() {
+        if !self.ctx.is_event_tracking() && stream.cu_stream() != self.stream.cu_stream() {
             return Err(KernelError::Device(format!(
                 "{name} was made on another stream of a context without event tracking; make it \
                  on gpu.stream(), or use Gpu::from_stream on a context that tracks events"

@@ -22,8 +22,8 @@
 //! # Ok::<(), ladder_kernels::KernelError>(())
 //! ```
 //!
-//! Decoding against a KV cache (a few new tokens per sequence, the keys split across blocks):
-//! [`decode::forward`].
+//! Decoding against a KV cache, contiguous or paged (a few new tokens per sequence, the keys
+//! split across blocks): [`decode::forward`].
 //!
 //! **Your own buffers.** [`Tensor::from_cuda_slice`] wraps a cudarc `CudaSlice` (no copy) and
 //! [`Tensor::into_cuda_slice`] hands it back; [`Gpu::from_stream`] runs the kernels on a stream you

@@ -197,7 +197,9 @@ pub fn decode_chart_name(dtype: &str, d: usize, batch: usize) -> String {
     format!("decode-{dtype}-d{d}-b{batch}.svg")
 }
 
-/// Draw one TB/s chart per (dtype, d, batch) of the measured decoding `rows` into `dir`, with the
+/// Draw one TB/s chart per (dtype, d, batch) of the measured decoding `rows` of one new token
+/// against a contiguous cache (the sweep over L; rows with more new tokens or a paged cache are
+/// at a few shapes only, and are compared in the side-by-side table) into `dir`, with the
 /// datasheet's HBM bandwidth and, if given, a measured read bandwidth (TB/s). Returns the files
 /// written.
 pub fn draw_decode(
@@ -210,6 +212,9 @@ pub fn draw_decode(
     for row in rows {
         let c = &row.case;
         let Some(tbps) = row.tbps().filter(|t| t.is_finite() && c.is_decode()) else { continue };
+        if c.n_q != 1 || c.page_size.is_some() {
+            continue;
+        }
         let key = (c.dtype.clone(), c.d, c.batch);
         let series = (impl_rank(&c.imp), Reverse(c.heads_kv), c.heads_q);
         charts.entry(key).or_default().entry(series).or_default().insert(c.n_kv, tbps);
@@ -383,13 +388,18 @@ mod tests {
 
     #[test]
     fn decode_charts_per_batch_with_the_hbm_lines() {
-        let csv = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps\n\
-            flash-decoding,decode,fp16,false,1,32,32,1,1024,128,0.01,0.1,1.6\n\
-            flash-decoding,decode,fp16,false,1,32,32,1,131072,128,0.05,0.3,4.2\n\
-            flash-decoding,decode,fp16,false,1,32,8,1,131072,128,0.02,0.3,3.9\n\
-            sdpa-flash,decode,fp16,false,1,32,32,1,131072,128,0.06,0.2,3.5\n\
-            flash-decoding,decode,fp16,false,16,32,8,1,32768,128,0.1,0.3,4.1\n\
-            fa2,fwd,fp16,false,1,16,16,16384,16384,128,6.0,360.0,\n";
+        // Rows of four new tokens or of a paged cache (here the only ones at batch 4) are left
+        // out of the charts.
+        let csv = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps,\
+                   page_size\n\
+            flash-decoding,decode,fp16,false,1,32,32,1,1024,128,0.01,0.1,1.6,\n\
+            flash-decoding,decode,fp16,false,1,32,32,1,131072,128,0.05,0.3,4.2,\n\
+            flash-decoding,decode,fp16,false,1,32,8,1,131072,128,0.02,0.3,3.9,\n\
+            sdpa-flash,decode,fp16,false,1,32,32,1,131072,128,0.06,0.2,3.5,\n\
+            flash-decoding,decode,fp16,false,16,32,8,1,32768,128,0.1,0.3,4.1,\n\
+            flash-decoding,decode,fp16,true,4,32,8,4,8192,128,0.1,0.3,4.0,\n\
+            flash-decoding,decode,fp16,false,4,32,8,1,8192,128,0.1,0.3,4.0,16\n\
+            fa2,fwd,fp16,false,1,16,16,16384,16384,128,6.0,360.0,,\n";
         let rows = parse_csv(csv).unwrap();
         let dir = tempfile::tempdir().unwrap();
         let files = draw_decode(dir.path(), &rows, "NVIDIA H200", Some(4.3)).unwrap();

@@ -1,15 +1,17 @@
 //! What `ladder bench` runs: its flags ([`BenchArgs`]) resolved into a [`Plan`] of GPU rungs,
 //! head dims, lengths and masks, with the shapes of the FlashAttention-3 paper by default, and,
-//! with `--direction decode`, the decoding shapes ([`DecodeShape`]): one new token against KV
-//! caches of 1k … 128k entries.
+//! with `--direction decode`, the decoding shapes ([`DecodeShape`]): new tokens against KV
+//! caches of 1k … 128k entries, contiguous or paged ([`CacheLayout`]).
 
 use std::path::PathBuf;
+use std::str::FromStr;
 
 use anyhow::bail;
 use clap::{Args, ValueEnum};
 use ladder_compare::GpuRung;
 use ladder_compare::results::Direction;
 use ladder_kernels::DType;
+use ladder_kernels::decode;
 
 /// Which masks to run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -31,6 +33,39 @@ pub enum DtypeArg {
     Bf16,
 }
 
+/// How a decoding case's KV cache is laid out: `--page-size none` or a page size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheLayout {
+    /// `[batch, heads_kv, L, d]`.
+    Contiguous,
+    /// Pages of this many tokens, `[pages, heads_kv, page_size, d]`, in shuffled order.
+    Paged(usize),
+}
+
+impl CacheLayout {
+    /// Tokens per page; `None` when contiguous.
+    pub fn page_size(self) -> Option<usize> {
+        match self {
+            CacheLayout::Contiguous => None,
+            CacheLayout::Paged(p) => Some(p),
+        }
+    }
+}
+
+impl FromStr for CacheLayout {
+    type Err = String;
+
+    /// `none` (contiguous) or a number of tokens per page.
+    fn from_str(s: &str) -> Result<CacheLayout, String> {
+        match s.trim() {
+            "none" => Ok(CacheLayout::Contiguous),
+            n => n.parse().map(CacheLayout::Paged).map_err(|_| {
+                format!("`{n}`: expected `none` (a contiguous cache) or tokens per page")
+            }),
+        }
+    }
+}
+
 /// `ladder bench` flags.
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -38,8 +73,9 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',')]
     pub(super) rung: Vec<String>,
     /// Directions, comma-separated: fwd, bwd, decode [default: fwd,bwd, or the directions of the
-    /// rungs given with --rung]. `decode` times FlashDecoding on one new token against KV caches
-    /// (d = 128 unless --d; the five reference decode shapes and a sweep of batch × length × GQA; TB/s).
+    /// rungs given with --rung]. `decode` times FlashDecoding against KV caches (d = 128 unless
+    /// --d; the five reference decode shapes with 1 and 4 new tokens, contiguous and paged, and a
+    /// sweep of batch × length × GQA with one new token; TB/s).
     #[arg(long, value_enum, value_delimiter = ',')]
     pub(super) direction: Vec<Direction>,
     /// Head dims, comma-separated [default: 64,128].
@@ -59,6 +95,16 @@ pub struct BenchArgs {
     /// [default: the kernel's heuristic]. The count used is in bench.json's rows.
     #[arg(long)]
     pub(super) splits: Option<usize>,
+    /// Decode only: new tokens per sequence (1 … 16; more than one is speculative decoding,
+    /// causal among themselves), comma-separated [default: 1,4 on the reference shapes, 1 on the
+    /// sweep].
+    #[arg(long, value_delimiter = ',')]
+    pub(super) new_tokens: Vec<usize>,
+    /// Decode only: KV cache layouts, comma-separated: `none` (contiguous) or tokens per page
+    /// (16, 32, 64, 128, 256; pages in shuffled order) [default: none,16,64 on the reference
+    /// shapes, none on the sweep].
+    #[arg(long, value_delimiter = ',')]
+    pub(super) page_size: Vec<CacheLayout>,
     /// Masks: both, true (causal only) or false.
     #[arg(long, value_enum, default_value_t = CausalArg::Both)]
     pub(super) causal: CausalArg,
@@ -103,8 +149,9 @@ pub struct BenchArgs {
 pub(super) const DECODE_HEADS_Q: usize = 32;
 /// Decoding cases whose K and V together exceed this many bytes are left out.
 pub(super) const DECODE_MAX_KV_BYTES: usize = 40_000_000_000;
-/// The five reference decoding shapes (one new token, d = 128: batch 1 and 16, all heads and
-/// grouped 4:1, short and long caches): (batch, heads_q, heads_kv, L).
+/// The five reference decoding shapes (d = 128: batch 1 and 16, all heads and grouped 4:1, short
+/// and long caches): (batch, heads_q, heads_kv, L). Each runs with [`REFERENCE_NEW_TOKENS`] new
+/// tokens and in every [`REFERENCE_LAYOUTS`] unless the flags say otherwise.
 const DECODE_REFERENCE_SHAPES: [(usize, usize, usize, usize); 5] = [
     (1, 32, 32, 8 << 10),
     (1, 32, 32, 128 << 10),
@@ -112,12 +159,18 @@ const DECODE_REFERENCE_SHAPES: [(usize, usize, usize, usize); 5] = [
     (1, 32, 8, 8 << 10),
     (16, 32, 8, 32 << 10),
 ];
+/// New tokens per sequence on the reference shapes: ordinary and speculative decoding.
+const REFERENCE_NEW_TOKENS: [usize; 2] = [1, 4];
+/// Cache layouts of the reference shapes: contiguous, and the small and the middle page size.
+const REFERENCE_LAYOUTS: [CacheLayout; 3] =
+    [CacheLayout::Contiguous, CacheLayout::Paged(16), CacheLayout::Paged(64)];
 const DECODE_BATCHES: [usize; 4] = [1, 4, 16, 64];
 const DECODE_LENGTHS: [usize; 5] = [1 << 10, 4 << 10, 16 << 10, 64 << 10, 128 << 10];
 const DECODE_HEADS_KV: [usize; 2] = [32, 8];
 
-/// One decoding shape: `batch` sequences of one new token with `heads_q` query heads, against a
-/// KV cache of `heads_kv` heads and `len` entries per sequence (every sequence full).
+/// One decoding shape: `batch` sequences with `heads_q` query heads, against a KV cache of
+/// `heads_kv` heads and `len` entries per sequence (every sequence full); the new tokens and the
+/// cache layouts it runs with are [`Plan::decode_new_tokens`] and [`Plan::decode_layouts`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct DecodeShape {
     pub(super) batch: usize,
@@ -130,6 +183,11 @@ impl DecodeShape {
     /// Bytes of K and V together at head dim `d` in `dtype`.
     pub(super) fn kv_bytes(&self, d: usize, dtype: DType) -> usize {
         2 * self.batch * self.heads_kv * self.len * d * dtype.size()
+    }
+
+    /// Whether this is one of the five reference shapes.
+    fn is_reference(&self) -> bool {
+        DECODE_REFERENCE_SHAPES.contains(&(self.batch, self.heads_q, self.heads_kv, self.len))
     }
 }
 
@@ -157,6 +215,10 @@ pub(super) struct Plan {
     pub(super) decode_too_large: usize,
     /// `--splits`: a fixed split count for the decoding kernel.
     pub(super) splits: Option<usize>,
+    /// `--new-tokens` (empty: the defaults per shape).
+    pub(super) new_tokens: Vec<usize>,
+    /// `--page-size` (empty: the defaults per shape).
+    pub(super) layouts: Vec<CacheLayout>,
 }
 
 impl Plan {
@@ -227,6 +289,14 @@ impl Plan {
         if a.splits == Some(0) {
             bail!("--splits must be at least 1");
         }
+        if let Some(n) = a.new_tokens.iter().find(|&&n| n == 0 || n > decode::MAX_NEW_TOKENS) {
+            bail!("--new-tokens {n}: decoding takes 1 to {} new tokens", decode::MAX_NEW_TOKENS);
+        }
+        for layout in &a.page_size {
+            if let Some(p) = layout.page_size().filter(|p| !decode::PAGE_SIZES.contains(p)) {
+                bail!("--page-size {p}: pages of {:?} tokens, or none", decode::PAGE_SIZES);
+            }
+        }
         let dtype = match a.dtype {
             DtypeArg::Fp16 => DType::F16,
             DtypeArg::Bf16 => DType::BF16,
@@ -279,7 +349,42 @@ impl Plan {
             decode,
             decode_too_large,
             splits: a.splits,
+            new_tokens: a.new_tokens.clone(),
+            layouts: a.page_size.clone(),
         })
+    }
+
+    /// The new-token counts `shape` runs with: `--new-tokens`, else 1 and 4 on the reference
+    /// shapes and 1 on the sweep.
+    pub(super) fn decode_new_tokens(&self, shape: DecodeShape) -> Vec<usize> {
+        if !self.new_tokens.is_empty() {
+            self.new_tokens.clone()
+        } else if shape.is_reference() {
+            REFERENCE_NEW_TOKENS.to_vec()
+        } else {
+            vec![1]
+        }
+    }
+
+    /// The cache layouts `shape` runs with: `--page-size`, else contiguous and pages of 16 and
+    /// 64 on the reference shapes, contiguous on the sweep.
+    pub(super) fn decode_layouts(&self, shape: DecodeShape) -> Vec<CacheLayout> {
+        if !self.layouts.is_empty() {
+            self.layouts.clone()
+        } else if shape.is_reference() {
+            REFERENCE_LAYOUTS.to_vec()
+        } else {
+            vec![CacheLayout::Contiguous]
+        }
+    }
+
+    /// Decoding cases per head dim and decoding rung: every shape with each of its new-token
+    /// counts and cache layouts.
+    fn decode_cases(&self) -> usize {
+        self.decode
+            .iter()
+            .map(|&s| self.decode_new_tokens(s).len() * self.decode_layouts(s).len())
+            .sum()
     }
 
     /// `(batch, heads)` for head dim `d` and length `n`.
@@ -329,7 +434,7 @@ impl Plan {
         self.ds.len()
             * self.causals.len()
             * self.ns.iter().map(|&n| self.rungs_at(n).len()).sum::<usize>()
-            + self.decode_ds.len() * self.decode.len() * self.decode_rungs().len()
+            + self.decode_ds.len() * self.decode_cases() * self.decode_rungs().len()
     }
 
     /// What the run leaves out or times differently, for the console and `meta.json`.
@@ -364,10 +469,37 @@ impl Plan {
             notes.push(format!("no GPU kernel (yet) for: {}", missing.join(", ")));
         }
         if !self.decode_rungs().is_empty() {
+            let tokens =
+                |n: &[usize]| n.iter().map(usize::to_string).collect::<Vec<_>>().join(", ");
+            let layouts = |l: &[CacheLayout]| {
+                let name = |l: &CacheLayout| {
+                    l.page_size().map_or("contiguous".into(), |p| format!("pages of {p}"))
+                };
+                l.iter().map(name).collect::<Vec<String>>().join(", ")
+            };
+            let tokens = if self.new_tokens.is_empty() {
+                format!(
+                    "new tokens {} on the reference shapes, 1 on the sweep",
+                    tokens(&REFERENCE_NEW_TOKENS)
+                )
+            } else {
+                format!("new tokens {}", tokens(&self.new_tokens))
+            };
+            let layouts = if self.layouts.is_empty() {
+                format!(
+                    "caches {} on the reference shapes, contiguous on the sweep",
+                    layouts(&REFERENCE_LAYOUTS)
+                )
+            } else {
+                format!("caches {}", layouts(&self.layouts))
+            };
+            let per_shape = format!("{tokens} / {layouts}");
             notes.push(format!(
-                "decode: one new token, {} shape(s), KV cache allocated once per shape with every \
-                 sequence full; TB/s = bytes of K and V / time; splits: {}",
+                "decode: {} shape(s), {per_shape} ({} cases); each KV cache allocated once per \
+                 shape and layout with every sequence full, pages in shuffled order; TB/s = bytes \
+                 of K and V / time; splits: {}",
                 self.decode.len(),
+                self.decode_cases(),
                 self.splits
                     .map_or("the kernel's heuristic".to_string(), |s| format!("{s} (--splits)"))
             ));
@@ -485,10 +617,22 @@ mod tests {
         assert!(p.decode.contains(&shape(16, 32, 131072)), "34 GB fits");
         assert!(!p.decode.contains(&shape(64, 32, 65536)));
         assert!(p.decode.iter().all(|s| s.kv_bytes(128, DType::F16) <= DECODE_MAX_KV_BYTES));
-        assert_eq!(p.case_count(), p.decode.len());
+        // The reference shapes run with 1 and 4 new tokens, contiguous and in pages of 16 and
+        // 64 (the issue's table in one run); the sweep with one token, contiguous.
+        let (reference, sweep) = (shape(1, 8, 8192), shape(4, 8, 1024));
+        assert_eq!(p.decode_new_tokens(reference), [1, 4]);
+        let paged = |s: &[usize]| -> Vec<CacheLayout> {
+            std::iter::once(CacheLayout::Contiguous)
+                .chain(s.iter().map(|&p| CacheLayout::Paged(p)))
+                .collect()
+        };
+        assert_eq!(p.decode_layouts(reference), paged(&[16, 64]));
+        assert_eq!((p.decode_new_tokens(sweep), p.decode_layouts(sweep)), (vec![1], paged(&[])));
+        assert_eq!(p.case_count(), 5 * 2 * 3 + (p.decode.len() - 5));
         assert_eq!(p.splits, None);
         let notes = p.notes().join("\n");
         assert!(notes.contains("heuristic") && notes.contains("2 shape(s) left out"), "{notes}");
+        assert!(notes.contains("pages of 16, pages of 64 on the reference shapes"), "{notes}");
 
         // --rung flash-decoding alone means decode; --quick keeps the reference shapes.
         let q = plan(&["--rung", "flash-decoding", "--quick"]).unwrap();
@@ -522,10 +666,37 @@ mod tests {
         assert!(g.notes().join(" ").contains("16 (--splits)"));
         let l = plan(&["--direction", "decode", "--n", "1024"]).unwrap();
         assert_eq!(l.decode.len(), 4 * 2, "every batch and GQA at L = 1024");
+        // --new-tokens and --page-size apply to every shape.
+        let f = plan(&[
+            "--direction",
+            "decode",
+            "--new-tokens",
+            "2,16",
+            "--page-size",
+            "none,32,256",
+            "--quick",
+        ])
+        .unwrap();
+        assert_eq!(f.decode.len(), 5);
+        for s in &f.decode {
+            assert_eq!(f.decode_new_tokens(*s), [2, 16]);
+            assert_eq!(f.decode_layouts(*s), paged(&[32, 256]));
+        }
+        assert_eq!(f.case_count(), 5 * 2 * 3);
+        let notes = f.notes().join(" ");
+        assert!(notes.contains("new tokens 2, 16 / caches contiguous, pages of 32"), "{notes}");
+        let g2 = plan(&["--direction", "decode", "--n", "4096", "--page-size", "64"]).unwrap();
+        assert_eq!(g2.decode_layouts(g2.decode[0]), [CacheLayout::Paged(64)]);
+        assert_eq!(g2.decode_new_tokens(g2.decode[0]), [1]);
         // Bad decode flags.
         assert!(plan(&["--direction", "decode", "--heads-kv", "5"]).is_err());
         assert!(plan(&["--direction", "decode", "--batch", "0"]).is_err());
         assert!(plan(&["--direction", "decode", "--splits", "0"]).is_err());
+        for bad in [["--new-tokens", "0"], ["--new-tokens", "17"], ["--page-size", "48"]] {
+            let e = plan(&["--direction", "decode", bad[0], bad[1]]).unwrap_err().to_string();
+            assert!(e.contains(bad[0]), "{bad:?}: {e}");
+        }
+        assert!(plan(&["--direction", "decode", "--page-size", "big"]).is_err());
         assert!(plan(&["--direction", "sideways"]).is_err());
     }
 }

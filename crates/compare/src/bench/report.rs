@@ -38,19 +38,19 @@ fn heads_of(c: &Case) -> String {
 }
 
 /// The run's table: one line per case, with its time and throughput (and TB/s for a decoding
-/// case) or why it has none.
+/// case) or why it has none; `page` is the page size of a paged KV cache.
 pub fn render_rows(rows: &[Row]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<15} {:<6} {:<5} {:>4} {:>8} {:<8} {:>5} {:>6} {:>10} {:>9} {:>7}",
-        "impl", "dir", "dtype", "d", "n", "mask", "batch", "heads", "ms", "TFLOP/s", "TB/s"
+        "{:<15} {:<6} {:<5} {:>4} {:>8} {:<8} {:>5} {:>6} {:>4} {:>10} {:>9} {:>7}",
+        "impl", "dir", "dtype", "d", "n", "mask", "batch", "heads", "page", "ms", "TFLOP/s", "TB/s"
     );
     for row in rows {
         let c = &row.case;
         let _ = write!(
             s,
-            "{:<15} {:<6} {:<5} {:>4} {:>8} {:<8} {:>5} {:>6} ",
+            "{:<15} {:<6} {:<5} {:>4} {:>8} {:<8} {:>5} {:>6} {:>4} ",
             c.imp,
             c.direction,
             c.dtype,
@@ -58,7 +58,8 @@ pub fn render_rows(rows: &[Row]) -> String {
             n_of(c),
             if c.causal { "causal" } else { "full" },
             c.batch,
-            heads_of(c)
+            heads_of(c),
+            c.page_size.map_or("-".to_string(), |p| p.to_string())
         );
         let _ = match &row.outcome {
             Outcome::Measured { ms, tflops, tbps } => match tbps {
@@ -93,49 +94,75 @@ pub fn render_side_by_side(rows: &[Row]) -> String {
 }
 
 /// The decoding rows side by side: one line per shape (dtype, d, batch, heads q/kv, new tokens,
-/// L), one TB/s column per implementation (ours, SDPA's flash and cuDNN backends, ...), and
-/// FlashDecoding as a fraction of SDPA's flash backend when both are there.
+/// L), one TB/s column per implementation and cache layout (ours, `flash-decoding/p16` for pages
+/// of 16, SDPA's flash and cuDNN backends, ...), FlashDecoding as a fraction of SDPA's flash
+/// backend when both are there, and each paged layout of ours as a fraction of our contiguous
+/// cache (`p16/contig`).
 pub fn render_decode_side_by_side(rows: &[Row]) -> String {
     type Key = (String, usize, usize, Reverse<usize>, usize, usize, usize);
-    let mut imps: BTreeSet<(usize, String)> = BTreeSet::new();
-    let mut table: BTreeMap<Key, BTreeMap<String, f64>> = BTreeMap::new();
+    // Columns: (implementation's rank, page size), contiguous first.
+    type Column = ((usize, String), Option<usize>);
+    let mut columns: BTreeSet<Column> = BTreeSet::new();
+    let mut table: BTreeMap<Key, BTreeMap<(String, Option<usize>), f64>> = BTreeMap::new();
     for row in rows.iter().filter(|r| r.case.is_decode()) {
         let Some(tbps) = row.tbps() else { continue };
         let c = &row.case;
-        imps.insert(impl_rank(&c.imp));
+        columns.insert((impl_rank(&c.imp), c.page_size));
         let key = (c.dtype.clone(), c.d, c.batch, Reverse(c.heads_kv), c.heads_q, c.n_q, c.n_kv);
-        table.entry(key).or_default().insert(c.imp.clone(), tbps);
+        table.entry(key).or_default().insert((c.imp.clone(), c.page_size), tbps);
     }
-    let imps: Vec<String> = imps.into_iter().map(|(_, n)| n).collect();
+    let columns: Vec<(String, Option<usize>)> =
+        columns.into_iter().map(|((_, name), page)| (name, page)).collect();
+    let label = |(name, page): &(String, Option<usize>)| match page {
+        None => name.clone(),
+        Some(p) => format!("{name}/p{p}"),
+    };
     let ours = GpuRung::FlashDecoding.name();
-    let ratio = imps.iter().any(|i| i == ours) && imps.iter().any(|i| i == "sdpa-flash");
+    let has =
+        |name: &str, page: Option<usize>| columns.iter().any(|(n, p)| n == name && *p == page);
+    let ratio = has(ours, None) && has("sdpa-flash", None);
+    // Paged layouts of ours, each against our contiguous cache.
+    let pages: Vec<usize> = if has(ours, None) {
+        columns.iter().filter(|(n, _)| n == ours).filter_map(|(_, p)| *p).collect()
+    } else {
+        Vec::new()
+    };
+    let width = columns.iter().map(|c| label(c).len()).chain([14]).max().unwrap_or(14);
     let mut s = String::new();
     let _ = write!(
         s,
         "TB/s of K and V read (median), decode\n{:<5} {:>4} {:>5} {:>6} {:>3} {:>7}",
         "dtype", "d", "batch", "heads", "new", "L"
     );
-    for imp in &imps {
-        let _ = write!(s, " {:>14}", imp);
+    for column in &columns {
+        let _ = write!(s, " {:>width$}", label(column));
     }
     if ratio {
-        let _ = write!(s, " {:>14}", "ours/sdpa-flash");
+        let _ = write!(s, " {:>15}", "ours/sdpa-flash");
+    }
+    for p in &pages {
+        let _ = write!(s, " {:>11}", format!("p{p}/contig"));
     }
     s.push('\n');
     for ((dtype, d, batch, Reverse(heads_kv), heads_q, n_q, len), cells) in &table {
         let heads = format!("{heads_q}/{heads_kv}");
         let _ = write!(s, "{dtype:<5} {d:>4} {batch:>5} {heads:>6} {n_q:>3} {len:>7}");
-        for imp in &imps {
-            let _ = match cells.get(imp) {
-                Some(t) => write!(s, " {t:>14.2}"),
-                None => write!(s, " {:>14}", "-"),
+        for column in &columns {
+            let _ = match cells.get(column) {
+                Some(t) => write!(s, " {t:>width$.2}"),
+                None => write!(s, " {:>width$}", "-"),
             };
         }
+        let get = |name: &str, page: Option<usize>| cells.get(&(name.to_string(), page));
+        let fraction = |a: Option<&f64>, b: Option<&f64>, w: usize| match (a, b) {
+            (Some(a), Some(b)) if *b > 0.0 => format!(" {:>w$.2}x", a / b, w = w - 1),
+            _ => format!(" {:>w$}", "-"),
+        };
         if ratio {
-            let _ = match (cells.get(ours), cells.get("sdpa-flash")) {
-                (Some(a), Some(b)) if *b > 0.0 => write!(s, " {:>14.2}x", a / b),
-                _ => write!(s, " {:>15}", "-"),
-            };
+            s += &fraction(get(ours, None), get("sdpa-flash", None), 15);
+        }
+        for &p in &pages {
+            s += &fraction(get(ours, Some(p)), get(ours, None), 11);
         }
         s.push('\n');
     }
@@ -320,6 +347,48 @@ mod tests {
         // Decode rows alone: no empty TFLOP/s table.
         let alone = render_side_by_side(&rows[1..]);
         assert!(alone.starts_with("TB/s of K and V read"), "{alone}");
+    }
+
+    #[test]
+    fn paged_and_speculative_rows_get_their_own_columns_and_lines() {
+        let dec = |new: usize, page: Option<usize>, ms: f64| {
+            let case = Case::decode("flash-decoding", "fp16", 1, 32, 8, new, 8192, 128);
+            Row::measured(case.paged(page), ms)
+        };
+        let rows = vec![
+            dec(1, None, 0.010),
+            dec(1, Some(16), 0.0125),
+            dec(1, Some(64), 0.010),
+            dec(4, None, 0.011),
+            dec(4, Some(16), 0.011),
+            Row::measured(Case::decode("sdpa-flash", "fp16", 1, 32, 8, 1, 8192, 128), 0.02),
+        ];
+        let table = render_decode_side_by_side(&rows);
+        let lines: Vec<&str> = table.lines().collect();
+        let header: Vec<&str> = lines[1].split_whitespace().collect();
+        assert_eq!(
+            header[6..],
+            [
+                "flash-decoding",
+                "flash-decoding/p16",
+                "flash-decoding/p64",
+                "sdpa-flash",
+                "ours/sdpa-flash",
+                "p16/contig",
+                "p64/contig"
+            ],
+            "{table}"
+        );
+        // One token: paged 16 at 0.8× contiguous, paged 64 at 1.0×, ours at 2× SDPA.
+        let one: Vec<&str> = lines[2].split_whitespace().collect();
+        assert_eq!(one[4], "1", "{table}");
+        assert_eq!(one[10..], ["2.00x", "0.80x", "1.00x"], "{table}");
+        // Four tokens: no SDPA row, no pages of 64.
+        let four: Vec<&str> = lines[3].split_whitespace().collect();
+        assert_eq!((four[4], four[8], four[9]), ("4", "-", "-"), "{table}");
+        assert_eq!(four[10..], ["-", "1.00x", "-"], "{table}");
+        let listing = render_rows(&rows);
+        assert!(listing.contains("4x8192 causal") && listing.contains("  16 "), "{listing}");
     }
 
     #[test]

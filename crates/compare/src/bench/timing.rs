@@ -1,17 +1,17 @@
 //! How `ladder bench` times a case: deterministic inputs uploaded in enough sets to rotate
 //! through when they fit in L2, one untimed (compiling) call, warm-up calls, then CUDA-event
 //! samples of one or several calls each, and their median. Decoding cases get their own inputs
-//! ([`DecodeSet`]: a KV cache allocated once per shape) and step ([`decode_step`]), and the same
-//! measurement.
+//! ([`DecodeSet`]: a KV cache allocated once per shape and layout, contiguous or in shuffled
+//! pages) and step ([`decode_step`]), and the same measurement.
 
 use std::time::Instant;
 
 use ladder_compare::gpu_rungs::Kernels;
 use ladder_compare::{GpuRung, cases};
-use ladder_kernels::decode::{DecodeOptions, KvCache};
+use ladder_kernels::decode::{Cache, DecodeOptions, KvCache, PageTable, PagedKvCache};
 use ladder_kernels::{DType, Gpu, KernelError, Options, Output, Tensor};
 
-use super::plan::{DecodeShape, Plan};
+use super::plan::{CacheLayout, DecodeShape, Plan};
 
 /// L2 cache of an H100/H200 (50 MB): inputs smaller than this are rotated.
 const L2_BYTES: usize = 50 << 20;
@@ -65,20 +65,42 @@ pub(super) fn step<'a>(
     }
 }
 
-/// One set of decoding inputs: Q `[batch, heads_q, 1, d]` and the cache's K and V
-/// `[batch, heads_kv, L, d]`.
+/// One set of decoding inputs: a query `[batch, heads_q, n_new, d]` for each count of new tokens
+/// the shape runs with, and the cache: K and V `[batch, heads_kv, L, d]`, or in pages
+/// `[pages, heads_kv, page_size, d]` with a page table.
 pub(super) struct DecodeSet {
-    q: Tensor,
+    qs: Vec<(usize, Tensor)>,
     k: Tensor,
     v: Tensor,
+    page_table: Option<PageTable>,
 }
 
-/// Prepare a decoding case of `rung` on `sets`, every sequence `lengths[b]` long; the step then
-/// runs one call on input set `i`.
+impl DecodeSet {
+    /// The query of `n_new` new tokens.
+    fn q(&self, n_new: usize) -> ladder_kernels::Result<&Tensor> {
+        self.qs.iter().find(|(n, _)| *n == n_new).map(|(_, q)| q).ok_or_else(|| {
+            KernelError::Config(format!("no query of {n_new} new tokens was uploaded"))
+        })
+    }
+
+    /// The cache, every sequence `lengths[b]` long.
+    fn cache<'a>(&'a self, lengths: &'a [usize]) -> Cache<'a> {
+        match &self.page_table {
+            None => KvCache { k: &self.k, v: &self.v, lengths }.into(),
+            Some(page_table) => {
+                PagedKvCache { k_pages: &self.k, v_pages: &self.v, page_table, lengths }.into()
+            }
+        }
+    }
+}
+
+/// Prepare a decoding case of `rung` on `sets`, `n_new` new tokens per sequence, every sequence
+/// `lengths[b]` long; the step then runs one call on input set `i`.
 pub(super) fn decode_step<'a>(
     rung: GpuRung,
     gpu: &'a Gpu,
     sets: &'a [DecodeSet],
+    n_new: usize,
     lengths: &'a [usize],
     opts: DecodeOptions,
 ) -> ladder_kernels::Result<Step<'a>> {
@@ -87,8 +109,7 @@ pub(super) fn decode_step<'a>(
     };
     Ok(Box::new(move |i| {
         let s = &sets[i];
-        let cache = KvCache { k: &s.k, v: &s.v, lengths };
-        let out = forward(gpu, &s.q, &cache, &opts)?;
+        let out = forward(gpu, s.q(n_new)?, s.cache(lengths), &opts)?;
         Ok(vec![out.o, out.lse])
     }))
 }
@@ -205,26 +226,58 @@ pub(super) fn upload_sets(
         .collect()
 }
 
-/// Upload the inputs of a decoding shape at head dim `d`: as many sets as rotate out of L2 (one
-/// when the cache is larger than L2), each a query of one new token and a full KV cache.
+/// Upload the inputs of a decoding shape at head dim `d` in `layout`: as many sets as rotate out
+/// of L2 (one when the cache is larger than L2), each a query per count in `new_tokens` and a full
+/// KV cache. A paged cache holds exactly the pages its sequences fill, `ceil(L / page_size)` each,
+/// handed out in a shuffled order (as an allocator that has served many requests would), so that
+/// consecutive pages of a sequence are not neighbours in memory.
 pub(super) fn upload_decode_sets(
     gpu: &Gpu,
     pool: &mut HostPool,
     plan: &Plan,
     d: usize,
     shape: DecodeShape,
+    layout: CacheLayout,
+    new_tokens: &[usize],
 ) -> ladder_kernels::Result<Vec<DecodeSet>> {
     let DecodeShape { batch, heads_q, heads_kv, len } = shape;
-    let q_shape = [batch, heads_q, 1, d];
-    let q_len = batch * heads_q * d;
-    let kv_shape = [batch, heads_kv, len, d];
-    let sets = sets_for(shape.kv_bytes(d, plan.dtype) + q_len * plan.dtype.size());
+    let q_len = |n_new: usize| batch * heads_q * n_new * d;
+    let (kv_shape, pages_per_seq) = match layout {
+        CacheLayout::Contiguous => ([batch, heads_kv, len, d], 0),
+        CacheLayout::Paged(page) => {
+            let per_seq = len.div_ceil(page);
+            ([batch * per_seq, heads_kv, page, d], per_seq)
+        }
+    };
+    let q_bytes: usize = new_tokens.iter().map(|&n| q_len(n) * plan.dtype.size()).sum();
+    let sets = sets_for(shape.kv_bytes(d, plan.dtype) + q_bytes);
     (0..sets)
         .map(|s| {
-            let q = gpu.upload(pool.values(4 * s, q_len), &q_shape, plan.dtype)?;
+            let qs = new_tokens
+                .iter()
+                .map(|&n| {
+                    let q = gpu.upload(
+                        pool.values(4 * s, q_len(n)),
+                        &[batch, heads_q, n, d],
+                        plan.dtype,
+                    )?;
+                    Ok((n, q))
+                })
+                .collect::<ladder_kernels::Result<_>>()?;
             let k = pool.upload_cache(gpu, &kv_shape, plan.dtype, (2 * s) * 7919)?;
             let v = pool.upload_cache(gpu, &kv_shape, plan.dtype, (2 * s + 1) * 7919)?;
-            Ok(DecodeSet { q, k, v })
+            let page_table = match layout {
+                CacheLayout::Contiguous => None,
+                CacheLayout::Paged(_) => {
+                    let pages = batch * pages_per_seq;
+                    let entries: Vec<i32> = cases::permutation(s as u64, pages)
+                        .into_iter()
+                        .map(|p| i32::try_from(p).unwrap_or(i32::MAX))
+                        .collect();
+                    Some(PageTable::upload(gpu, &entries, batch, pages_per_seq)?)
+                }
+            };
+            Ok(DecodeSet { qs, k, v, page_table })
         })
         .collect()
 }
