@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU-machine call that checks the kernels: every bundled test binary with the GPU required,
-# compute-sanitizer (memcheck and racecheck) on small GPU cases, and optionally a timing of FA2
+# compute-sanitizer (memcheck, racecheck, synccheck) on small GPU cases, and optionally a timing of FA2
 # forward tile configurations (scripts/gpu-bench.sh does the benchmark itself). Run from the repo
 # root after scripts/gpu-bundle:
 #
@@ -31,7 +31,7 @@ gpu_bin=$(ls .gpu/bin/gpu-* 2>/dev/null | head -1)
 decode_bin=$(ls .gpu/bin/gpu_decode-* 2>/dev/null | head -1)
 sanitize() {  # sanitize NAME BINARY TEST_FILTERS...
   local name=$1 bin=$2; shift 2
-  for tool in memcheck racecheck; do
+  for tool in memcheck racecheck synccheck; do
     start=$SECONDS
     (cd crates/compare && LADDER_REQUIRE_GPU=1 LADDER_GPU_CASES=2 compute-sanitizer \
       --tool "$tool" --error-exitcode 9 "../../$bin" --test-threads 1 "$@") >"$out/$name-$tool.log" 2>&1
@@ -41,7 +41,7 @@ sanitize() {  # sanitize NAME BINARY TEST_FILTERS...
 }
 if [ -n "$gpu_bin" ] && command -v compute-sanitizer >/dev/null; then
   sanitize gpu "$gpu_bin" \
-    gpu_fa1_fp16 gpu_fa2_fp16 gpu_fa2_backward_fp16 gpu_fa2_deterministic_backward_fp16
+    gpu_fa1_fp16 gpu_fa2_fp16 gpu_fa3_fp16 gpu_fa2_backward_fp16 gpu_fa2_deterministic_backward_fp16
   if [ -n "$decode_bin" ]; then
     sanitize decode "$decode_bin" gpu_decode_drawn_shapes gpu_decode_bad_page_tables
   fi
