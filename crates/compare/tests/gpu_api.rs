@@ -6,12 +6,23 @@
 //! fails them.
 
 use half::f16;
+use ladder_compare::GpuRung;
 use ladder_compare::cases::pseudo_random;
 use ladder_compare::gpu_check::shared_gpu;
-use ladder_kernels::{DType, Gpu, KernelError, Options, Output, Tensor, fa1, fa2};
+use ladder_compare::gpu_rungs::ForwardFn;
+use ladder_kernels::{DType, Gpu, KernelError, Options, Output, Tensor, fa1, fa2, fa3};
 
 fn gpu() -> Option<&'static Gpu> {
     shared_gpu("GPU API tests")
+}
+
+/// The tensor-core forward kernels that run on `gpu`: FA2, and FA3 on Hopper.
+fn forwards(gpu: &Gpu) -> Vec<(&'static str, ForwardFn)> {
+    let mut all: Vec<(&'static str, ForwardFn)> = vec![("fa2", fa2::forward)];
+    if GpuRung::Fa3.available_on(gpu) {
+        all.push(("fa3", fa3::forward));
+    }
+    all
 }
 
 fn tensor(gpu: &Gpu, shape: &[usize], dtype: DType, seed: u64) -> Tensor {
@@ -28,10 +39,18 @@ fn mismatched_dtypes_are_errors() {
     let opts = Options::full();
     assert!(matches!(fa2::forward(gpu, &q, &kb, &k16, &opts), Err(KernelError::DType(_))));
     assert!(matches!(fa2::forward(gpu, &q, &k16, &kb, &opts), Err(KernelError::DType(_))));
-    assert!(matches!(
-        fa2::forward(gpu, &q32, &q32, &q32, &opts),
-        Err(KernelError::UnsupportedDtype { rung: "fa2", .. })
-    ));
+    for (name, forward) in forwards(gpu) {
+        assert!(matches!(forward(gpu, &q, &kb, &k16, &opts), Err(KernelError::DType(_))));
+        let r = forward(gpu, &q32, &q32, &q32, &opts);
+        assert!(
+            matches!(r, Err(KernelError::UnsupportedDtype { rung, .. }) if rung == name),
+            "{name}: {r:?}"
+        );
+    }
+    if !GpuRung::Fa3.available_on(gpu) {
+        let r = fa3::forward(gpu, &q, &k16, &k16, &opts);
+        assert!(matches!(r, Err(KernelError::UnsupportedArch { rung: "fa3", .. })), "{r:?}");
+    }
     // The backward's extra inputs: dO of the wrong dtype, lse of the wrong shape.
     let out = fa2::forward(gpu, &q, &k16, &k16, &opts).expect("forward");
     let d_o = tensor(gpu, &[1, 2, 64, 64], DType::BF16, 3);
@@ -63,7 +82,12 @@ fn mismatched_and_empty_shapes_are_errors() {
         ("zero batch", t(&[0, 4, 50, 64]), t(&[0, 2, 50, 64]), t(&[0, 2, 50, 64])),
     ];
     for (what, q, k, v) in &cases {
-        for result in [fa1::forward(gpu, q, k, v, &opts), fa2::forward(gpu, q, k, v, &opts)] {
+        let results = [
+            fa1::forward(gpu, q, k, v, &opts),
+            fa2::forward(gpu, q, k, v, &opts),
+            fa3::forward(gpu, q, k, v, &opts),
+        ];
+        for result in results {
             assert!(matches!(result, Err(KernelError::Shape(_))), "{what}: {result:?}");
         }
     }
@@ -87,8 +111,13 @@ fn unsupported_head_dims_are_errors() {
     let opts = Options::full();
     for d in [16, 96, 192] {
         let x = t(d);
-        let r = fa2::forward(gpu, &x, &x, &x, &opts);
-        assert!(matches!(r, Err(KernelError::UnsupportedHeadDim { rung: "fa2", .. })), "{r:?}");
+        for (name, forward) in forwards(gpu) {
+            let r = forward(gpu, &x, &x, &x, &opts);
+            assert!(
+                matches!(r, Err(KernelError::UnsupportedHeadDim { rung, .. }) if rung == name),
+                "{name}: {r:?}"
+            );
+        }
     }
     let x = t(256);
     let r = fa1::forward(gpu, &x, &x, &x, &opts);
@@ -130,12 +159,13 @@ fn a_nan_reaches_only_the_rows_it_should() {
     // (tensor, head, row, column) of the NaN; V only without the causal mask (see below).
     let spots =
         [(0, 3, 77, 5, true), (1, 1, 101, 9, true), (1, 0, 3, 0, false), (2, 1, 200, 17, false)];
-    for (tensor_ix, head, row, col, causal) in spots {
+    for ((tensor_ix, head, row, col, causal), (name, forward)) in
+        spots.into_iter().flat_map(|spot| forwards(gpu).into_iter().map(move |f| (spot, f)))
+    {
         let opts = if causal { Options::causal() } else { Options::full() };
         let run = |q: &[f32], k: &[f32], v: &[f32]| -> (Vec<f32>, Vec<f32>) {
             let up = |x: &[f32], s: &[usize]| gpu.upload(x, s, DType::F16).expect("upload");
-            let out =
-                fa2::forward(gpu, &up(q, &qs), &up(k, &kvs), &up(v, &kvs), &opts).expect("fa2");
+            let out = forward(gpu, &up(q, &qs), &up(k, &kvs), &up(v, &kvs), &opts).expect(name);
             (out.o.to_f32_vec().expect("o"), out.lse.to_f32_vec().expect("lse"))
         };
         let clean = run(&q, &k, &v);
@@ -162,24 +192,27 @@ fn a_nan_reaches_only_the_rows_it_should() {
                     if reached {
                         assert!(
                             now.is_nan(),
-                            "tensor {tensor_ix}: O[{h},{i},{c}] = {now}, want NaN"
+                            "{name}, tensor {tensor_ix}: O[{h},{i},{c}] = {now}, want NaN"
                         );
                     } else {
                         assert_eq!(
                             was.to_bits(),
                             now.to_bits(),
-                            "tensor {tensor_ix}: O[{h},{i},{c}] changed"
+                            "{name}, tensor {tensor_ix}: O[{h},{i},{c}] changed"
                         );
                     }
                 }
                 let (was, now) = (clean.1[h * n_q + i], dirty.1[h * n_q + i]);
                 if reached_row && tensor_ix < 2 {
-                    assert!(now.is_nan(), "tensor {tensor_ix}: lse[{h},{i}] = {now}, want NaN");
+                    assert!(
+                        now.is_nan(),
+                        "{name}, tensor {tensor_ix}: lse[{h},{i}] = {now}, want NaN"
+                    );
                 } else {
                     assert_eq!(
                         was.to_bits(),
                         now.to_bits(),
-                        "tensor {tensor_ix}: lse[{h},{i}] changed"
+                        "{name}, tensor {tensor_ix}: lse[{h},{i}] changed"
                     );
                 }
             }
