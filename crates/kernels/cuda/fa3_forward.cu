@@ -4,24 +4,28 @@
 // The arithmetic is FA2's (fa2_forward.cu): per K/V tile, S = Q·Kᵀ, mask, online softmax,
 // O += P·V, and O / l at the end. What changes is who does what, and when:
 //
-//   producer warpgroup (one thread)        consumer warpgroups 1 … CONSUMERS (64 query rows each)
+//   producer warpgroup (one thread)        consumer warpgroups (64 query rows each)
 //   ------------------------------         ------------------------------------------------------
-//   TMA: Q tile              -> q_full      wait q_full
-//   for each K/V tile j:                   for each K/V tile j:
-//     wait k_empty[stage]                    wait k_full;   S_j = Q·K_jᵀ          (wgmma, async)
-//     TMA: K_j               -> k_full       wait v_full;   O += P_{j-1}·V_{j-1}  (wgmma, async)
-//     wait v_empty[stage]                    softmax of S_j while the tensor cores run
-//     TMA: V_j               -> v_full       release K_j, V_{j-1};  rescale O
+//   TMA: Q tile              -> q_full      wait q_full;  S_0 = Q·K_0ᵀ, softmax -> P_0
+//   for each K/V tile j:                   for each K/V tile j ≥ 1:
+//     wait k_empty[stage]                    wait k_full, v_full
+//     TMA: K_j               -> k_full       S_j = Q·K_jᵀ                         (wgmma, async)
+//     wait v_empty[stage]                    O *= alpha_{j-1}                     (under S_j)
+//     TMA: V_j               -> v_full       O += P_{j-1}·V_{j-1}                 (wgmma, async)
+//                                            softmax of S_j -> P_j, alpha_j       (under P·V)
+//                                            release K_j, V_{j-1}
 //                                          O += P_last·V_last; O / l; write O and lse
 //
 // Shared memory holds the Q tile and STAGES stages of K and V, so the producer copies tiles
 // j+1 … j+STAGES-1 while tile j is computed. The producer gives its registers to the consumers
-// (setmaxnreg), who need them: S, P, the previous P and O all live in registers.
+// (setmaxnreg), who need them: S, P, the previous P and O all live in registers. Blocks are
+// persistent: each walks many (query block, head, batch) tiles, and the producer loads the next
+// tile's Q as soon as the consumers' last S = Q·Kᵀ of the current one is done.
 //
 // Switches (compile time; the ablation of the FA3 paper, §4.2):
 //   FA3_OVERLAP   1: intra-warpgroup overlap (Algorithm 2): the softmax of S_j runs while the
-//                 tensor cores compute P_{j-1}·V_{j-1}. 0: each product is waited for before its
-//                 result is used (the plain warp-specialised loop).
+//                 tensor cores compute P_{j-1}·V_{j-1}. 0: the warpgroup waits for both products
+//                 before its softmax (the same loop, one wait count different).
 //   FA3_PINGPONG  1: consumer warpgroups take turns issuing their products (named barriers), so
 //                 one's softmax runs under the other's products. 0: no ordering between them.
 //
@@ -277,94 +281,65 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
     const int q_row0 = wg * 64;  // the warpgroup's rows inside the Q tile
     const int n_tiles = tile.n_tiles;
 
-    if (overlap) {
-        // Algorithm 2. Prologue: S_0 and its softmax (O is still zero: nothing to rescale).
-        u32 pk[NT][2];
-        float alpha[2];
-        bool moved = false;  // whether the last softmax moved a row's max: O needs alpha
-        PipelineState v_read = kv;  // V lags K by one tile
-        if (n_tiles > 0) {
-            float s[NT][4];
-            wait_turn(wg);
-            mbar_wait(&t.k_full[kv.stage()], kv.parity());
-            wgmma_fence();
-            wgmma_qk<BR, BC, D>(s, t.q, q_row0, t.k[kv.stage()]);
-            wgmma_commit();
-            pass_turn(wg);
-            wgmma_wait<0>();
-            wgmma_hold(s);
-            release(&t.k_empty[kv.stage()]);
-            ++kv.count;
-            softmax_step(s, alpha, st, p, row0, 0);
-            pack_p(s, pk);
-        }
-        for (int j = 1; j < n_tiles; ++j, ++kv.count, ++v_read.count) {
-            float s[NT][4];
-            wait_turn(wg);
-            // Both tiles are waited for before the products are issued: ptxas serialises every
-            // wgmma of a kernel that waits (branches) between the issues of one batch.
-            mbar_wait(&t.k_full[kv.stage()], kv.parity());
-            mbar_wait(&t.v_full[v_read.stage()], v_read.parity());
-            wgmma_fence();
-            wgmma_qk<BR, BC, D>(s, t.q, q_row0, t.k[kv.stage()]);  // S_j
-            wgmma_commit();
-            // O *= alpha_{j-1} while the tensor cores compute S_j, then O += P_{j-1}·V_{j-1}.
-            if (__any_sync(0xffffffff, moved)) rescale(o, alpha);
-            wgmma_fence();
-            wgmma_pv<BC, D>(o, pk, t.v[v_read.stage()]);
-            wgmma_commit();
-            pass_turn(wg);
-            wgmma_wait<1>();  // S_j has landed; P·V still runs under the softmax below
-            wgmma_hold(s);
-            release(&t.k_empty[kv.stage()]);
-            moved = softmax_step(s, alpha, st, p, row0, j * BC);
-            wgmma_wait<0>();  // P_{j-1}·V_{j-1} has landed: O and P's registers are free
-            wgmma_hold(o);
-            wgmma_hold(pk);
-            release(&t.v_empty[v_read.stage()]);
-            pack_p(s, pk);
-        }
-        // Every S = Q·Kᵀ of the tile is done: the producer may load the next tile's Q.
-        release(&t.q_empty);
-        if (n_tiles > 0) {
-            if (__any_sync(0xffffffff, moved)) rescale(o, alpha);
-            mbar_wait(&t.v_full[v_read.stage()], v_read.parity());
-            wgmma_fence();
-            wgmma_pv<BC, D>(o, pk, t.v[v_read.stage()]);
-            wgmma_commit();
-            wgmma_wait<0>();
-            wgmma_hold(o);
-            release(&t.v_empty[v_read.stage()]);
-        }
-    } else {
-        // The plain loop: each product waited for before its result is used.
-        for (int j = 0; j < n_tiles; ++j, ++kv.count) {
-            const int stage = kv.stage(), parity = kv.parity();
-            float s[NT][4];
-            wait_turn(wg);
-            mbar_wait(&t.k_full[stage], parity);
-            wgmma_fence();
-            wgmma_qk<BR, BC, D>(s, t.q, q_row0, t.k[stage]);
-            wgmma_commit();
-            wgmma_wait<0>();
-            wgmma_hold(s);
-            release(&t.k_empty[stage]);
-            if (j == n_tiles - 1) release(&t.q_empty);
-            u32 pk[NT][2];
-            float alpha[2];
-            const bool moved = softmax_step(s, alpha, st, p, row0, j * BC);
-            if (__any_sync(0xffffffff, moved)) rescale(o, alpha);
-            pack_p(s, pk);
-            mbar_wait(&t.v_full[stage], parity);
-            wgmma_fence();
-            wgmma_pv<BC, D>(o, pk, t.v[stage]);
-            wgmma_commit();
-            pass_turn(wg);
-            wgmma_wait<0>();
-            wgmma_hold(o);
-            release(&t.v_empty[stage]);
-        }
-        if (n_tiles == 0) release(&t.q_empty);
+    // Algorithm 2. Prologue: S_0 and its softmax (O is still zero: nothing to rescale).
+    u32 pk[NT][2];
+    float alpha[2];
+    bool moved = false;  // whether the last softmax moved a row's max: O needs alpha
+    PipelineState v_read = kv;  // V lags K by one tile
+    if (n_tiles > 0) {
+        float s[NT][4];
+        wait_turn(wg);
+        mbar_wait(&t.k_full[kv.stage()], kv.parity());
+        wgmma_fence();
+        wgmma_qk<BR, BC, D>(s, t.q, q_row0, t.k[kv.stage()]);
+        wgmma_commit();
+        pass_turn(wg);
+        wgmma_wait<0>();
+        wgmma_hold(s);
+        release(&t.k_empty[kv.stage()]);
+        ++kv.count;
+        softmax_step(s, alpha, st, p, row0, 0);
+        pack_p(s, pk);
+    }
+    for (int j = 1; j < n_tiles; ++j, ++kv.count, ++v_read.count) {
+        float s[NT][4];
+        wait_turn(wg);
+        // Both tiles are waited for before the products are issued: ptxas serialises every
+        // wgmma of a kernel that waits (branches) between the issues of one batch.
+        mbar_wait(&t.k_full[kv.stage()], kv.parity());
+        mbar_wait(&t.v_full[v_read.stage()], v_read.parity());
+        wgmma_fence();
+        wgmma_qk<BR, BC, D>(s, t.q, q_row0, t.k[kv.stage()]);  // S_j
+        wgmma_commit();
+        // O *= alpha_{j-1} while the tensor cores compute S_j, then O += P_{j-1}·V_{j-1}.
+        if (__any_sync(0xffffffff, moved)) rescale(o, alpha);
+        wgmma_fence();
+        wgmma_pv<BC, D>(o, pk, t.v[v_read.stage()]);
+        wgmma_commit();
+        pass_turn(wg);
+        // With the overlap, wait for S_j only: P_{j-1}·V_{j-1} still runs under the softmax
+        // below. Without it (the ablation), wait for both products first.
+        wgmma_wait<overlap ? 1 : 0>();
+        wgmma_hold(s);
+        release(&t.k_empty[kv.stage()]);
+        moved = softmax_step(s, alpha, st, p, row0, j * BC);
+        wgmma_wait<0>();  // P_{j-1}·V_{j-1} has landed: O and P's registers are free
+        wgmma_hold(o);
+        wgmma_hold(pk);
+        release(&t.v_empty[v_read.stage()]);
+        pack_p(s, pk);
+    }
+    // Every S = Q·Kᵀ of the tile is done: the producer may load the next tile's Q.
+    release(&t.q_empty);
+    if (n_tiles > 0) {
+        if (__any_sync(0xffffffff, moved)) rescale(o, alpha);
+        mbar_wait(&t.v_full[v_read.stage()], v_read.parity());
+        wgmma_fence();
+        wgmma_pv<BC, D>(o, pk, t.v[v_read.stage()]);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_hold(o);
+        release(&t.v_empty[v_read.stage()]);
     }
     epilogue(p, tile, o, st, row0);
 }

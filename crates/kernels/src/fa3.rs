@@ -126,7 +126,8 @@ impl std::str::FromStr for Fa3Tiles {
 pub struct Schedule {
     /// Consumer warpgroups take turns issuing their products (named barriers).
     pub pingpong: bool,
-    /// The softmax of tile `j` overlaps the product `P_{j-1} V_{j-1}` (Algorithm 2).
+    /// The softmax of tile `j` overlaps the product `P_{j-1} V_{j-1}` (Algorithm 2); off, a
+    /// warpgroup waits for both of its products before its softmax.
     pub overlap: bool,
     /// One block per SM walks many query tiles, loading the next tile while it finishes the last
     /// (off: one block per query tile, scheduled by the hardware).
