@@ -13,7 +13,7 @@ use ladder_reference::{AttentionShape, TileSizes};
 
 use crate::Failure;
 
-/// Runs GPU `rung` (`"fa1"` or `"fa2"`, whose backward pass runs too) on a causal grouped-query
+/// Runs GPU `rung` (`"fa1"`, `"fa2"`, whose backward pass runs too, or `"fa3"` on Hopper) on a causal grouped-query
 /// problem in fp16 and checks it against the float64 oracle. `Ok` without a GPU (after saying so);
 /// an error when a kernel is outside its tolerance.
 pub fn gpu_live(rung: &str) -> Result<(), Failure> {
@@ -30,6 +30,15 @@ pub fn gpu_live(rung: &str) -> Result<(), Failure> {
     let Some(forward) = GpuRung::find(rung, Direction::Fwd) else {
         return Err(Failure(format!("no GPU kernel for {rung:?}")));
     };
+    if !forward.available_on(&gpu) {
+        println!(
+            "{} ({}) cannot run {rung}: it needs a Hopper GPU (sm_90a). The next cell shows what \
+             it did on the H200.",
+            gpu.name(),
+            gpu.arch()
+        );
+        return Ok(());
+    }
     let fail = |e: &dyn std::fmt::Display| Failure(e.to_string());
     let shape = AttentionShape::new(1, 8, 2, 500, 700, 64).map_err(|e| fail(&e))?;
     let tiles = TileSizes::new(64, 64).map_err(|e| fail(&e))?;

@@ -118,11 +118,18 @@ pub fn results_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("LADDER_RESULTS_DIR") {
         return PathBuf::from(dir);
     }
+    results_dir_named("h200")
+}
+
+/// `docs/results/NAME` in the repository the notebook runs in (e.g. `h200-fa3`, or
+/// `h200-fa3/ablation`), found by walking up from the working directory.
+pub fn results_dir_named(name: &str) -> PathBuf {
     let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
+    let rel = Path::new("docs/results").join(name);
     cwd.ancestors()
-        .map(|a| a.join("docs/results/h200"))
+        .map(|a| a.join(&rel))
         .find(|p| p.join("bench.csv").exists())
-        .unwrap_or_else(|| cwd.join("../docs/results/h200"))
+        .unwrap_or_else(|| cwd.join("..").join(&rel))
 }
 
 /// Reads `bench.csv` (our kernels), `peers.csv` (the peers timed in the same run, when present)
@@ -381,6 +388,92 @@ pub fn gpu_section(impls: &[&str]) -> Figures {
             Figures(Vec::new())
         }
     }
+}
+
+/// The "on the GPU" charts of a rung whose measurements live in their own folder
+/// (`docs/results/FOLDER`, e.g. `h200-fa3`): `impls` (the rung first), at head dimension `d`
+/// when given; a message instead when the folder is missing or unreadable.
+pub fn gpu_section_in(folder: &str, impls: &[&str], d: Option<usize>) -> Figures {
+    match load_from(&results_dir_named(folder)) {
+        Ok(Some(results)) => {
+            println!("{}", results.provenance());
+            let rows: Vec<&Row> =
+                results.select(impls).into_iter().filter(|r| d.is_none_or(|d| r.d == d)).collect();
+            charts(&rows)
+        }
+        Ok(None) => {
+            println!("No measurements in docs/results/{folder} (run `ladder bench` on a GPU).");
+            Figures(Vec::new())
+        }
+        Err(e) => {
+            println!("The committed results could not be read: {e}");
+            Figures(Vec::new())
+        }
+    }
+}
+
+/// The FA3 ablation measured on the H200 (`docs/results/h200-fa3/ablation`) beside the schedule
+/// simulation's tensor-core utilisation (`ladder_reference::fa3::timeline`, H100 stage costs at
+/// d = 128) for the schedule each variant comes closest to: one line per variant, TFLOP/s per
+/// measured case and relative to the full kernel.
+pub fn fa3_ablation() -> Result<String, String> {
+    use ladder_reference::fa3::{Schedule, StageCosts, tensor_core_utilisation, timeline};
+    let Some(r) = load_from(&results_dir_named("h200-fa3/ablation"))? else {
+        return Ok("No ablation measurements committed (docs/results/h200-fa3/ablation).".into());
+    };
+    let costs = StageCosts::hopper(128);
+    let simulated = |s: Schedule| tensor_core_utilisation(&timeline(s, 64, costs));
+    // The kernel always has two consumer warpgroups: without ping-pong they still share the
+    // tensor cores, unordered, which is what the simulation's two-warpgroup schedule models.
+    let schedules = [
+        (
+            "neither: 2 warpgroups, unordered",
+            "fa3-no-pingpong+no-overlap",
+            Some(Schedule::PingPong),
+        ),
+        ("intra-warpgroup overlap only", "fa3-no-pingpong", Some(Schedule::IntraWarpgroup)),
+        ("ping-pong only: turns enforced", "fa3-no-overlap", Some(Schedule::PingPong)),
+        ("both (the full kernel)", "fa3", None),
+    ];
+    let mut cases: Vec<(bool, usize)> =
+        r.rows.iter().filter(|x| x.implementation == "fa3").map(|x| (x.causal, x.n_q)).collect();
+    cases.sort();
+    cases.dedup();
+    let tflops = |imp: &str, (causal, n): (bool, usize)| {
+        r.rows
+            .iter()
+            .find(|x| x.implementation == imp && x.causal == causal && x.n_q == n)
+            .map(|x| x.tflops)
+    };
+    let mut out = format!("{}\n\n{:<42} {:>10}", r.provenance(), "schedule", "simulated");
+    for (causal, n) in &cases {
+        let mask = if *causal { "causal" } else { "full" };
+        out += &format!(" {:>16}", format!("{mask} {}k", n / 1024));
+    }
+    out += "\n";
+    for (label, imp, sim) in schedules {
+        let sim = sim.map_or("≥ either".to_string(), |s| format!("{:.2}", simulated(s)));
+        out += &format!("{label:<42} {sim:>10}");
+        for &case in &cases {
+            let cell = match (tflops(imp, case), tflops("fa3", case)) {
+                (Some(t), Some(full)) => format!("{t:.0} ({:.2}×)", t / full),
+                _ => "-".into(),
+            };
+            out += &format!(" {cell:>16}");
+        }
+        out += "\n";
+    }
+    out += &format!(
+        "{:<42} {:>10}   (FA2's loop on Hopper: no kernel variant)\n",
+        "one warpgroup in order",
+        format!("{:.2}", simulated(Schedule::Sequential))
+    );
+    out += &format!("{:<42} {:>10}", "cuDNN (same lease)", "");
+    for &case in &cases {
+        let cell = tflops("sdpa-cudnn", case).map_or("-".into(), |t| format!("{t:.0}"));
+        out += &format!(" {cell:>16}");
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
