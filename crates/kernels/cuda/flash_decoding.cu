@@ -370,19 +370,6 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
     }
 }
 
-// N consecutive floats (N = 2 or 4, the address aligned to 4·N bytes) in one load.
-template <int N>
-__device__ __forceinline__ void load_f32(float (&x)[N], const float* src) {
-    static_assert(N == 2 || N == 4, "float2 or float4");
-    if constexpr (N == 4) {
-        const float4 v = *reinterpret_cast<const float4*>(src);
-        x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
-    } else {
-        const float2 v = *reinterpret_cast<const float2*>(src);
-        x[0] = v.x, x[1] = v.y;
-    }
-}
-
 // Launch: grid (ceil(rows / 4), 1, 1), block (128, 1, 1), no shared memory. Warp w of block x
 // combines output row 4x + w; lane i holds columns [i·D/32, (i+1)·D/32).
 extern "C" __global__ void __launch_bounds__(128)
