@@ -38,6 +38,11 @@
 // The cache, contiguous or paged (FD_PAGED): see "where the keys live" in kv_cache.cuh, the one
 // place the two kernels differ.
 //
+// FlashDecoding++'s fallback. flash_decoding_pp.cu flags the rows whose scores leave its safe
+// window; the host then launches these two kernels with `fallback` pointing at the flags: a split
+// block none of whose rows is flagged returns at once, and a combine warp writes only a flagged
+// row, which is then exactly what a FlashDecoding call with the same split count computes.
+//
 // Inside a split block: the block walks the chunk in tiles of BC = 64 keys, K and V in a
 // STAGES-deep cp.async pipeline (STAGES − 1 tiles in flight while one is read). Each of the 4
 // warps owns 16 keys of every tile (keys 16·warp … 16·warp + 15) and all the block's rows, with
@@ -129,6 +134,10 @@ struct FdParams {
     float* lse_part;
     u16* o;
     float* lse;
+    // FlashDecoding++'s fallback (flash_decoding_pp.cu), or null: one int per output row, non-zero
+    // where the row must be recomputed here. When set, only those rows are written (a block none
+    // of whose rows is flagged returns at once); the other rows keep what FlashDecoding++ wrote.
+    const int* fallback;
     int heads_q;
     int heads_kv;
     int n_new;
@@ -143,7 +152,7 @@ struct FdParams {
     int lengths[FD_MAX_BATCH];
 };
 
-// ---- the cache: kv_cache.cuh ---------------------------------------------------------------------
+// ---- the cache: kv_cache.cuh --------------------------------------------------------------------
 //
 // Where each group of 16 keys lives (CacheRows<D, PAGED>::start: `capacity` rows further per
 // sequence when contiguous, page_table[b][j / page_size] when paged), which keys a split owns
@@ -177,6 +186,14 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
 
     // The block's first output row; its Q rows start there too (GQA packing above).
     const size_t row0 = ((size_t)batch * p.heads_kv + kv_head) * R + r0;
+
+    // FlashDecoding++'s fallback: a block whose rows all passed there has nothing to do. (Every
+    // thread takes the same branch: __syncthreads_or gives all of them the same answer.)
+    if (p.fallback != nullptr) {
+        bool flagged = false;
+        for (int r = threadIdx.x; r < RB; r += THREADS) flagged |= p.fallback[row0 + r] != 0;
+        if (!__syncthreads_or(flagged)) return;
+    }
 
     // One past the last key each of the thread's rows sees, within this chunk: the causal limit of
     // its token, or the chunk's end. Rows of every tile at or past min_limit need the mask.
@@ -377,6 +394,8 @@ flash_decoding_combine(const __grid_constant__ FdParams p) {
     constexpr int PER_LANE = D / 32;
     const int row = blockIdx.x * 4 + warp_id();
     if (row >= p.rows) return;  // the whole warp leaves together
+    // FlashDecoding++'s fallback: only the flagged rows are ours to write.
+    if (p.fallback != nullptr && p.fallback[row] == 0) return;
     const int lane = lane_id();
     const int splits = p.splits;
     const float* lse_s = p.lse_part + (size_t)row * splits;

@@ -77,7 +77,7 @@ struct CacheRows<D, false> {
     }
 };
 
-// ---- which keys a split owns ----------------------------------------------------------------------
+// ---- which keys a split owns --------------------------------------------------------------------
 //
 // Split s of a sequence of length len owns keys [s·chunk, min((s+1)·chunk, len)) with
 // chunk = ceil(len / splits) rounded up to a multiple of BC, so chunks follow each sequence's own
