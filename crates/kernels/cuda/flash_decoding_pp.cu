@@ -13,9 +13,18 @@
 // 2^t = e^(s − φ) is one ex2 instruction):
 //
 //   phase 1, flash_decoding_pp_split, grid (splits · row_blocks, heads_kv, batch):
-//       acc_s = Σ_{j∈s} 2^(t_j) · v_j,   l_s = Σ_{j∈s} 2^(t_j),   max_s = max_{j∈s} t_j
+//       acc_s = Σ_{j∈s} P_j · v_j,   l_s = Σ_{j∈s} 2^(t_j),   lr_s = Σ_{j∈s} P_j,
+//       max_s = max_{j∈s} t_j,       with P_j = 2^(t_j) as it multiplies V (below)
 //   phase 2, flash_decoding_pp_combine, one warp per output row:
-//       O = Σ_s acc_s / Σ_s l_s,   lse = φ + ln Σ_s l_s         (plain sums, in split order)
+//       O = Σ_s acc_s / Σ_s lr_s,   lse = φ + ln Σ_s l_s        (plain sums, in split order)
+//
+// Why two sums: the flat GEMM rounds 2^t to 16 bits (P) before it multiplies V, and with no max
+// subtracted the largest term is no longer exactly 1. Dividing by the sum of the unrounded terms
+// would leave that term's rounding in O (a row that sees a single key would get v·(1 + ε) instead
+// of v, ε up to half an ulp of the 16-bit type); dividing by the sum of the P that were actually
+// used makes O an exact weighted mean of the rows of V again. lse and the decision below take the
+// unrounded sum. (FlashDecoding needs neither: its largest term is 2^0 = 1. The GEMV keeps P in
+// f32, so its two sums are one.)
 //
 // max_s is each thread's own fmax of the exponents it computed: it is never reduced across
 // threads inside the loop, and the exponentials never wait for it; it serves only the decision
@@ -124,16 +133,17 @@ static_assert(BC == 16 * WARPS, "each warp owns 16 keys of a tile");
 static_assert(D % 32 == 0, "the GEMV and the combine give each lane D / 32 columns");
 
 // Q and O are [batch, heads_q, n_new, D]; the cache as in flash_decoding.cu (FdParams). Workspaces,
-// f32: acc_part [batch, heads_q, n_new, splits, D] (unnormalised), l_part and max_part [batch,
-// heads_q, n_new, splits]; fallback [batch, heads_q, n_new]; lse [batch, heads_q, n_new], natural
-// log. Both kernels take the same struct.
+// f32: acc_part [batch, heads_q, n_new, splits, D] (unnormalised), l_part, lr_part and max_part
+// [batch, heads_q, n_new, splits]; fallback [batch, heads_q, n_new]; lse [batch, heads_q, n_new],
+// natural log. Both kernels take the same struct.
 struct FdppParams {
     const u16* q;
     const u16* k;
     const u16* v;
     const int* page_table;  // paged only
     float* acc_part;        // Σ 2^t · v per (row, split)
-    float* l_part;          // Σ 2^t per (row, split)
+    float* l_part;          // Σ 2^t per (row, split): lse and the decision
+    float* lr_part;         // Σ 2^t as rounded for P·V per (row, split): O's denominator
     float* max_part;        // the largest t per (row, split), −inf if none
     u16* o;
     float* lse;
@@ -175,6 +185,15 @@ __device__ __forceinline__ void unpack(float (&x)[N], const u16* src) {
     }
 }
 
+// The f32 buffer that merges the warps' states at the end of a split block (it reuses the tiles'
+// shared memory): per warp and row, the unnormalised output, the two sums and the largest exponent.
+struct Merge {
+    float* acc;    // [WARPS][ROWS][RED_STRIDE]
+    float* l;      // [WARPS][ROWS]
+    float* lr;     // [WARPS][ROWS]
+    float* t_max;  // [WARPS][ROWS]
+};
+
 // ---- the flat GEMM warp -------------------------------------------------------------------------
 //
 // A warp's state and its work on one tile. The warp holds all ROWS rows of the block; its lane
@@ -187,6 +206,7 @@ struct FlatGemm {
     u32 q[D / 16][NT][2];   // Qᵀ: B of Sᵀ = K·Qᵀ for every k-step, loaded once
     float o[D / 16][NT][4];  // Oᵀ, unnormalised: d 16·dm + acc_row(e), row acc_col(nt, e)
     float l[NT][2];          // this thread's part of each row's Σ 2^t
+    float lr[NT][2];         // the same sum of the 16-bit P that multiplies V
     float t_max[NT][2];      // the largest exponent this thread computed for each row
     int limit[NT][2];        // one past the last key each of the thread's rows sees
 
@@ -211,7 +231,7 @@ struct FlatGemm {
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-                l[nt][i] = 0.f;
+                l[nt][i] = lr[nt][i] = 0.f;
                 t_max[nt][i] = LADDER_NEG_INF;
                 // Token t of the row sees keys j ≤ len − n_new + t (bottom-right causal).
                 const int token = (r0 + acc_col(nt, i)) % n_new;
@@ -250,9 +270,15 @@ struct FlatGemm {
             }
             // p[0], p[1] are key lane/4, rows 2·(lane%4) + {0, 1}: row half 0 of Sᵀ's tile, keys
             // 0-7; p[2], p[3] the same rows for keys 8-15. Rounded to 16 bits and transposed, they
-            // are the two registers of B.
-            pb[nt][0] = transpose_8x8(pack2(p[0], p[1]));
-            pb[nt][1] = transpose_8x8(pack2(p[2], p[3]));
+            // are the two registers of B; lr sums them as rounded.
+            const u32 keys_lo = pack2(p[0], p[1]), keys_hi = pack2(p[2], p[3]);
+            float r[4];
+            unpack2(keys_lo, r[0], r[1]);
+            unpack2(keys_hi, r[2], r[3]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) lr[nt][e % 2] += r[e];
+            pb[nt][0] = transpose_8x8(keys_lo);
+            pb[nt][1] = transpose_8x8(keys_hi);
         }
 
         // ---- Oᵀ += V_wᵀ·Pᵀ: one 16-key k-step per 16 columns of d -------------------------------
@@ -265,19 +291,21 @@ struct FlatGemm {
         }
     }
 
-    // The warp's state into the merge buffer: red_acc[warp][row][d], red_l and red_m [warp][row].
-    __device__ __forceinline__ void store(float* red_acc, float* red_l, float* red_m,
-                                          int warp) const {
+    // The warp's state into the merge buffer.
+    __device__ __forceinline__ void store(const Merge& m, int warp) const {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 // The eight lanes holding a row's other keys share its column: lane % 4.
                 const float sum = column_sum(l[nt][i]);
+                const float sum_rounded = column_sum(lr[nt][i]);
                 const float mx = column_max(t_max[nt][i]);
                 if (lane_id() < 4) {
-                    red_l[warp * ROWS + acc_col(nt, i)] = sum;
-                    red_m[warp * ROWS + acc_col(nt, i)] = mx;
+                    const int r = warp * ROWS + acc_col(nt, i);
+                    m.l[r] = sum;
+                    m.lr[r] = sum_rounded;
+                    m.t_max[r] = mx;
                 }
             }
 #pragma unroll
@@ -286,7 +314,7 @@ struct FlatGemm {
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    red_acc[(warp * ROWS + acc_col(nt, e)) * RED_STRIDE + dm * 16 + acc_row(e)] =
+                    m.acc[(warp * ROWS + acc_col(nt, e)) * RED_STRIDE + dm * 16 + acc_row(e)] =
                         o[dm][nt][e];
     }
 };
@@ -362,17 +390,17 @@ struct Gemv {
         }
     }
 
-    __device__ __forceinline__ void store(float* red_acc, float* red_l, float* red_m,
-                                          int warp) const {
+    // The warp's state into the merge buffer (one row: index warp). P·V used the f32 p, so the
+    // sum as rounded is the sum.
+    __device__ __forceinline__ void store(const Merge& m, int warp) const {
         const float sum = warp_sum(l);
         const float mx = warp_max(t_max);
         if (lane_id() == 0) {
-            red_l[warp] = sum;
-            red_m[warp] = mx;
+            m.l[warp] = m.lr[warp] = sum;
+            m.t_max[warp] = mx;
         }
 #pragma unroll
-        for (int i = 0; i < D / 32; ++i)
-            red_acc[warp * RED_STRIDE + lane_id() * (D / 32) + i] = o[i];
+        for (int i = 0; i < D / 32; ++i) m.acc[warp * RED_STRIDE + lane_id() * (D / 32) + i] = o[i];
     }
 };
 
@@ -456,24 +484,27 @@ flash_decoding_pp_split(const __grid_constant__ FdppParams p) {
     const bool bad_page = PAGED && __syncthreads_or(bad);
 
     // ---- merge the warps: a plain sum (every warp subtracted the same φ) ------------------------
-    float* red_acc = reinterpret_cast<float*>(smem);     // [WARPS][ROWS][RED_STRIDE]
-    float* red_l = red_acc + WARPS * ROWS * RED_STRIDE;  // [WARPS][ROWS]
-    float* red_m = red_l + WARPS * ROWS;                 // [WARPS][ROWS]
-    w.store(red_acc, red_l, red_m, warp);
+    Merge m;
+    m.acc = reinterpret_cast<float*>(smem);
+    m.l = m.acc + WARPS * ROWS * RED_STRIDE;
+    m.lr = m.l + WARPS * ROWS;
+    m.t_max = m.lr + WARPS * ROWS;
+    w.store(m, warp);
     __syncthreads();
 
     // Each thread takes 4 consecutive columns of a row at a time; rows past RB are padding.
     for (int i = threadIdx.x; i < RB * (D / 4); i += THREADS) {
         const int r = i / (D / 4);
         const int c = (i % (D / 4)) * 4;
-        float l = 0.f, t_max = LADDER_NEG_INF;
+        float l = 0.f, lr = 0.f, t_max = LADDER_NEG_INF;
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int v = 0; v < WARPS; ++v) {
-            l += red_l[v * ROWS + r];
-            t_max = fmaxf(t_max, red_m[v * ROWS + r]);
+            l += m.l[v * ROWS + r];
+            lr += m.lr[v * ROWS + r];
+            t_max = fmaxf(t_max, m.t_max[v * ROWS + r]);
             const float4 x =
-                *reinterpret_cast<const float4*>(red_acc + (v * ROWS + r) * RED_STRIDE + c);
+                *reinterpret_cast<const float4*>(m.acc + (v * ROWS + r) * RED_STRIDE + c);
             acc.x += x.x;
             acc.y += x.y;
             acc.z += x.z;
@@ -484,12 +515,13 @@ flash_decoding_pp_split(const __grid_constant__ FdppParams p) {
         if (bad_page) {
             const float nan = __int_as_float(0x7fc00000);
             acc = make_float4(nan, nan, nan, nan);
-            l = nan;
+            l = lr = nan;
         }
         const size_t out = (row0 + r) * p.splits + split;
         *reinterpret_cast<float4*>(p.acc_part + out * D + c) = acc;
         if (c == 0) {
             p.l_part[out] = l;
+            p.lr_part[out] = lr;
             p.max_part[out] = t_max;
         }
     }
@@ -505,22 +537,29 @@ flash_decoding_pp_combine(const __grid_constant__ FdppParams p) {
     const int lane = lane_id();
     const int splits = p.splits;
     const float* l_s = p.l_part + (size_t)row * splits;
+    const float* lr_s = p.lr_part + (size_t)row * splits;
     const float* max_s = p.max_part + (size_t)row * splits;
 
-    float l = 0.f, t_max = LADDER_NEG_INF;
+    float l = 0.f, lr = 0.f, t_max = LADDER_NEG_INF;
     for (int s = lane; s < splits; s += 32) {
         l += l_s[s];
+        lr += lr_s[s];
         t_max = fmaxf(t_max, max_s[s]);
     }
     l = warp_sum(l);
+    lr = warp_sum(lr);
     t_max = warp_max(t_max);
 
     // The decision, the CPU rung's: keep the row if its largest exponent is inside the window and
     // its sum is a positive number; a row without a finite score (max −inf: O = 0, lse = −inf) or
-    // with a NaN (l NaN: the row is NaN) is kept too. Everything else is FlashDecoding's.
+    // with a NaN (l NaN: the row is NaN) is kept too. Everything else is FlashDecoding's. (The
+    // rounded sum is positive whenever the largest term is inside the default windows; a window
+    // reaching below the 16-bit type's subnormals could round every term to 0: then the row falls
+    // back too.)
+    const float inf = __int_as_float(0x7f800000);
     const bool is_nan = l != l;
-    const bool inside =
-        t_max >= p.lo_log2 && t_max <= p.hi_log2 && l > 0.f && l < __int_as_float(0x7f800000);
+    const bool inside = t_max >= p.lo_log2 && t_max <= p.hi_log2 && l > 0.f && l < inf &&
+                        lr > 0.f && lr < inf;
     const bool keep = inside || is_nan || t_max == LADDER_NEG_INF;
     if (lane == 0) p.fallback[row] = keep ? 0 : 1;
     if (!keep) return;  // the whole warp: flash_decoding_split/combine write this row
@@ -534,8 +573,9 @@ flash_decoding_pp_combine(const __grid_constant__ FdppParams p) {
 #pragma unroll
         for (int i = 0; i < PER_LANE; ++i) o[i] += x[i];
     }
-    // l = 0 only for a row without keys (O = 0); a NaN l makes O NaN.
-    const float inv = l > 0.f ? 1.f / l : (l == 0.f ? 0.f : l);
+    // O's denominator is the sum of P as it multiplied V. lr = 0 only for a row without keys
+    // (O = 0); a NaN makes O NaN.
+    const float inv = lr > 0.f ? 1.f / lr : (lr == 0.f ? 0.f : lr);
     u16* dst = p.o + (size_t)row * D + lane * PER_LANE;
 #pragma unroll
     for (int i = 0; i < PER_LANE; i += 2)

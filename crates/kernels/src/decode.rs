@@ -990,19 +990,21 @@ fn launch(gpu: &Gpu, q: &Tensor, cache: Cache<'_>, opts: &DecodeOptions) -> Resu
     let mut o = gpu.output(&o_shape, p.dtype)?;
     let mut lse = gpu.output(&o_shape[..3], DType::F32)?;
     // Workspaces: O_s (FlashDecoding) or acc_s (FlashDecoding++) [batch, heads_q, n_new, splits,
-    // d], lse_s or l_s [batch, heads_q, n_new, splits]; FlashDecoding++ also the largest exponent
-    // per split and a fallback flag per row (every element written by the kernels).
+    // d], lse_s or l_s [batch, heads_q, n_new, splits]; FlashDecoding++ also the sum of P as
+    // rounded and the largest exponent per split, and a fallback flag per row (every element
+    // written by the kernels).
     let rows = p.rows();
     let mut o_part = gpu.output(&[rows, splits, p.d], DType::F32)?;
     let mut lse_part = gpu.output(&[rows, splits], DType::F32)?;
-    let (mut max_part, mut flags) = match pp_kernel {
+    let (mut pp_parts, mut flags) = match pp_kernel {
         None => (None, None),
         Some(_) => {
+            let lr_part = gpu.output(&[rows, splits], DType::F32)?;
             let max_part = gpu.output(&[rows, splits], DType::F32)?;
             // SAFETY: flash_decoding_pp_combine writes every row's flag before anything reads it.
             let flags = unsafe { gpu.stream().alloc::<i32>(rows) }
                 .map_err(KernelError::alloc(rows * std::mem::size_of::<i32>()))?;
-            (Some(max_part), Some(flags))
+            (Some((lr_part, max_part)), Some(flags))
         }
     };
     let s = gpu.stream();
@@ -1020,12 +1022,13 @@ fn launch(gpu: &Gpu, q: &Tensor, cache: Cache<'_>, opts: &DecodeOptions) -> Resu
         }
         None => (0, None),
     };
-    let (max_part_ptr, _g8) = match &mut max_part {
-        Some(t) => {
-            let (ptr, guard) = t.write_ptr(s);
-            (ptr, Some(guard))
+    let ((lr_part_ptr, max_part_ptr), _g8) = match &mut pp_parts {
+        Some((lr_part, max_part)) => {
+            let (lr, lr_guard) = lr_part.write_ptr(s);
+            let (max, max_guard) = max_part.write_ptr(s);
+            ((lr, max), Some((lr_guard, max_guard)))
         }
-        None => (0, None),
+        None => ((0, 0), None),
     };
     let (flags_ptr, _g9) = match &mut flags {
         Some(f) => {
@@ -1094,6 +1097,7 @@ fn launch(gpu: &Gpu, q: &Tensor, cache: Cache<'_>, opts: &DecodeOptions) -> Resu
                 page_table: params.page_table,
                 acc_part: params.o_part,
                 l_part: params.lse_part,
+                lr_part: at(lr_part_ptr, row0 * splits, 4),
                 max_part: at(max_part_ptr, row0 * splits, 4),
                 o: params.o,
                 lse: params.lse,

@@ -88,10 +88,10 @@ pub(crate) fn variants() -> Vec<Variant> {
 
 /// Dynamic shared memory of the split kernel in bytes: a 16-row Q tile and `stages` stages of K
 /// and V (16-bit), or, if larger, the f32 merge buffer that reuses the same memory (rows padded by
-/// 4 floats, plus the sums and maxima).
+/// 4 floats, plus the two sums and the maximum).
 pub(crate) fn shared_bytes(d: usize, kernel: PpKernel, stages: usize) -> usize {
     let tiles = (16 + 2 * stages * BC) * d * 2;
-    let merge = WARPS * kernel.rows_per_block() * (d + 4 + 2) * 4;
+    let merge = WARPS * kernel.rows_per_block() * (d + 4 + 3) * 4;
     tiles.max(merge)
 }
 
@@ -154,6 +154,7 @@ pub(crate) struct PpParams {
     pub page_table: u64,
     pub acc_part: u64,
     pub l_part: u64,
+    pub lr_part: u64,
     pub max_part: u64,
     pub o: u64,
     pub lse: u64,
@@ -185,19 +186,19 @@ mod tests {
 
     #[test]
     fn params_are_laid_out_like_the_cuda_struct() {
-        // 10 pointers, 10 ints, 5 floats, then the lengths; 8-byte aligned.
-        assert_eq!(std::mem::offset_of!(PpParams, heads_q), 80);
-        assert_eq!(std::mem::offset_of!(PpParams, scale_log2), 120);
-        assert_eq!(std::mem::offset_of!(PpParams, hi_log2), 136);
-        assert_eq!(std::mem::offset_of!(PpParams, lengths), 140);
-        assert_eq!(std::mem::size_of::<PpParams>(), 1168);
+        // 11 pointers, 10 ints, 5 floats, then the lengths; 8-byte aligned.
+        assert_eq!(std::mem::offset_of!(PpParams, heads_q), 88);
+        assert_eq!(std::mem::offset_of!(PpParams, scale_log2), 128);
+        assert_eq!(std::mem::offset_of!(PpParams, hi_log2), 144);
+        assert_eq!(std::mem::offset_of!(PpParams, lengths), 148);
+        assert_eq!(std::mem::size_of::<PpParams>(), 1176);
     }
 
     #[test]
     fn shared_memory_fits_two_blocks() {
         // d = 128, three stages: the Q tile (4 KB) and 96 KB of K and V.
         assert_eq!(shared_bytes(128, PpKernel::Flat { n_tiles: 2 }, 3), (16 + 384) * 128 * 2);
-        // d = 64, two stages, 16 rows: the tiles (33 KB) outweigh the merge (4·16·70·4 = 18 KB).
+        // d = 64, two stages, 16 rows: the tiles (33 KB) outweigh the merge (4·16·71·4 = 18 KB).
         assert_eq!(shared_bytes(64, PpKernel::Flat { n_tiles: 2 }, 2), (16 + 256) * 64 * 2);
         for d in super::super::HEAD_DIMS {
             for kernel in
