@@ -411,7 +411,7 @@ typedef FlatGemm WarpState;
 #endif
 
 // Launch: grid (splits · row_blocks, heads_kv, batch), block (THREADS, 1, 1), dynamic shared
-// memory max((Q_ROWS + 2·STAGES·BC)·D·2, WARPS·ROWS·(RED_STRIDE + 2)·4) bytes: the Q tile and
+// memory max((Q_ROWS + 2·STAGES·BC)·D·2, WARPS·ROWS·(RED_STRIDE + 3)·4) bytes: the Q tile and
 // STAGES stages of K and V during the walk, then the same memory as the f32 merge buffer.
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
 flash_decoding_pp_split(const __grid_constant__ FdppParams p) {
@@ -556,8 +556,9 @@ flash_decoding_pp_combine(const __grid_constant__ FdppParams p) {
     // rounded sum is positive whenever the largest term is inside the default windows; a window
     // reaching below the 16-bit type's subnormals could round every term to 0: then the row falls
     // back too.)
+    // (NaN is tested on the bits: under --use_fast_math a compiler may fold l != l to false.)
     const float inf = __int_as_float(0x7f800000);
-    const bool is_nan = l != l;
+    const bool is_nan = (__float_as_uint(l) & 0x7fffffff) > 0x7f800000;
     const bool inside = t_max >= p.lo_log2 && t_max <= p.hi_log2 && l > 0.f && l < inf &&
                         lr > 0.f && lr < inf;
     const bool keep = inside || is_nan || t_max == LADDER_NEG_INF;
