@@ -25,8 +25,9 @@ summary+=("tests (all binaries, GPU required)  rc=$rc  $((SECONDS - start)) s")
 grep -E "^test result|FAILED|panicked|=== " "$out/tests.log" | tail -40
 
 # The GPU test binaries built from crates/compare/tests/gpu.rs (the prefill rungs) and
-# gpu_decode.rs (FlashDecoding: drawn shapes contiguous and paged, and page tables pointing
-# outside the cache, which must never be followed).
+# gpu_decode.rs (FlashDecoding and FlashDecoding++: drawn shapes contiguous and paged for every
+# strategy and with forced fallbacks, and page tables pointing outside the cache, which must never
+# be followed).
 gpu_bin=$(ls .gpu/bin/gpu-* 2>/dev/null | head -1)
 decode_bin=$(ls .gpu/bin/gpu_decode-* 2>/dev/null | head -1)
 sanitize() {  # sanitize NAME BINARY TEST_FILTERS...
@@ -43,7 +44,7 @@ if [ -n "$gpu_bin" ] && command -v compute-sanitizer >/dev/null; then
   sanitize gpu "$gpu_bin" \
     gpu_fa1_fp16 gpu_fa2_fp16 gpu_fa3_fp16 gpu_fa2_backward_fp16 gpu_fa2_deterministic_backward_fp16
   if [ -n "$decode_bin" ]; then
-    sanitize decode "$decode_bin" gpu_decode_drawn_shapes gpu_decode_bad_page_tables
+    sanitize decode "$decode_bin" gpu_decode_drawn gpu_decode_bad_page_tables
   fi
 else
   summary+=("compute-sanitizer: not run (no gpu test binary or no sanitizer)")

@@ -276,7 +276,11 @@ fn print_progress(done: usize, total: usize, wanted: usize, row: &Row, extra: &M
             match (tbps, extra.get("splits").and_then(Value::as_u64)) {
                 (Some(tbps), splits) => {
                     let splits = splits.map_or(String::new(), |s| format!("  splits {s:>3}"));
-                    eprintln!("{progress}  {ms:>9.4} ms  {tbps:>6.2} TB/s{splits}{note}");
+                    let kernel = extra
+                        .get("strategy")
+                        .and_then(Value::as_str)
+                        .map_or(String::new(), |k| format!("  {k}"));
+                    eprintln!("{progress}  {ms:>9.4} ms  {tbps:>6.2} TB/s{splits}{kernel}{note}");
                 }
                 (None, _) => eprintln!("{progress}  {ms:>9.4} ms  {tflops:>7.1} TFLOP/s{note}"),
             }
@@ -309,8 +313,10 @@ fn run_case(
     outcome(case, timed, sets.len())
 }
 
-/// Time one decoding case on `sets` (every sequence `lengths[b]` long); the split count used goes
-/// into the row's extras (`splits`, and `splits_from`: `--splits` or `heuristic`).
+/// Time one decoding case on `sets` (every sequence `lengths[b]` long); the kernel and split count
+/// used go into the row's extras (`strategy`; `splits`, and `splits_from`: `--splits` or
+/// `heuristic`), and for FlashDecoding++ `phi` and the rows that fell back (`fallback_rows`, from
+/// one more untimed call).
 fn run_decode_case(
     gpu: &Gpu,
     plan: &Plan,
@@ -326,28 +332,38 @@ fn run_decode_case(
             return (Row { case, outcome: Outcome::Failed(why) }, Map::new());
         }
     };
-    // What `decode::forward` picks without `--splits`: the same heuristic on the same inputs.
-    let splits = plan.splits.unwrap_or_else(|| {
-        let max_len = lengths.iter().copied().max().unwrap_or(0);
-        let rows_per_kv_head = case.heads_q / case.heads_kv.max(1) * case.n_q;
-        decode::default_splits(
-            case.batch,
-            case.heads_kv,
-            rows_per_kv_head,
-            max_len,
-            gpu.sm_count() as usize,
-        )
-    });
     let (warmup, repeats) = (plan.warmup_of(rung), plan.repeats_of(rung));
-    let opts = DecodeOptions { scale: None, splits: plan.splits };
+    let opts = DecodeOptions {
+        splits: plan.splits,
+        strategy: plan.pp_strategy,
+        phi: plan.phi,
+        ..DecodeOptions::default()
+    };
+    // What `decode::forward` picks: the same plan on the same shape.
+    let max_len = lengths.iter().copied().max().unwrap_or(0);
+    let rows_per_kv_head = case.heads_q / case.heads_kv.max(1) * case.n_q;
+    let strategy = rung.decode_options(&opts).strategy;
+    let sms = gpu.sm_count() as usize;
+    let bh = case.batch * case.heads_kv;
+    let resolved = decode::plan(strategy, plan.splits, rows_per_kv_head, max_len, bh, sms);
     let n_new = case.n_q;
     let timed = timing::decode_step(rung, gpu, sets, n_new, lengths, opts).and_then(|mut step| {
         timing::measure(gpu, &mut step, sets.len(), warmup, repeats, plan.budget_ms)
     });
+    let measured = timed.is_ok();
     let (row, mut extra) = outcome(case, timed, sets.len());
-    extra.insert("splits".into(), json!(splits));
+    if let Ok(p) = resolved {
+        extra.insert("strategy".into(), json!(p.strategy.name()));
+        extra.insert("splits".into(), json!(p.splits));
+    }
     let from = if plan.splits.is_some() { "--splits" } else { "heuristic" };
     extra.insert("splits_from".into(), json!(from));
+    if strategy.is_pp() && measured {
+        extra.insert("phi".into(), json!(plan.phi));
+        if let Ok(stats) = timing::decode_stats(rung, gpu, sets, n_new, lengths, opts) {
+            extra.insert("fallback_rows".into(), json!(stats.fallback_rows));
+        }
+    }
     (row, extra)
 }
 

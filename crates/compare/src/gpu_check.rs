@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use anyhow::bail;
-use ladder_kernels::decode::{DecodeOptions, KvCache};
+use ladder_kernels::decode::{self, DecodeOptions, DecodeStats, KvCache};
 use ladder_kernels::{DType, Gpu, GpuConfig, KernelCache, KernelError, Options, Tensor};
 use ladder_reference::{
     AttentionOptions, AttentionOutput, Fa2Options, Gradients, fa2 as cpu_fa2, naive,
@@ -186,15 +186,16 @@ pub fn forward(
 
 /// Runs the decoding rung `rung` on `x` (already rounded to `dtype`) as one decoding step: `x.q`'s
 /// `n_q` rows are the new tokens, `x.k` and `x.v` a full contiguous cache (every sequence `n_kv`
-/// long, the new tokens its last entries, causal among themselves). Returns the output and the
-/// kernel time.
+/// long, the new tokens its last entries, causal among themselves). Returns the output, the
+/// kernel time and what the call did ([`decode::forward_with_stats`] run once more, untimed: the
+/// kernel and split count, and FlashDecoding++'s fallback rows).
 pub fn decode(
     gpu: &Gpu,
     rung: GpuRung,
     x: &Inputs<f64>,
     opts: &DecodeOptions,
     dtype: DType,
-) -> anyhow::Result<(AttentionOutput<f32>, Duration)> {
+) -> anyhow::Result<(AttentionOutput<f32>, Duration, DecodeStats)> {
     let Kernels::Decode(run) = rung.kernels() else {
         bail!("{rung} is not a decoding rung");
     };
@@ -209,12 +210,13 @@ pub fn decode(
         Ok(())
     })?;
     let out = out.expect("set by the timed closure");
+    let (_, stats) = decode::forward_with_stats(gpu, &q, cache, &rung.decode_options(opts))?;
     let got = AttentionOutput {
         o: download4(&out.o, [b, hq, n_q, d])?,
         lse: download3(&out.lse, [b, hq, n_q])?,
         stats: Default::default(),
     };
-    Ok((got, Duration::from_secs_f64(f64::from(ms) / 1e3)))
+    Ok((got, Duration::from_secs_f64(f64::from(ms) / 1e3), stats))
 }
 
 /// The oracle's tolerances for a GPU forward rung computing on `x` in `dtype`: twice the error of

@@ -9,7 +9,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use ladder_kernels::decode::{self, Cache, DecodeOptions};
+use ladder_kernels::decode::{self, Cache, DecodeOptions, Strategy};
 use ladder_kernels::{DType, Gpu, Gradients, Options, Output, Tensor, fa1, fa2, fa3};
 
 use crate::results::Direction;
@@ -151,14 +151,35 @@ const FLASH_DECODING: Spec = Spec {
     kernels: Kernels::Decode(flash_decoding),
 };
 
-/// [`decode::forward`] on a [`Cache`]: the generic function at one type, for the table.
+const FLASH_DECODING_PP: Spec = Spec {
+    name: "flash-decoding-pp",
+    label: "flash-decoding-pp-gpu",
+    direction: Direction::Decode,
+    head_dims: decode::HEAD_DIMS,
+    dtypes: decode::DTYPES,
+    cpu: Rung::FlashDecodingPp,
+    kernels: Kernels::Decode(flash_decoding_pp),
+};
+
+/// [`decode::forward`] with FlashDecoding's kernels whatever the options' strategy.
 fn flash_decoding(
     gpu: &Gpu,
     q: &Tensor,
     cache: Cache<'_>,
     opts: &DecodeOptions,
 ) -> ladder_kernels::Result<Output> {
-    decode::forward(gpu, q, cache, opts)
+    decode::forward(gpu, q, cache, &GpuRung::FlashDecoding.decode_options(opts))
+}
+
+/// [`decode::forward`] with FlashDecoding++'s kernels: the options' GEMV or flat GEMM if they
+/// force one, else the one the rows call for.
+fn flash_decoding_pp(
+    gpu: &Gpu,
+    q: &Tensor,
+    cache: Cache<'_>,
+    opts: &DecodeOptions,
+) -> ladder_kernels::Result<Output> {
+    decode::forward(gpu, q, cache, &GpuRung::FlashDecodingPp.decode_options(opts))
 }
 
 /// A GPU kernel of the ladder, one per (algorithm, direction).
@@ -176,17 +197,21 @@ pub enum GpuRung {
     Fa2BackwardDeterministic,
     /// FlashDecoding (`ladder_kernels::decode::forward`): new tokens against a KV cache.
     FlashDecoding,
+    /// FlashDecoding++ (`ladder_kernels::decode::forward` with a FlashDecoding++ strategy):
+    /// unified max, flat GEMM or GEMV, rows out of range recomputed by FlashDecoding.
+    FlashDecodingPp,
 }
 
 impl GpuRung {
     /// Every GPU rung, in table order.
-    pub const ALL: [GpuRung; 6] = [
+    pub const ALL: [GpuRung; 7] = [
         GpuRung::Fa1,
         GpuRung::Fa2,
         GpuRung::Fa3,
         GpuRung::Fa2Backward,
         GpuRung::Fa2BackwardDeterministic,
         GpuRung::FlashDecoding,
+        GpuRung::FlashDecodingPp,
     ];
 
     /// Everything about the rung.
@@ -198,7 +223,21 @@ impl GpuRung {
             GpuRung::Fa2Backward => &FA2_BACKWARD,
             GpuRung::Fa2BackwardDeterministic => &FA2_BACKWARD_DETERMINISTIC,
             GpuRung::FlashDecoding => &FLASH_DECODING,
+            GpuRung::FlashDecodingPp => &FLASH_DECODING_PP,
         }
+    }
+
+    /// The decoding options the rung runs with: `opts` with its strategy pinned to the rung's
+    /// kernels (FlashDecoding; or FlashDecoding++, keeping a forced GEMV or flat GEMM). Other
+    /// rungs leave `opts` as it is.
+    pub fn decode_options(self, opts: &DecodeOptions) -> DecodeOptions {
+        let strategy = match self {
+            GpuRung::FlashDecoding => Strategy::FlashDecoding,
+            GpuRung::FlashDecodingPp if opts.strategy.is_pp() => opts.strategy,
+            GpuRung::FlashDecodingPp => Strategy::FlashDecodingPp,
+            _ => opts.strategy,
+        };
+        DecodeOptions { strategy, ..*opts }
     }
 
     /// The CLI and CSV name (`fa1`, `fa2`, `flash-decoding`): the same for both directions of
@@ -261,7 +300,8 @@ impl GpuRung {
         GpuRung::ALL.into_iter().find(|r| r.name() == name && r.direction() == direction)
     }
 
-    /// The distinct names, in table order (`fa1`, `fa2`, `fa3`, `fa2-det`, `flash-decoding`).
+    /// The distinct names, in table order (`fa1`, `fa2`, `fa3`, `fa2-det`, `flash-decoding`,
+    /// `flash-decoding-pp`).
     pub fn names() -> Vec<&'static str> {
         let mut names: Vec<&'static str> = Vec::new();
         for r in GpuRung::ALL {
@@ -297,7 +337,10 @@ mod tests {
 
     #[test]
     fn names_labels_and_lookups_agree() {
-        assert_eq!(GpuRung::names(), ["fa1", "fa2", "fa3", "fa2-det", "flash-decoding"]);
+        assert_eq!(
+            GpuRung::names(),
+            ["fa1", "fa2", "fa3", "fa2-det", "flash-decoding", "flash-decoding-pp"]
+        );
         for r in GpuRung::ALL {
             assert_eq!(r.label().parse::<GpuRung>(), Ok(r));
             assert_eq!(GpuRung::find(r.name(), r.direction()), Some(r));
@@ -330,5 +373,24 @@ mod tests {
             ("flash-decoding-gpu", Rung::FlashDecoding, "flash-decoding".to_string())
         );
         assert!(fd.supports(128) && fd.dtypes() == [DType::F16, DType::BF16]);
+        let pp = GpuRung::FlashDecodingPp;
+        assert_eq!(GpuRung::find("flash-decoding-pp", Direction::Decode), Some(pp));
+        assert_eq!(
+            (pp.label(), pp.cpu(), pp.cpu_label()),
+            ("flash-decoding-pp-gpu", Rung::FlashDecodingPp, "flash-decoding-pp".to_string())
+        );
+        assert_eq!("flash-decoding-pp-gpu".parse::<GpuRung>(), Ok(pp));
+    }
+
+    #[test]
+    fn decoding_rungs_pin_their_strategy() {
+        let with = |strategy| DecodeOptions { strategy, phi: 1.5, ..DecodeOptions::default() };
+        for s in Strategy::ALL {
+            let fd = GpuRung::FlashDecoding.decode_options(&with(s));
+            assert_eq!((fd.strategy, fd.phi), (Strategy::FlashDecoding, 1.5));
+            let pp = GpuRung::FlashDecodingPp.decode_options(&with(s)).strategy;
+            assert_eq!(pp, if s.is_pp() { s } else { Strategy::FlashDecodingPp }, "{s}");
+            assert_eq!(GpuRung::Fa2.decode_options(&with(s)).strategy, s);
+        }
     }
 }

@@ -35,7 +35,7 @@ enum Command {
     /// Run one rung on your own tensors (.npy, float16/32/64, shape [batch, heads, seq, head_dim]).
     Run(run::RunArgs),
     /// Time the GPU rungs (CUDA events) at the FlashAttention-3 paper's shapes, and FlashDecoding
-    /// with `--direction decode`; write CSV, JSON and TFLOP/s (decode: TB/s) charts (with
+    /// and FlashDecoding++ with `--direction decode`; write CSV, JSON and TFLOP/s (decode: TB/s) charts (with
     /// scripts/peers.py's PyTorch/Triton figures when present).
     Bench(bench::BenchArgs),
 }
@@ -55,7 +55,8 @@ struct RungArgs {
     /// K/V splits of the decoding rungs.
     #[arg(long, default_value_t = 8)]
     splits: usize,
-    /// FlashDecoding++'s unified max φ [default: estimated per head from 64 sampled keys].
+    /// FlashDecoding++'s unified max φ [default: estimated per head from 64 sampled keys on the
+    /// CPU, 0 on the GPU].
     #[arg(long)]
     phi: Option<f64>,
     /// Turn off incoherent processing on the FP8 path.

@@ -224,7 +224,7 @@ impl RunArgs {
             }
             Device::Gpu => {
                 let rung = gpu_forward(self.rung).ok_or_else(|| {
-                    // A decoding kernel (FlashDecoding) takes a KV cache, not `run`'s Q, K, V.
+                    // A decoding kernel (FlashDecoding, FlashDecoding++) takes a KV cache, not `run`'s Q, K, V.
                     let decoding = GpuRung::ALL
                         .into_iter()
                         .any(|g| g.direction() == Direction::Decode && g.cpu() == self.rung);

@@ -318,9 +318,11 @@ pub fn render(rows: &[Row]) -> String {
 }
 
 /// The GPU rungs on each case, in fp16: FA1 and FA2 forward against their CPU rungs, FA2
-/// backward against the CPU FA2 backward, and FlashDecoding (on a case of at most 16 queries,
-/// causal or a single one: a decoding step, the queries the last tokens of a full cache) against
-/// the CPU FlashDecoding rung with the same split count, all on the case's inputs rounded to fp16
+/// backward against the CPU FA2 backward, and FlashDecoding and FlashDecoding++ (on a case of at
+/// most 16 queries, causal or a single one: a decoding step, the queries the last tokens of a
+/// full cache) against the CPU rungs 5 and 6 with the same split count (and `--phi`, which the
+/// GPU takes as its `φ`, default [`ladder_kernels::decode::DEFAULT_PHI`]; without it the CPU rung
+/// estimates its own), all on the case's inputs rounded to fp16
 /// and judged by the float64 oracle of those inputs (tolerance: twice the 16-bit naive error, see
 /// [`crate::low_precision`]). Times are the kernels' own (CUDA events), the first call of a
 /// variant including its compilation.
@@ -336,6 +338,7 @@ pub fn gpu_rows(
     use crate::results::Direction;
     use ladder_kernels::DType;
     use ladder_kernels::decode::{self, DecodeOptions};
+    use ladder_reference::Phi;
 
     let dtype = DType::F16;
     let mut rows = Vec::new();
@@ -395,11 +398,29 @@ pub fn gpu_rows(
                         continue;
                     }
                     let splits = config.splits;
-                    let decode_config = RungConfig { splits, ..cpu_config };
+                    let decode_config = RungConfig { splits, phi: config.phi, ..cpu_config };
                     let cpu_out = rung.cpu().forward(q, k, v, &decode_config)?;
-                    let decode_opts = DecodeOptions { scale: opts.scale, splits: Some(splits) };
-                    let (out, elapsed) = gpu_check::decode(gpu, rung, &x, &decode_opts, dtype)?;
-                    let note = format!("fp16 on {}, {splits} splits (--splits)", gpu.name());
+                    // φ: --phi, or the GPU's default (the CPU rung estimates its own without it).
+                    let phi = match config.phi {
+                        Phi::Given(phi) => phi as f32,
+                        Phi::Estimate { .. } => decode::DEFAULT_PHI,
+                    };
+                    let decode_opts = DecodeOptions {
+                        scale: opts.scale,
+                        splits: Some(splits),
+                        phi,
+                        ..DecodeOptions::default()
+                    };
+                    let (out, elapsed, stats) =
+                        gpu_check::decode(gpu, rung, &x, &decode_opts, dtype)?;
+                    let mut note = format!("fp16 on {}, {splits} splits (--splits)", gpu.name());
+                    if let Some(rows) = stats.fallback_rows {
+                        let _ = write!(
+                            note,
+                            ", {}, φ = {phi}, {rows} fallback rows",
+                            stats.plan.strategy
+                        );
+                    }
                     forward_row(rung, &out, &cpu_out, elapsed, note)
                 }
                 Direction::Bwd => {

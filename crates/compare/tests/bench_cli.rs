@@ -268,8 +268,9 @@ fn quick_bench_on_the_gpu_writes_csv_json_meta_and_charts() {
     assert!(stderr.contains("fa1 (scalar FP32"), "the FA1 limits are said: {stderr}");
 }
 
-/// On a GPU machine: a tiny decode run writes FlashDecoding rows with TB/s, the split count in
-/// bench.json, and the decode chart.
+/// On a GPU machine: a tiny decode run writes FlashDecoding and FlashDecoding++ rows with TB/s,
+/// the kernel and split count in bench.json (and FlashDecoding++'s φ and fallback rows), and the
+/// decode chart.
 #[test]
 fn decode_bench_on_the_gpu_writes_tbps_rows_and_splits() {
     let Some(gpu) = ladder_compare::gpu_check::gpu_or_skip("decode_bench_on_the_gpu") else {
@@ -290,11 +291,17 @@ fn decode_bench_on_the_gpu_writes_tbps_rows_and_splits() {
         assert!(run.status.success(), "{stderr}\n{stdout}");
         let csv = std::fs::read_to_string(out.join("bench.csv")).unwrap();
         let rows: Vec<Vec<&str>> = csv.lines().skip(1).map(|l| l.split(',').collect()).collect();
-        assert_eq!(rows.len(), 2, "{csv}");
-        for (row, len) in rows.iter().zip(["1024", "4096"]) {
+        assert_eq!(rows.len(), 4, "{csv}");
+        let expected = [
+            ("flash-decoding", "1024"),
+            ("flash-decoding-pp", "1024"),
+            ("flash-decoding", "4096"),
+            ("flash-decoding-pp", "4096"),
+        ];
+        for (row, (imp, len)) in rows.iter().zip(expected) {
             assert_eq!(
                 row[..10],
-                ["flash-decoding", "decode", "fp16", "false", "2", "32", "8", "1", len, "128"]
+                [imp, "decode", "fp16", "false", "2", "32", "8", "1", len, "128"]
             );
             let tbps: f64 = row[12].parse().unwrap();
             assert!(tbps > 0.0 && tbps.is_finite(), "{row:?}");
@@ -307,6 +314,15 @@ fn decode_bench_on_the_gpu_writes_tbps_rows_and_splits() {
             match splits {
                 Some(s) => assert_eq!(used.to_string(), s),
                 None => assert!(used >= 1 && row["splits_from"] == "heuristic", "{row}"),
+            }
+            // 4 query heads per kv head, one token: the flat GEMM; no row of these inputs (scores
+            // within a few units of φ = 0) falls back.
+            if row["impl"] == "flash-decoding-pp" {
+                assert_eq!(row["strategy"], "flat-gemm", "{row}");
+                assert_eq!(row["fallback_rows"], 0, "{row}");
+                assert_eq!(row["phi"], 0.0, "{row}");
+            } else {
+                assert_eq!(row["strategy"], "flash-decoding", "{row}");
             }
         }
         assert!(out.join("decode-fp16-d128-b2.svg").exists());
@@ -326,8 +342,8 @@ fn paged_and_speculative_decode_rows_on_the_gpu() {
     let out = dir.path().join("r");
     let run = ladder(&[
         "bench",
-        "--direction",
-        "decode",
+        "--rung",
+        "flash-decoding",
         "--n",
         "3000",
         "--batch",

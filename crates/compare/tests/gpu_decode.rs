@@ -1,5 +1,5 @@
-//! The GPU FlashDecoding rung (`ladder_kernels::decode`) against the float64 oracle and the CPU
-//! rung, with a contiguous and a paged KV cache.
+//! The GPU decoding rungs (`ladder_kernels::decode`: FlashDecoding and FlashDecoding++) against
+//! the float64 oracle and the CPU rungs, with a contiguous and a paged KV cache.
 //!
 //! Each sequence `b` of a decoding call is the full-attention problem of its `n_new` new tokens
 //! against its first `lengths[b]` cache entries, causal bottom-right (the project's convention
@@ -18,7 +18,25 @@
 //!   per-sequence lengths from 0 to the capacity, contiguous or paged, against the oracle and the
 //!   CPU rung `ladder_reference::flash_decoding` with the same split count.
 //! - Bad input: errors, never a panic; a page table that lives only on the device and points
-//!   outside the cache makes exactly its sequence's rows NaN.
+//!   outside the cache makes exactly its sequence's rows NaN (FlashDecoding and FlashDecoding++).
+//!
+//! FlashDecoding++ and the dispatcher (`DecodeOptions::strategy`):
+//!
+//! - Every strategy (auto, FlashDecoding, FlashDecoding++ by the rows, its GEMV and its flat GEMM
+//!   forced) on the fixed cases and two large enough for the dispatcher to pick FlashDecoding++:
+//!   within tolerance of the oracle and of the automatic choice. Bit for bit only where the same
+//!   kernels run with the same split count: auto and the strategy it picked, paged and contiguous
+//!   caches, and a FlashDecoding++ row that fell back and FlashDecoding's row. Different kernels
+//!   sum in different orders and round `P` differently, so they agree within the sum of their
+//!   tolerances.
+//! - Forced fallbacks: `φ` ±100 (every row that sees a key falls back), logit spikes past the
+//!   safe window (score 60; and 20, past fp16's ±5.5 but inside bf16's ±44), a window of ±0.2
+//!   (rows on both sides in one call): the count is the one predicted from the float64 scores by
+//!   the CPU rung's rule, the rows that fell back are FlashDecoding's, bit for bit.
+//! - Drawn shapes for every strategy against the oracle, the automatic choice and the CPU rung of
+//!   the kernel that ran (rung 6 with the same `φ`, window and split count, and its fallback
+//!   count); drawn shapes with `φ` ±100.
+//! - Bad `φ`, window or split count: configuration errors.
 //!
 //! Without a GPU these tests print a notice and pass; with `LADDER_REQUIRE_GPU=1` a missing GPU
 //! fails them. `LADDER_GPU_CASES` sets the number of drawn cases (default 48).
@@ -27,9 +45,15 @@ use ladder_compare::Inputs;
 use ladder_compare::cases::{permutation, pseudo_random};
 use ladder_compare::gpu_check::{self, narrow, shared_gpu};
 use ladder_compare::oracle::{Expected, Oracle, judge_between};
-use ladder_kernels::decode::{self, Cache, DecodeOptions, KvCache, PageTable, PagedKvCache};
+use ladder_kernels::decode::{
+    self, Cache, DecodeOptions, DecodeStats, KvCache, PageTable, PagedKvCache,
+    Strategy as DecodeStrategy,
+};
 use ladder_kernels::{DType, Gpu, KernelError, Output, Tensor, round_to};
-use ladder_reference::{AttentionOptions, AttentionOutput, FlashDecodingOptions, flash_decoding};
+use ladder_reference::{
+    AttentionOptions, AttentionOutput, FlashDecodingOptions, FlashDecodingPpOptions, Phi,
+    flash_decoding, flash_decoding_pp,
+};
 use ndarray::{Array3, Array4, s};
 use proptest::prelude::*;
 
@@ -106,6 +130,16 @@ impl Case {
     fn options(&self) -> (AttentionOptions, f32) {
         let (attention, opts) = gpu_check::options(&AttentionOptions::causal(), self.d);
         (attention, opts.scale.expect("options() sets the scale"))
+    }
+
+    /// The call's options: the case's scale, `strategy`, `splits` and `φ` (the default window).
+    fn decode_options(
+        &self,
+        strategy: DecodeStrategy,
+        splits: Option<usize>,
+        phi: f32,
+    ) -> DecodeOptions {
+        DecodeOptions { scale: Some(self.options().1), splits, strategy, phi, safe_range: None }
     }
 
     /// The split count the kernel uses for `splits` (the heuristic's when `None`).
@@ -227,11 +261,20 @@ fn upload(gpu: &Gpu, case: &Case, x: &HostInputs, layout: Layout) -> Device {
     }
 }
 
-/// One call on `dev` with `splits`.
+/// One FlashDecoding call on `dev` with `splits`.
 fn launch(gpu: &Gpu, case: &Case, dev: &Device, splits: Option<usize>) -> Output {
-    let opts = DecodeOptions { scale: Some(case.options().1), splits };
-    decode::forward(gpu, &dev.q, dev.cache(&case.lengths), &opts)
-        .unwrap_or_else(|e| panic!("{case:?} splits {splits:?}: {e}"))
+    launch_with(gpu, case, dev, &case.decode_options(DecodeStrategy::FlashDecoding, splits, 0.0)).0
+}
+
+/// One call on `dev` with `opts`, and what it did.
+fn launch_with(
+    gpu: &Gpu,
+    case: &Case,
+    dev: &Device,
+    opts: &DecodeOptions,
+) -> (Output, DecodeStats) {
+    decode::forward_with_stats(gpu, &dev.q, dev.cache(&case.lengths), opts)
+        .unwrap_or_else(|e| panic!("{case:?} {opts:?}: {e}"))
 }
 
 /// `O` and `lse` on the host.
@@ -536,7 +579,7 @@ fn gpu_decode_bad_input_is_an_error_not_a_panic() {
     let f16 = DType::F16;
     let run = |q: &Tensor, k: &Tensor, v: &Tensor, lengths: &[usize], splits: Option<usize>| {
         let cache = KvCache { k, v, lengths };
-        decode::forward(gpu, q, cache, &DecodeOptions { scale: None, splits })
+        decode::forward(gpu, q, cache, &DecodeOptions { splits, ..DecodeOptions::default() })
     };
     let q = t(&[2, 8, 1, 64], f16);
     let kv = t(&[2, 2, 50, 64], f16);
@@ -605,7 +648,8 @@ fn gpu_decode_bad_input_is_an_error_not_a_panic() {
 /// A paged cache with a bad table or bad pages is an error value when the table's entries are
 /// known on the host. A table that lives only on the device is not read back: an entry outside
 /// the cache makes every row of its sequence NaN (the kernel never follows it), and the other
-/// sequences are exactly as with a good table.
+/// sequences are exactly as with a good table. The same for FlashDecoding and both FlashDecoding++
+/// kernels (a NaN row does not fall back).
 #[test]
 fn gpu_decode_bad_page_tables_are_errors_or_nan_rows() {
     let Some(gpu) = gpu() else { return };
@@ -625,13 +669,33 @@ fn gpu_decode_bad_page_tables_are_errors_or_nan_rows() {
         |values: &[f32], dtype: DType| gpu.upload(values, &pages.shape, dtype).expect("upload");
     let (k, v) = (upload_pages(&pages.k, case.dtype), upload_pages(&pages.v, case.dtype));
     let q = upload_values(gpu, &x.q.iter().copied().collect::<Vec<_>>(), x.q.shape(), case.dtype);
+    for strategy in [DecodeStrategy::FlashDecoding, DecodeStrategy::Gemv, DecodeStrategy::FlatGemm]
+    {
+        bad_page_tables(gpu, &case, &pages, (&q, &k, &v), strategy);
+    }
+}
+
+/// [`gpu_decode_bad_page_tables_are_errors_or_nan_rows`] with one strategy.
+fn bad_page_tables(
+    gpu: &Gpu,
+    case: &Case,
+    pages: &HostPages,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    strategy: DecodeStrategy,
+) {
+    let upload_pages =
+        |values: &[f32], dtype: DType| gpu.upload(values, &pages.shape, dtype).expect("upload");
+    let opts = DecodeOptions { splits: Some(2), strategy, ..DecodeOptions::default() };
     let call = |k: &Tensor, v: &Tensor, table: &PageTable, lengths: &[usize]| {
         let cache = PagedKvCache { k_pages: k, v_pages: v, page_table: table, lengths };
-        decode::forward(gpu, &q, cache, &DecodeOptions { scale: None, splits: Some(2) })
+        decode::forward_with_stats(gpu, q, cache, &opts).map(|(out, stats)| {
+            assert_eq!(stats.fallback_rows.unwrap_or(0), 0, "{strategy}: no row falls back");
+            out
+        })
     };
     let good = PageTable::upload(gpu, &pages.entries, 2, pages.max_pages).expect("table");
-    let reference = call(&k, &v, &good, &case.lengths).expect("a good table");
-    let (o_ref, lse_ref) = to_host(&case, &reference);
+    let reference = call(k, v, &good, &case.lengths).expect("a good table");
+    let (o_ref, lse_ref) = to_host(case, &reference);
 
     // Host-checked tables: an entry past the last page or negative, where sequence 1 reads it
     // (its third page of three), and a table too short for a length.
@@ -640,20 +704,20 @@ fn gpu_decode_bad_page_tables_are_errors_or_nan_rows() {
         let mut entries = pages.entries.clone();
         entries[pages.max_pages + 2] = bad;
         let table = PageTable::upload(gpu, &entries, 2, pages.max_pages).expect("table");
-        let r = call(&k, &v, &table, &case.lengths);
+        let r = call(k, v, &table, &case.lengths);
         assert!(
             matches!(&r, Err(KernelError::PageTable(m)) if m.contains("page_table[1][2]")),
             "entry {bad}: {r:?}"
         );
     }
-    let r = call(&k, &v, &good, &[100, 7 * 16 + 1]);
+    let r = call(k, v, &good, &[100, 7 * 16 + 1]);
     assert!(matches!(&r, Err(KernelError::PageTable(m)) if m.contains("needs 8 pages")), "{r:?}");
     // Entries past what a length reads are never read, checked or not: garbage there is fine.
     let mut padded = pages.entries.clone();
     padded[pages.max_pages + 5] = 1 << 30;
     for device_only in [false, true] {
         let table = upload_table(gpu, &padded, 2, device_only);
-        let out = call(&k, &v, &table, &case.lengths).expect("entries past the length");
+        let out = call(k, v, &table, &case.lengths).expect("entries past the length");
         assert_eq!(bytes(&out), bytes(&reference), "device-only table: {device_only}");
     }
     // Page sizes the kernel does not take, pages of another dtype, v unlike k, a table of
@@ -665,13 +729,13 @@ fn gpu_decode_bad_page_tables_are_errors_or_nan_rows() {
         assert!(matches!(r, Err(KernelError::Config(_))), "pages of {page}: {r:?}");
     }
     let k_bf = upload_pages(&pages.k, DType::BF16);
-    let r = call(&k_bf, &v, &good, &case.lengths);
+    let r = call(&k_bf, v, &good, &case.lengths);
     assert!(matches!(r, Err(KernelError::DType(_))), "{r:?}");
     let fewer = gpu.zeros(&[5, 2, 16, 64], DType::F16).expect("zeros");
-    let r = call(&k, &fewer, &good, &case.lengths);
+    let r = call(k, &fewer, &good, &case.lengths);
     assert!(matches!(r, Err(KernelError::Shape(_))), "{r:?}");
     let three = PageTable::upload(gpu, &[0; 3], 3, 1).expect("table");
-    let r = call(&k, &v, &three, &case.lengths);
+    let r = call(k, v, &three, &case.lengths);
     assert!(matches!(r, Err(KernelError::Shape(_))), "{r:?}");
     let wide = gpu.zeros(&[17, 2, 16, 128], DType::F16).expect("zeros");
     let r = call(&wide, &wide, &good, &case.lengths);
@@ -683,8 +747,8 @@ fn gpu_decode_bad_page_tables_are_errors_or_nan_rows() {
         let mut entries = pages.entries.clone();
         entries[pages.max_pages + 1] = bad;
         let table = upload_table(gpu, &entries, 2, true);
-        let out = call(&k, &v, &table, &case.lengths).expect("not checked on the host");
-        let (o, lse) = to_host(&case, &out);
+        let out = call(k, v, &table, &case.lengths).expect("not checked on the host");
+        let (o, lse) = to_host(case, &out);
         assert!(o.slice(s![1, .., .., ..]).iter().all(|v| v.is_nan()), "entry {bad}: O");
         assert!(lse.slice(s![1, .., ..]).iter().all(|v| v.is_nan()), "entry {bad}: lse");
         let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
@@ -694,8 +758,504 @@ fn gpu_decode_bad_page_tables_are_errors_or_nan_rows() {
         assert!(same(&lse0(&lse), &lse0(&lse_ref)), "entry {bad}: sequence 0's lse changed");
         let checked = table.with_host_copy().expect("copy back");
         assert!(checked.has_host_copy());
-        let r = call(&k, &v, &checked, &case.lengths);
+        let r = call(k, v, &checked, &case.lengths);
         assert!(matches!(r, Err(KernelError::PageTable(_))), "entry {bad}: {r:?}");
+    }
+}
+
+// ---- FlashDecoding++ and the dispatcher ---------------------------------------------------------
+
+/// FlashDecoding++ with the kernel the rows call for, and each of its kernels forced.
+const PP: [DecodeStrategy; 3] =
+    [DecodeStrategy::FlashDecodingPp, DecodeStrategy::Gemv, DecodeStrategy::FlatGemm];
+
+/// The default safe window of `dtype` in the CPU rung's `f64`.
+fn window(dtype: DType) -> (f64, f64) {
+    let (lo, hi) = decode::default_safe_range(dtype);
+    (f64::from(lo), f64::from(hi))
+}
+
+/// What FlashDecoding++ must do with one output row, by the CPU rung's rule on the float64 scores
+/// of the rounded inputs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum RowFate {
+    /// No visible key: `O = 0`, `lse = −∞`, no fallback.
+    NoKey,
+    /// The largest score minus `φ` lies inside the window: kept.
+    Kept,
+    /// Outside the window: recomputed by FlashDecoding.
+    FallsBack,
+    /// Within 10⁻³ (relative) of an edge of the window: the kernel's `f32` scores may go either
+    /// way.
+    Edge,
+}
+
+/// The fate of every output row of `case` on `x`, in `[batch, heads_q, n_new]` order, for `φ` and
+/// the window `(lo, hi)` of `max_j s_j − φ`.
+fn row_fates(case: &Case, x: &HostInputs, phi: f64, (lo, hi): (f64, f64)) -> Vec<RowFate> {
+    let scale = f64::from(case.options().1);
+    let group = case.heads_q / case.heads_kv;
+    let mut fates = Vec::new();
+    for (b, &len) in case.lengths.iter().enumerate() {
+        for h in 0..case.heads_q {
+            for t in 0..case.n_new {
+                // Token t sees keys j ≤ len − n_new + t.
+                let visible = (len + t + 1).saturating_sub(case.n_new);
+                if visible == 0 {
+                    fates.push(RowFate::NoKey);
+                    continue;
+                }
+                let q = x.q.slice(s![b, h, t, ..]);
+                let score = |j: usize| {
+                    let k = x.k.slice(s![b, h / group, j, ..]);
+                    scale * q.iter().zip(k).map(|(&a, &c)| f64::from(a) * f64::from(c)).sum::<f64>()
+                };
+                let offset = (0..visible).map(score).fold(f64::NEG_INFINITY, f64::max) - phi;
+                let margin = 1e-3 * (1.0 + offset.abs());
+                fates.push(if (offset - lo).abs() < margin || (offset - hi).abs() < margin {
+                    RowFate::Edge
+                } else if offset < lo || offset > hi {
+                    RowFate::FallsBack
+                } else {
+                    RowFate::Kept
+                });
+            }
+        }
+    }
+    fates
+}
+
+/// A fallback count against the fates: at least every row that falls back, at most those and the
+/// rows on an edge.
+fn assert_fallback_count(what: &str, rows: Option<usize>, fates: &[RowFate]) {
+    let count = |f: RowFate| fates.iter().filter(|&&x| x == f).count();
+    let (sure, edge) = (count(RowFate::FallsBack), count(RowFate::Edge));
+    let n = rows.unwrap_or_else(|| panic!("{what}: FlashDecoding++ reports its fallback rows"));
+    assert!(
+        sure <= n && n <= sure + edge,
+        "{what}: {n} rows fell back, expected {sure} (+ up to {edge} on the window's edges)"
+    );
+}
+
+/// Cases large enough (at least `decode::PP_MIN_KEYS` cache entries) for the dispatcher to pick
+/// FlashDecoding++: one row per kv head (the GEMV) and eight (the flat GEMM).
+fn large_cases(dtype: DType) -> Vec<Case> {
+    let case = |heads_q, heads_kv, n_new, capacity, lengths: &[usize], seed| Case {
+        heads_q,
+        heads_kv,
+        n_new,
+        d: 128,
+        capacity,
+        lengths: lengths.to_vec(),
+        dtype,
+        seed,
+    };
+    vec![case(8, 8, 1, 8200, &[8200], 31), case(32, 8, 2, 8200, &[8200, 5000], 32)]
+}
+
+/// Every strategy on `case` with the heuristic's split count and with 3 splits: each within
+/// tolerance of the oracle and of the automatic choice (different kernels sum in different orders
+/// and round `P` differently, so they agree within the sum of their tolerances, not bit for bit);
+/// the automatic call gives the same bits as the strategy it picked, forced; FlashDecoding++
+/// reports the predicted fallback rows (none here: every score lies within a few units of
+/// `φ = 0`), FlashDecoding none at all.
+fn check_strategies(case: &Case) {
+    let Some(gpu) = gpu() else { return };
+    let x = case.inputs();
+    let dev = upload(gpu, case, &x, Layout::Contiguous);
+    let fates = row_fates(case, &x, 0.0, window(case.dtype));
+    for splits in [None, Some(3)] {
+        let runs: Vec<(DecodeStrategy, Output, DecodeStats)> = DecodeStrategy::ALL
+            .iter()
+            .map(|&strategy| {
+                let (out, stats) =
+                    launch_with(gpu, case, &dev, &case.decode_options(strategy, splits, 0.0));
+                (strategy, out, stats)
+            })
+            .collect();
+        let auto = &runs[0];
+        assert_eq!(auto.0, DecodeStrategy::Auto);
+        let picked = auto.2.plan.strategy;
+        let forced = runs.iter().find(|r| r.0 == picked).expect("auto picks a kernel");
+        assert_eq!(
+            bytes(&auto.1),
+            bytes(&forced.1),
+            "{case:?} splits {splits:?}: auto ({:?}) is not the same bits as {picked} forced",
+            auto.2.plan
+        );
+        for (strategy, _, stats) in &runs {
+            let what = format!("{case:?} {strategy} splits {splits:?}");
+            assert_eq!(stats.fallback_rows.is_some(), stats.plan.strategy.is_pp(), "{what}");
+            if stats.plan.strategy.is_pp() {
+                assert_fallback_count(&what, stats.fallback_rows, &fates);
+            }
+            if let Some(s) = splits {
+                assert_eq!(stats.plan.splits, s, "{what}");
+            }
+        }
+        let host: Vec<_> = runs.iter().map(|(s, out, _)| (*s, to_host(case, out))).collect();
+        for (b, &len) in case.lengths.iter().enumerate() {
+            if len == 0 {
+                for (strategy, (o, lse)) in &host {
+                    assert_empty(&format!("{case:?} {strategy} splits {splits:?}"), o, lse, b);
+                }
+                continue;
+            }
+            let expected = expected_for(case, &x, b);
+            let auto = sequence(&host[0].1.0, &host[0].1.1, b);
+            for (strategy, (o, lse)) in &host {
+                let seq = sequence(o, lse, b);
+                let verdict = expected.judge(&seq);
+                assert!(
+                    verdict.pass,
+                    "{case:?} {strategy} splits {splits:?}, sequence {b} (length {len}) vs oracle: \
+                     O {} (tol {}), lse {} (tol {})",
+                    verdict.o, expected.o, verdict.lse, expected.lse
+                );
+                let pair = judge_between(&seq, &auto, &expected, &expected);
+                assert!(
+                    pair.pass,
+                    "{case:?} {strategy} vs auto ({picked}) splits {splits:?}, sequence {b}: O {}, \
+                     lse {}",
+                    pair.o, pair.lse
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_decode_fp16_every_strategy_matches_the_oracle_and_auto() {
+    for case in cases(DType::F16).into_iter().chain(large_cases(DType::F16)) {
+        check_strategies(&case);
+    }
+}
+
+#[test]
+fn gpu_decode_bf16_every_strategy_matches_the_oracle_and_auto() {
+    for case in cases(DType::BF16).into_iter().chain(large_cases(DType::BF16)) {
+        check_strategies(&case);
+    }
+}
+
+/// The automatic choice on the large cases is FlashDecoding++ (the dispatcher's table), on the
+/// small ones FlashDecoding.
+#[test]
+fn gpu_decode_auto_follows_the_decision_table() {
+    let Some(gpu) = gpu() else { return };
+    let sms = gpu.sm_count() as usize;
+    for case in cases(DType::F16).into_iter().chain(large_cases(DType::F16)) {
+        let x = case.inputs();
+        let dev = upload(gpu, &case, &x, Layout::Contiguous);
+        let (_, stats) =
+            launch_with(gpu, &case, &dev, &case.decode_options(DecodeStrategy::Auto, None, 0.0));
+        let rows = case.heads_q / case.heads_kv * case.n_new;
+        let max_len = case.lengths.iter().copied().max().unwrap_or(0);
+        let want = decode::dispatch(rows, max_len, case.batch() * case.heads_kv, sms);
+        assert_eq!(stats.plan, want, "{case:?}");
+    }
+    let large = large_cases(DType::F16);
+    let plan = |c: &Case| {
+        let rows = c.heads_q / c.heads_kv * c.n_new;
+        decode::dispatch(rows, c.capacity, c.batch() * c.heads_kv, sms).strategy
+    };
+    assert_eq!(plan(&large[0]), DecodeStrategy::Gemv);
+    assert_eq!(plan(&large[1]), DecodeStrategy::FlatGemm);
+}
+
+/// FlashDecoding++'s kernels read a paged cache through FlashDecoding's address helper: on the same
+/// data, with the same split count, pages of 16, 64 and 256 give the contiguous cache's bits and
+/// fallback count.
+#[test]
+fn gpu_decode_pp_paged_equals_contiguous_bit_for_bit() {
+    let Some(gpu) = gpu() else { return };
+    for dtype in [DType::F16, DType::BF16] {
+        for case in cases(dtype) {
+            let x = case.inputs();
+            let contiguous = upload(gpu, &case, &x, Layout::Contiguous);
+            for page in [16, 64, 256] {
+                for device_only in [false, true] {
+                    let paged = upload(gpu, &case, &x, Layout::Paged { page, device_only });
+                    for strategy in [DecodeStrategy::Gemv, DecodeStrategy::FlatGemm] {
+                        for splits in [None, Some(3)] {
+                            let opts = case.decode_options(strategy, splits, 0.0);
+                            let (want, want_stats) = launch_with(gpu, &case, &contiguous, &opts);
+                            let (got, got_stats) = launch_with(gpu, &case, &paged, &opts);
+                            assert!(
+                                bytes(&got) == bytes(&want) && got_stats == want_stats,
+                                "{case:?}: {strategy}, pages of {page} (device-only table: \
+                                 {device_only}), splits {splits:?}: not the contiguous cache's \
+                                 bits ({got_stats:?} vs {want_stats:?})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Rows `[b, h, t]` of `O` and `lse` (row-major over `[batch, heads_q, n_new]`) as raw bits.
+fn row_bits(o: &Array4<f32>, lse: &Array3<f32>, row: usize) -> (Vec<u32>, u32) {
+    let (hq, n) = (o.dim().1, o.dim().2);
+    let (b, h, t) = (row / (hq * n), row / n % hq, row % n);
+    (o.slice(s![b, h, t, ..]).iter().map(|v| v.to_bits()).collect(), lse[[b, h, t]].to_bits())
+}
+
+/// One FlashDecoding++ scenario: `x` with `φ` and `safe_range`. For each FlashDecoding++ strategy
+/// (and the heuristic's and 3 splits): the fallback count is the predicted one; every row that
+/// falls back is FlashDecoding's row with the same split count, bit for bit; every sequence is
+/// within tolerance of the oracle.
+fn check_fallbacks(
+    gpu: &Gpu,
+    case: &Case,
+    x: &HostInputs,
+    phi: f32,
+    safe_range: Option<(f32, f32)>,
+    layout: Layout,
+) -> Result<(), TestCaseError> {
+    let range = safe_range.map_or(window(case.dtype), |(lo, hi)| (f64::from(lo), f64::from(hi)));
+    let fates = row_fates(case, x, f64::from(phi), range);
+    let dev = upload(gpu, case, x, layout);
+    let expected: Vec<Option<Expected>> = (0..case.batch())
+        .map(|b| (case.lengths[b] > 0).then(|| expected_for(case, x, b)))
+        .collect();
+    for strategy in PP {
+        for splits in [None, Some(3)] {
+            let opts = DecodeOptions { safe_range, ..case.decode_options(strategy, splits, phi) };
+            let what = format!("{case:?} {strategy} splits {splits:?} φ {phi} window {range:?}");
+            let (out, stats) = launch_with(gpu, case, &dev, &opts);
+            assert_fallback_count(&what, stats.fallback_rows, &fates);
+            // FlashDecoding with the same split count: the rows that fall back are its rows.
+            let fd_opts =
+                case.decode_options(DecodeStrategy::FlashDecoding, Some(stats.plan.splits), phi);
+            let (fd, _) = launch_with(gpu, case, &dev, &fd_opts);
+            let ((o, lse), (fd_o, fd_lse)) = (to_host(case, &out), to_host(case, &fd));
+            for (row, fate) in fates.iter().enumerate() {
+                if *fate == RowFate::FallsBack {
+                    prop_assert_eq!(
+                        row_bits(&o, &lse, row),
+                        row_bits(&fd_o, &fd_lse, row),
+                        "{}: row {} fell back but is not FlashDecoding's",
+                        what,
+                        row
+                    );
+                }
+            }
+            for (b, expected) in expected.iter().enumerate() {
+                let Some(expected) = expected else {
+                    assert_empty(&what, &o, &lse, b);
+                    continue;
+                };
+                let verdict = expected.judge(&sequence(&o, &lse, b));
+                prop_assert!(
+                    verdict.pass,
+                    "{}, sequence {} vs oracle: O {} (tol {}), lse {} (tol {})",
+                    what,
+                    b,
+                    verdict.o,
+                    expected.o,
+                    verdict.lse,
+                    expected.lse
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `x` with logit spikes in sequence 0: every query row of a kv head's group is the group's first
+/// row `u`, and key 0 of the kv head is `c·u` with `scale · c · |u|² = spike`, so every row of
+/// the sequence that sees a key has a score of `spike` (the others stay within a few units of 0).
+fn spiked(case: &Case, x: &HostInputs, spike: f64) -> HostInputs {
+    let (mut q, mut k) = (x.q.clone(), x.k.clone());
+    let scale = f64::from(case.options().1);
+    let group = case.heads_q / case.heads_kv;
+    for kv in 0..case.heads_kv {
+        let u = q.slice(s![0, kv * group, 0, ..]).to_owned();
+        for h in kv * group..(kv + 1) * group {
+            for t in 0..case.n_new {
+                q.slice_mut(s![0, h, t, ..]).assign(&u);
+            }
+        }
+        let norm2: f64 = u.iter().map(|&a| f64::from(a) * f64::from(a)).sum();
+        let c = spike / (scale * norm2);
+        let key: Vec<f32> = u.iter().map(|&a| (f64::from(a) * c) as f32).collect();
+        let key = round_to(&key, case.dtype);
+        if case.capacity > 0 {
+            k.slice_mut(s![0, kv, 0, ..]).iter_mut().zip(key).for_each(|(d, s)| *d = s);
+        }
+    }
+    HostInputs { q, k, v: x.v.clone() }
+}
+
+/// Forced fallbacks on the fixed cases: `φ` far above and far below every score (every row that
+/// sees a key falls back), logit spikes past both windows (the spiked sequence falls back, the
+/// others not), a spike inside bf16's window but past fp16's, and a window so narrow that rows
+/// fall on both sides of it in one call.
+#[test]
+fn gpu_decode_pp_fallback_rows_are_flash_decodings() {
+    let Some(gpu) = gpu() else { return };
+    for dtype in [DType::F16, DType::BF16] {
+        for case in cases(dtype) {
+            let x = case.inputs();
+            let run = |x: &HostInputs, phi, range| {
+                check_fallbacks(gpu, &case, x, phi, range, Layout::Contiguous)
+                    .unwrap_or_else(|e| panic!("{e}"))
+            };
+            run(&x, 100.0, None);
+            run(&x, -100.0, None);
+            run(&spiked(&case, &x, 60.0), 0.0, None);
+            run(&spiked(&case, &x, 20.0), 0.0, None);
+            run(&x, 0.0, Some((-0.2, 0.2)));
+        }
+    }
+}
+
+/// The fallback count is the CPU rung's on the same problem: with `φ` far away every row that
+/// sees a key falls back, on drawn shapes and layouts.
+fn check_drawn_fallbacks(drawn: &Drawn, phi: f32) -> Result<(), TestCaseError> {
+    let Some(gpu) = gpu() else { return Ok(()) };
+    let x = drawn.case.inputs();
+    check_fallbacks(gpu, &drawn.case, &x, phi, None, drawn.layout)
+}
+
+/// A drawn call of `strategy` against the oracle, the automatic choice, and the CPU rung of the
+/// kernel that ran (FlashDecoding, or FlashDecoding++ with the same `φ`, window and split count,
+/// whose fallback count it must also report).
+fn check_drawn_strategy(drawn: &Drawn, strategy: DecodeStrategy) -> Result<(), TestCaseError> {
+    let Some(gpu) = gpu() else { return Ok(()) };
+    let Drawn { case, layout, splits } = drawn;
+    let x = case.inputs();
+    let dev = upload(gpu, case, &x, *layout);
+    let (out, stats) = launch_with(gpu, case, &dev, &case.decode_options(strategy, *splits, 0.0));
+    let auto_opts = case.decode_options(DecodeStrategy::Auto, *splits, 0.0);
+    let (auto, _) = launch_with(gpu, case, &dev, &auto_opts);
+    let ((o, lse), (auto_o, auto_lse)) = (to_host(case, &out), to_host(case, &auto));
+    let (attention, _) = case.options();
+    let (lo, hi) = window(case.dtype);
+    let pp_opts = FlashDecodingPpOptions {
+        safe_range: Some((lo, hi)),
+        ..FlashDecodingPpOptions::new(attention)
+            .with_phi(Phi::Given(0.0))
+            .with_splits(stats.plan.splits)
+            .map_err(|e| TestCaseError::fail(e.to_string()))?
+    };
+    let fd_opts = FlashDecodingOptions::new(attention)
+        .with_splits(stats.plan.splits)
+        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let mut cpu_fallbacks = 0;
+    for (b, &len) in case.lengths.iter().enumerate() {
+        if len == 0 {
+            assert_empty(&format!("{drawn:?} {strategy}"), &o, &lse, b);
+            continue;
+        }
+        let (inputs, oracle) = problem_of(case, &x, b);
+        let expected = gpu_check::expected_forward(&oracle, &inputs, case.dtype)
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let got = sequence(&o, &lse, b);
+        let verdict = expected.judge(&got);
+        prop_assert!(
+            verdict.pass,
+            "{:?} {}, sequence {} vs oracle: O {} (tol {}), lse {} (tol {})",
+            drawn,
+            strategy,
+            b,
+            verdict.o,
+            expected.o,
+            verdict.lse,
+            expected.lse
+        );
+        let pair = judge_between(&got, &sequence(&auto_o, &auto_lse, b), &expected, &expected);
+        prop_assert!(
+            pair.pass,
+            "{:?} {} vs auto, sequence {}: O {}, lse {}",
+            drawn,
+            strategy,
+            b,
+            pair.o,
+            pair.lse
+        );
+        let x32 = narrow(&inputs);
+        let (q, k, v) = (x32.q.view(), x32.k.view(), x32.v.view());
+        let cpu = if stats.plan.strategy.is_pp() {
+            flash_decoding_pp::forward(q, k, v, &pp_opts)
+        } else {
+            flash_decoding::forward(q, k, v, &fd_opts)
+        }
+        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        cpu_fallbacks += cpu.stats.fallback_rows.unwrap_or(0);
+        let cpu_expected =
+            Expected::from_oracle(&oracle, &x32).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let pair = judge_between(&got, &cpu, &expected, &cpu_expected);
+        prop_assert!(
+            pair.pass,
+            "{:?} {}, sequence {} vs the CPU rung: O {} (tol {}), lse {} (tol {})",
+            drawn,
+            strategy,
+            b,
+            pair.o,
+            expected.o.plus(cpu_expected.o),
+            pair.lse,
+            expected.lse.plus(cpu_expected.lse)
+        );
+    }
+    if stats.plan.strategy.is_pp() {
+        let fates = row_fates(case, &x, 0.0, (lo, hi));
+        assert_fallback_count(&format!("{drawn:?} {strategy}"), stats.fallback_rows, &fates);
+        assert_fallback_count(
+            &format!("{drawn:?} {strategy}, CPU rung"),
+            Some(cpu_fallbacks),
+            &fates,
+        );
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(cases_per_property()))]
+
+    #[test]
+    fn gpu_decode_drawn_strategies_match_the_oracle_auto_and_the_cpu_rungs(
+        drawn in drawn(),
+        strategy in prop::sample::select(DecodeStrategy::ALL.to_vec()),
+    ) {
+        check_drawn_strategy(&drawn, strategy)?;
+    }
+
+    #[test]
+    fn gpu_decode_drawn_fallback_rows_are_flash_decodings(
+        drawn in drawn(),
+        phi in prop::sample::select(vec![-100.0f32, 100.0]),
+    ) {
+        check_drawn_fallbacks(&drawn, phi)?;
+    }
+}
+
+/// FlashDecoding++'s options are checked for every call: `φ` finite, a window of finite
+/// `lo < hi ≤ ln(MAX)`; a split count of 0 is an error whatever the strategy.
+#[test]
+fn gpu_decode_pp_bad_options_are_errors() {
+    let Some(gpu) = gpu() else { return };
+    let t = |shape: &[usize]| {
+        gpu.upload(&pseudo_random(3, shape.iter().product()), shape, DType::F16).expect("upload")
+    };
+    let (q, kv) = (t(&[1, 4, 1, 64]), t(&[1, 4, 40, 64]));
+    let cache = KvCache { k: &kv, v: &kv, lengths: &[40] };
+    for strategy in DecodeStrategy::ALL {
+        let base = DecodeOptions { strategy, ..DecodeOptions::default() };
+        assert!(decode::forward(gpu, &q, cache, &base).is_ok(), "{strategy}");
+        for bad in [
+            DecodeOptions { phi: f32::NAN, ..base },
+            DecodeOptions { phi: f32::INFINITY, ..base },
+            DecodeOptions { safe_range: Some((1.0, -1.0)), ..base },
+            DecodeOptions { safe_range: Some((-1.0, f32::NAN)), ..base },
+            DecodeOptions { safe_range: Some((-1.0, 12.0)), ..base }, // past ln(65504) = 11.09
+            DecodeOptions { splits: Some(0), ..base },
+        ] {
+            let r = decode::forward(gpu, &q, cache, &bad);
+            assert!(matches!(r, Err(KernelError::Config(_))), "{bad:?}: {r:?}");
+        }
     }
 }
 
@@ -725,6 +1285,64 @@ fn the_harness_accepts_the_cpu_flash_decoding_rung() {
                 .expect("cpu rung");
                 let verdict = expected.judge(&out);
                 assert!(verdict.pass, "{case:?} b {b} splits {splits}: {verdict:?}");
+            }
+        }
+    }
+}
+
+/// Inputs, `φ` and a safe window (`None`: the element type's).
+type Scenario = (HostInputs, f64, Option<(f64, f64)>);
+
+/// The FlashDecoding++ harness without a GPU: the CPU rung 6, run per sequence with the GPU's `φ`,
+/// window and a fixed split count on every scenario of
+/// [`gpu_decode_pp_fallback_rows_are_flash_decodings`], passes the oracle checks and falls back on
+/// exactly the rows [`row_fates`] predicts (so the GPU tests' expected counts follow the CPU
+/// rung's rule).
+#[test]
+fn the_harness_accepts_the_cpu_flash_decoding_pp_rung() {
+    for case in cases(DType::F16).into_iter().chain(cases(DType::BF16)) {
+        let x = case.inputs();
+        let (attention, _) = case.options();
+        let scenarios: [Scenario; 6] = [
+            (case.inputs(), 0.0, None),
+            (case.inputs(), 100.0, None),
+            (case.inputs(), -100.0, None),
+            (spiked(&case, &x, 60.0), 0.0, None),
+            (spiked(&case, &x, 20.0), 0.0, None),
+            (case.inputs(), 0.0, Some((-0.2, 0.2))),
+        ];
+        for (x, phi, range) in scenarios {
+            let range = range.unwrap_or(window(case.dtype));
+            let fates = row_fates(&case, &x, phi, range);
+            let opts = FlashDecodingPpOptions {
+                safe_range: Some(range),
+                ..FlashDecodingPpOptions::new(attention)
+                    .with_phi(Phi::Given(phi))
+                    .with_splits(3)
+                    .expect("splits")
+            };
+            let mut fallbacks = 0;
+            for (b, &len) in case.lengths.iter().enumerate() {
+                if len == 0 {
+                    continue;
+                }
+                let expected = expected_for(&case, &x, b);
+                let out = flash_decoding_pp::forward(
+                    x.q.slice(s![b..b + 1, .., .., ..]),
+                    x.k.slice(s![b..b + 1, .., ..len, ..]),
+                    x.v.slice(s![b..b + 1, .., ..len, ..]),
+                    &opts,
+                )
+                .expect("cpu rung");
+                fallbacks += out.stats.fallback_rows.expect("rung 6 counts its fallbacks");
+                let verdict = expected.judge(&out);
+                assert!(verdict.pass, "{case:?} b {b} φ {phi} window {range:?}: {verdict:?}");
+            }
+            let what = format!("{case:?} φ {phi} window {range:?}, CPU rung 6");
+            assert_fallback_count(&what, Some(fallbacks), &fates);
+            // The scenarios do what they say: far φ sends every row with a key down the fallback.
+            if phi.abs() == 100.0 {
+                assert!(fates.iter().all(|f| matches!(f, RowFate::NoKey | RowFate::FallsBack)));
             }
         }
     }
@@ -776,9 +1394,10 @@ fn paginate_puts_every_key_where_the_table_says() {
     }
 }
 
-/// `ladder verify` on a GPU has a `flash-decoding-gpu` row for each decoding-step case (at most 16
-/// queries, the last tokens of a full cache), within tolerance of the oracle and the CPU rung,
-/// and none for a case of more queries.
+/// `ladder verify` on a GPU has a `flash-decoding-gpu` and a `flash-decoding-pp-gpu` row for each
+/// decoding-step case (at most 16 queries, the last tokens of a full cache), within tolerance of
+/// the oracle and the CPU rung (FlashDecoding++'s note giving its fallback rows), and none for a
+/// case of more queries.
 #[test]
 fn verify_has_a_flash_decoding_gpu_row() {
     use ladder_compare::RungConfig;
@@ -793,13 +1412,19 @@ fn verify_has_a_flash_decoding_gpu_row() {
     ];
     let config = RungConfig { attention: AttentionOptions::causal(), ..RungConfig::default() };
     let rows = verify::gpu_rows(gpu, &cases, &config, 7, |_, _| {}).expect("gpu rows");
-    let decode_rows: Vec<_> = rows.iter().filter(|r| r.label == "flash-decoding-gpu").collect();
-    let names: Vec<&str> = decode_rows.iter().map(|r| r.case.as_str()).collect();
-    assert_eq!(names, ["decode", "speculative"]);
-    for row in decode_rows {
-        assert!(row.pass && row.err_over_tol <= 1.0, "{row:?}");
-        let (vs, _) = row.vs_previous.as_ref().expect("against the CPU rung");
-        assert_eq!(vs, "flash-decoding, CPU");
-        assert!(row.note.contains("8 splits"), "{}", row.note);
+    for (label, cpu) in
+        [("flash-decoding-gpu", "flash-decoding"), ("flash-decoding-pp-gpu", "flash-decoding-pp")]
+    {
+        let decode_rows: Vec<_> = rows.iter().filter(|r| r.label == label).collect();
+        let names: Vec<&str> = decode_rows.iter().map(|r| r.case.as_str()).collect();
+        assert_eq!(names, ["decode", "speculative"], "{label}");
+        for row in decode_rows {
+            assert!(row.pass && row.err_over_tol <= 1.0, "{row:?}");
+            let (vs, _) = row.vs_previous.as_ref().expect("against the CPU rung");
+            assert_eq!(vs, &format!("{cpu}, CPU"));
+            assert!(row.note.contains("8 splits"), "{}", row.note);
+            let pp = label == "flash-decoding-pp-gpu";
+            assert_eq!(row.note.contains(" fallback rows"), pp, "{}", row.note);
+        }
     }
 }

@@ -48,4 +48,17 @@ __device__ __forceinline__ void load_tile(u16* smem, const u16* gmem, int row0, 
         cp_async_16(smem + swz<D>(r + i * STEP, col), src + i * STEP * D, row0 + r + i * STEP < n);
 }
 
+// N consecutive floats (N = 2 or 4, the address aligned to 4·N bytes) in one load.
+template <int N>
+__device__ __forceinline__ void load_f32(float (&x)[N], const float* src) {
+    static_assert(N == 2 || N == 4, "float2 or float4");
+    if constexpr (N == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(src);
+        x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+    } else {
+        const float2 v = *reinterpret_cast<const float2*>(src);
+        x[0] = v.x, x[1] = v.y;
+    }
+}
+
 #endif  // LADDER_COPY_CUH

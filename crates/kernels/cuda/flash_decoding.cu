@@ -35,8 +35,13 @@
 // chunk ends inside a tile. Splits past the end get no key: they write O_s = 0 and lse_s = −inf,
 // weight 0 in the combine (exactly the CPU rung's empty chunk).
 //
-// The cache, contiguous or paged (FD_PAGED): see "where the keys live" below, the one place the
-// two kernels differ.
+// The cache, contiguous or paged (FD_PAGED): see "where the keys live" in kv_cache.cuh, the one
+// place the two kernels differ.
+//
+// FlashDecoding++'s fallback. flash_decoding_pp.cu flags the rows whose scores leave its safe
+// window; the host then launches these two kernels with `fallback` pointing at the flags: a split
+// block none of whose rows is flagged returns at once, and a combine warp writes only a flagged
+// row, which is then exactly what a FlashDecoding call with the same split count computes.
 //
 // Inside a split block: the block walks the chunk in tiles of BC = 64 keys, K and V in a
 // STAGES-deep cp.async pipeline (STAGES − 1 tiles in flight while one is read). Each of the 4
@@ -65,6 +70,7 @@
 //   FD_PAGED  0: contiguous cache, 1: paged cache
 
 #include "copy.cuh"
+#include "kv_cache.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
 #include "softmax.cuh"
@@ -99,15 +105,12 @@ static_assert(STAGES >= 2, "at least one copy in flight");
 constexpr int THREADS = WARPS * 32;
 constexpr int ROWS = MT * 16;   // rows of the Q tile
 constexpr int DT = D / 8;       // 8-column accumulator tiles across one row of O
-// Keys that always share a page (pages hold a multiple of 16 keys, tiles start at multiples of
-// 16), and such groups per tile.
-constexpr int KEY_GROUP = 16;
+// Groups of 16 keys that always share a page (kv_cache.cuh) per tile.
 constexpr int GROUPS = BC / KEY_GROUP;
 // f32 row stride of the warp-merge buffer: 8 floats of padding put the 8 rows a half-warp's
 // float2 stores touch into 8 different groups of banks.
 constexpr int RED_STRIDE = D + 8;
 static_assert(BC == 16 * WARPS, "each warp owns 16 keys of a tile");
-static_assert(BC % KEY_GROUP == 0, "whole groups per tile");
 static_assert(D % 32 == 0, "the combine gives each lane D / 32 columns");
 
 // The lengths travel in the parameter struct itself (a launch copies it to constant memory), so a
@@ -131,6 +134,10 @@ struct FdParams {
     float* lse_part;
     u16* o;
     float* lse;
+    // FlashDecoding++'s fallback (flash_decoding_pp.cu), or null: one int per output row, non-zero
+    // where the row must be recomputed here. When set, only those rows are written (a block none
+    // of whose rows is flagged returns at once); the other rows keep what FlashDecoding++ wrote.
+    const int* fallback;
     int heads_q;
     int heads_kv;
     int n_new;
@@ -145,85 +152,13 @@ struct FdParams {
     int lengths[FD_MAX_BATCH];
 };
 
-// ---- where the keys live: the one place the contiguous and the paged kernel differ -------------
+// ---- the cache: kv_cache.cuh --------------------------------------------------------------------
 //
-// In both layouts the keys of one (sequence, kv head) lie in runs of consecutive rows of D
-// elements: one run of `capacity` rows when the cache is contiguous, one run per page when it is
-// paged. A page holds a multiple of 16 keys and a tile's groups of 16 keys start at multiples of
-// 16, so each group lies inside one run: the copy asks where each group starts, and nothing else
-// changes.
-//
-//   contiguous  K, V [batch, heads_kv, capacity, D]:
-//               key j of (b, h) is row (b·heads_kv + h)·capacity + j
-//   paged       K, V [num_pages, heads_kv, page_size, D] and page_table [batch, max_pages]:
-//               key j of (b, h) is row (page·heads_kv + h)·page_size + j % page_size,
-//               page = page_table[b][j / page_size]
-//
-// start(key, k_end, bad) is where the group of keys key … key + 15 begins (key a multiple of 16).
-// Paged, a group at or past the chunk's end k_end is not looked up (the table may have no entry
-// for it) and gets −1, and so does a group whose page-table entry is outside [0, num_pages): that
-// entry is never followed, the group is not read, and `bad` is set, so that the block turns the
-// sequence's rows into NaN rather than a wrong number. (The host checks every table whose entries
-// it has seen; this guards tables that live only on the device.) Contiguous, it is arithmetic,
-// never −1 (a group past the chunk gets an address that is never read).
-#if FD_PAGED
-struct CacheRows {
-    const int* pages;  // this sequence's row of the page table
-    int kv_head, heads_kv, log2_page, num_pages;
-
-    __device__ __forceinline__ CacheRows(const FdParams& p, int batch, int kv_head)
-        : pages(p.page_table + (size_t)batch * p.max_pages),
-          kv_head(kv_head),
-          heads_kv(p.heads_kv),
-          log2_page(p.log2_page),
-          num_pages(p.num_pages) {}
-
-    __device__ __forceinline__ long long start(int key, int k_end, bool& bad) const {
-        if (key >= k_end) return -1;
-        const int page = pages[key >> log2_page];
-        if ((unsigned)page >= (unsigned)num_pages) {  // negative or past the last page
-            bad = true;
-            return -1;
-        }
-        const long long run = (long long)page * heads_kv + kv_head;
-        return ((run << log2_page) + (key & ((1 << log2_page) - 1))) * D;
-    }
-};
-#else
-struct CacheRows {
-    long long first;  // element offset of key 0 of this (sequence, kv head)
-
-    __device__ __forceinline__ CacheRows(const FdParams& p, int batch, int kv_head)
-        : first(((long long)batch * p.heads_kv + kv_head) * p.capacity * D) {}
-
-    __device__ __forceinline__ long long start(int key, int, bool&) const {
-        return first + (long long)key * D;
-    }
-};
-#endif
-
-// Copy keys k0 … k0 + BC − 1 of K and V into one pipeline stage (swizzled tiles, as load_tile in
-// copy.cuh): start[g] is where the tile's g-th group of 16 keys begins (CacheRows::start); keys at
-// or past k_end and groups starting at −1 become zeros and are never read. Each thread copies one
-// 16-byte column chunk of rows r, r + STEP, r + 2·STEP, …; STEP divides 16, so the group of each
-// of those rows is a compile-time constant and a row never leaves its group.
-__device__ __forceinline__ void load_kv_tile(u16* sK, u16* sV, const u16* gK, const u16* gV,
-                                             const long long (&start)[GROUPS], int k0, int k_end) {
-    constexpr int CHUNKS = D / 8;           // 16-byte chunks per row
-    constexpr int STEP = THREADS / CHUNKS;  // rows between one thread's copies
-    static_assert(THREADS % CHUNKS == 0 && KEY_GROUP % STEP == 0, "rows stay in their group");
-    const int r = threadIdx.x / CHUNKS;
-    const int col = (threadIdx.x % CHUNKS) * 8;
-#pragma unroll
-    for (int i = 0; i < BC / STEP; ++i) {
-        const int row = r + i * STEP;         // tile row: key k0 + row
-        const int g = i * STEP / KEY_GROUP;   // its group
-        const long long src = start[g] + (long long)(row - g * KEY_GROUP) * D + col;
-        const bool valid = k0 + row < k_end && (!PAGED || start[g] >= 0);
-        cp_async_16(sK + swz<D>(row, col), gK + src, valid);
-        cp_async_16(sV + swz<D>(row, col), gV + src, valid);
-    }
-}
+// Where each group of 16 keys lives (CacheRows<D, PAGED>::start: `capacity` rows further per
+// sequence when contiguous, page_table[b][j / page_size] when paged), which keys a split owns
+// (key_chunk) and the copy of a tile (load_kv_tile) live in kv_cache.cuh, shared with
+// FlashDecoding++ (flash_decoding_pp.cu): the helper chosen at compile time is the only
+// difference between the contiguous and the paged kernel.
 
 // Launch: grid (splits · row_blocks, heads_kv, batch), block (THREADS, 1, 1), dynamic shared
 // memory max((ROWS + 2·STAGES·BC)·D·2, WARPS·ROWS·(RED_STRIDE + 2)·4) bytes: the Q tile and STAGES
@@ -243,17 +178,22 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
     const int r0 = row_block * ROWS;
     const int RB = min(ROWS, R - r0);
     const int len = p.lengths[batch];
-    const CacheRows cache(p, batch, kv_head);
+    const CacheRows<D, PAGED> cache(p, batch, kv_head);
 
-    // This split's keys [k_begin, k_end) (see "Chunks" above); 64-bit so that no product wraps.
-    const long long per_split = ((long long)len + p.splits - 1) / p.splits;
-    const long long chunk = (per_split + BC - 1) / BC * BC;
-    const int k_begin = (int)min((long long)split * chunk, (long long)len);
-    const int k_end = (int)min((long long)k_begin + chunk, (long long)len);
-    const int n_tiles = (k_end - k_begin + BC - 1) / BC;
+    // This split's keys [k_begin, k_end) (see "Chunks" above).
+    const KeyChunk keys = key_chunk<BC>(len, p.splits, split);
+    const int k_begin = keys.begin, k_end = keys.end, n_tiles = keys.tiles;
 
     // The block's first output row; its Q rows start there too (GQA packing above).
     const size_t row0 = ((size_t)batch * p.heads_kv + kv_head) * R + r0;
+
+    // FlashDecoding++'s fallback: a block whose rows all passed there has nothing to do. (Every
+    // thread takes the same branch: __syncthreads_or gives all of them the same answer.)
+    if (p.fallback != nullptr) {
+        bool flagged = false;
+        for (int r = threadIdx.x; r < RB; r += THREADS) flagged |= p.fallback[row0 + r] != 0;
+        if (!__syncthreads_or(flagged)) return;
+    }
 
     // One past the last key each of the thread's rows sees, within this chunk: the causal limit of
     // its token, or the chunk's end. Rows of every tile at or past min_limit need the mask.
@@ -290,8 +230,8 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
     auto load_kv = [&](int tile, const long long (&start)[GROUPS]) {
         if (tile < n_tiles) {
             const int stage = tile % STAGES;
-            load_kv_tile(sK + stage * BC * D, sV + stage * BC * D, p.k, p.v, start,
-                         k_begin + tile * BC, k_end);
+            load_kv_tile<D, BC, THREADS, PAGED>(sK + stage * BC * D, sV + stage * BC * D, p.k,
+                                                p.v, start, k_begin + tile * BC, k_end);
         }
         cp_async_commit();
     };
@@ -447,19 +387,6 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
     }
 }
 
-// N consecutive floats (N = 2 or 4, the address aligned to 4·N bytes) in one load.
-template <int N>
-__device__ __forceinline__ void load_f32(float (&x)[N], const float* src) {
-    static_assert(N == 2 || N == 4, "float2 or float4");
-    if constexpr (N == 4) {
-        const float4 v = *reinterpret_cast<const float4*>(src);
-        x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
-    } else {
-        const float2 v = *reinterpret_cast<const float2*>(src);
-        x[0] = v.x, x[1] = v.y;
-    }
-}
-
 // Launch: grid (ceil(rows / 4), 1, 1), block (128, 1, 1), no shared memory. Warp w of block x
 // combines output row 4x + w; lane i holds columns [i·D/32, (i+1)·D/32).
 extern "C" __global__ void __launch_bounds__(128)
@@ -467,6 +394,8 @@ flash_decoding_combine(const __grid_constant__ FdParams p) {
     constexpr int PER_LANE = D / 32;
     const int row = blockIdx.x * 4 + warp_id();
     if (row >= p.rows) return;  // the whole warp leaves together
+    // FlashDecoding++'s fallback: only the flagged rows are ours to write.
+    if (p.fallback != nullptr && p.fallback[row] == 0) return;
     const int lane = lane_id();
     const int splits = p.splits;
     const float* lse_s = p.lse_part + (size_t)row * splits;

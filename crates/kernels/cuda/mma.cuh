@@ -77,6 +77,18 @@ __device__ __forceinline__ void store_a(u16* tile, int row0, int col0, const u32
         *reinterpret_cast<u32*>(tile + swz<COLS>(row0 + a_row(i), col0 + a_col(i))) = a[i];
 }
 
+// Transpose an 8×8 matrix of 16-bit values held one register per lane, lane holding row lane/4,
+// columns 2·(lane%4) and +1 (the layout pack2(c[2h], c[2h + 1]) gives an accumulator's row half):
+// afterwards the lane holds the same places of the transpose (movmatrix, sm_75+, no shared
+// memory). FlashDecoding++'s flat GEMM uses it to turn the accumulator of Sᵀ = K·Qᵀ (keys × query
+// rows) into the B operand of Oᵀ = Vᵀ·Pᵀ (k = keys, n = rows): B's register i is
+// transpose_8x8(pack2(c[2i], c[2i + 1])), keys 8i … 8i + 7.
+__device__ __forceinline__ u32 transpose_8x8(u32 x) {
+    u32 y;
+    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
 // ---- ldmatrix and mma ---------------------------------------------------------------------------
 
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {

@@ -13,6 +13,19 @@ __device__ __forceinline__ float quad_sum(float x) {
     x += __shfl_xor_sync(0xffffffff, x, 1);
     return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
+// Max or sum across the eight threads that share a column of an mma accumulator (lanes c, c + 4,
+// …, c + 28 with c = lane % 4): the row statistics of a transposed product such as Sᵀ = K·Qᵀ,
+// whose columns are the query rows.
+__device__ __forceinline__ float column_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 4));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 8));
+    return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 16));
+}
+__device__ __forceinline__ float column_sum(float x) {
+    x += __shfl_xor_sync(0xffffffff, x, 4);
+    x += __shfl_xor_sync(0xffffffff, x, 8);
+    return x + __shfl_xor_sync(0xffffffff, x, 16);
+}
 // Sum across the 32 lanes of a warp.
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll

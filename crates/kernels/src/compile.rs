@@ -24,6 +24,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("mma.cuh", include_str!("../cuda/mma.cuh")),
     ("softmax.cuh", include_str!("../cuda/softmax.cuh")),
     ("mask.cuh", include_str!("../cuda/mask.cuh")),
+    ("kv_cache.cuh", include_str!("../cuda/kv_cache.cuh")),
     ("barrier.cuh", include_str!("../cuda/barrier.cuh")),
     ("tma.cuh", include_str!("../cuda/tma.cuh")),
     ("wgmma.cuh", include_str!("../cuda/wgmma.cuh")),

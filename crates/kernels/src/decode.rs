@@ -1,5 +1,8 @@
-//! Rung 5 on the GPU: FlashDecoding (Dao, Haziza, Massa, Sizov 2023), attention of a few new
-//! tokens against a KV cache, with the keys split across thread blocks.
+//! Rungs 5 and 6 on the GPU: FlashDecoding (Dao, Haziza, Massa, Sizov 2023) and FlashDecoding++
+//! (Hong et al. 2024), attention of a few new tokens against a KV cache, with the keys split
+//! across thread blocks. [`forward`] runs either, chosen by [`DecodeOptions::strategy`]
+//! (automatically by default: [`dispatch`]); [`forward_with_stats`] also says which ran and how
+//! many rows FlashDecoding++ handed back to FlashDecoding.
 //!
 //! Decoding is memory-bound: a step reads the whole cache (K and V) for `n_new` = 1 … 16 new
 //! query tokens per sequence. FA2 gives one block to each (query block, head, batch), which at
@@ -49,18 +52,68 @@
 //! 32 the copy of a tile gathers from 4 or 2. The paged kernel is the contiguous one with another
 //! address helper (a compile-time switch), so both compute the same bits on the same data.
 //!
-//! Kernel: `cuda/flash_decoding.cu`. Not in this step: FlashDecoding++ (a fixed softmax maximum),
-//! head dimension 256.
+//! Kernel: `cuda/flash_decoding.cu`; the cache addressing, split chunks and tile copy it shares
+//! with FlashDecoding++ are in `cuda/kv_cache.cuh`.
+//!
+//! # FlashDecoding++
+//!
+//! The paper's three ideas, carried onto attention (kernels: `cuda/flash_decoding_pp.cu`):
+//!
+//! 1. **Asynchronous softmax with a unified max.** Every split subtracts the same `φ`
+//!    ([`DecodeOptions::phi`]) before `exp`, so no split tracks a running max, nothing is
+//!    rescaled, and the combine is a plain sum: `O = Σ_s acc_s / Σ_s l_s`, `lse = φ + ln Σ_s l_s`
+//!    (the CPU rung `ladder_reference::flash_decoding_pp`, with a given `φ`). `φ` is a property
+//!    of the model, not of the call: the paper sets it per model from offline statistics of the
+//!    softmax inputs, and so should a caller (the default, [`DEFAULT_PHI`] = 0, suits scores within
+//!    a few units of 0). A row whose largest score `s` has `s − φ` outside the safe window
+//!    ([`DecodeOptions::safe_range`], by default `±ln(MAX)/2` of the element type:
+//!    [`default_safe_range`], ±5.5 for fp16, ±44 for bf16), or whose sum is infinite or zero, is
+//!    flagged by the combine and recomputed by FlashDecoding's kernels, which then run only the
+//!    blocks holding a flagged row (the others exit at once) and write only the flagged rows:
+//!    the result is always right, and such a row is FlashDecoding's, bit for bit. The rule is the
+//!    CPU rung's: rows that see no key (`O = 0`, `lse = −∞`) and rows with a NaN score (NaN) are
+//!    not fallbacks. [`forward_with_stats`] counts the fallback rows (copying one flag per row to
+//!    the host); [`forward`] does not wait for them. The check costs two launches per call even
+//!    when no row falls back.
+//! 2. **Flat GEMM.** With `R = group · n_new ≤ 16` rows per kv head, FlashDecoding's 16-row mma
+//!    tiles are mostly padding. [`Strategy::FlatGemm`] swaps the operands, `Sᵀ = K·Qᵀ` and
+//!    `Oᵀ = Vᵀ·Pᵀ`, so that the keys are the mma's M and the rows pad only to n = 8 (two 8-row
+//!    tiles per block at most; more rows go to more blocks), with Qᵀ in registers for the whole
+//!    walk and K/V streamed through FlashDecoding's cp.async pipeline; `Pᵀ` reaches the second
+//!    product through `movmatrix` transposes in registers. [`Strategy::Gemv`] is the CUDA-core
+//!    path for one row (multi-head attention, one new token): each warp dots its 16 keys with `q`
+//!    two lanes per key, and sums the 16 rows of V weighted by `p_j`.
+//! 3. **Heuristic dataflow.** [`dispatch`] picks FlashDecoding, the GEMV or the flat GEMM, and
+//!    the split count, from the rows per kv head, the longest sequence, `batch · heads_kv` and
+//!    the SM count; its crossovers are the constants [`GEMV_MAX_ROWS`], [`FLAT_GEMM_MAX_ROWS`] and
+//!    [`PP_MIN_KEYS`], first guesses until they are measured on the H200.
+//!
+//! Both caches work with every strategy (the address helper is shared). All strategies agree
+//! within the tolerance rule, not bit for bit: they sum in different orders and FlashDecoding++
+//! rounds `2^(s − φ)` to 16 bits where FlashDecoding rounds `2^(s − m)` (the GEMV keeps `P` in
+//! `f32`). A call gives the same bits every time, and the same as its strategy forced.
+//!
+//! Not yet: head dimension 256.
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, Kernel};
 use crate::problem::{Output, grid};
 use crate::tensor::{DType, Tensor};
+
+mod dispatch;
+mod pp;
+
+pub use dispatch::{
+    FLAT_GEMM_MAX_ROWS, GEMV_MAX_ROWS, PP_MIN_KEYS, Plan, Strategy, blocks_per_split, dispatch,
+    plan,
+};
+pub use pp::default_safe_range;
+use pp::{PpKernel, PpParams, Window};
 
 const SRC: &str = include_str!("../cuda/flash_decoding.cu");
 
@@ -359,14 +412,56 @@ impl HostEntries {
     }
 }
 
+/// The unified max `φ` of FlashDecoding++ when none is given: 0, in the units of the scores
+/// (`scale · q·k`, natural log). Right for scores within a few units of 0 (unit-variance `q` and
+/// `k` at the default scale `1/√d` give scores of standard deviation about 1); a model's `φ`
+/// should come from statistics of its own scores, as the paper sets it per model.
+pub const DEFAULT_PHI: f32 = 0.0;
+
 /// Options of [`forward`].
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DecodeOptions {
     /// Softmax scale; `None` means `1/sqrt(head_dim)`.
     pub scale: Option<f32>,
     /// Number of chunks the keys of each sequence are split into (at least 1); `None` lets
-    /// [`default_splits`] choose from the shape and the device.
+    /// [`plan`] choose from the shape, the kernel and the device ([`default_splits`] for
+    /// FlashDecoding).
     pub splits: Option<usize>,
+    /// Which kernel runs the call: [`Strategy::Auto`] (the default) lets [`dispatch`] choose; the
+    /// others force one (for teaching, tests and measurements).
+    pub strategy: Strategy,
+    /// FlashDecoding++'s unified max `φ`, in the units of the scores `scale · q·k` (natural log):
+    /// the value every split subtracts before `exp`. A property of the model, not of the call:
+    /// the paper fixes it per model from offline statistics of the softmax inputs. Default
+    /// [`DEFAULT_PHI`]. Ignored by FlashDecoding.
+    pub phi: f32,
+    /// FlashDecoding++'s safe window `(lo, hi)`: a row whose largest score `s` has `s − φ` outside
+    /// `[lo, hi]` is recomputed by FlashDecoding. `None`: `±ln(MAX)/2` of the element type
+    /// ([`default_safe_range`]: ±5.55 for fp16, ±44.4 for bf16); `hi` may be at most `ln(MAX)`.
+    pub safe_range: Option<(f32, f32)>,
+}
+
+impl Default for DecodeOptions {
+    fn default() -> DecodeOptions {
+        DecodeOptions {
+            scale: None,
+            splits: None,
+            strategy: Strategy::Auto,
+            phi: DEFAULT_PHI,
+            safe_range: None,
+        }
+    }
+}
+
+/// What [`forward_with_stats`] reports besides the output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeStats {
+    /// The kernel that ran and its split count.
+    pub plan: Plan,
+    /// FlashDecoding++: the rows whose scores left `φ`'s safe window and were recomputed by
+    /// FlashDecoding (as `ladder_reference::RunStats::fallback_rows` counts them); `None` when
+    /// FlashDecoding ran.
+    pub fallback_rows: Option<usize>,
 }
 
 /// Blocks of the split kernel per (split, kv head, sequence) for `rows_per_kv_head` rows (query
@@ -457,10 +552,10 @@ pub(crate) fn split_shared_bytes(d: usize, m_tiles: usize, stages: usize) -> usi
     tiles.max(merge)
 }
 
-/// Every variant of this rung, for the compile check.
+/// Every variant of rungs 5 and 6, for the compile check.
 #[cfg(test)]
 pub(crate) fn variants() -> Vec<Variant> {
-    let mut all = Vec::new();
+    let mut all = pp::variants();
     for &dtype in DTYPES {
         for &d in HEAD_DIMS {
             for m_tiles in [1, 2] {
@@ -488,6 +583,7 @@ struct Params {
     lse_part: u64,
     o: u64,
     lse: u64,
+    fallback: u64,
     heads_q: i32,
     heads_kv: i32,
     n_new: i32,
@@ -561,6 +657,8 @@ struct Shape {
     dtype: DType,
     scale: f32,
     layout: Layout,
+    /// FlashDecoding++'s `φ` and safe window (checked for every call, whatever the strategy).
+    window: Window,
 }
 
 impl Shape {
@@ -699,7 +797,8 @@ impl Shape {
         if !scale.is_finite() {
             return Err(KernelError::Shape(format!("scale {scale} is not finite")));
         }
-        Ok(Shape { batch, heads_q, heads_kv, n_new, d, dtype, scale, layout })
+        let window = Window::new(opts.phi, opts.safe_range, dtype)?;
+        Ok(Shape { batch, heads_q, heads_kv, n_new, d, dtype, scale, layout, window })
     }
 
     /// Rows of the split kernel per kv head: query heads per kv head times new tokens.
@@ -722,6 +821,10 @@ impl Shape {
 /// `heads_q` a multiple of `heads_kv` (any group: past [`ROWS_PER_BLOCK`] rows per kv head the
 /// rows are shared by several blocks). Returns `O` as `q` (`[batch, heads_q, n_new, d]`, `q`'s
 /// dtype) and `lse` `[batch, heads_q, n_new]` (`f32`, natural log).
+///
+/// The kernels are FlashDecoding's or FlashDecoding++'s, as [`DecodeOptions::strategy`] says
+/// ([`Strategy::Auto`]: [`dispatch`] picks); see the module docs. Errors: shapes, element types,
+/// lengths, the page table, a split count of 0, a `φ` that is not finite or a bad safe window.
 ///
 /// ```no_run
 /// use ladder_kernels::{DType, Gpu, decode};
@@ -762,7 +865,71 @@ pub fn forward<'a>(
     cache: impl Into<Cache<'a>>,
     opts: &DecodeOptions,
 ) -> Result<Output> {
-    let cache = cache.into();
+    Ok(launch(gpu, q, cache.into(), opts)?.output)
+}
+
+/// [`forward`], and what it did: the kernel and split count that ran, and for FlashDecoding++ the
+/// number of rows recomputed by the FlashDecoding fallback.
+///
+/// Counting the fallback rows copies one flag per output row back to the host, so this call
+/// waits for the GPU to finish it; [`forward`] does not wait.
+///
+/// ```no_run
+/// use ladder_kernels::{DType, Gpu, decode};
+/// use ladder_kernels::decode::{DecodeOptions, Strategy};
+///
+/// let gpu = Gpu::new()?;
+/// let q = gpu.zeros(&[1, 8, 1, 128], DType::F16)?;
+/// let k = gpu.zeros(&[1, 8, 4096, 128], DType::F16)?;
+/// let v = gpu.zeros(&[1, 8, 4096, 128], DType::F16)?;
+/// let cache = decode::KvCache { k: &k, v: &v, lengths: &[4096] };
+/// // FlashDecoding++ with the model's unified max (here 2.0) and the default safe window.
+/// let opts = DecodeOptions { strategy: Strategy::FlashDecodingPp, phi: 2.0, ..Default::default() };
+/// let (out, stats) = decode::forward_with_stats(&gpu, &q, cache, &opts)?;
+/// assert_eq!(stats.plan.strategy, Strategy::Gemv); // one row per kv head
+/// println!("{:?} rows fell back", stats.fallback_rows);
+/// # Ok::<(), ladder_kernels::KernelError>(())
+/// ```
+pub fn forward_with_stats<'a>(
+    gpu: &Gpu,
+    q: &Tensor,
+    cache: impl Into<Cache<'a>>,
+    opts: &DecodeOptions,
+) -> Result<(Output, DecodeStats)> {
+    let launched = launch(gpu, q, cache.into(), opts)?;
+    let fallback_rows = match &launched.fallback {
+        None => None,
+        Some(flags) => {
+            let flags = flags
+                .stream()
+                .clone_dtoh(flags)
+                .map_err(KernelError::driver("copying the fallback flags to the host"))?;
+            Some(flags.iter().filter(|&&f| f != 0).count())
+        }
+    };
+    Ok((launched.output, DecodeStats { plan: launched.plan, fallback_rows }))
+}
+
+/// A launched call: its output, its plan and, for FlashDecoding++, the fallback flags (one `i32`
+/// per output row, 1 where FlashDecoding recomputed the row).
+struct Launched {
+    output: Output,
+    plan: Plan,
+    fallback: Option<CudaSlice<i32>>,
+}
+
+/// Every check, then the launches of one call:
+///
+/// - FlashDecoding: `flash_decoding_split`, `flash_decoding_combine`;
+/// - FlashDecoding++: `flash_decoding_pp_split`, `flash_decoding_pp_combine` (which flags the rows
+///   that fall back), then `flash_decoding_split` and `flash_decoding_combine` given the flags,
+///   which run only the blocks holding a flagged row and write only the flagged rows. No host
+///   round trip: when no row falls back, those two launches are blocks that exit at once.
+///
+/// Both kernel families write their partials into the same workspaces (FlashDecoding's `O_s`,
+/// `lse_s` where FlashDecoding++ had `acc_s`, `l_s`): the fallback runs after FlashDecoding++'s
+/// combine has read them, in stream order.
+fn launch(gpu: &Gpu, q: &Tensor, cache: Cache<'_>, opts: &DecodeOptions) -> Result<Launched> {
     let (k, v) = match cache {
         Cache::Contiguous(c) => (c.k, c.v),
         Cache::Paged(c) => (c.k_pages, c.v_pages),
@@ -781,34 +948,65 @@ pub fn forward<'a>(
     let lengths = cache.lengths();
     let max_len = lengths.iter().copied().max().unwrap_or(0);
     let r = p.rows_per_kv_head();
-    let splits = match opts.splits {
-        Some(0) => {
-            return Err(KernelError::Config(
-                "flash_decoding: splits must be at least 1".to_string(),
-            ));
-        }
-        Some(s) => s,
-        None => default_splits(p.batch, p.heads_kv, r, max_len, gpu.sm_count() as usize),
-    };
+    let sm_count = gpu.sm_count() as usize;
+    let plan = plan(opts.strategy, opts.splits, r, max_len, p.batch * p.heads_kv, sm_count)?;
+    let splits = plan.splits;
     let too_many = || KernelError::Config(format!("flash_decoding: {splits} splits is too many"));
     let splits_i = i32::try_from(splits).map_err(|_| too_many())?;
-    let (m_tiles, row_blocks) = (m_tiles(r), row_blocks(r));
-    let blocks_x = splits.checked_mul(row_blocks).ok_or_else(too_many)?;
     let stages = stages(gpu.arch());
-    let kernels = variant(p.d, p.dtype, m_tiles, stages, table.is_some());
-    let split_kernel = Kernel { variant: kernels.clone(), entry: "flash_decoding_split" };
-    let combine_kernel = Kernel { variant: kernels, entry: "flash_decoding_combine" };
-    let smem = split_shared_bytes(p.d, m_tiles, stages);
-    gpu.prepare(&split_kernel, smem)?;
-    gpu.prepare(&combine_kernel, 0)?;
+    let paged = table.is_some();
+
+    // FlashDecoding's kernels: the whole call, or FlashDecoding++'s fallback.
+    let (m_tiles, fd_row_blocks) = (m_tiles(r), row_blocks(r));
+    let fd_blocks_x = splits.checked_mul(fd_row_blocks).ok_or_else(too_many)?;
+    let fd = variant(p.d, p.dtype, m_tiles, stages, paged);
+    let fd_split = Kernel { variant: fd.clone(), entry: "flash_decoding_split" };
+    let fd_combine = Kernel { variant: fd, entry: "flash_decoding_combine" };
+    let fd_smem = split_shared_bytes(p.d, m_tiles, stages);
+    gpu.prepare(&fd_split, fd_smem)?;
+    gpu.prepare(&fd_combine, 0)?;
+    // FlashDecoding++'s, when it runs.
+    let pp_kernel = match plan.strategy {
+        Strategy::Gemv => Some(PpKernel::Gemv),
+        Strategy::FlatGemm => Some(PpKernel::flat(r)),
+        _ => None,
+    };
+    let pp_launch = match pp_kernel {
+        None => None,
+        Some(kernel) => {
+            let variant = pp::variant(p.d, p.dtype, kernel, stages, paged);
+            let split = Kernel { variant: variant.clone(), entry: "flash_decoding_pp_split" };
+            let combine = Kernel { variant, entry: "flash_decoding_pp_combine" };
+            let smem = pp::shared_bytes(p.d, kernel, stages);
+            gpu.prepare(&split, smem)?;
+            gpu.prepare(&combine, 0)?;
+            let row_blocks = r.div_ceil(kernel.rows_per_block());
+            let blocks_x = splits.checked_mul(row_blocks).ok_or_else(too_many)?;
+            Some((split, combine, smem, row_blocks, blocks_x))
+        }
+    };
 
     let o_shape = [p.batch, p.heads_q, p.n_new, p.d];
     let mut o = gpu.output(&o_shape, p.dtype)?;
     let mut lse = gpu.output(&o_shape[..3], DType::F32)?;
-    // Workspaces: O_s [batch, heads_q, n_new, splits, d] and lse_s [batch, heads_q, n_new, splits].
+    // Workspaces: O_s (FlashDecoding) or acc_s (FlashDecoding++) [batch, heads_q, n_new, splits,
+    // d], lse_s or l_s [batch, heads_q, n_new, splits]; FlashDecoding++ also the sum of P as
+    // rounded and the largest exponent per split, and a fallback flag per row (every element
+    // written by the kernels).
     let rows = p.rows();
     let mut o_part = gpu.output(&[rows, splits, p.d], DType::F32)?;
     let mut lse_part = gpu.output(&[rows, splits], DType::F32)?;
+    let (mut pp_parts, mut flags) = match pp_kernel {
+        None => (None, None),
+        Some(_) => {
+            let lr_part = gpu.output(&[rows, splits], DType::F32)?;
+            let max_part = gpu.output(&[rows, splits], DType::F32)?;
+            // SAFETY: flash_decoding_pp_combine writes every row's flag before anything reads it.
+            let flags = unsafe { gpu.stream().alloc::<i32>(rows) }
+                .map_err(KernelError::alloc(rows * std::mem::size_of::<i32>()))?;
+            (Some((lr_part, max_part)), Some(flags))
+        }
+    };
     let s = gpu.stream();
     let (q_ptr, _g0) = q.read_ptr(s);
     let (k_ptr, _g1) = k.read_ptr(s);
@@ -824,6 +1022,21 @@ pub fn forward<'a>(
         }
         None => (0, None),
     };
+    let ((lr_part_ptr, max_part_ptr), _g8) = match &mut pp_parts {
+        Some((lr_part, max_part)) => {
+            let (lr, lr_guard) = lr_part.write_ptr(s);
+            let (max, max_guard) = max_part.write_ptr(s);
+            ((lr, max), Some((lr_guard, max_guard)))
+        }
+        None => ((0, 0), None),
+    };
+    let (flags_ptr, _g9) = match &mut flags {
+        Some(f) => {
+            let (ptr, guard) = f.device_ptr_mut(s);
+            (ptr, Some(guard))
+        }
+        None => (0, None),
+    };
     // The layout's numbers: a contiguous cache's capacity, or the pages' count and size (the
     // size a power of two, checked) and the table's row length.
     let (capacity, max_pages, num_pages, log2_page) = match p.layout {
@@ -832,11 +1045,13 @@ pub fn forward<'a>(
             (0, max_pages, num_pages, page_size.trailing_zeros())
         }
     };
-    // Batches of more than MAX_BATCH_PER_LAUNCH sequences go in chunks: Q, O, the workspaces, a
-    // contiguous cache and the page table are batch-major, so a chunk is the same call on pointers
-    // advanced by its first sequence (pages are shared by all sequences: not advanced).
+    // Batches of more than MAX_BATCH_PER_LAUNCH sequences go in chunks: Q, O, the workspaces, the
+    // flags, a contiguous cache and the page table are batch-major, so a chunk is the same call
+    // on pointers advanced by its first sequence (pages are shared by all sequences: not
+    // advanced).
     let rows_per_seq = p.heads_q * p.n_new;
     let elem = p.dtype.size();
+    let combine_threads = 32 * COMBINE_ROWS_PER_BLOCK as u32;
     for first in (0..p.batch).step_by(MAX_BATCH_PER_LAUNCH) {
         let n = (p.batch - first).min(MAX_BATCH_PER_LAUNCH);
         let (row0, chunk_rows) = (first * rows_per_seq, n * rows_per_seq);
@@ -847,6 +1062,7 @@ pub fn forward<'a>(
             *dst = len as i32;
         }
         let at = |ptr: u64, elements: usize, size: usize| ptr + (elements * size) as u64;
+        let fallback = if pp_kernel.is_some() { at(flags_ptr, row0, 4) } else { 0 };
         let params = Params {
             q: at(q_ptr, row0 * p.d, elem),
             k: at(k_ptr, kv0, elem),
@@ -856,6 +1072,7 @@ pub fn forward<'a>(
             lse_part: at(lse_part_ptr, row0 * splits, 4),
             o: at(o_ptr, row0 * p.d, elem),
             lse: at(lse_ptr, row0, 4),
+            fallback,
             heads_q: p.heads_q as i32,
             heads_kv: p.heads_kv as i32,
             n_new: p.n_new as i32,
@@ -865,18 +1082,64 @@ pub fn forward<'a>(
             num_pages: num_pages as i32,
             log2_page: log2_page as i32,
             splits: splits_i,
-            row_blocks: row_blocks as i32,
+            row_blocks: fd_row_blocks as i32,
             rows: chunk_rows as i32,
             scale_log2: p.scale * std::f32::consts::LOG2_E,
             lengths: chunk_lengths,
         };
-        let split_grid = grid(blocks_x, p.heads_kv, n)?;
         let combine_grid = grid(chunk_rows.div_ceil(COMBINE_ROWS_PER_BLOCK), 1, 1)?;
-        gpu.launch(&split_kernel, split_grid, 32 * WARPS as u32, smem, &params)?;
-        gpu.launch(&combine_kernel, combine_grid, 32 * COMBINE_ROWS_PER_BLOCK as u32, 0, &params)?;
+        if let Some((split, combine, smem, row_blocks, blocks_x)) = &pp_launch {
+            let w = p.window;
+            let pp_params = PpParams {
+                q: params.q,
+                k: params.k,
+                v: params.v,
+                page_table: params.page_table,
+                acc_part: params.o_part,
+                l_part: params.lse_part,
+                lr_part: at(lr_part_ptr, row0 * splits, 4),
+                max_part: at(max_part_ptr, row0 * splits, 4),
+                o: params.o,
+                lse: params.lse,
+                fallback,
+                heads_q: params.heads_q,
+                heads_kv: params.heads_kv,
+                n_new: params.n_new,
+                capacity: params.capacity,
+                max_pages: params.max_pages,
+                num_pages: params.num_pages,
+                log2_page: params.log2_page,
+                splits: splits_i,
+                row_blocks: *row_blocks as i32,
+                rows: params.rows,
+                scale_log2: params.scale_log2,
+                phi: w.phi,
+                phi_log2: w.phi_log2,
+                lo_log2: w.lo_log2,
+                hi_log2: w.hi_log2,
+                lengths: chunk_lengths,
+            };
+            gpu.launch(
+                split,
+                grid(*blocks_x, p.heads_kv, n)?,
+                32 * WARPS as u32,
+                *smem,
+                &pp_params,
+            )?;
+            gpu.launch(combine, combine_grid, combine_threads, 0, &pp_params)?;
+        }
+        // FlashDecoding: the call itself, or (fallback set) the rows FlashDecoding++ flagged.
+        gpu.launch(
+            &fd_split,
+            grid(fd_blocks_x, p.heads_kv, n)?,
+            32 * WARPS as u32,
+            fd_smem,
+            &params,
+        )?;
+        gpu.launch(&fd_combine, combine_grid, combine_threads, 0, &params)?;
     }
-    drop((_g0, _g1, _g2, _g3, _g4, _g5, _g6, _g7));
-    Ok(Output { o, lse })
+    drop((_g0, _g1, _g2, _g3, _g4, _g5, _g6, _g7, _g8, _g9));
+    Ok(Launched { output: Output { o, lse }, plan, fallback: flags })
 }
 
 #[cfg(test)]
@@ -940,11 +1203,11 @@ mod tests {
 
     #[test]
     fn params_are_laid_out_like_the_cuda_struct() {
-        // 8 pointers, 10 ints, a float, then the lengths; 8-byte aligned.
-        assert_eq!(std::mem::offset_of!(Params, heads_q), 64);
-        assert_eq!(std::mem::offset_of!(Params, scale_log2), 104);
-        assert_eq!(std::mem::offset_of!(Params, lengths), 108);
-        assert_eq!(std::mem::size_of::<Params>(), 1136);
+        // 9 pointers, 10 ints, a float, then the lengths; 8-byte aligned.
+        assert_eq!(std::mem::offset_of!(Params, heads_q), 72);
+        assert_eq!(std::mem::offset_of!(Params, scale_log2), 112);
+        assert_eq!(std::mem::offset_of!(Params, lengths), 116);
+        assert_eq!(std::mem::size_of::<Params>(), 1144);
     }
 
     fn desc(shape: &[usize], dtype: DType) -> Desc<'_> {
@@ -1093,6 +1356,37 @@ mod tests {
         }
         let r = check(&[1, 8, 1, 96], &[1, 2, 30, 96], &[30]);
         assert!(matches!(r, Err(KernelError::UnsupportedHeadDim { d: 96, .. })), "{r:?}");
+    }
+
+    #[test]
+    fn flash_decoding_pp_options_are_checked_with_the_shapes() {
+        let f16 = DType::F16;
+        let (q, kv) = ([1, 8, 1, 64], [1, 2, 30, 64]);
+        let check = |dtype: DType, opts: DecodeOptions| {
+            let cache =
+                CacheDesc::Contiguous { k: desc(&kv, dtype), v: desc(&kv, dtype), lengths: &[30] };
+            Shape::check(desc(&q, dtype), &cache, &opts)
+        };
+        // The defaults: φ = 0 and the element type's window, whatever the strategy.
+        for strategy in Strategy::ALL {
+            let p = check(f16, DecodeOptions { strategy, ..DecodeOptions::default() }).unwrap();
+            assert_eq!(p.window.phi, DEFAULT_PHI);
+            let (lo, hi) = default_safe_range(f16);
+            let log2e = std::f32::consts::LOG2_E;
+            assert_eq!((p.window.lo_log2, p.window.hi_log2), (lo * log2e, hi * log2e));
+        }
+        // bf16 takes a window fp16 cannot (e^40 overflows fp16).
+        let wide = DecodeOptions { safe_range: Some((-40.0, 40.0)), ..DecodeOptions::default() };
+        assert!(check(DType::BF16, wide).is_ok());
+        for bad in [
+            DecodeOptions { phi: f32::NAN, ..DecodeOptions::default() },
+            DecodeOptions { phi: f32::NEG_INFINITY, ..DecodeOptions::default() },
+            DecodeOptions { safe_range: Some((0.0, 0.0)), ..DecodeOptions::default() },
+            wide,
+        ] {
+            let r = check(f16, bad);
+            assert!(matches!(r, Err(KernelError::Config(_))), "{bad:?}: {r:?}");
+        }
     }
 
     #[test]

@@ -23,7 +23,8 @@
 //! ```
 //!
 //! Decoding against a KV cache, contiguous or paged (a few new tokens per sequence, the keys
-//! split across blocks): [`decode::forward`].
+//! split across blocks), with FlashDecoding or FlashDecoding++ (a unified max, a flat GEMM, a
+//! GEMV, and a dispatcher that picks): [`decode::forward`].
 //!
 //! **Your own buffers.** [`Tensor::from_cuda_slice`] wraps a cudarc `CudaSlice` (no copy) and
 //! [`Tensor::into_cuda_slice`] hands it back; [`Gpu::from_stream`] runs the kernels on a stream you

@@ -20,15 +20,16 @@ use ladder_compare::results::{self, Row};
 use super::report::{impl_rank, render_side_by_side};
 
 /// Line colours of the known implementations; others take [`SPARE_COLORS`].
-const COLORS: [(&str, RGBColor); 8] = [
-    ("fa1", RGBColor(148, 103, 189)),           // purple
-    ("fa2", RGBColor(214, 39, 40)),             // red
-    ("fa2-det", RGBColor(227, 119, 194)),       // pink
-    ("flash-decoding", RGBColor(214, 39, 40)),  // red
-    ("sdpa-flash", RGBColor(31, 119, 180)),     // blue
-    ("sdpa-cudnn", RGBColor(44, 160, 44)),      // green
-    ("sdpa-efficient", RGBColor(255, 127, 14)), // orange
-    ("triton", RGBColor(23, 190, 207)),         // cyan
+const COLORS: [(&str, RGBColor); 9] = [
+    ("fa1", RGBColor(148, 103, 189)),              // purple
+    ("fa2", RGBColor(214, 39, 40)),                // red
+    ("fa2-det", RGBColor(227, 119, 194)),          // pink
+    ("flash-decoding", RGBColor(214, 39, 40)),     // red
+    ("flash-decoding-pp", RGBColor(188, 189, 34)), // olive
+    ("sdpa-flash", RGBColor(31, 119, 180)),        // blue
+    ("sdpa-cudnn", RGBColor(44, 160, 44)),         // green
+    ("sdpa-efficient", RGBColor(255, 127, 14)),    // orange
+    ("triton", RGBColor(23, 190, 207)),            // cyan
 ];
 const SPARE_COLORS: [RGBColor; 2] = [RGBColor(140, 86, 75), RGBColor(127, 127, 127)];
 

@@ -33,6 +33,15 @@ pub enum DtypeArg {
     Bf16,
 }
 
+/// FlashDecoding++'s GEMM shape (`--pp-kernel`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PpKernelArg {
+    /// CUDA cores, one query row per block.
+    Gemv,
+    /// Tensor cores, `Sᵀ = K·Qᵀ` with the rows padded to 8.
+    FlatGemm,
+}
+
 /// How a decoding case's KV cache is laid out: `--page-size none` or a page size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CacheLayout {
@@ -69,11 +78,12 @@ impl FromStr for CacheLayout {
 /// `ladder bench` flags.
 #[derive(Args, Debug)]
 pub struct BenchArgs {
-    /// GPU rungs to time, comma-separated (fa1, fa2, fa3, fa2-det, flash-decoding) [default: all].
+    /// GPU rungs to time, comma-separated (fa1, fa2, fa3, fa2-det, flash-decoding,
+    /// flash-decoding-pp) [default: all].
     #[arg(long, value_delimiter = ',')]
     pub(super) rung: Vec<String>,
     /// Directions, comma-separated: fwd, bwd, decode [default: fwd,bwd, or the directions of the
-    /// rungs given with --rung]. `decode` times FlashDecoding against KV caches (d = 128 unless
+    /// rungs given with --rung]. `decode` times FlashDecoding and FlashDecoding++ against KV caches (d = 128 unless
     /// --d; the five reference decode shapes with 1 and 4 new tokens, contiguous and paged, and a
     /// sweep of batch × length × GQA with one new token; TB/s).
     #[arg(long, value_enum, value_delimiter = ',')]
@@ -95,6 +105,14 @@ pub struct BenchArgs {
     /// [default: the kernel's heuristic]. The count used is in bench.json's rows.
     #[arg(long)]
     pub(super) splits: Option<usize>,
+    /// FlashDecoding++ only: force its GEMV or flat GEMM [default: the GEMV for one row per kv
+    /// head, the flat GEMM for more]. The kernel that ran is in bench.json's rows.
+    #[arg(long, value_enum)]
+    pub(super) pp_kernel: Option<PpKernelArg>,
+    /// FlashDecoding++ only: the unified max φ (`DecodeOptions::phi`) [default: 0]. Rows whose
+    /// scores leave its window are recomputed by FlashDecoding; their count is in bench.json.
+    #[arg(long)]
+    pub(super) phi: Option<f32>,
     /// Decode only: new tokens per sequence (1 … 16; more than one is speculative decoding,
     /// causal among themselves), comma-separated [default: 1,4 on the reference shapes, 1 on the
     /// sweep].
@@ -215,6 +233,9 @@ pub(super) struct Plan {
     pub(super) decode_too_large: usize,
     /// `--splits`: a fixed split count for the decoding kernel.
     pub(super) splits: Option<usize>,
+    /// FlashDecoding++'s strategy (`--pp-kernel`, or by the rows) and `φ` (`--phi`).
+    pub(super) pp_strategy: decode::Strategy,
+    pub(super) phi: f32,
     /// `--new-tokens` (empty: the defaults per shape).
     pub(super) new_tokens: Vec<usize>,
     /// `--page-size` (empty: the defaults per shape).
@@ -289,6 +310,14 @@ impl Plan {
         if a.splits == Some(0) {
             bail!("--splits must be at least 1");
         }
+        if let Some(phi) = a.phi.filter(|p| !p.is_finite()) {
+            bail!("--phi must be finite, got {phi}");
+        }
+        let pp_strategy = match a.pp_kernel {
+            None => decode::Strategy::FlashDecodingPp,
+            Some(PpKernelArg::Gemv) => decode::Strategy::Gemv,
+            Some(PpKernelArg::FlatGemm) => decode::Strategy::FlatGemm,
+        };
         if let Some(n) = a.new_tokens.iter().find(|&&n| n == 0 || n > decode::MAX_NEW_TOKENS) {
             bail!("--new-tokens {n}: decoding takes 1 to {} new tokens", decode::MAX_NEW_TOKENS);
         }
@@ -349,6 +378,8 @@ impl Plan {
             decode,
             decode_too_large,
             splits: a.splits,
+            pp_strategy,
+            phi: a.phi.unwrap_or(decode::DEFAULT_PHI),
             new_tokens: a.new_tokens.clone(),
             layouts: a.page_size.clone(),
         })
@@ -595,7 +626,7 @@ mod tests {
     fn decode_plan_is_the_reference_shapes_and_the_sweep() {
         let p = plan(&["--direction", "decode"]).unwrap();
         assert_eq!(p.directions, [Direction::Decode]);
-        assert_eq!(p.decode_rungs(), [GpuRung::FlashDecoding]);
+        assert_eq!(p.decode_rungs(), [GpuRung::FlashDecoding, GpuRung::FlashDecodingPp]);
         assert!(p.rungs_at(4096).is_empty(), "no prefill rungs");
         assert_eq!(p.decode_ds, [128]);
         let shape = |batch, heads_kv, len| DecodeShape { batch, heads_q: 32, heads_kv, len };
@@ -628,8 +659,9 @@ mod tests {
         };
         assert_eq!(p.decode_layouts(reference), paged(&[16, 64]));
         assert_eq!((p.decode_new_tokens(sweep), p.decode_layouts(sweep)), (vec![1], paged(&[])));
-        assert_eq!(p.case_count(), 5 * 2 * 3 + (p.decode.len() - 5));
+        assert_eq!(p.case_count(), 2 * (5 * 2 * 3 + (p.decode.len() - 5)), "two decoding rungs");
         assert_eq!(p.splits, None);
+        assert_eq!((p.pp_strategy, p.phi), (decode::Strategy::FlashDecodingPp, 0.0));
         let notes = p.notes().join("\n");
         assert!(notes.contains("heuristic") && notes.contains("2 shape(s) left out"), "{notes}");
         assert!(notes.contains("pages of 16, pages of 64 on the reference shapes"), "{notes}");
@@ -660,8 +692,8 @@ mod tests {
         assert_eq!(g.rungs_at(4096), [GpuRung::Fa2, GpuRung::Fa3], "fa1 stops at 2048");
         assert_eq!(
             g.case_count(),
-            2 * 2 * 2 + 2,
-            "fa2, fa3 fwd × 2 masks × 2 lengths, and 2 decode"
+            2 * 2 * 2 + 2 * 2,
+            "fa2, fa3 fwd × 2 masks × 2 lengths, and 2 decode × 2 decoding rungs"
         );
         assert!(g.notes().join(" ").contains("16 (--splits)"));
         let l = plan(&["--direction", "decode", "--n", "1024"]).unwrap();
@@ -682,7 +714,7 @@ mod tests {
             assert_eq!(f.decode_new_tokens(*s), [2, 16]);
             assert_eq!(f.decode_layouts(*s), paged(&[32, 256]));
         }
-        assert_eq!(f.case_count(), 5 * 2 * 3);
+        assert_eq!(f.case_count(), 2 * 5 * 2 * 3);
         let notes = f.notes().join(" ");
         assert!(notes.contains("new tokens 2, 16 / caches contiguous, pages of 32"), "{notes}");
         let g2 = plan(&["--direction", "decode", "--n", "4096", "--page-size", "64"]).unwrap();
@@ -697,6 +729,15 @@ mod tests {
             assert!(e.contains(bad[0]), "{bad:?}: {e}");
         }
         assert!(plan(&["--direction", "decode", "--page-size", "big"]).is_err());
+        // FlashDecoding++'s kernel and φ.
+        let pp = plan(&["--rung", "flash-decoding-pp", "--pp-kernel", "gemv", "--phi", "2.5"]);
+        let pp = pp.unwrap();
+        assert_eq!(pp.decode_rungs(), [GpuRung::FlashDecodingPp]);
+        assert_eq!((pp.pp_strategy, pp.phi), (decode::Strategy::Gemv, 2.5));
+        let flat = plan(&["--direction", "decode", "--pp-kernel", "flat-gemm"]).unwrap();
+        assert_eq!(flat.pp_strategy, decode::Strategy::FlatGemm);
+        let e = plan(&["--direction", "decode", "--phi", "inf"]).unwrap_err().to_string();
+        assert!(e.contains("--phi"), "{e}");
         assert!(plan(&["--direction", "sideways"]).is_err());
     }
 }

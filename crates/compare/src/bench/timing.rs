@@ -8,7 +8,9 @@ use std::time::Instant;
 
 use ladder_compare::gpu_rungs::Kernels;
 use ladder_compare::{GpuRung, cases};
-use ladder_kernels::decode::{Cache, DecodeOptions, KvCache, PageTable, PagedKvCache};
+use ladder_kernels::decode::{
+    self, Cache, DecodeOptions, DecodeStats, KvCache, PageTable, PagedKvCache,
+};
 use ladder_kernels::{DType, Gpu, KernelError, Options, Output, Tensor};
 
 use super::plan::{CacheLayout, DecodeShape, Plan};
@@ -112,6 +114,21 @@ pub(super) fn decode_step<'a>(
         let out = forward(gpu, s.q(n_new)?, s.cache(lengths), &opts)?;
         Ok(vec![out.o, out.lse])
     }))
+}
+
+/// What one call of a decoding case does ([`decode::forward_with_stats`] on input set 0, untimed):
+/// the kernel and split count that ran, and FlashDecoding++'s fallback rows.
+pub(super) fn decode_stats(
+    rung: GpuRung,
+    gpu: &Gpu,
+    sets: &[DecodeSet],
+    n_new: usize,
+    lengths: &[usize],
+    opts: DecodeOptions,
+) -> ladder_kernels::Result<DecodeStats> {
+    let s = sets.first().ok_or_else(|| KernelError::Config("no input set".into()))?;
+    let opts = rung.decode_options(&opts);
+    Ok(decode::forward_with_stats(gpu, s.q(n_new)?, s.cache(lengths), &opts)?.1)
 }
 
 /// Elements of the pseudo-random block a KV cache repeats (odd, so that the pattern does not line

@@ -1,0 +1,319 @@
+//! FlashDecoding++'s third idea, the heuristic dataflow: which kernel runs a decoding call, and
+//! with how many splits.
+//!
+//! [`Strategy`] names the choices (forced through [`super::DecodeOptions::strategy`], or
+//! [`Strategy::Auto`]); [`dispatch`] is the decision table of an automatic call and [`plan`] what
+//! a call with given options runs. The crossovers are the constants [`GEMV_MAX_ROWS`],
+//! [`FLAT_GEMM_MAX_ROWS`] and [`PP_MIN_KEYS`], here and nowhere else; they are first guesses, to
+//! be replaced by the crossovers measured on the H200 (`ladder bench --direction decode` with
+//! `--rung flash-decoding,flash-decoding-pp` and `--pp-kernel`).
+
+use std::fmt;
+use std::str::FromStr;
+
+use super::{BC, MAX_SPLITS, num_splits, row_blocks};
+use crate::error::{KernelError, Result};
+
+/// How a decoding call is computed.
+///
+/// The names are the paper's (Hong et al. 2024): FlashDecoding's split-KV kernel with its running
+/// max, or FlashDecoding++'s unified max `φ` with one of its two GEMM shapes for few rows, the
+/// *flat GEMM* (tensor cores, the query rows padded to 8 instead of 16) and the *GEMV* (CUDA
+/// cores, one query row). All of them compute the same attention within the tolerance rule; a
+/// FlashDecoding++ row whose scores leave `φ`'s safe window is recomputed by FlashDecoding.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Strategy {
+    /// The heuristic dataflow picks one of the others ([`dispatch`]).
+    #[default]
+    Auto,
+    /// FlashDecoding: m16 tensor-core tiles, online softmax, log-sum-exp combine
+    /// (`flash_decoding.cu`).
+    FlashDecoding,
+    /// FlashDecoding++ with the GEMM shape picked by the rows per kv head: [`Strategy::Gemv`]
+    /// for one row, [`Strategy::FlatGemm`] otherwise.
+    FlashDecodingPp,
+    /// FlashDecoding++ on CUDA cores, one query row per block (`flash_decoding_pp.cu`,
+    /// `FDPP_GEMV = 1`); meant for one row per kv head (multi-head attention, one new token).
+    Gemv,
+    /// FlashDecoding++ with the flat GEMM: `Sᵀ = K·Qᵀ` on the tensor cores, the keys as the mma's
+    /// M and the query rows padded to 8 (16 rows per block at most; `flash_decoding_pp.cu`).
+    FlatGemm,
+}
+
+impl Strategy {
+    /// Every strategy, `Auto` first.
+    pub const ALL: [Strategy; 5] = [
+        Strategy::Auto,
+        Strategy::FlashDecoding,
+        Strategy::FlashDecodingPp,
+        Strategy::Gemv,
+        Strategy::FlatGemm,
+    ];
+
+    /// The name in flags and tables: `auto`, `flash-decoding`, `flash-decoding-pp`, `gemv`,
+    /// `flat-gemm`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Auto => "auto",
+            Strategy::FlashDecoding => "flash-decoding",
+            Strategy::FlashDecodingPp => "flash-decoding-pp",
+            Strategy::Gemv => "gemv",
+            Strategy::FlatGemm => "flat-gemm",
+        }
+    }
+
+    /// Whether it is one of FlashDecoding++'s (unified max, fallback rows).
+    pub fn is_pp(self) -> bool {
+        matches!(self, Strategy::FlashDecodingPp | Strategy::Gemv | Strategy::FlatGemm)
+    }
+
+    /// The kernel it runs for `rows_per_kv_head` rows: `Auto` is resolved by [`dispatch`] (with
+    /// the other arguments), `FlashDecodingPp` by the rows; the others are themselves.
+    fn kernel(
+        self,
+        rows_per_kv_head: usize,
+        max_len: usize,
+        batch_heads_kv: usize,
+        sm_count: usize,
+    ) -> Strategy {
+        match self {
+            Strategy::Auto => {
+                dispatch(rows_per_kv_head, max_len, batch_heads_kv, sm_count).strategy
+            }
+            Strategy::FlashDecodingPp if rows_per_kv_head <= GEMV_MAX_ROWS => Strategy::Gemv,
+            Strategy::FlashDecodingPp => Strategy::FlatGemm,
+            other => other,
+        }
+    }
+}
+
+impl fmt::Display for Strategy {
+    /// The [`Strategy::name`], padded as the format asks (`{:>15}`).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.pad(self.name())
+    }
+}
+
+impl FromStr for Strategy {
+    type Err = KernelError;
+
+    fn from_str(s: &str) -> Result<Strategy> {
+        Strategy::ALL.into_iter().find(|x| x.name() == s.trim()).ok_or_else(|| {
+            let names: Vec<&str> = Strategy::ALL.iter().map(|x| x.name()).collect();
+            KernelError::Config(format!("no decoding strategy `{s}` (known: {})", names.join(", ")))
+        })
+    }
+}
+
+// ---- the crossovers -----------------------------------------------------------------------------
+
+/// Rows per kv head (query heads per kv head × new tokens) up to which the automatic choice is the
+/// GEMV: one row, where even the flat GEMM's 8-row tile is 7/8 padding.
+pub const GEMV_MAX_ROWS: usize = 1;
+/// Rows per kv head up to which the automatic choice is the flat GEMM (two 8-row tiles per
+/// block); past it FlashDecoding's 16-row tiles are full and its 32-row blocks read the cache
+/// once per 32 rows.
+pub const FLAT_GEMM_MAX_ROWS: usize = 16;
+/// Cache entries per call (longest length × batch × kv heads) below which the automatic choice is
+/// FlashDecoding whatever the rows: such a call moves a few MB in a few microseconds, and
+/// FlashDecoding++'s fallback check (two more launches, whose blocks exit at once when no row fell
+/// back) costs about as much as the rescaling it saves. `1 << 16` entries are 32 MB of K and V at
+/// `d = 128` in fp16 (about 7 µs at 4.8 TB/s).
+pub const PP_MIN_KEYS: usize = 1 << 16;
+
+/// The kernel and split count of one call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// [`Strategy::FlashDecoding`], [`Strategy::Gemv`] or [`Strategy::FlatGemm`] (never `Auto` or
+    /// `FlashDecodingPp`, which resolve to one of those).
+    pub strategy: Strategy,
+    /// Splits of each sequence's keys.
+    pub splits: usize,
+}
+
+/// The heuristic dataflow: the kernel and split count of an automatic call, from the rows per kv
+/// head (query heads per kv head × new tokens), the longest sequence, `batch · heads_kv` and the
+/// device's SM count.
+///
+/// | rows per kv head | `max_len · batch · heads_kv` | kernel |
+/// |---|---|---|
+/// | any | below [`PP_MIN_KEYS`] | FlashDecoding |
+/// | above [`FLAT_GEMM_MAX_ROWS`] (16) | any | FlashDecoding |
+/// | up to [`GEMV_MAX_ROWS`] (1) | from [`PP_MIN_KEYS`] | FlashDecoding++, GEMV |
+/// | 2 … 16 | from [`PP_MIN_KEYS`] | FlashDecoding++, flat GEMM |
+///
+/// The split count is then [`num_splits`] over the kernel's blocks per split
+/// ([`blocks_per_split`]) and the longest sequence's tiles of [`BC`] keys: the SM count enters
+/// there, the wave-efficiency heuristic being the same for every kernel.
+pub fn dispatch(
+    rows_per_kv_head: usize,
+    max_len: usize,
+    batch_heads_kv: usize,
+    sm_count: usize,
+) -> Plan {
+    let keys = max_len.saturating_mul(batch_heads_kv);
+    let strategy = if keys < PP_MIN_KEYS || rows_per_kv_head > FLAT_GEMM_MAX_ROWS {
+        Strategy::FlashDecoding
+    } else if rows_per_kv_head <= GEMV_MAX_ROWS {
+        Strategy::Gemv
+    } else {
+        Strategy::FlatGemm
+    };
+    let splits = splits_for(strategy, rows_per_kv_head, max_len, batch_heads_kv, sm_count);
+    Plan { strategy, splits }
+}
+
+/// What a call with `strategy` and `splits` (both from [`super::DecodeOptions`]) runs: the
+/// strategy resolved ([`dispatch`] for `Auto`, the rows for `FlashDecodingPp`) and the given split
+/// count, or [`num_splits`] over that kernel's blocks. A split count of 0 is an error.
+pub fn plan(
+    strategy: Strategy,
+    splits: Option<usize>,
+    rows_per_kv_head: usize,
+    max_len: usize,
+    batch_heads_kv: usize,
+    sm_count: usize,
+) -> Result<Plan> {
+    let strategy = strategy.kernel(rows_per_kv_head, max_len, batch_heads_kv, sm_count);
+    let splits = match splits {
+        Some(0) => {
+            return Err(KernelError::Config(
+                "flash_decoding: splits must be at least 1".to_string(),
+            ));
+        }
+        Some(s) => s,
+        None => splits_for(strategy, rows_per_kv_head, max_len, batch_heads_kv, sm_count),
+    };
+    Ok(Plan { strategy, splits })
+}
+
+/// Blocks of `strategy`'s split kernel per (split, kv head, sequence) for `rows_per_kv_head` rows:
+/// FlashDecoding's [`row_blocks`] (32 rows per block), the flat GEMM's 8 or 16 rows per block,
+/// the GEMV's one. `Auto` and `FlashDecodingPp` count as the kernel they resolve to by the rows
+/// alone (FlashDecoding past [`FLAT_GEMM_MAX_ROWS`] rows).
+pub fn blocks_per_split(strategy: Strategy, rows_per_kv_head: usize) -> usize {
+    let rows = rows_per_kv_head.max(1);
+    match strategy {
+        Strategy::FlashDecoding => row_blocks(rows),
+        Strategy::Gemv => rows,
+        Strategy::FlatGemm => rows.div_ceil(flat_rows_per_block(rows)),
+        Strategy::FlashDecodingPp if rows <= GEMV_MAX_ROWS => rows,
+        Strategy::FlashDecodingPp => rows.div_ceil(flat_rows_per_block(rows)),
+        Strategy::Auto if rows > FLAT_GEMM_MAX_ROWS => row_blocks(rows),
+        Strategy::Auto => blocks_per_split(Strategy::FlashDecodingPp, rows),
+    }
+}
+
+/// Rows per block of the flat GEMM: one 8-row tile up to 8 rows, else two.
+pub(crate) fn flat_rows_per_block(rows_per_kv_head: usize) -> usize {
+    if rows_per_kv_head <= 8 { 8 } else { 16 }
+}
+
+/// [`num_splits`] for `strategy`'s kernel.
+fn splits_for(
+    strategy: Strategy,
+    rows_per_kv_head: usize,
+    max_len: usize,
+    batch_heads_kv: usize,
+    sm_count: usize,
+) -> usize {
+    let blocks = batch_heads_kv.saturating_mul(blocks_per_split(strategy, rows_per_kv_head));
+    num_splits(blocks, max_len.div_ceil(BC), sm_count, MAX_SPLITS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_decision_table() {
+        let sms = 132;
+        // Long enough caches: the rows decide.
+        let big = PP_MIN_KEYS; // e.g. one kv head of 65536 keys, or 8 of 8192
+        assert_eq!(dispatch(1, 8192, 8, sms).strategy, Strategy::Gemv);
+        assert_eq!(dispatch(2, 8192, 8, sms).strategy, Strategy::FlatGemm);
+        assert_eq!(dispatch(16, 8192, 8, sms).strategy, Strategy::FlatGemm);
+        assert_eq!(dispatch(17, 8192, 8, sms).strategy, Strategy::FlashDecoding);
+        assert_eq!(dispatch(128, 8192, 8, sms).strategy, Strategy::FlashDecoding);
+        assert_eq!(dispatch(4, big, 1, sms).strategy, Strategy::FlatGemm);
+        // Short calls: FlashDecoding whatever the rows.
+        assert_eq!(dispatch(1, big - 1, 1, sms).strategy, Strategy::FlashDecoding);
+        assert_eq!(dispatch(4, 1000, 8, sms).strategy, Strategy::FlashDecoding);
+        assert_eq!(dispatch(1, 0, 8, sms).strategy, Strategy::FlashDecoding);
+        // No overflow on absurd sizes.
+        assert_eq!(dispatch(1, usize::MAX, usize::MAX, sms).strategy, Strategy::Gemv);
+    }
+
+    #[test]
+    fn the_split_count_follows_the_kernels_blocks() {
+        let sms = 132;
+        // Batch 1, 32 kv heads, one row each, 8k keys: 32 blocks per split whatever the kernel,
+        // so the same count as FlashDecoding's heuristic.
+        let p = dispatch(1, 8192, 32, sms);
+        assert_eq!(p, Plan { strategy: Strategy::Gemv, splits: num_splits(32, 128, sms, 128) });
+        // 8 kv heads × 16 rows: one flat block per kv head, as FlashDecoding's.
+        let p = dispatch(16, 8192, 8, sms);
+        assert_eq!(p.splits, num_splits(8, 128, sms, 128));
+        // Forced GEMV with 4 rows: 4 blocks per kv head per split.
+        let p = plan(Strategy::Gemv, None, 4, 8192, 8, sms).unwrap();
+        assert_eq!(p, Plan { strategy: Strategy::Gemv, splits: num_splits(32, 128, sms, 128) });
+        // Forced flat GEMM with 40 rows: blocks of 16, 3 per kv head.
+        assert_eq!(blocks_per_split(Strategy::FlatGemm, 40), 3);
+        assert_eq!(blocks_per_split(Strategy::FlatGemm, 8), 1);
+        assert_eq!(blocks_per_split(Strategy::FlatGemm, 9), 1);
+        assert_eq!(blocks_per_split(Strategy::FlashDecoding, 40), 2);
+        assert_eq!(blocks_per_split(Strategy::Gemv, 0), 1);
+        // A given split count is kept; 0 is an error.
+        let p = plan(Strategy::Auto, Some(7), 1, 100, 1, sms).unwrap();
+        assert_eq!(p, Plan { strategy: Strategy::FlashDecoding, splits: 7 });
+        assert!(matches!(
+            plan(Strategy::Gemv, Some(0), 1, 100, 1, sms),
+            Err(KernelError::Config(_))
+        ));
+    }
+
+    #[test]
+    fn forced_strategies_resolve_to_a_kernel() {
+        let sms = 132;
+        for rows in [1, 2, 8, 16, 17, 128] {
+            for (len, heads) in [(10, 1), (100_000, 8)] {
+                for s in Strategy::ALL {
+                    let p = plan(s, Some(3), rows, len, heads, sms).unwrap();
+                    assert!(
+                        matches!(
+                            p.strategy,
+                            Strategy::FlashDecoding | Strategy::Gemv | Strategy::FlatGemm
+                        ),
+                        "{s} {rows}: {p:?}"
+                    );
+                    match s {
+                        Strategy::Auto => {
+                            assert_eq!(p.strategy, dispatch(rows, len, heads, sms).strategy)
+                        }
+                        Strategy::FlashDecodingPp => assert_eq!(
+                            p.strategy,
+                            if rows == 1 { Strategy::Gemv } else { Strategy::FlatGemm }
+                        ),
+                        forced => assert_eq!(p.strategy, forced),
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for s in Strategy::ALL {
+            assert_eq!(s.name().parse::<Strategy>().unwrap(), s);
+            assert_eq!(s.to_string(), s.name());
+            assert_eq!(
+                s.is_pp(),
+                s.name().contains("gemv") || s.name().contains("pp") || s.name().contains("flat")
+            );
+        }
+        assert!(
+            matches!("fd++".parse::<Strategy>(), Err(KernelError::Config(m)) if m.contains("flat-gemm"))
+        );
+        assert_eq!(Strategy::default(), Strategy::Auto);
+    }
+}
