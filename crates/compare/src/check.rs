@@ -63,7 +63,7 @@ use std::ops::RangeInclusive;
 
 use ladder_kernels::DType;
 use ladder_reference::{
-    AttentionOptions, AttentionOutput, AttentionShape, Element, Fp8Options, LadderError,
+    AttentionOptions, AttentionOutput, AttentionShape, Fp8Options, LadderError,
 };
 use ndarray::{Array3, Array4, ShapeError};
 use num_traits::ToPrimitive;
@@ -73,10 +73,14 @@ use proptest::test_runner::TestCaseError;
 pub use judge::{Mismatch, OutOfTolerance};
 pub use runner::{PropertyFailure, Ran, Runs, Seed, property};
 
-use crate::cases::{Case, CaseSpace, Inputs, cases};
+// What a check's settings and closure name, in one place.
+pub use crate::cases::{Case, CaseSpace, Inputs};
+pub use crate::metrics::Worst;
+pub use crate::rungs::{Rung, RungConfig};
+pub use ladder_reference::Element;
+
+use crate::cases::cases;
 use crate::gpu_check;
-use crate::metrics::Worst;
-use crate::rungs::{Rung, RungConfig};
 
 /// The precision an implementation computes in: it sets the inputs the closure is given and the
 /// tolerance its result is held to.
