@@ -5,7 +5,8 @@
 //! `n_q ≠ n_kv`, lengths and head dims from 1, logits up to the ±10⁴ range), the float64 oracle,
 //! and the tolerance rule of `docs/conventions.md` — twice the error of the naive algorithm in
 //! the same precision plus the rounding floor (FP8 by its own rule). On a failure, proptest
-//! shrinks the problem to the smallest one that still fails, and you get it back as a
+//! shrinks the problem, the check shrinks it further (every size and option again, with a few
+//! small seeds) to the smallest one that still fails, and you get it back as a
 //! [`Counterexample`]: its sizes and seed, what missed and by how much, and the worst entry.
 //!
 //! You give a name, the space (or take the defaults) and a closure from a [`Problem`] to an
@@ -93,6 +94,7 @@ pub enum Precision {
     F32,
     /// fp16 operands with `f32` accumulation (a tensor-core kernel): inputs rounded to fp16,
     /// tolerance from the naive algorithm with `P` and `O` rounded to fp16, plus the `f32` floor.
+    /// `lse` is held to `f32` accuracy, as the kernels keep it in `f32`.
     F16,
     /// bfloat16 operands with `f32` accumulation, like [`Precision::F16`].
     Bf16,
@@ -317,6 +319,28 @@ impl<T: Value> From<AttentionOutput<T>> for Output {
 
 /// A check of one implementation: its name, the space its problems are drawn from, the
 /// precisions it runs in, and how many cases from which seed. Build it, then [`Check::run`] it.
+///
+/// A failure comes back as the smallest problem that still fails:
+///
+/// ```
+/// use ladder_compare::check::{Check, Output, Precision};
+/// use ladder_reference::{LadderError, naive};
+///
+/// // `lse` off by ln 2 (O is right).
+/// let check = Check::new("lse + ln 2").precisions([Precision::F32]).seed(1);
+/// let err = check
+///     .run(|x| {
+///         let i = x.inputs::<f32>();
+///         let out = naive::attention(i.q.view(), i.k.view(), i.v.view(), &x.attention)?;
+///         Ok::<_, LadderError>(Output::new(out.o, out.lse + std::f32::consts::LN_2))
+///     })
+///     .unwrap_err();
+/// let failed = err.counterexample().expect("a wrong lse is caught");
+/// let shape = failed.case.shape;
+/// assert_eq!((shape.batch, shape.heads_q, shape.n_q, shape.n_kv, shape.d), (1, 1, 1, 1, 1));
+/// assert_eq!(failed.worst().map(|w| w.index.clone()), Some(vec![0, 0, 0]));
+/// println!("{err}"); // FAIL: lse + ln 2 (f32): lse is out of tolerance against the float64 oracle ...
+/// ```
 #[derive(Debug, Clone)]
 pub struct Check {
     name: String,
@@ -392,7 +416,10 @@ impl Check {
         Check { precisions: precisions.into_iter().collect(), ..self }
     }
 
-    /// Also compare with one of our CPU rungs on the same inputs ([`Problem::run`]).
+    /// Also compare with one of our CPU rungs on the same inputs ([`Problem::run`]: in `f64` for
+    /// `F64` problems, else in `f32`, held to the naive algorithm's tolerance in that type); the
+    /// two must agree within the sum of their tolerances. (The FP8 rung is no reference: its
+    /// tolerance is FP8's.)
     pub fn against(self, rung: Rung) -> Check {
         Check { against: Some(rung), ..self }
     }
