@@ -1,5 +1,7 @@
 //! # ladder-compare: the attention ladder, checked rung by rung
 //!
+//! - [`mod@check`]: check your own attention implementation against the float64 oracle, with the
+//!   ladder's case space, tolerances and shrinking (the equivalence suite uses it too);
 //! - [`metrics`]: error against the float64 oracle and the tolerances derived from it;
 //! - [`mod@cases`]: the proptest strategies that draw random attention problems;
 //! - [`rungs`]: every rung by name, behind one call;
@@ -11,6 +13,7 @@
 //! - [`results`]: the benchmark results files (`bench.csv`, `peers.csv`, `meta.json`).
 
 pub mod cases;
+pub mod check;
 pub mod gpu_check;
 pub mod gpu_rungs;
 pub mod low_precision;

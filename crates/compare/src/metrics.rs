@@ -23,7 +23,7 @@
 use std::fmt;
 
 use ladder_reference::Element;
-use ndarray::{ArrayBase, ArrayView4, Data, Dimension, Zip};
+use ndarray::{ArrayBase, ArrayView4, Data, Dimension, IntoDimension, Zip};
 
 /// How far an output is from a reference.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -79,6 +79,74 @@ where
         (scaled_norm(diffs.iter().copied()), scaled_norm(refs.iter().copied()));
     let rel_l2 = if ref_norm > 0.0 { diff_norm / ref_norm } else { diff_norm };
     ErrorStats { rel_l2, max_abs }
+}
+
+/// One entry of an output next to its reference: where a comparison is worst.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Worst {
+    /// The entry's index: `[b, h, i, c]` for `O`, `[b, h, i]` for `lse`.
+    pub index: Vec<usize>,
+    /// The value compared.
+    pub got: f64,
+    /// The reference's value there.
+    pub want: f64,
+}
+
+impl fmt::Display for Worst {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let index: Vec<String> = self.index.iter().map(usize::to_string).collect();
+        write!(
+            f,
+            "[{}] = {} where the reference has {}",
+            index.join(", "),
+            number(self.got),
+            number(self.want)
+        )
+    }
+}
+
+/// A number for a report: six decimals in the usual range, scientific notation outside it.
+pub fn number(x: f64) -> String {
+    if x.is_nan() {
+        "NaN".into()
+    } else if x.is_infinite() {
+        if x > 0.0 { "+inf".into() } else { "-inf".into() }
+    } else if x == 0.0 || (1e-3..1e5).contains(&x.abs()) {
+        format!("{x:.6}")
+    } else {
+        format!("{x:.4e}")
+    }
+}
+
+/// The entry of `out` furthest from `reference`, under the rule of [`error`]: a non-finite
+/// mismatch (a NaN where the reference has a number, an infinity it does not have) comes first,
+/// since it alone fails the comparison; otherwise the largest absolute difference. `None` when
+/// every entry matches exactly.
+pub fn worst_entry<A, B, D>(out: &ArrayBase<A, D>, reference: &ArrayBase<B, D>) -> Option<Worst>
+where
+    A: Data,
+    A::Elem: Element,
+    B: Data<Elem = f64>,
+    D: Dimension,
+{
+    assert_eq!(out.shape(), reference.shape(), "worst_entry(): shapes differ");
+    let mut worst: Option<(f64, Worst)> = None;
+    for ((index, &o), &r) in out.indexed_iter().zip(reference.iter()) {
+        let o: f64 = o.as_f64();
+        let badness = if o.is_finite() && r.is_finite() {
+            (o - r).abs()
+        } else if o.is_nan() && r.is_nan() || o == r {
+            0.0
+        } else {
+            f64::INFINITY
+        };
+        let beaten = worst.as_ref().is_none_or(|(b, _)| badness > *b);
+        if badness > 0.0 && beaten {
+            let index = index.into_dimension().slice().to_vec();
+            worst = Some((badness, Worst { index, got: o, want: r }));
+        }
+    }
+    worst.map(|(_, w)| w)
 }
 
 /// The error of `out` against `other`, both in the precision under test, relative to `other`'s
@@ -236,6 +304,19 @@ mod tests {
         assert_eq!(error(&array![3.0f32, 4.0, 0.0], &r).rel_l2, f64::INFINITY);
         assert_eq!(error(&array![f64::NAN], &array![f64::NAN]).max_abs, 0.0);
         assert_eq!(error(&array![f64::NAN], &array![1.0]).max_abs, f64::INFINITY);
+    }
+
+    #[test]
+    fn the_worst_entry_is_a_non_finite_mismatch_or_the_largest_difference() {
+        let r = array![[1.0f64, 2.0], [0.0, f64::NEG_INFINITY]];
+        let w = worst_entry(&array![[1.5f32, 2.0], [0.25, f32::NEG_INFINITY]], &r).unwrap();
+        assert_eq!((w.index, w.got, w.want), (vec![0, 0], 1.5, 1.0));
+        let w = worst_entry(&array![[1.5f32, 2.0], [f32::NAN, f32::NEG_INFINITY]], &r).unwrap();
+        assert_eq!(w.index, vec![1, 0]);
+        assert!(w.got.is_nan() && w.want == 0.0);
+        assert_eq!(worst_entry(&r.clone(), &r), None);
+        assert_eq!(w.to_string(), "[1, 0] = NaN where the reference has 0.000000");
+        assert_eq!(number(-2.5e-7), "-2.5000e-7");
     }
 
     #[test]

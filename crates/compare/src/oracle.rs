@@ -17,7 +17,9 @@ use ndarray::linalg::general_mat_mul;
 use ndarray::{Array2, Array3, Array4, ArrayView4, Axis, s};
 
 use crate::cases::Inputs;
-use crate::metrics::{ErrorStats, Floor, Tolerance, error, error_between, logit_bound, max_abs};
+use crate::metrics::{
+    ErrorStats, Floor, Tolerance, error, error_between, logit_bound, max_abs, worst_entry,
+};
 
 /// The oracle's output for a problem, and the tolerances of a rung's output and lse.
 #[derive(Debug, Clone)]
@@ -353,7 +355,7 @@ fn term_magnitudes(
 }
 
 /// Checks `out` against the oracle and, when given, against the previous rung's output; the
-/// error message names what was compared and by how much it missed.
+/// error message names what was compared, by how much it missed and its worst entry.
 pub fn check<T: Element>(
     label: &str,
     out: &AttentionOutput<T>,
@@ -362,8 +364,9 @@ pub fn check<T: Element>(
 ) -> std::result::Result<(), String> {
     let verdict = expected.judge(out);
     if !verdict.pass {
+        let worst = worst_note(out, &expected.oracle.o, &expected.oracle.lse, expected.o, verdict);
         return Err(format!(
-            "{label} ({}) vs oracle: O {} (tol {}), lse {} (tol {})",
+            "{label} ({}) vs oracle: O {} (tol {}), lse {} (tol {}){worst}",
             T::NAME,
             verdict.o,
             expected.o,
@@ -374,15 +377,36 @@ pub fn check<T: Element>(
     if let Some((prev_label, prev_out, prev_expected)) = previous {
         let pair = judge_between(out, prev_out, expected, prev_expected);
         if !pair.pass {
+            let wide = |x: &AttentionOutput<T>| (x.o.mapv(T::as_f64), x.lse.mapv(T::as_f64));
+            let (prev_o, prev_lse) = wide(prev_out);
+            let tol = expected.o.plus(prev_expected.o);
+            let worst = worst_note(out, &prev_o, &prev_lse, tol, pair);
             return Err(format!(
-                "{label} ({}) vs {prev_label}: O {} (tol {}), lse {} (tol {})",
+                "{label} ({}) vs {prev_label}: O {} (tol {}), lse {} (tol {}){worst}",
                 T::NAME,
                 pair.o,
-                expected.o.plus(prev_expected.o),
+                tol,
                 pair.lse,
                 expected.lse.plus(prev_expected.lse)
             ));
         }
     }
     Ok(())
+}
+
+/// `"; worst O[b, h, i, c] = … where the reference has …"` for `O` if it fails `o_tol`, else
+/// for `lse`.
+fn worst_note<T: Element>(
+    out: &AttentionOutput<T>,
+    o: &Array4<f64>,
+    lse: &Array3<f64>,
+    o_tol: Tolerance,
+    verdict: Verdict,
+) -> String {
+    let worst = if o_tol.admits(verdict.o) {
+        worst_entry(&out.lse, lse).map(|w| format!("; worst lse{w}"))
+    } else {
+        worst_entry(&out.o, o).map(|w| format!("; worst O{w}"))
+    };
+    worst.unwrap_or_default()
 }

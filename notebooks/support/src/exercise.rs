@@ -5,12 +5,17 @@
 //! compares it with the reference rung, returning `Err` (or panicking) when they disagree.
 //! On the first failure proptest shrinks the case to the smallest one that still fails, and that
 //! is what the learner sees.
+//!
+//! The runner is the one under `ladder_compare::check` (the API anyone checks their own kernel
+//! with, and the equivalence suite uses): [`property`] only fixes its settings for the notebooks
+//! (proptest's standard deterministic stream, so the committed outputs are the same draws on
+//! every run) and prints the notebook's one-line verdict.
 
 use std::fmt::Debug;
-use std::panic;
 
+use ladder_compare::check::{self, PropertyFailure, Runs, Seed};
 use proptest::strategy::Strategy;
-use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestError, TestRng, TestRunner};
+use proptest::test_runner::TestCaseError;
 
 use crate::Failure;
 
@@ -18,7 +23,7 @@ use crate::Failure;
 ///
 /// Prints `pass: …` and returns `Ok(())`, or returns the shrunk counterexample and the reason as
 /// a [`Failure`]. A panic in the learner's code (a `todo!()`, an index out of bounds) counts as
-/// a failure of that case; its message is reported, not printed once per case.
+/// a failure of that case; its message and location are reported, not printed once per case.
 pub fn property<S>(
     name: &str,
     cases: u32,
@@ -29,23 +34,16 @@ where
     S: Strategy,
     S::Value: Debug,
 {
-    let config = Config { cases, failure_persistence: None, ..Config::default() };
-    let rng = TestRng::deterministic_rng(RngAlgorithm::ChaCha);
-    let mut runner = TestRunner::new_with_rng(config, rng);
-    // Shrinking replays many failing cases: keep their panic messages out of the output.
-    let hook = panic::take_hook();
-    panic::set_hook(Box::new(|_| {}));
-    let outcome = runner.run(&strategy, test);
-    panic::set_hook(hook);
-    match outcome {
-        Ok(()) => {
+    let runs = Runs { cases: Some(cases), seed: Seed::Standard, regressions: None };
+    match check::property(&runs, strategy, test) {
+        Ok(_) => {
             println!("pass: {name} agrees with the reference on {cases} random cases");
             Ok(())
         }
-        Err(TestError::Fail(reason, value)) => Err(Failure(format!(
+        Err(PropertyFailure::Failed { reason, value, .. }) => Err(Failure(format!(
             "FAIL: {name}\n{reason}\n\nsmallest failing case proptest found (after shrinking):\n{value:#?}"
         ))),
-        Err(TestError::Abort(reason)) => {
+        Err(PropertyFailure::GaveUp(reason)) => {
             Err(Failure(format!("FAIL: {name}: the check gave up: {reason}")))
         }
     }
