@@ -955,12 +955,17 @@ fn gpu_decode_auto_follows_the_decision_table() {
         assert_eq!(stats.plan, want, "{case:?}");
     }
     let large = large_cases(DType::F16);
+    // FlashDecoding++ picks its kernel by the rows (and Auto does the same where it may take
+    // FlashDecoding++ at all: decode::PP_IN_AUTO).
     let plan = |c: &Case| {
         let rows = c.heads_q / c.heads_kv * c.n_new;
-        decode::dispatch(rows, c.capacity, c.batch() * c.heads_kv, sms).strategy
+        let bh = c.batch() * c.heads_kv;
+        let pp = decode::plan(DecodeStrategy::FlashDecodingPp, None, rows, c.capacity, bh, sms);
+        (pp.expect("plan").strategy, decode::dispatch(rows, c.capacity, bh, sms).strategy)
     };
-    assert_eq!(plan(&large[0]), DecodeStrategy::Gemv);
-    assert_eq!(plan(&large[1]), DecodeStrategy::FlatGemm);
+    let auto = |kernel| if decode::PP_IN_AUTO { kernel } else { DecodeStrategy::FlashDecoding };
+    assert_eq!(plan(&large[0]), (DecodeStrategy::Gemv, auto(DecodeStrategy::Gemv)));
+    assert_eq!(plan(&large[1]), (DecodeStrategy::FlatGemm, auto(DecodeStrategy::FlatGemm)));
 }
 
 /// FlashDecoding++'s kernels read a paged cache through FlashDecoding's address helper: on the same

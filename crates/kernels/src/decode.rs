@@ -86,7 +86,9 @@
 //! 3. **Heuristic dataflow.** [`dispatch`] picks FlashDecoding, the GEMV or the flat GEMM, and
 //!    the split count, from the rows per kv head, the longest sequence, `batch · heads_kv` and
 //!    the SM count; its crossovers are the constants [`GEMV_MAX_ROWS`], [`FLAT_GEMM_MAX_ROWS`] and
-//!    [`PP_MIN_KEYS`], first guesses until they are measured on the H200.
+//!    [`PP_MIN_KEYS`]. Measured on the H200, FlashDecoding++'s kernels never beat FlashDecoding
+//!    there (they tie at the bandwidth limit and lose on short calls), so [`PP_IN_AUTO`] keeps
+//!    the automatic choice on FlashDecoding; forcing [`Strategy::FlashDecodingPp`] runs them.
 //!
 //! Both caches work with every strategy (the address helper is shared). All strategies agree
 //! within the tolerance rule, not bit for bit: they sum in different orders and FlashDecoding++
@@ -109,8 +111,8 @@ mod dispatch;
 mod pp;
 
 pub use dispatch::{
-    FLAT_GEMM_MAX_ROWS, GEMV_MAX_ROWS, PP_MIN_KEYS, Plan, Strategy, blocks_per_split, dispatch,
-    plan,
+    FLAT_GEMM_MAX_ROWS, GEMV_MAX_ROWS, PP_IN_AUTO, PP_MIN_KEYS, Plan, Strategy, blocks_per_split,
+    dispatch, plan,
 };
 pub use pp::default_safe_range;
 use pp::{PpKernel, PpParams, Window};

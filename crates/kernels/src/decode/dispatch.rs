@@ -4,7 +4,7 @@
 //! [`Strategy`] names the choices (forced through [`super::DecodeOptions::strategy`], or
 //! [`Strategy::Auto`]); [`dispatch`] is the decision table of an automatic call and [`plan`] what
 //! a call with given options runs. The crossovers are the constants [`GEMV_MAX_ROWS`],
-//! [`FLAT_GEMM_MAX_ROWS`] and [`PP_MIN_KEYS`], here and nowhere else; they are first guesses, to
+//! [`FLAT_GEMM_MAX_ROWS`], [`PP_MIN_KEYS`] and [`PP_IN_AUTO`], here and nowhere else; they are first guesses, to
 //! be replaced by the crossovers measured on the H200 (`ladder bench --direction decode` with
 //! `--rung flash-decoding,flash-decoding-pp` and `--pp-kernel`).
 
@@ -121,6 +121,15 @@ pub const FLAT_GEMM_MAX_ROWS: usize = 16;
 /// `d = 128` in fp16 (about 7 µs at 4.8 TB/s).
 pub const PP_MIN_KEYS: usize = 1 << 16;
 
+/// Whether the automatic choice ever takes FlashDecoding++'s kernels. Measured on the H200
+/// (`examples/decode_bandwidth.rs`, every strategy and split count on the five reference decode
+/// shapes, 2026-11-30): they tie FlashDecoding where the card's bandwidth is the limit (4.49 vs
+/// 4.52 TB/s at B1 32/32 128k, 4.62 vs 4.63 at B16 32/32 32k) and lose on short calls (3.13 vs
+/// 3.44 at B1 32/32 8k, 1.23 vs 2.16 at B1 32/8 8k), so `Auto` stays with FlashDecoding on this
+/// card; the table below is what it would do with this switched on (and what
+/// [`Strategy::FlashDecodingPp`] picks between its two kernels).
+pub const PP_IN_AUTO: bool = false;
+
 /// The kernel and split count of one call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Plan {
@@ -134,6 +143,8 @@ pub struct Plan {
 /// The heuristic dataflow: the kernel and split count of an automatic call, from the rows per kv
 /// head (query heads per kv head × new tokens), the longest sequence, `batch · heads_kv` and the
 /// device's SM count.
+///
+/// With [`PP_IN_AUTO`] off (as measured on the H200): FlashDecoding, always. With it on:
 ///
 /// | rows per kv head | `max_len · batch · heads_kv` | kernel |
 /// |---|---|---|
@@ -152,7 +163,7 @@ pub fn dispatch(
     sm_count: usize,
 ) -> Plan {
     let keys = max_len.saturating_mul(batch_heads_kv);
-    let strategy = if keys < PP_MIN_KEYS || rows_per_kv_head > FLAT_GEMM_MAX_ROWS {
+    let strategy = if !PP_IN_AUTO || keys < PP_MIN_KEYS || rows_per_kv_head > FLAT_GEMM_MAX_ROWS {
         Strategy::FlashDecoding
     } else if rows_per_kv_head <= GEMV_MAX_ROWS {
         Strategy::Gemv
@@ -199,7 +210,7 @@ pub fn blocks_per_split(strategy: Strategy, rows_per_kv_head: usize) -> usize {
         Strategy::FlatGemm => rows.div_ceil(flat_rows_per_block(rows)),
         Strategy::FlashDecodingPp if rows <= GEMV_MAX_ROWS => rows,
         Strategy::FlashDecodingPp => rows.div_ceil(flat_rows_per_block(rows)),
-        Strategy::Auto if rows > FLAT_GEMM_MAX_ROWS => row_blocks(rows),
+        Strategy::Auto if !PP_IN_AUTO || rows > FLAT_GEMM_MAX_ROWS => row_blocks(rows),
         Strategy::Auto => blocks_per_split(Strategy::FlashDecodingPp, rows),
     }
 }
@@ -228,20 +239,27 @@ mod tests {
     #[test]
     fn the_decision_table() {
         let sms = 132;
-        // Long enough caches: the rows decide.
         let big = PP_MIN_KEYS; // e.g. one kv head of 65536 keys, or 8 of 8192
-        assert_eq!(dispatch(1, 8192, 8, sms).strategy, Strategy::Gemv);
-        assert_eq!(dispatch(2, 8192, 8, sms).strategy, Strategy::FlatGemm);
-        assert_eq!(dispatch(16, 8192, 8, sms).strategy, Strategy::FlatGemm);
-        assert_eq!(dispatch(17, 8192, 8, sms).strategy, Strategy::FlashDecoding);
-        assert_eq!(dispatch(128, 8192, 8, sms).strategy, Strategy::FlashDecoding);
-        assert_eq!(dispatch(4, big, 1, sms).strategy, Strategy::FlatGemm);
-        // Short calls: FlashDecoding whatever the rows.
-        assert_eq!(dispatch(1, big - 1, 1, sms).strategy, Strategy::FlashDecoding);
-        assert_eq!(dispatch(4, 1000, 8, sms).strategy, Strategy::FlashDecoding);
-        assert_eq!(dispatch(1, 0, 8, sms).strategy, Strategy::FlashDecoding);
+        let auto = |rows, len, heads| dispatch(rows, len, heads, sms).strategy;
+        let pp = |rows, len, heads| {
+            plan(Strategy::FlashDecodingPp, None, rows, len, heads, sms).unwrap().strategy
+        };
+        for (rows, len, heads) in [(1, 8192, 8), (2, 8192, 8), (16, 8192, 8), (4, big, 1)] {
+            // Long enough caches: the rows pick FlashDecoding++'s kernel (Auto too when it may).
+            let kernel = if rows == 1 { Strategy::Gemv } else { Strategy::FlatGemm };
+            assert_eq!(pp(rows, len, heads), kernel);
+            let want = if PP_IN_AUTO { kernel } else { Strategy::FlashDecoding };
+            assert_eq!(auto(rows, len, heads), want, "{rows} rows, {len} × {heads}");
+        }
+        // More rows than a flat block holds, or short calls: FlashDecoding.
+        assert_eq!(auto(17, 8192, 8), Strategy::FlashDecoding);
+        assert_eq!(auto(128, 8192, 8), Strategy::FlashDecoding);
+        assert_eq!(auto(1, big - 1, 1), Strategy::FlashDecoding);
+        assert_eq!(auto(4, 1000, 8), Strategy::FlashDecoding);
+        assert_eq!(auto(1, 0, 8), Strategy::FlashDecoding);
         // No overflow on absurd sizes.
-        assert_eq!(dispatch(1, usize::MAX, usize::MAX, sms).strategy, Strategy::Gemv);
+        assert_eq!(pp(1, usize::MAX, usize::MAX), Strategy::Gemv);
+        let _ = auto(1, usize::MAX, usize::MAX);
     }
 
     #[test]
@@ -249,10 +267,11 @@ mod tests {
         let sms = 132;
         // Batch 1, 32 kv heads, one row each, 8k keys: 32 blocks per split whatever the kernel,
         // so the same count as FlashDecoding's heuristic.
-        let p = dispatch(1, 8192, 32, sms);
+        let p = plan(Strategy::FlashDecodingPp, None, 1, 8192, 32, sms).unwrap();
         assert_eq!(p, Plan { strategy: Strategy::Gemv, splits: num_splits(32, 128, sms, 128) });
+        assert_eq!(dispatch(1, 8192, 32, sms).splits, num_splits(32, 128, sms, 128));
         // 8 kv heads × 16 rows: one flat block per kv head, as FlashDecoding's.
-        let p = dispatch(16, 8192, 8, sms);
+        let p = plan(Strategy::FlashDecodingPp, None, 16, 8192, 8, sms).unwrap();
         assert_eq!(p.splits, num_splits(8, 128, sms, 128));
         // Forced GEMV with 4 rows: 4 blocks per kv head per split.
         let p = plan(Strategy::Gemv, None, 4, 8192, 8, sms).unwrap();
