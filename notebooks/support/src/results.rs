@@ -43,6 +43,8 @@ pub struct Row {
     pub ms: f64,
     pub tflops: f64,
     pub tbps: Option<f64>,
+    /// Tokens per page of a paged KV cache (`None`: contiguous, or not a decode row).
+    pub page_size: Option<usize>,
 }
 
 impl Row {
@@ -64,6 +66,7 @@ impl Row {
             ms,
             tflops,
             tbps,
+            page_size: c.page_size,
         })
     }
 
@@ -392,13 +395,17 @@ pub fn gpu_section(impls: &[&str]) -> Figures {
 
 /// The "on the GPU" charts of a rung whose measurements live in their own folder
 /// (`docs/results/FOLDER`, e.g. `h200-fa3`): `impls` (the rung first), at head dimension `d`
-/// when given; a message instead when the folder is missing or unreadable.
+/// when given, contiguous KV caches only (a folder's `table.txt` has the paged rows); a message
+/// instead when the folder is missing or unreadable.
 pub fn gpu_section_in(folder: &str, impls: &[&str], d: Option<usize>) -> Figures {
     match load_from(&results_dir_named(folder)) {
         Ok(Some(results)) => {
             println!("{}", results.provenance());
-            let rows: Vec<&Row> =
-                results.select(impls).into_iter().filter(|r| d.is_none_or(|d| r.d == d)).collect();
+            let rows: Vec<&Row> = results
+                .select(impls)
+                .into_iter()
+                .filter(|r| d.is_none_or(|d| r.d == d) && r.page_size.is_none())
+                .collect();
             charts(&rows)
         }
         Ok(None) => {
@@ -410,6 +417,14 @@ pub fn gpu_section_in(folder: &str, impls: &[&str], d: Option<usize>) -> Figures
             Figures(Vec::new())
         }
     }
+}
+
+/// A text file committed beside measurements (`docs/results/FOLDER/FILE`, e.g. a sweep printed
+/// by an example), or a line saying it is missing.
+pub fn committed_text(folder: &str, file: &str) -> String {
+    let path = results_dir_named(folder).join(file);
+    std::fs::read_to_string(&path)
+        .unwrap_or_else(|_| format!("No {file} committed in docs/results/{folder}."))
 }
 
 /// The FA3 ablation measured on the H200 (`docs/results/h200-fa3/ablation`) beside the schedule
