@@ -16,7 +16,7 @@ use cudarc::driver::DeviceRepr;
 
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
-use crate::gpu::{Gpu, Kernel};
+use crate::gpu::{Gpu, Kernel, parse_counts};
 use crate::problem::{Gradients, Options, Output, Problem, grid};
 use crate::tensor::{DType, Tensor};
 
@@ -96,10 +96,9 @@ impl std::str::FromStr for ForwardTiles {
 
     /// `m_tiles,bc,warps`, e.g. `2,64,4`.
     fn from_str(spec: &str) -> Result<ForwardTiles> {
-        let parts: Vec<Option<usize>> = spec.split(',').map(|x| x.trim().parse().ok()).collect();
-        match parts[..] {
-            [Some(m_tiles), Some(bc), Some(warps)] => ForwardTiles::new(m_tiles, bc, warps),
-            _ => Err(KernelError::Config(format!(
+        match parse_counts(spec) {
+            Some([m_tiles, bc, warps]) => ForwardTiles::new(m_tiles, bc, warps),
+            None => Err(KernelError::Config(format!(
                 "FA2 forward tiles {spec:?}: expected m_tiles,bc,warps (e.g. 2,64,4)"
             ))),
         }

@@ -30,7 +30,7 @@ use cudarc::driver::sys::{
 
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
-use crate::gpu::{Gpu, Kernel};
+use crate::gpu::{Gpu, Kernel, parse_counts};
 use crate::problem::{Options, Output, Problem, grid};
 use crate::tensor::{DType, Tensor};
 
@@ -109,10 +109,9 @@ impl std::str::FromStr for Fa3Tiles {
 
     /// `bc,consumers,stages`, e.g. `176,2,2`.
     fn from_str(spec: &str) -> Result<Fa3Tiles> {
-        let parts: Vec<Option<usize>> = spec.split(',').map(|x| x.trim().parse().ok()).collect();
-        match parts[..] {
-            [Some(bc), Some(consumers), Some(stages)] => Fa3Tiles::new(bc, consumers, stages),
-            _ => Err(KernelError::Config(format!(
+        match parse_counts(spec) {
+            Some([bc, consumers, stages]) => Fa3Tiles::new(bc, consumers, stages),
+            None => Err(KernelError::Config(format!(
                 "FA3 tiles {spec:?}: expected bc,consumers,stages (e.g. 176,2,2)"
             ))),
         }
@@ -303,7 +302,7 @@ pub fn forward_with(
     if !HEAD_DIMS.contains(&p.d) {
         return Err(KernelError::UnsupportedHeadDim { rung: "fa3", d: p.d, supported: HEAD_DIMS });
     }
-    let tiles = match gpu.fa3_tiles() {
+    let tiles = match gpu.config().fa3_tiles_override() {
         Some(t) => t,
         None => Fa3Tiles::for_head_dim(p.d, p.causal)?,
     };

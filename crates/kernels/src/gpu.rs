@@ -153,6 +153,15 @@ impl GpuConfig {
     }
 }
 
+/// The `N` comma-separated counts of a tile specification such as `2,64,4` (spaces allowed), or
+/// `None` when the text is not exactly that: what `ForwardTiles` and `Fa3Tiles` parse, each
+/// checking the counts and naming its own format in the error.
+pub(crate) fn parse_counts<const N: usize>(spec: &str) -> Option<[usize; N]> {
+    let parts: Vec<Option<usize>> = spec.split(',').map(|x| x.trim().parse().ok()).collect();
+    let parts: Vec<usize> = parts.into_iter().collect::<Option<_>>()?;
+    parts.try_into().ok()
+}
+
 /// A CUDA device (one context and stream) with the kernels compiled for it.
 ///
 /// ```no_run
@@ -257,11 +266,6 @@ impl Gpu {
     /// The configuration this device was opened with.
     pub fn config(&self) -> &GpuConfig {
         &self.config
-    }
-
-    /// The FA3 tiles set in the configuration, if any.
-    pub(crate) fn fa3_tiles(&self) -> Option<Fa3Tiles> {
-        self.config.fa3_tiles
     }
 
     /// The FA2 forward tiles set in the configuration, if any.
