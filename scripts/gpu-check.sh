@@ -24,12 +24,13 @@ rc=$?
 summary+=("tests (all binaries, GPU required)  rc=$rc  $((SECONDS - start)) s")
 grep -E "^test result|FAILED|panicked|=== " "$out/tests.log" | tail -40
 
-# The GPU test binaries built from crates/compare/tests/gpu.rs (the prefill rungs) and
+# The GPU test binaries built from crates/compare/tests/gpu.rs (the prefill rungs),
 # gpu_decode.rs (FlashDecoding and FlashDecoding++: drawn shapes contiguous and paged for every
 # strategy and with forced fallbacks, and page tables pointing outside the cache, which must never
-# be followed).
+# be followed) and gpu_fp8.rs (FA3's FP8 path).
 gpu_bin=$(ls .gpu/bin/gpu-* 2>/dev/null | head -1)
 decode_bin=$(ls .gpu/bin/gpu_decode-* 2>/dev/null | head -1)
+fp8_bin=$(ls .gpu/bin/gpu_fp8-* 2>/dev/null | head -1)
 sanitize() {  # sanitize NAME BINARY TEST_FILTERS...
   local name=$1 bin=$2; shift 2
   for tool in memcheck racecheck synccheck; do
@@ -45,6 +46,9 @@ if [ -n "$gpu_bin" ] && command -v compute-sanitizer >/dev/null; then
     gpu_fa1_fp16 gpu_fa2_fp16 gpu_fa3_fp16 gpu_fa2_backward_fp16 gpu_fa2_deterministic_backward_fp16
   if [ -n "$decode_bin" ]; then
     sanitize decode "$decode_bin" gpu_decode_drawn gpu_decode_bad_page_tables
+  fi
+  if [ -n "$fp8_bin" ]; then  # FA3's FP8 path: the quantisation kernels and the e4m3 attention
+    sanitize fp8 "$fp8_bin" gpu_fa3_fp8_fp16 gpu_fp8_rejects
   fi
 else
   summary+=("compute-sanitizer: not run (no gpu test binary or no sanitizer)")

@@ -2,7 +2,9 @@
 """Time the ladder's peers on the shapes of `ladder bench`, into OUT/peers.csv.
 
 Peers: PyTorch SDPA's flash, cuDNN and memory-efficient backends, and the Triton tutorial's
-fused-attention kernel (vendored in scripts/triton_fused_attention.py), forward and backward.
+fused-attention kernel (vendored in scripts/triton_fused_attention.py), forward and backward, and
+its FP8 forward (`triton-fp8`: e5m2 inputs, V transposed, converted untimed; the CSV's dtype is
+the fp16 the inputs came in, as for `ladder bench`'s fa3-fp8 rows).
 Timing as in `ladder bench`: one untimed call (compiles / autotunes), warm-up calls, then CUDA
 events around each sample (several calls back to back when one is under a millisecond), median
 per call; inputs rotate among several sets when they fit in L2. The backward pass is timed alone
@@ -41,7 +43,7 @@ import warnings
 # file by column name: keep the two in step.
 HEADER = ["impl", "direction", "dtype", "causal", "batch", "heads_q", "heads_kv",
           "n_q", "n_kv", "d", "ms", "tflops", "tbps", "page_size"]  # page_size: empty (no paged peers)
-IMPLS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "triton"]
+IMPLS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "triton", "triton-fp8"]
 L2_BYTES = 50 << 20  # H100/H200 L2: inputs smaller than this rotate among several sets
 SAMPLE_MS = 1.0      # a timed sample spans at least this long
 # The decoding shapes of `ladder bench --direction decode` (crates/compare/src/bench/plan.rs):
@@ -264,11 +266,11 @@ def make_step(torch, impl, sets, causal, direction, d, args):
     F = torch.nn.functional
     # The sweep's shapes are square (n_q == n_kv), where PyTorch's top-left `is_causal=True` and
     # the ladder's bottom-right causal mask (docs/conventions.md) are the same mask.
-    if impl == "triton":
+    if impl in ("triton", "triton-fp8"):
         if args.dtype != "fp16":
             raise Skip("the tutorial kernel is fp16 only")
-        if direction == "bwd" and not causal:
-            raise Skip("the tutorial's backward pass is causal only")
+        if direction == "bwd" and (impl == "triton-fp8" or not causal):
+            raise Skip("the tutorial's backward pass is fp16 and causal only")
         try:
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import triton_fused_attention as tfa
@@ -281,6 +283,14 @@ def make_step(torch, impl, sets, causal, direction, d, args):
     else:
         def attend(q, k, v):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    if impl == "triton-fp8":
+        # The tutorial's FP8 path, as its own benchmark calls it: e5m2 inputs (one scale: none),
+        # V stored transposed; converted once, untimed, as `ladder bench` quantises fa3-fp8's.
+        def fp8(q, k, v, d_o):
+            vt = v.permute(0, 1, 3, 2).contiguous().permute(0, 1, 3, 2)
+            return tuple(t.to(torch.float8_e5m2) for t in (q, k, vt)) + (d_o,)
+        sets = [fp8(*s) for s in sets]
 
     if direction == "fwd":
         def forward(i):

@@ -72,11 +72,11 @@ pub fn main(args: &BenchArgs) -> ExitCode {
 }
 
 /// The CSV name of `rung` on `gpu`: its own name, or for FA3 under a non-default schedule
-/// (`LADDER_FA3_SCHEDULE`, the ablation) or tiles (`LADDER_FA3_TILES`, tuning) `fa3-` and what
-/// differs, e.g. `fa3-no-pingpong` or `fa3-bc192c2s2`.
+/// (`LADDER_FA3_SCHEDULE`, the ablation) or tiles (`LADDER_FA3_TILES`, tuning) `fa3-` (or
+/// `fa3-fp8-`) and what differs, e.g. `fa3-no-pingpong` or `fa3-bc192c2s2`.
 fn impl_name(gpu: &Gpu, rung: GpuRung) -> String {
     let mut name = rung.name().to_string();
-    if rung == GpuRung::Fa3 {
+    if matches!(rung, GpuRung::Fa3 | GpuRung::Fa3Fp8) {
         let schedule = gpu.config().fa3_schedule_or_default();
         if schedule != ladder_kernels::fa3::Schedule::default() {
             name = format!("{name}-{}", schedule.label().replace(',', "+"));
@@ -107,7 +107,7 @@ fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
         gpu.sm_count(),
         plan.dtype
     );
-    if plan.ns.iter().any(|&n| !plan.rungs_at(n).is_empty()) {
+    if plan.ds.iter().any(|&d| plan.ns.iter().any(|&n| !plan.rungs_at(d, n).is_empty())) {
         eprintln!(
             "shapes: hidden {} (heads = hidden / d), {} tokens (batch = tokens / n), d {:?}, n {:?}",
             plan.hidden, plan.tokens, plan.ds, plan.ns
@@ -132,7 +132,7 @@ fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
     let started = Instant::now();
     for &d in &plan.ds {
         for &n in &plan.ns {
-            let rungs = plan.rungs_at(n);
+            let rungs = plan.rungs_at(d, n);
             if rungs.is_empty() {
                 continue;
             }

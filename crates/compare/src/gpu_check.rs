@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use anyhow::bail;
 use ladder_kernels::decode::{self, DecodeOptions, DecodeStats, KvCache};
-use ladder_kernels::{DType, Gpu, GpuConfig, KernelCache, KernelError, Options, Tensor};
+use ladder_kernels::{DType, Gpu, GpuConfig, KernelCache, KernelError, Options, Tensor, fa3};
 use ladder_reference::{
-    AttentionOptions, AttentionOutput, Fa2Options, Gradients, fa2 as cpu_fa2, naive,
+    AttentionOptions, AttentionOutput, Fa2Options, Fp8Options, Gradients, fa2 as cpu_fa2, naive,
 };
 use ndarray::{Array3, Array4};
 
@@ -22,6 +22,7 @@ use crate::gpu_rungs::{GpuRung, Kernels};
 use crate::low_precision::{self, Half};
 use crate::metrics::{ErrorStats, Tolerance, error_between_in_units_of};
 use crate::oracle::{Expected, ExpectedGradients, GradientOracle, Oracle};
+use crate::rungs::RungConfig;
 
 /// The device configuration the `ladder` CLI, the notebooks and the tests use: the library
 /// (`ladder-kernels`) reads no environment variables, so the `LADDER_*` variables are mapped
@@ -155,8 +156,15 @@ fn download3(t: &Tensor, dims: [usize; 3]) -> anyhow::Result<Array3<f32>> {
     Ok(Array3::from_shape_vec(dims, t.to_f32_vec()?)?)
 }
 
+/// The GPU FP8 path's options for the CPU rung's `fp8` (the GPU always uses block scales; the
+/// rotation's seed carries over, so both rotate by the same map).
+pub fn gpu_fp8(fp8: &Fp8Options) -> fa3::fp8::Fp8Options {
+    fa3::fp8::Fp8Options { incoherent: fp8.incoherent }
+}
+
 /// Runs the forward rung `rung` on `x` (already rounded to `dtype`); returns its output and the
-/// kernel time.
+/// kernel time (for the FP8 rung: quantisation and attention, with the CPU rung's default FP8
+/// options; [`forward_fp8`] takes others).
 pub fn forward(
     gpu: &Gpu,
     rung: GpuRung,
@@ -164,14 +172,31 @@ pub fn forward(
     opts: &Options,
     dtype: DType,
 ) -> anyhow::Result<(AttentionOutput<f32>, Duration)> {
-    let Kernels::Forward(run) = rung.kernels() else {
-        bail!("{rung} is not a forward rung");
-    };
+    forward_fp8(gpu, rung, x, opts, dtype, &RungConfig::default().fp8)
+}
+
+/// [`forward`] with the FP8 rung's options `fp8` (other rungs ignore them).
+pub fn forward_fp8(
+    gpu: &Gpu,
+    rung: GpuRung,
+    x: &Inputs<f64>,
+    opts: &Options,
+    dtype: DType,
+    fp8: &Fp8Options,
+) -> anyhow::Result<(AttentionOutput<f32>, Duration)> {
     let (q, k, v) =
         (upload(gpu, &x.q, dtype)?, upload(gpu, &x.k, dtype)?, upload(gpu, &x.v, dtype)?);
     let mut out = None;
     let ms = gpu.time_ms(|| {
-        out = Some(run(gpu, &q, &k, &v, opts)?);
+        out = Some(match rung.kernels() {
+            Kernels::Forward(run) => run(gpu, &q, &k, &v, opts)?,
+            Kernels::ForwardFp8 { quantize, forward } => {
+                forward(gpu, &quantize(gpu, &q, &k, &v, opts, &gpu_fp8(fp8))?)?
+            }
+            Kernels::Backward { .. } | Kernels::Decode(_) => {
+                return Err(KernelError::Config(format!("{rung} is not a forward rung")));
+            }
+        });
         Ok(())
     })?;
     let out = out.expect("set by the timed closure");

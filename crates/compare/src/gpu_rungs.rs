@@ -10,6 +10,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use ladder_kernels::decode::{self, Cache, DecodeOptions, Strategy};
+use ladder_kernels::fa3::fp8::{self, Fp8Inputs, Fp8Options};
 use ladder_kernels::{DType, Gpu, Gradients, Options, Output, Tensor, fa1, fa2, fa3};
 
 use crate::results::Direction;
@@ -30,6 +31,13 @@ pub type BackwardFn = fn(
     &Options,
 ) -> ladder_kernels::Result<Gradients>;
 
+/// The FP8 path's quantisation: `Q, K, V` to e4m3 with their scales.
+pub type QuantizeFn =
+    fn(&Gpu, &Tensor, &Tensor, &Tensor, &Options, &Fp8Options) -> ladder_kernels::Result<Fp8Inputs>;
+
+/// The FP8 path's attention on quantised inputs.
+pub type QuantizedForwardFn = fn(&Gpu, &Fp8Inputs) -> ladder_kernels::Result<Output>;
+
 /// A decoding kernel: `O, lse` of a few new tokens `Q` against a KV cache, contiguous or paged.
 pub type DecodeFn = fn(&Gpu, &Tensor, Cache<'_>, &DecodeOptions) -> ladder_kernels::Result<Output>;
 
@@ -49,6 +57,14 @@ pub enum Kernels {
     },
     /// A decoding step against a KV cache ([`Direction::Decode`]).
     Decode(DecodeFn),
+    /// A forward pass on e4m3 operands: the quantisation (untimed in `ladder bench`, as FP8
+    /// peers take e4m3 inputs), then the attention.
+    ForwardFp8 {
+        /// Rounds `Q, K, V` to e4m3.
+        quantize: QuantizeFn,
+        /// The attention on the quantised inputs.
+        forward: QuantizedForwardFn,
+    },
 }
 
 impl fmt::Debug for Kernels {
@@ -57,6 +73,7 @@ impl fmt::Debug for Kernels {
             Kernels::Forward(_) => "Kernels::Forward",
             Kernels::Backward { .. } => "Kernels::Backward",
             Kernels::Decode(_) => "Kernels::Decode",
+            Kernels::ForwardFp8 { .. } => "Kernels::ForwardFp8",
         })
     }
 }
@@ -111,6 +128,16 @@ const FA3: Spec = Spec {
     dtypes: fa3::DTYPES,
     cpu: Rung::Fa3,
     kernels: Kernels::Forward(fa3::forward),
+};
+
+const FA3_FP8: Spec = Spec {
+    name: "fa3-fp8",
+    label: "fa3-fp8-gpu",
+    direction: Direction::Fwd,
+    head_dims: fp8::HEAD_DIMS,
+    dtypes: fa3::DTYPES,
+    cpu: Rung::Fa3Fp8,
+    kernels: Kernels::ForwardFp8 { quantize: fp8::quantize, forward: fp8::forward_quantized },
 };
 
 const FA2_BACKWARD: Spec = Spec {
@@ -191,6 +218,8 @@ pub enum GpuRung {
     Fa2,
     /// FlashAttention-3 forward on Hopper (`ladder_kernels::fa3::forward`).
     Fa3,
+    /// FlashAttention-3 forward in FP8 e4m3 on Hopper (`ladder_kernels::fa3::fp8`).
+    Fa3Fp8,
     /// FlashAttention-2 backward (`ladder_kernels::fa2::backward`), dQ by atomics.
     Fa2Backward,
     /// FlashAttention-2 backward with `Options::deterministic` (dQ by a separate pass).
@@ -204,10 +233,11 @@ pub enum GpuRung {
 
 impl GpuRung {
     /// Every GPU rung, in table order.
-    pub const ALL: [GpuRung; 7] = [
+    pub const ALL: [GpuRung; 8] = [
         GpuRung::Fa1,
         GpuRung::Fa2,
         GpuRung::Fa3,
+        GpuRung::Fa3Fp8,
         GpuRung::Fa2Backward,
         GpuRung::Fa2BackwardDeterministic,
         GpuRung::FlashDecoding,
@@ -220,6 +250,7 @@ impl GpuRung {
             GpuRung::Fa1 => &FA1,
             GpuRung::Fa2 => &FA2,
             GpuRung::Fa3 => &FA3,
+            GpuRung::Fa3Fp8 => &FA3_FP8,
             GpuRung::Fa2Backward => &FA2_BACKWARD,
             GpuRung::Fa2BackwardDeterministic => &FA2_BACKWARD_DETERMINISTIC,
             GpuRung::FlashDecoding => &FLASH_DECODING,
@@ -274,7 +305,7 @@ impl GpuRung {
 
     /// Whether the kernel runs on `gpu` (FA3 needs Hopper, `sm_90a`; the others sm_80+).
     pub fn available_on(self, gpu: &Gpu) -> bool {
-        self != GpuRung::Fa3 || gpu.arch() == fa3::ARCH
+        !matches!(self, GpuRung::Fa3 | GpuRung::Fa3Fp8) || gpu.arch() == fa3::ARCH
     }
 
     /// The CPU rung it is checked against.
@@ -300,8 +331,8 @@ impl GpuRung {
         GpuRung::ALL.into_iter().find(|r| r.name() == name && r.direction() == direction)
     }
 
-    /// The distinct names, in table order (`fa1`, `fa2`, `fa3`, `fa2-det`, `flash-decoding`,
-    /// `flash-decoding-pp`).
+    /// The distinct names, in table order (`fa1`, `fa2`, `fa3`, `fa3-fp8`, `fa2-det`,
+    /// `flash-decoding`, `flash-decoding-pp`).
     pub fn names() -> Vec<&'static str> {
         let mut names: Vec<&'static str> = Vec::new();
         for r in GpuRung::ALL {
@@ -339,7 +370,7 @@ mod tests {
     fn names_labels_and_lookups_agree() {
         assert_eq!(
             GpuRung::names(),
-            ["fa1", "fa2", "fa3", "fa2-det", "flash-decoding", "flash-decoding-pp"]
+            ["fa1", "fa2", "fa3", "fa3-fp8", "fa2-det", "flash-decoding", "flash-decoding-pp"]
         );
         for r in GpuRung::ALL {
             assert_eq!(r.label().parse::<GpuRung>(), Ok(r));
@@ -380,6 +411,10 @@ mod tests {
             ("flash-decoding-pp-gpu", Rung::FlashDecodingPp, "flash-decoding-pp".to_string())
         );
         assert_eq!("flash-decoding-pp-gpu".parse::<GpuRung>(), Ok(pp));
+        let f8 = GpuRung::Fa3Fp8;
+        assert_eq!((f8.label(), f8.cpu()), ("fa3-fp8-gpu", Rung::Fa3Fp8));
+        assert!(f8.supports(128) && !f8.supports(64));
+        assert!(matches!(f8.kernels(), Kernels::ForwardFp8 { .. }));
     }
 
     #[test]

@@ -78,11 +78,17 @@ impl RungArgs {
             tiles: TileSizes::new(self.br, self.bc)?,
             splits: self.splits,
             phi: self.phi.map_or(defaults.phi, Phi::Given),
-            fp8: ladder_reference::Fp8Options {
-                incoherent: if self.no_incoherent { None } else { defaults.fp8.incoherent },
-                ..defaults.fp8
-            },
+            fp8: self.fp8_options(),
         })
+    }
+
+    /// The FP8 path's options: the defaults, less incoherent processing with `--no-incoherent`.
+    fn fp8_options(&self) -> ladder_reference::Fp8Options {
+        let defaults = RungConfig::default().fp8;
+        ladder_reference::Fp8Options {
+            incoherent: if self.no_incoherent { None } else { defaults.incoherent },
+            ..defaults
+        }
     }
 }
 

@@ -451,6 +451,10 @@ fn gpu(rung: GpuRung, dtype: GpuDType, x: &Tensors, args: &RunArgs) -> anyhow::R
     };
     let out = match rung.kernels() {
         Kernels::Forward(forward) => forward(&gpu, &q, &k, &v, &opts),
+        Kernels::ForwardFp8 { quantize, forward } => {
+            let fp8 = ladder_compare::gpu_check::gpu_fp8(&args.rung_args.fp8_options());
+            quantize(&gpu, &q, &k, &v, &opts, &fp8).and_then(|x| forward(&gpu, &x))
+        }
         Kernels::Backward { .. } | Kernels::Decode(_) => bail!("{label}: not a forward kernel"),
     }
     .map_err(kernel_error)?;

@@ -354,13 +354,20 @@ pub fn gpu_rows(
         let (q, k, v) = (x32.q.view(), x32.k.view(), x32.v.view());
         let cpu_config = RungConfig { attention, ..RungConfig::default() };
         // A forward-like row: the GPU output against the oracle and against its CPU rung's.
+        // The FP8 rung is held to the FP8 tolerance, on both sides (its CPU rung has the same).
+        let fp8_expected = Expected::fp8_from_oracle(&oracle, &x32, &config.fp8)?;
         let forward_row = |rung: GpuRung,
                            out: &AttentionOutput<f32>,
                            cpu_out: &AttentionOutput<f32>,
                            elapsed: Duration,
                            note: String| {
+            let (gpu_expected, cpu_expected) = if rung.cpu().is_fp8() {
+                (&fp8_expected, &fp8_expected)
+            } else {
+                (&gpu_expected, &cpu_expected)
+            };
             let verdict = gpu_expected.judge(out);
-            let pair = judge_between(out, cpu_out, &gpu_expected, &cpu_expected);
+            let pair = judge_between(out, cpu_out, gpu_expected, cpu_expected);
             let ratio = ratio_of(verdict.o, gpu_expected.o)
                 .max(ratio_of(verdict.lse, gpu_expected.lse))
                 .max(ratio_of(pair.o, gpu_expected.o.plus(cpu_expected.o)))
@@ -385,6 +392,23 @@ pub fn gpu_rows(
             }
             let cpu_name = format!("{}, CPU", rung.cpu_label());
             let row = match rung.direction() {
+                Direction::Fwd if rung.cpu().is_fp8() => {
+                    // The CPU rung quantises in the kernel's blocks, so both round the same
+                    // numbers: 128 query rows, 128 keys.
+                    let (br, bc) = (ladder_kernels::fa3::fp8::tiles_for_head_dim(d)?.br(), 128);
+                    let fp8_config = RungConfig {
+                        tiles: ladder_reference::TileSizes::new(br, bc)?,
+                        fp8: config.fp8,
+                        ..cpu_config
+                    };
+                    let cpu_out = rung.cpu().forward(q, k, v, &fp8_config)?;
+                    let (out, elapsed) =
+                        gpu_check::forward_fp8(gpu, rung, &x, &opts, dtype, &config.fp8)?;
+                    let rotation =
+                        if config.fp8.incoherent.is_some() { "incoherent" } else { "no rotation" };
+                    let note = format!("fp16 in, e4m3 ({rotation}), on {}", gpu.name());
+                    forward_row(rung, &out, &cpu_out, elapsed, note)
+                }
                 Direction::Fwd => {
                     let cpu_out = rung.cpu().forward(q, k, v, &cpu_config)?;
                     let (out, elapsed) = gpu_check::forward(gpu, rung, &x, &opts, dtype)?;

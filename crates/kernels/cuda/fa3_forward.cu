@@ -22,6 +22,15 @@
 // persistent: each walks many (query block, head, batch) tiles, and the producer loads the next
 // tile's Q as soon as the consumers' last S = Q·Kᵀ of the current one is done.
 //
+// FP8 (FA3_FP8 = 1, the paper's §3.3): Q, K and V arrive in e4m3, quantised by
+// fa3_fp8_quantize.cu with one scale per tile of rows (Q per BR rows, K and V per BC keys) and
+// V transposed (e4m3 wgmma reads both operands K-major; fp8.cuh says why its keys are permuted).
+// The scales enter where they cost nothing: Q's and K_j's multiply the softmax scale of tile j;
+// V_j's divided by the head's largest one, times 2^8, multiplies P_j before it is rounded to
+// e4m3 (so P sits in [0, 256] instead of [0, 1], where small probabilities would go subnormal) —
+// as log2 of it added inside the exponential, FA3's "max offset"; the epilogue multiplies O
+// back by the largest scale / 2^8. The row sum l is of the unscaled P, as everywhere else.
+//
 // Switches (compile time; the ablation of the FA3 paper, §4.2):
 //   FA3_OVERLAP   1: intra-warpgroup overlap (Algorithm 2): the softmax of S_j runs while the
 //                 tensor cores compute P_{j-1}·V_{j-1}. 0: the warpgroup waits for both products
@@ -36,9 +45,10 @@
 //   h   row half of an accumulator tile (see mma.cuh)      dt  8-column accumulator tile of O
 //
 // Compile-time constants, set by the host for each variant:
-//   FA3_D, FA3_BC, FA3_CONSUMERS, FA3_STAGES, FA3_CAUSAL, FA3_OVERLAP, FA3_PINGPONG
+//   FA3_D, FA3_BC, FA3_CONSUMERS, FA3_STAGES, FA3_CAUSAL, FA3_OVERLAP, FA3_PINGPONG, FA3_FP8
 
 #include "barrier.cuh"
+#include "fp8.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
 #include "softmax.cuh"
@@ -67,6 +77,9 @@
 #ifndef FA3_PINGPONG
 #define FA3_PINGPONG 1
 #endif
+#ifndef FA3_FP8
+#define FA3_FP8 0
+#endif
 
 constexpr int D = FA3_D;
 constexpr int BC = FA3_BC;
@@ -80,6 +93,16 @@ constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int NT = BC / 8;  // 8-column accumulator tiles across one row of S
 constexpr int DT = D / 8;   // 8-column accumulator tiles across one row of O
 static_assert(D % 64 == 0 && BC % 16 == 0 && BC <= 256, "tile shapes wgmma and TMA accept");
+
+// The operands of the two products, and P as the second one's A operand in registers.
+#if FA3_FP8
+typedef u8 op_t;                // e4m3
+typedef u32 PRegs[BC / 32][4];  // four e4m3 per register (fp8.cuh: pack_p_fp8)
+static_assert(BC % 128 == 0 && D >= 128, "FP8 tiles: whole 128-byte rows of V's keys and Q's d");
+#else
+typedef u16 op_t;          // fp16 or bf16
+typedef u32 PRegs[NT][2];  // two 16-bit values per register (softmax.cuh: pack_p)
+#endif
 
 // Registers per thread after the hand-over: 24 for the producer, the rest for the consumers
 // (65536 per SM; one block per SM).
@@ -97,6 +120,11 @@ struct Fa3ForwardParams {
     TensorMap v;
     u16* o;
     float* lse;
+    // FP8 only (null otherwise): the scales of fa3_fp8_quantize.cu, see the top of the file.
+    const float* q_scale;  // [batch, heads_q, q blocks]
+    const float* k_scale;  // [batch, heads_kv, K/V tiles]
+    const float* p_lift;   // [batch, heads_kv, K/V tiles]: log2(2^8 · v_scale / the head's largest)
+    const float* o_scale;  // [batch, heads_kv]: the head's largest v_scale / 2^8
     int batch;
     int heads_q;
     int heads_kv;
@@ -107,9 +135,9 @@ struct Fa3ForwardParams {
 
 // Shared memory (dynamic, 1024-byte aligned for the swizzle), in this order.
 struct SharedTiles {
-    u16 q[BR * D];              // D/64 column blocks of [BR × 64]
-    u16 k[STAGES][BC * D];      // D/64 column blocks of [BC × 64] per stage
-    u16 v[STAGES][BC * D];
+    op_t q[BR * D];             // 128-byte column blocks of [BR rows × 128 bytes]
+    op_t k[STAGES][BC * D];     // the same for BC rows, per stage
+    op_t v[STAGES][BC * D];     // the same (FP8: V transposed, D rows × BC keys)
     u64 q_full;                 // Q has landed
     u64 q_empty;                // every consumer warp is done with Q (its last S = Q·Kᵀ)
     u64 k_full[STAGES];         // K tile has landed
@@ -189,16 +217,20 @@ __device__ void producer(const Fa3ForwardParams& p, SharedTiles& t) {
         const Tile tile = tile_at(p, index);
         const int kv_head = tile.head / (p.heads_q / p.heads_kv);
         mbar_wait(&t.q_empty, (tiles_done & 1) ^ 1);
-        mbar_expect_tx(&t.q_full, BR * D * 2);
-        tma_load_tile<BR, D>(t.q, &p.q, &t.q_full, tile.q0, tile.head, tile.batch);
+        mbar_expect_tx(&t.q_full, sizeof(t.q));
+        tma_load_tile<BR, D>(t.q, &p.q, &t.q_full, 0, tile.q0, tile.head, tile.batch);
         for (int j = 0; j < tile.n_tiles; ++j, ++kv.count) {
             const int stage = kv.stage(), free = kv.parity() ^ 1;
             mbar_wait(&t.k_empty[stage], free);
-            mbar_expect_tx(&t.k_full[stage], BC * D * 2);
-            tma_load_tile<BC, D>(t.k[stage], &p.k, &t.k_full[stage], j * BC, kv_head, tile.batch);
+            mbar_expect_tx(&t.k_full[stage], sizeof(t.k[0]));
+            tma_load_tile<BC, D>(t.k[stage], &p.k, &t.k_full[stage], 0, j * BC, kv_head, tile.batch);
             mbar_wait(&t.v_empty[stage], free);
-            mbar_expect_tx(&t.v_full[stage], BC * D * 2);
-            tma_load_tile<BC, D>(t.v[stage], &p.v, &t.v_full[stage], j * BC, kv_head, tile.batch);
+            mbar_expect_tx(&t.v_full[stage], sizeof(t.v[0]));
+#if FA3_FP8  // Vᵀ: keys are the columns
+            tma_load_tile<D, BC>(t.v[stage], &p.v, &t.v_full[stage], j * BC, 0, kv_head, tile.batch);
+#else
+            tma_load_tile<BC, D>(t.v[stage], &p.v, &t.v_full[stage], 0, j * BC, kv_head, tile.batch);
+#endif
         }
     }
 }
@@ -223,11 +255,64 @@ struct RowState {
     float m[2], l[2];  // running max (base 2) and sum of the thread's two rows
 };
 
+// The products and P's packing in the variant's operand type (16-bit, or e4m3 with its scales).
+__device__ __forceinline__ void issue_qk(float (&s)[NT][4], const SharedTiles& t, int q_row0,
+                                         int stage) {
+#if FA3_FP8
+    wgmma_qk_fp8<BR, BC, D>(s, t.q, q_row0, t.k[stage]);
+#else
+    wgmma_qk<BR, BC, D>(s, t.q, q_row0, t.k[stage]);
+#endif
+}
+__device__ __forceinline__ void issue_pv(float (&o)[DT][4], const PRegs& pk, const SharedTiles& t,
+                                         int stage) {
+#if FA3_FP8
+    wgmma_pv_fp8<BC, D>(o, pk, t.v[stage]);
+#else
+    wgmma_pv<BC, D>(o, pk, t.v[stage]);
+#endif
+}
+
+// Where one head's scales start (FP8): Q's of this query block, K's and V's of tile 0.
+struct Scales {
+    float q = 1.f;
+    const float* k = nullptr;
+    const float* p = nullptr;
+    float o = 1.f;
+};
+__device__ __forceinline__ Scales scales_of(const Fa3ForwardParams& p, const Tile& tile,
+                                            int kv_head) {
+    Scales sc;
+    if (FA3_FP8) {
+        const int k_tiles = (p.n_kv + BC - 1) / BC;
+        const size_t kv = (size_t)tile.batch * p.heads_kv + kv_head;
+        sc.q = p.q_scale[((size_t)tile.batch * p.heads_q + tile.head) * q_blocks(p) + tile.q0 / BR];
+        sc.k = p.k_scale + kv * k_tiles;
+        sc.p = p.p_lift + kv * k_tiles;
+        sc.o = p.o_scale[kv];
+    }
+    return sc;
+}
+// The softmax scale of tile j (base 2), with the e4m3 scales of its Q and K tiles.
+__device__ __forceinline__ float score_scale(const Fa3ForwardParams& p, const Scales& sc, int j) {
+    return FA3_FP8 ? p.scale_log2 * sc.q * sc.k[j] : p.scale_log2;
+}
+// log2 of what P_j is lifted by before it is rounded to e4m3 (FP8), 0 otherwise.
+__device__ __forceinline__ float p_lift(const Scales& sc, int j) { return FA3_FP8 ? sc.p[j] : 0.f; }
+__device__ __forceinline__ void pack(const float (&s)[NT][4], PRegs& pk) {
+#if FA3_FP8
+    pack_p_fp8(s, pk);
+#else
+    pack_p(s, pk);
+#endif
+}
+
 // Mask S_j where needed (the sequence tail, the causal diagonal), then the online softmax in
 // place: s becomes P = 2^(S·scale_log2 − m) in f32. Returns whether any row's max moved
 // (alpha ≠ 1), in which case O must be rescaled by alpha.
 __device__ __forceinline__ bool softmax_step(float (&s)[NT][4], float (&alpha)[2], RowState& st,
-                                             const Fa3ForwardParams& p, int row0, int k0) {
+                                             const Fa3ForwardParams& p, float scale_log2,
+                                             float lift, int row0, int k0) {
     const int shift = p.n_kv - p.n_q;
     if (k0 + BC > p.n_kv || crosses_diagonal<causal>(row0, k0 + BC - 1, shift)) {
 #pragma unroll
@@ -238,7 +323,7 @@ __device__ __forceinline__ bool softmax_step(float (&s)[NT][4], float (&alpha)[2
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-        alpha[h] = online_softmax_in_place(s, h, p.scale_log2, st.m[h], st.l[h]);
+        alpha[h] = online_softmax_in_place(s, h, scale_log2, st.m[h], st.l[h], lift);
     return alpha[0] != 1.f || alpha[1] != 1.f;
 }
 
@@ -249,17 +334,17 @@ __device__ __forceinline__ void rescale(float (&o)[DT][4], const float (&alpha)[
         for (int e = 0; e < 4; ++e) o[dt][e] *= alpha[e / 2];
 }
 
-// O = acc / l and lse = m·ln2 + ln l for the thread's rows; rows that saw no key (l = 0) get O = 0
-// and lse = −inf, rows that met a NaN get NaN.
+// O = acc / l (times V's scale, FP8) and lse = m·ln2 + ln l for the thread's rows; rows that saw
+// no key (l = 0) get O = 0 and lse = −inf, rows that met a NaN get NaN.
 __device__ void epilogue(const Fa3ForwardParams& p, const Tile& tile, const float (&o)[DT][4],
-                         const RowState& st, int row0) {
+                         const RowState& st, float o_scale, int row0) {
     u16* gO = p.o + ((size_t)tile.batch * p.heads_q + tile.head) * p.n_q * D;
     float* gL = p.lse + ((size_t)tile.batch * p.heads_q + tile.head) * p.n_q;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int row = row0 + (warp_id() % 4) * 16 + acc_row(2 * h);
         const float l = quad_sum(st.l[h]);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const float inv = l > 0.f ? o_scale / l : 0.f;
         if (row < p.n_q) {
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt)
@@ -280,9 +365,10 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
     RowState st = {{LADDER_NEG_INF, LADDER_NEG_INF}, {0.f, 0.f}};
     const int q_row0 = wg * 64;  // the warpgroup's rows inside the Q tile
     const int n_tiles = tile.n_tiles;
+    const Scales sc = scales_of(p, tile, tile.head / (p.heads_q / p.heads_kv));
 
     // Algorithm 2. Prologue: S_0 and its softmax (O is still zero: nothing to rescale).
-    u32 pk[NT][2];
+    PRegs pk;
     float alpha[2];
     bool moved = false;  // whether the last softmax moved a row's max: O needs alpha
     PipelineState v_read = kv;  // V lags K by one tile
@@ -291,15 +377,15 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
         wait_turn(wg);
         mbar_wait(&t.k_full[kv.stage()], kv.parity());
         wgmma_fence();
-        wgmma_qk<BR, BC, D>(s, t.q, q_row0, t.k[kv.stage()]);
+        issue_qk(s, t, q_row0, kv.stage());
         wgmma_commit();
         pass_turn(wg);
         wgmma_wait<0>();
         wgmma_hold(s);
         release(&t.k_empty[kv.stage()]);
         ++kv.count;
-        softmax_step(s, alpha, st, p, row0, 0);
-        pack_p(s, pk);
+        softmax_step(s, alpha, st, p, score_scale(p, sc, 0), p_lift(sc, 0), row0, 0);
+        pack(s, pk);
     }
     for (int j = 1; j < n_tiles; ++j, ++kv.count, ++v_read.count) {
         float s[NT][4];
@@ -309,12 +395,12 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
         mbar_wait(&t.k_full[kv.stage()], kv.parity());
         mbar_wait(&t.v_full[v_read.stage()], v_read.parity());
         wgmma_fence();
-        wgmma_qk<BR, BC, D>(s, t.q, q_row0, t.k[kv.stage()]);  // S_j
+        issue_qk(s, t, q_row0, kv.stage());  // S_j
         wgmma_commit();
         // O *= alpha_{j-1} while the tensor cores compute S_j, then O += P_{j-1}·V_{j-1}.
         if (__any_sync(0xffffffff, moved)) rescale(o, alpha);
         wgmma_fence();
-        wgmma_pv<BC, D>(o, pk, t.v[v_read.stage()]);
+        issue_pv(o, pk, t, v_read.stage());
         wgmma_commit();
         pass_turn(wg);
         // With the overlap, wait for S_j only: P_{j-1}·V_{j-1} still runs under the softmax
@@ -322,12 +408,12 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
         wgmma_wait<overlap ? 1 : 0>();
         wgmma_hold(s);
         release(&t.k_empty[kv.stage()]);
-        moved = softmax_step(s, alpha, st, p, row0, j * BC);
+        moved = softmax_step(s, alpha, st, p, score_scale(p, sc, j), p_lift(sc, j), row0, j * BC);
         wgmma_wait<0>();  // P_{j-1}·V_{j-1} has landed: O and P's registers are free
         wgmma_hold(o);
         wgmma_hold(pk);
         release(&t.v_empty[v_read.stage()]);
-        pack_p(s, pk);
+        pack(s, pk);
     }
     // Every S = Q·Kᵀ of the tile is done: the producer may load the next tile's Q.
     release(&t.q_empty);
@@ -335,13 +421,13 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
         if (__any_sync(0xffffffff, moved)) rescale(o, alpha);
         mbar_wait(&t.v_full[v_read.stage()], v_read.parity());
         wgmma_fence();
-        wgmma_pv<BC, D>(o, pk, t.v[v_read.stage()]);
+        issue_pv(o, pk, t, v_read.stage());
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_hold(o);
         release(&t.v_empty[v_read.stage()]);
     }
-    epilogue(p, tile, o, st, row0);
+    epilogue(p, tile, o, st, sc.o, row0);
 }
 
 __device__ void consumer(const Fa3ForwardParams& p, SharedTiles& t, int wg) {

@@ -76,9 +76,12 @@ __device__ __forceinline__ float online_softmax(const float (&s)[NT][4], int h, 
 // The same step with P left in s, in f32 (s = 2^(s·scale_log2 − m_new)); pack_p rounds it to the
 // 16-bit A operand later. FA3 uses this form: its softmax runs while the tensor cores still read
 // the previous P, so the new P may only be written into P's registers once that product is done.
+// `lift` (log2 of a factor, 0 for none) scales P by 2^lift inside the exponential, for free, while
+// l still sums the unscaled P (FP8 lifts P towards e4m3's range: fp8.cuh).
 template <int NT>
 __device__ __forceinline__ float online_softmax_in_place(float (&s)[NT][4], int h,
-                                                         float scale_log2, float& m, float& l) {
+                                                         float scale_log2, float& m, float& l,
+                                                         float lift = 0.f) {
     float mx = m;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -87,15 +90,16 @@ __device__ __forceinline__ float online_softmax_in_place(float (&s)[NT][4], int 
     const float m_use = mx == LADDER_NEG_INF ? 0.f : mx;  // as in online_softmax
     const float alpha = m == mx ? 1.f : fast_exp2(m - m_use);
     m = mx;
+    const float shift = lift - m_use;
     float sum = 0.f;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 2 * h; e < 2 * h + 2; ++e) {
-            s[nt][e] = fast_exp2(fma_rn(s[nt][e], scale_log2, -m_use));
+            s[nt][e] = fast_exp2(fma_rn(s[nt][e], scale_log2, shift));
             sum = add_rn(sum, s[nt][e]);
         }
-    l = fma_rn(l, alpha, sum);
+    l = fma_rn(l, alpha, lift == 0.f ? sum : sum * fast_exp2(-lift));
     return alpha;
 }
 

@@ -3,10 +3,12 @@
 //
 // The host describes each tensor once with cuTensorMapEncodeTiled (crates/kernels/src/fa3.rs):
 // Q, K, V of shape [batch, heads, n, d] become 4-d maps with dimensions (d, n, heads, batch),
-// innermost first, boxes of 64 columns × ROWS rows, and the 128-byte swizzle. A box of 64
-// 16-bit columns is one 128-byte row per tile row, so a [ROWS × d] tile lands in shared memory as
-// d/64 column blocks of [ROWS × 64], each swizzled exactly as wgmma's 128-byte-swizzle layout
-// expects (wgmma.cuh). Rows past the end of a sequence are filled with zeros by the copy engine.
+// innermost first, boxes of 128 bytes × ROWS rows (64 16-bit columns, or 128 e4m3 ones), and the
+// 128-byte swizzle. A box is then one 128-byte row per tile row, so a [ROWS × d] tile lands in
+// shared memory as column blocks of [ROWS × 128 bytes], each swizzled exactly as wgmma's
+// 128-byte-swizzle layout expects (wgmma.cuh). Rows past the end of a sequence are filled with
+// zeros by the copy engine. (FP8's transposed V, [batch, heads, d, keys], is read the same way
+// with keys as columns.)
 #ifndef LADDER_TMA_CUH
 #define LADDER_TMA_CUH
 
@@ -35,13 +37,16 @@ __device__ __forceinline__ void tma_load_4d(void* smem, const TensorMap* map, u6
         : "memory");
 }
 
-// A [ROWS × D] tile starting at row `row0` of (head, batch), as D/64 column blocks of [ROWS × 64].
-template <int ROWS, int D>
-__device__ __forceinline__ void tma_load_tile(u16* smem, const TensorMap* map, u64* bar, int row0,
-                                              int head, int batch) {
+// A [ROWS × COLS] tile of T starting at (col0, row0) of (head, batch), as column blocks of 128
+// bytes ([ROWS × 128/sizeof(T)] each, one swizzle span): 64 columns of fp16/bf16, 128 of e4m3.
+template <int ROWS, int COLS, typename T>
+__device__ __forceinline__ void tma_load_tile(T* smem, const TensorMap* map, u64* bar, int col0,
+                                              int row0, int head, int batch) {
+    constexpr int BLOCK = 128 / sizeof(T);  // columns per 128-byte block
+    static_assert(COLS % BLOCK == 0, "whole 128-byte column blocks");
 #pragma unroll
-    for (int cb = 0; cb < D / 64; ++cb)
-        tma_load_4d(smem + cb * ROWS * 64, map, bar, cb * 64, row0, head, batch);
+    for (int cb = 0; cb < COLS / BLOCK; ++cb)
+        tma_load_4d(smem + cb * ROWS * BLOCK, map, bar, col0 + cb * BLOCK, row0, head, batch);
 }
 
 #endif  // LADDER_TMA_CUH

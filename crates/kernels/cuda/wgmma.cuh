@@ -7,11 +7,13 @@
 //   A from registers: the m16n8k16 A layout per warp (a_from_packed turns P into it).
 //   Operands in shared memory: a 64-bit descriptor (start address, two strides, the swizzle).
 //
-// Shared tiles here are what TMA writes with the 128-byte swizzle (tma.cuh): column blocks of 64
-// 16-bit elements, one 128-byte row per tile row, 8-row groups of 1024 bytes (one swizzle atom).
-//   K-major operand (the reduction dimension is contiguous: Q and K for S = Q·Kᵀ): 8-row groups
-//     SBO = 1024 bytes apart; a 16-wide k-step is +32 bytes inside a column block, and the next
-//     column block is +ROWS·128 bytes.
+// Shared tiles here are what TMA writes with the 128-byte swizzle (tma.cuh): column blocks of 128
+// bytes (64 16-bit or 128 e4m3 elements), one 128-byte row per tile row, 8-row groups of 1024
+// bytes (one swizzle atom).
+//   K-major operand (the reduction dimension is contiguous: Q and K for S = Q·Kᵀ, and FP8's
+//     transposed V): 8-row groups SBO = 1024 bytes apart; a k-step (16 16-bit or 32 e4m3
+//     elements: 32 bytes either way) is +32 bytes inside a column block, and the next column
+//     block is +ROWS·128 bytes.
 //   N-major operand (V for O = P·V, the reduction dimension is the tile's rows): 8-row groups of
 //     the reduction dimension SBO = 1024 bytes apart, 64-column blocks of N LBO = ROWS·128 bytes
 //     apart; a 16-wide k-step is +16 rows = +2048 bytes.
@@ -35,9 +37,9 @@ __device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo, u32 sbo) {
            (1ull << 62);
 }
 
-// K-major tile of ROWS rows × (16·kk … 16·kk+15) of the reduction dimension, rows from `row0`.
+// K-major tile of ROWS rows × the kk-th 32-byte step of the reduction dimension, rows from `row0`.
 template <int ROWS>
-__device__ __forceinline__ u64 desc_k_major(const u16* tile, int row0, int kk) {
+__device__ __forceinline__ u64 desc_k_major(const void* tile, int row0, int kk) {
     const u32 addr = smem_addr(tile) + (kk / 4) * ROWS * 128 + row0 * 128 + (kk % 4) * 32;
     return smem_desc(addr, 16, 1024);
 }
@@ -74,12 +76,12 @@ __device__ __forceinline__ void wgmma_hold(float (&d)[NT][4]) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[nt][e])::"memory");
 }
-template <int NT>
-__device__ __forceinline__ void wgmma_hold(u32 (&a)[NT][2]) {
+template <int NT, int W>
+__device__ __forceinline__ void wgmma_hold(u32 (&a)[NT][W]) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) asm volatile("" : "+r"(a[nt][h])::"memory");
+        for (int w = 0; w < W; ++w) asm volatile("" : "+r"(a[nt][w])::"memory");
 }
 
 // ---- register budget ----------------------------------------------------------------------------
@@ -118,6 +120,24 @@ __device__ __forceinline__ void wgmma_pv(float (&o)[D / 8][4], const u32 (&p)[BC
         const u32 a[4] = {p[2 * ks][0], p[2 * ks][1], p[2 * ks + 1][0], p[2 * ks + 1][1]};
         Wgmma<D / 8, 1>::rs(o, a, desc_n_major<BC>(sV, ks), 1);
     }
+}
+
+// The same two products with e4m3 operands (m64nNk32, FP8): S = Q·Kᵀ takes D/32 k-steps; O += P·V
+// takes P as pack_p_fp8 packs it (fp8.cuh) and V transposed ([D × BC], keys contiguous, in
+// fp8_key_slot order), because e4m3 wgmma reads both operands K-major only.
+template <int BR, int BC, int D>
+__device__ __forceinline__ void wgmma_qk_fp8(float (&s)[BC / 8][4], const unsigned char* sQ,
+                                             int q_row0, const unsigned char* sK) {
+#pragma unroll
+    for (int kk = 0; kk < D / 32; ++kk)
+        Wgmma8<BC / 8>::ss(s, desc_k_major<BR>(sQ, q_row0, kk), desc_k_major<BC>(sK, 0, kk),
+                           kk > 0);
+}
+template <int BC, int D>
+__device__ __forceinline__ void wgmma_pv_fp8(float (&o)[D / 8][4], const u32 (&p)[BC / 32][4],
+                                             const unsigned char* sVt) {
+#pragma unroll
+    for (int ks = 0; ks < BC / 32; ++ks) Wgmma8<D / 8>::rs(o, p[ks], desc_k_major<D>(sVt, 0, ks), 1);
 }
 
 #endif  // LADDER_WGMMA_CUH

@@ -29,6 +29,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("tma.cuh", include_str!("../cuda/tma.cuh")),
     ("wgmma.cuh", include_str!("../cuda/wgmma.cuh")),
     ("wgmma_ops.cuh", include_str!("../cuda/wgmma_ops.cuh")),
+    ("fp8.cuh", include_str!("../cuda/fp8.cuh")),
 ];
 
 /// One compilable kernel: a rung's source plus the macro constants that pick the variant.

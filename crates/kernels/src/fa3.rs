@@ -34,6 +34,8 @@ use crate::gpu::{Gpu, Kernel, parse_counts};
 use crate::problem::{Options, Output, Problem, grid};
 use crate::tensor::{DType, Tensor};
 
+pub mod fp8;
+
 const SRC: &str = include_str!("../cuda/fa3_forward.cu");
 
 /// Head dimensions with an FA3 kernel.
@@ -96,11 +98,14 @@ impl Fa3Tiles {
         128 * (self.consumers + 1)
     }
 
-    /// Dynamic shared memory in bytes: the Q tile, `stages` K and V tiles (16-bit), the
-    /// pipeline's mbarriers (Q full/empty, K and V full/empty per stage), and 1024 bytes to align
-    /// the tiles for the 128-byte swizzle.
-    pub fn shared_bytes(&self, d: usize) -> usize {
-        (self.br() + 2 * self.stages * self.bc) * d * 2 + 8 * (2 + 4 * self.stages) + 1024
+    /// Dynamic shared memory in bytes for head dim `d` and operands of `operand_bytes` bytes (2
+    /// for fp16/bf16, 1 for e4m3): the Q tile, `stages` K and V tiles, the pipeline's mbarriers
+    /// (Q full/empty, K and V full/empty per stage), and 1024 bytes to align the tiles for the
+    /// 128-byte swizzle.
+    pub fn shared_bytes(&self, d: usize, operand_bytes: usize) -> usize {
+        (self.br() + 2 * self.stages * self.bc) * d * operand_bytes
+            + 8 * (2 + 4 * self.stages)
+            + 1024
     }
 }
 
@@ -198,7 +203,7 @@ pub(crate) fn variant(d: usize, dtype: DType, causal: bool, t: Fa3Tiles, s: Sche
 }
 
 /// Mirror of `Fa3ForwardParams` in `cuda/fa3_forward.cu`: three tensor maps (128-byte aligned,
-/// as the kernel's `TensorMap`), then the output pointers and sizes.
+/// as the kernel's `TensorMap`), then the output pointers, the FP8 scales and the sizes.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct ForwardParams {
@@ -207,6 +212,7 @@ struct ForwardParams {
     v: CUtensorMap,
     o: u64,
     lse: u64,
+    scales: Fp8Scales,
     batch: i32,
     heads_q: i32,
     heads_kv: i32,
@@ -215,26 +221,77 @@ struct ForwardParams {
     scale_log2: f32,
 }
 
+/// Device addresses of the FP8 path's scales (`q, k, p, o` in the kernel's order); zero on the
+/// 16-bit path, which never reads them.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Fp8Scales {
+    pub(crate) q: u64,
+    pub(crate) k: u64,
+    pub(crate) p: u64,
+    pub(crate) o: u64,
+}
+
 // SAFETY: a plain #[repr(C)] struct (opaque tensor-map words, integers, floats), laid out as its
 // CUDA mirror: CUtensorMap is 128 bytes aligned to 128 in both (cudarc's cuda-13000 binding and
 // the kernel's TensorMap).
 unsafe impl DeviceRepr for ForwardParams {}
 
-/// A TMA tensor map of a `[batch, heads, n, d]` 16-bit tensor at device address `ptr`: dimensions
-/// (d, n, heads, batch) innermost first, boxes of 64 columns × `rows` rows, 128-byte swizzle.
-fn tensor_map(name: &str, t: &Tensor, ptr: u64, rows: usize) -> Result<CUtensorMap> {
-    let shape = t.shape();
-    let (b, h, n, d) = (shape[0], shape[1], shape[2], shape[3]);
+/// What a TMA tensor map describes: a 4-d tensor at device address `ptr` with dimensions `dims`
+/// (innermost first) of `elem` bytes each, read in boxes of 128 bytes × `rows` rows with the
+/// 128-byte swizzle.
+pub(crate) struct MapSpec {
+    pub(crate) name: &'static str,
+    pub(crate) ptr: u64,
+    pub(crate) dims: [usize; 4],
+    pub(crate) dtype: CUtensorMapDataType,
+    pub(crate) elem: usize,
+    pub(crate) rows: usize,
+}
+
+/// The TMA tensor map of `spec`.
+pub(crate) fn tensor_map(spec: &MapSpec) -> Result<CUtensorMap> {
+    let MapSpec { name, ptr, dims, dtype, elem, rows } = *spec;
     if ptr % 16 != 0 {
         return Err(KernelError::Shape(format!(
             "{name} must start at a 16-byte aligned device address for TMA (got {ptr:#x})"
         )));
     }
-    let elem = t.dtype().size() as u64;
-    let dims = [d as u64, n as u64, h as u64, b as u64];
-    let strides = [d as u64 * elem, (n * d) as u64 * elem, (h * n * d) as u64 * elem];
-    let boxes = [64u32, rows as u32, 1, 1];
+    let elem = elem as u64;
+    let [d0, d1, d2, d3] = dims.map(|x| x as u64);
+    let sizes = [d0, d1, d2, d3];
+    let strides = [d0 * elem, d0 * d1 * elem, d0 * d1 * d2 * elem];
+    let boxes = [(128 / elem) as u32, rows as u32, 1, 1];
     let element_strides = [1u32; 4];
+    let mut map = std::mem::MaybeUninit::<CUtensorMap>::zeroed();
+    // SAFETY: every array has the length the rank (4) implies (strides: rank − 1), `map` is valid
+    // for writes, and `ptr` is a device address of the tensor's elements; the driver only
+    // records it.
+    unsafe {
+        cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            dtype,
+            4,
+            ptr as *mut c_void,
+            sizes.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            element_strides.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    }
+    .result()
+    .map_err(KernelError::driver(format!("building the TMA tensor map of {name} {dims:?}")))?;
+    // SAFETY: cuTensorMapEncodeTiled succeeded and wrote the whole map (it was zeroed before).
+    Ok(unsafe { map.assume_init() })
+}
+
+/// The map of a `[batch, heads, n, d]` 16-bit tensor at `ptr`, in tiles of `rows` rows.
+fn tensor_map_16(name: &'static str, t: &Tensor, ptr: u64, rows: usize) -> Result<CUtensorMap> {
+    let shape = t.shape();
     let dtype = match t.dtype() {
         DType::F16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         DType::BF16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
@@ -246,39 +303,26 @@ fn tensor_map(name: &str, t: &Tensor, ptr: u64, rows: usize) -> Result<CUtensorM
             });
         }
     };
-    let mut map = std::mem::MaybeUninit::<CUtensorMap>::zeroed();
-    // SAFETY: every array has the length the rank (4) implies (strides: rank − 1), `map` is valid
-    // for writes, and `ptr` is a device address of the tensor's `len` elements; the driver only
-    // records it.
-    unsafe {
-        cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            dtype,
-            4,
-            ptr as *mut c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            element_strides.as_ptr(),
-            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    }
-    .result()
-    .map_err(KernelError::driver(format!("building the TMA tensor map of {name} {shape:?}")))?;
-    // SAFETY: cuTensorMapEncodeTiled succeeded and wrote the whole map (it was zeroed before).
-    Ok(unsafe { map.assume_init() })
+    let dims = [shape[3], shape[2], shape[1], shape[0]];
+    tensor_map(&MapSpec { name, ptr, dims, dtype, elem: 2, rows })
 }
 
 /// `softmax(scale · Q Kᵀ + mask) V` and its log-sum-exp, as [`crate::fa2::forward`] computes
 /// them (fp16 or bf16; head dim 64, 128 or 256; any lengths, `n_q != n_kv` with bottom-right
 /// causal, GQA), on a Hopper GPU, with the schedule of the `Gpu`'s configuration (all of FA3's
 /// ideas by default; [`crate::GpuConfig::fa3_schedule`]). Other GPUs get
-/// [`KernelError::UnsupportedArch`].
+/// [`KernelError::UnsupportedArch`]. FP8: [`fp8::forward`].
 pub fn forward(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) -> Result<Output> {
     forward_with(gpu, q, k, v, opts, gpu.config().fa3_schedule_or_default())
+}
+
+/// Fails with [`KernelError::UnsupportedArch`] unless `gpu` is a Hopper GPU.
+pub(crate) fn require_hopper(gpu: &Gpu, rung: &'static str) -> Result<()> {
+    if gpu.arch() == ARCH {
+        Ok(())
+    } else {
+        Err(KernelError::UnsupportedArch { rung, arch: gpu.arch().to_string(), needed: ARCH })
+    }
 }
 
 /// [`forward`] with some of FA3's scheduling ideas switched off (the ablation).
@@ -291,13 +335,7 @@ pub fn forward_with(
     schedule: Schedule,
 ) -> Result<Output> {
     let p = Problem::new(gpu, q, k, v, opts)?;
-    if gpu.arch() != ARCH {
-        return Err(KernelError::UnsupportedArch {
-            rung: "fa3",
-            arch: gpu.arch().to_string(),
-            needed: ARCH,
-        });
-    }
+    require_hopper(gpu, "fa3")?;
     p.require_dtype("fa3", DTYPES, "fp16, bf16")?;
     if !HEAD_DIMS.contains(&p.d) {
         return Err(KernelError::UnsupportedHeadDim { rung: "fa3", d: p.d, supported: HEAD_DIMS });
@@ -306,27 +344,50 @@ pub fn forward_with(
         Some(t) => t,
         None => Fa3Tiles::for_head_dim(p.d, p.causal)?,
     };
+    let s = gpu.stream();
+    let (q_ptr, _g0) = q.read_ptr(s);
+    let (k_ptr, _g1) = k.read_ptr(s);
+    let (v_ptr, _g2) = v.read_ptr(s);
+    let maps = [
+        tensor_map_16("q", q, q_ptr, tiles.br())?,
+        tensor_map_16("k", k, k_ptr, tiles.bc)?,
+        tensor_map_16("v", v, v_ptr, tiles.bc)?,
+    ];
     let kernel =
         Kernel { variant: variant(p.d, p.dtype, p.causal, tiles, schedule), entry: "fa3_forward" };
-    let smem = tiles.shared_bytes(p.d);
-    gpu.prepare(&kernel, smem)?;
+    launch(gpu, &p, &kernel, tiles, schedule, maps, Fp8Scales::default(), 2)
+}
 
+/// Launches the forward kernel on Q, K, V described by `maps` (16-bit or e4m3, as `kernel`'s
+/// variant expects) and returns O and lse.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch(
+    gpu: &Gpu,
+    p: &Problem,
+    kernel: &Kernel,
+    tiles: Fa3Tiles,
+    schedule: Schedule,
+    maps: [CUtensorMap; 3],
+    scales: Fp8Scales,
+    operand_bytes: usize,
+) -> Result<Output> {
+    let smem = tiles.shared_bytes(p.d, operand_bytes);
+    gpu.prepare(kernel, smem)?;
     let mut o = gpu.output(&p.o_shape(), p.dtype)?;
     let mut lse = gpu.output(&p.lse_shape(), DType::F32)?;
     {
         let s = gpu.stream();
-        let (q_ptr, _g0) = q.read_ptr(s);
-        let (k_ptr, _g1) = k.read_ptr(s);
-        let (v_ptr, _g2) = v.read_ptr(s);
         let (o_ptr, _g3) = o.write_ptr(s);
         let (lse_ptr, _g4) = lse.write_ptr(s);
         let [hq, hkv, nq, nkv] = p.dims_i32();
+        let [q, k, v] = maps;
         let params = ForwardParams {
-            q: tensor_map("q", q, q_ptr, tiles.br())?,
-            k: tensor_map("k", k, k_ptr, tiles.bc)?,
-            v: tensor_map("v", v, v_ptr, tiles.bc)?,
+            q,
+            k,
+            v,
             o: o_ptr,
             lse: lse_ptr,
+            scales,
             batch: p.batch as i32,
             heads_q: hq,
             heads_kv: hkv,
@@ -344,7 +405,7 @@ pub fn forward_with(
             )));
         }
         let blocks = if schedule.persistent { work.min(gpu.sm_count() as usize) } else { work };
-        gpu.launch(&kernel, grid(blocks, 1, 1)?, tiles.threads() as u32, smem, &params)?;
+        gpu.launch(kernel, grid(blocks, 1, 1)?, tiles.threads() as u32, smem, &params)?;
     }
     Ok(Output { o, lse })
 }
@@ -389,12 +450,12 @@ mod tests {
         for d in [64, 128, 256] {
             for causal in [false, true] {
                 let t = Fa3Tiles::for_head_dim(d, causal).unwrap();
-                assert!(t.shared_bytes(d) <= 227 * 1024, "d = {d}: {}", t.shared_bytes(d));
+                assert!(t.shared_bytes(d, 2) <= 227 * 1024, "d = {d}: {}", t.shared_bytes(d, 2));
             }
         }
         // d = 256: Q (128 × 256) and two stages of K and V (80 × 256), 16-bit.
         let t = Fa3Tiles::for_head_dim(256, false).unwrap();
-        assert_eq!(t.shared_bytes(256), (128 + 4 * 80) * 512 + 80 + 1024);
+        assert_eq!(t.shared_bytes(256, 2), (128 + 4 * 80) * 512 + 80 + 1024);
         assert!(matches!(
             Fa3Tiles::for_head_dim(96, false),
             Err(KernelError::UnsupportedHeadDim { d: 96, .. })
@@ -426,9 +487,10 @@ mod tests {
 
     #[test]
     fn params_are_laid_out_as_the_kernel_expects() {
-        // Three 128-byte maps, then the pointers at byte 384.
+        // Three 128-byte maps, then the pointers at byte 384: o, lse, four scales, the sizes.
         assert_eq!(std::mem::align_of::<ForwardParams>(), 128);
         assert_eq!(std::mem::offset_of!(ForwardParams, o), 384);
-        assert_eq!(std::mem::offset_of!(ForwardParams, scale_log2), 384 + 16 + 20);
+        assert_eq!(std::mem::offset_of!(ForwardParams, scales), 384 + 16);
+        assert_eq!(std::mem::offset_of!(ForwardParams, scale_log2), 384 + 16 + 32 + 20);
     }
 }

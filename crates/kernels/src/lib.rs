@@ -62,6 +62,7 @@ pub(crate) fn variants(arch: &str) -> Vec<compile::Variant> {
     let mut all = fa1::variants();
     all.extend(fa2::variants(arch));
     all.extend(fa3::variants(arch));
+    all.extend(fa3::fp8::variants(arch));
     all.extend(decode::variants());
     all
 }

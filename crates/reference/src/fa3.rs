@@ -15,9 +15,15 @@
 //!
 //! A CPU has none of that hardware, so [`forward`] reproduces the *order* of Algorithm 2, and
 //! [`timeline`] (from [`crate::fa3_schedule`], re-exported here) simulates the schedules on a
-//! tensor-core/softmax resource model so they can be drawn and compared. The FP8 path ([`Fa3Precision::Fp8`]) quantises `Q, K, V` (and `P` before
-//! the second GEMM) to e4m3 with per-block scales and optional incoherent processing
-//! ([`crate::fp8`]); its error is compared with an FP8 tolerance, not the `f32` one.
+//! tensor-core/softmax resource model so they can be drawn and compared.
+//!
+//! The FP8 path ([`Fa3Precision::Fp8`]) quantises `Q, K, V` to e4m3 with per-block scales and
+//! optional incoherent processing ([`crate::fp8`]), and `P` before the second GEMM. `P ∈ [0, 1]`
+//! rounded as it is would lose its small values (e4m3 goes subnormal below 2⁻⁶), so — as FA3 keeps
+//! `P` in `[0, 256]` — it is multiplied by `2⁸ · s_j / s_max` first, where `s_j` is the e4m3 scale
+//! of the V block it multiplies and `s_max` the head's largest: V's per-block scale is folded into
+//! `P`, and `O` is multiplied by `s_max / 2⁸` at the end. The GPU kernel does exactly this. The
+//! error is compared with an FP8 tolerance, not the `f32` one.
 
 use std::ops::Range;
 
@@ -30,7 +36,7 @@ use crate::options::{AttentionOptions, TileSizes};
 use crate::output::{AttentionOutput, Counters};
 use crate::problem::{Head, Problem};
 use crate::shape::TileKind;
-use crate::tile::{OnlineRows, add_pv, blocks, score_tile};
+use crate::tile::{OnlineRows, add_pv, blocks, nan_max, score_tile};
 
 /// The number format the tiles are multiplied in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -72,6 +78,16 @@ struct Fp8Operands<T> {
     k: Fp8Tensor<T>,
     v: Fp8Tensor<T>,
 }
+
+impl<T: Element> Fp8Operands<T> {
+    /// The largest scale of V's blocks in head `(b, h)` (NaN if any is NaN).
+    fn v_max(&self, b: usize, h: usize) -> T {
+        self.v.scales.slice(s![b, h, ..]).iter().fold(T::zero(), |m, &x| nan_max(m, x))
+    }
+}
+
+/// What `P` is multiplied by before it is rounded to e4m3: `2⁸ · s_j / s_max`.
+const P_RANGE: f64 = 256.0;
 
 /// FA3-style forward pass: FA2's work decomposition with Algorithm 2's overlapped loop.
 pub fn forward<T: Element>(
@@ -151,14 +167,18 @@ fn overlapped_rows<T: Element>(
         });
         score_tile(q_i, head.k.slice(s![cols.clone(), ..]), factor, limits.as_deref())
     };
-    // GEMM 1: O += P V_j (P rounded to e4m3 first on the FP8 path; l keeps the exact sum).
+    // GEMM 1: O += P V_j. On the FP8 path P is lifted by 2⁸ · s_j / s_max and rounded to e4m3
+    // first (the module docs say why), and the product scaled back by s_max / 2⁸; l keeps the
+    // exact sum.
     let pv = |acc: &mut Array2<T>,
               p: &mut Array2<T>,
               (cols, limits): &(Range<usize>, Option<Vec<usize>>)| {
         counters.read_bytes(cols.len() * d * input_bytes);
         let factor = fp8.map_or(T::one(), |f| {
-            p.mapv_inplace(round_e4m3);
-            f.v.scale(head.b, head.kh, cols.start)
+            let v_max = f.v_max(head.b, head.kh);
+            let lift = T::of(P_RANGE) * (f.v.scale(head.b, head.kh, cols.start) / v_max);
+            p.mapv_inplace(|x| round_e4m3(x * lift));
+            v_max / T::of(P_RANGE)
         });
         add_pv(
             &mut acc.view_mut(),

@@ -118,6 +118,11 @@ impl RandomHadamard {
         Self { signs: (0..n).map(|_| if rng.random::<bool>() { 1.0 } else { -1.0 }).collect() }
     }
 
+    /// The random signs (±1), one per column of the transformed rows.
+    pub fn signs(&self) -> &[f64] {
+        &self.signs
+    }
+
     /// Width of the transformed rows.
     pub fn width(&self) -> usize {
         self.signs.len()

@@ -78,8 +78,9 @@ impl FromStr for CacheLayout {
 /// `ladder bench` flags.
 #[derive(Args, Debug)]
 pub struct BenchArgs {
-    /// GPU rungs to time, comma-separated (fa1, fa2, fa3, fa2-det, flash-decoding,
-    /// flash-decoding-pp) [default: all].
+    /// GPU rungs to time, comma-separated (fa1, fa2, fa3, fa3-fp8, fa2-det, flash-decoding,
+    /// flash-decoding-pp) [default: all]. fa3-fp8 times the attention on inputs quantised to
+    /// e4m3 beforehand (untimed), as FP8 peers take e4m3 inputs.
     #[arg(long, value_delimiter = ',')]
     pub(super) rung: Vec<String>,
     /// Directions, comma-separated: fwd, bwd, decode [default: fwd,bwd, or the directions of the
@@ -436,12 +437,13 @@ impl Plan {
 
     /// The prefill (forward and backward) GPU rungs to run at length `n`, in order: by
     /// direction, then in table order.
-    pub(super) fn rungs_at(&self, n: usize) -> Vec<GpuRung> {
+    pub(super) fn rungs_at(&self, d: usize, n: usize) -> Vec<GpuRung> {
         let mut out = Vec::new();
         for &direction in self.directions.iter().filter(|d| **d != Direction::Decode) {
             for rung in GpuRung::ALL {
                 if rung.direction() == direction
                     && self.rungs.contains(&rung.name())
+                    && rung.supports(d)
                     && (rung != GpuRung::Fa1 || n <= self.fa1_max_n)
                 {
                     out.push(rung);
@@ -462,9 +464,13 @@ impl Plan {
     }
 
     pub(super) fn case_count(&self) -> usize {
-        self.ds.len()
-            * self.causals.len()
-            * self.ns.iter().map(|&n| self.rungs_at(n).len()).sum::<usize>()
+        self.causals.len()
+            * self
+                .ds
+                .iter()
+                .flat_map(|&d| self.ns.iter().map(move |&n| (d, n)))
+                .map(|(d, n)| self.rungs_at(d, n).len())
+                .sum::<usize>()
             + self.decode_ds.len() * self.decode_cases() * self.decode_rungs().len()
     }
 
@@ -572,10 +578,12 @@ mod tests {
         assert_eq!(p.dims(128, 16384), (1, 16));
         assert_eq!(p.dims(64, 512), (32, 32));
         // fa1 stops at 2048.
-        let at = |n| p.rungs_at(n);
+        let at = |n| p.rungs_at(128, n);
         let (det, atomic) = (GpuRung::Fa2BackwardDeterministic, GpuRung::Fa2Backward);
-        assert_eq!(at(2048), [GpuRung::Fa1, GpuRung::Fa2, GpuRung::Fa3, atomic, det]);
-        assert_eq!(at(4096), [GpuRung::Fa2, GpuRung::Fa3, atomic, det]);
+        let fp8 = GpuRung::Fa3Fp8;
+        assert_eq!(at(2048), [GpuRung::Fa1, GpuRung::Fa2, GpuRung::Fa3, fp8, atomic, det]);
+        assert_eq!(at(4096), [GpuRung::Fa2, GpuRung::Fa3, fp8, atomic, det]);
+        assert!(!p.rungs_at(64, 4096).contains(&fp8), "fa3-fp8 has no d = 64 kernel");
         assert_eq!((p.repeats_of(GpuRung::Fa1), p.repeats_of(GpuRung::Fa2)), (3, 30));
         assert!(p.notes().iter().any(|n| n.contains("n <= 2048")));
         let notes = p.notes().join("; ");
@@ -627,7 +635,7 @@ mod tests {
         let p = plan(&["--direction", "decode"]).unwrap();
         assert_eq!(p.directions, [Direction::Decode]);
         assert_eq!(p.decode_rungs(), [GpuRung::FlashDecoding, GpuRung::FlashDecodingPp]);
-        assert!(p.rungs_at(4096).is_empty(), "no prefill rungs");
+        assert!(p.rungs_at(128, 4096).is_empty(), "no prefill rungs");
         assert_eq!(p.decode_ds, [128]);
         let shape = |batch, heads_kv, len| DecodeShape { batch, heads_q: 32, heads_kv, len };
         assert_eq!(
@@ -689,7 +697,7 @@ mod tests {
         .unwrap();
         assert_eq!(g.decode, [shape(2, 4, 4096), shape(2, 4, 65536)]);
         assert_eq!((g.decode_ds.as_slice(), g.splits), (&[64][..], Some(16)));
-        assert_eq!(g.rungs_at(4096), [GpuRung::Fa2, GpuRung::Fa3], "fa1 stops at 2048");
+        assert_eq!(g.rungs_at(64, 4096), [GpuRung::Fa2, GpuRung::Fa3], "no fa3-fp8 at d = 64");
         assert_eq!(
             g.case_count(),
             2 * 2 * 2 + 2 * 2,

@@ -46,6 +46,19 @@ pub(super) fn step<'a>(
             let out = forward(gpu, &s.q, &s.k, &s.v, &opts)?;
             Ok(vec![out.o, out.lse])
         })),
+        Kernels::ForwardFp8 { quantize, forward } => {
+            // The inputs are quantised once, untimed: FP8 peers take e4m3 inputs too.
+            let fp8 =
+                ladder_compare::gpu_check::gpu_fp8(&ladder_compare::RungConfig::default().fp8);
+            let inputs: Vec<_> = sets
+                .iter()
+                .map(|s| quantize(gpu, &s.q, &s.k, &s.v, &opts, &fp8))
+                .collect::<ladder_kernels::Result<_>>()?;
+            Ok(Box::new(move |i| {
+                let out = forward(gpu, &inputs[i])?;
+                Ok(vec![out.o, out.lse])
+            }))
+        }
         Kernels::Decode(_) => {
             Err(KernelError::Config(format!("{rung} takes a KV cache: time it with decode_step")))
         }

@@ -1,0 +1,298 @@
+//! The FA3 rung's FP8 path on the GPU (`ladder_kernels::fa3::fp8`) against the CPU `fa3-fp8`
+//! rung and the float64 oracle.
+//!
+//! - The quantisation pass writes, bit for bit, the e4m3 values and block scales the CPU rung
+//!   computes (with and without the random Hadamard rotation): the two paths then multiply the
+//!   same numbers, and the rest of the comparison is about the kernel.
+//! - The attention is within the FP8 tolerance of the oracle (twice the error of per-tensor FP8
+//!   attention, [`Expected::fp8_from_oracle`]) and within the sum of tolerances of the CPU rung,
+//!   on drawn shapes (ragged lengths, GQA, causal with n_q ≠ n_kv, both head dims, fp16 and bf16).
+//! - On inputs with outliers (the FA3 paper's N(0,1) + N(0,100)·Bernoulli(0.001), n = 4096),
+//!   incoherent processing lowers the GPU's error as it lowers the CPU rung's.
+//! - Every schedule computes the same bits.
+//!
+//! Without a GPU these tests print a notice and pass; with `LADDER_REQUIRE_GPU=1` they fail.
+
+use ladder_compare::gpu_check::{self, device_inputs, narrow, options, rounded, shared_gpu};
+use ladder_compare::oracle::{Expected, Oracle, check};
+use ladder_compare::{Case, CaseSpace, GpuRung, Inputs, RungConfig, cases, error};
+use ladder_kernels::fa3::{self, fp8};
+use ladder_kernels::{DType, Gpu, KernelError, Tensor};
+use ladder_reference::fp8::{Fp8Scaling, Fp8Tensor, RandomHadamard};
+use ladder_reference::{AttentionShape, Fp8Options, TileSizes};
+use ndarray::{Array3, Array4};
+use proptest::prelude::*;
+
+fn gpu() -> Option<&'static Gpu> {
+    let gpu = shared_gpu("GPU FP8 tests")?;
+    if GpuRung::Fa3Fp8.available_on(gpu) {
+        Some(gpu)
+    } else {
+        eprintln!("fa3-fp8 skipped: {} is {}, not {}", gpu.name(), gpu.arch(), fa3::ARCH);
+        None
+    }
+}
+
+fn cases_per_property() -> u32 {
+    std::env::var("LADDER_GPU_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(32)
+}
+
+fn upload(gpu: &Gpu, a: &Array4<f64>, dtype: DType) -> Tensor {
+    let v: Vec<f32> = a.iter().map(|&x| x as f32).collect();
+    gpu.upload(&v, a.shape(), dtype).expect("upload")
+}
+
+/// The CPU rung's configuration matching the kernel's blocks (so both quantise the same tiles).
+fn cpu_config(case: &Case, fp8: Fp8Options) -> RungConfig {
+    let br = fp8::tiles_for_head_dim(case.shape.d).expect("an FP8 head dim").br();
+    RungConfig {
+        attention: case.attention(),
+        tiles: TileSizes::new(br, 128).expect("valid tiles"),
+        fp8,
+        ..RungConfig::default()
+    }
+}
+
+fn with_seed(incoherent: Option<u64>) -> Fp8Options {
+    Fp8Options { incoherent, ..RungConfig::default().fp8 }
+}
+
+fn fail(e: impl std::fmt::Display) -> TestCaseError {
+    TestCaseError::fail(e.to_string())
+}
+
+/// The GPU FP8 attention on `x` (rounded to `dtype`) within the FP8 tolerance of the oracle and of
+/// the CPU rung.
+fn check_fp8(case: &Case, x: &Inputs<f64>, dtype: DType, fp8: Fp8Options) -> Result<(), String> {
+    let Some(gpu) = gpu() else { return Ok(()) };
+    let (attention, opts) = options(&case.attention(), case.shape.d);
+    let (got, _) = gpu_check::forward_fp8(gpu, GpuRung::Fa3Fp8, x, &opts, dtype, &fp8)
+        .map_err(|e| e.to_string())?;
+    let oracle = Oracle::new(x, &attention).map_err(|e| e.to_string())?;
+    let x32 = narrow(x);
+    let expected = Expected::fp8_from_oracle(&oracle, &x32, &fp8).map_err(|e| e.to_string())?;
+    let config = RungConfig { attention, ..cpu_config(case, fp8) };
+    let cpu_out = ladder_compare::Rung::Fa3Fp8
+        .forward(x32.q.view(), x32.k.view(), x32.v.view(), &config)
+        .map_err(|e| e.to_string())?;
+    check(
+        &format!("fa3-fp8-gpu ({dtype})"),
+        &got,
+        &expected,
+        Some(("fa3-fp8 (CPU)", &cpu_out, &expected)),
+    )
+}
+
+fn fp8_space() -> CaseSpace {
+    CaseSpace {
+        batch: 1..=2,
+        heads_kv: 1..=2,
+        group: 1..=3,
+        n_q: 1..=300,
+        n_kv: 1..=400,
+        head_dims: fp8::HEAD_DIMS.to_vec(),
+        ..CaseSpace::cpu().moderate_logits()
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(cases_per_property()))]
+
+    #[test]
+    fn gpu_fa3_fp8_fp16_matches_cpu_fa3_fp8_and_the_oracle(case in cases(fp8_space()), rotate in any::<bool>()) {
+        let x = device_inputs(&case, DType::F16);
+        check_fp8(&case, &x, DType::F16, with_seed(rotate.then_some(case.seed))).map_err(fail)?;
+    }
+
+    #[test]
+    fn gpu_fa3_fp8_bf16_matches_cpu_fa3_fp8_and_the_oracle(case in cases(fp8_space()), rotate in any::<bool>()) {
+        let x = device_inputs(&case, DType::BF16);
+        check_fp8(&case, &x, DType::BF16, with_seed(rotate.then_some(case.seed))).map_err(fail)?;
+    }
+}
+
+/// Longer shapes: many K/V tiles, several query tiles per block (persistent), causal with
+/// n_q ≠ n_kv, GQA.
+#[test]
+fn gpu_fa3_fp8_long_sequences() {
+    for (b, hq, hkv, n_q, n_kv, d, causal) in [
+        (1, 4, 1, 2048, 2048, 128, true),
+        (2, 8, 2, 700, 1500, 128, false),
+        (1, 4, 2, 1500, 700, 256, true),
+        (1, 2, 2, 1029, 1029, 256, false),
+    ] {
+        let case = Case {
+            shape: AttentionShape::new(b, hq, hkv, n_q, n_kv, d).unwrap(),
+            causal,
+            logit_std: 1.0,
+            tiles: TileSizes::new(128, 128).unwrap(),
+            splits: 1,
+            seed: 11 + d as u64,
+        };
+        let x = device_inputs(&case, DType::F16);
+        check_fp8(&case, &x, DType::F16, with_seed(Some(5))).unwrap_or_else(|e| {
+            panic!("[{b}, {hq}/{hkv}, {n_q}x{n_kv}, {d}], causal = {causal}: {e}")
+        });
+    }
+}
+
+/// The e4m3 operands and scales on the GPU are the CPU rung's, bit for bit.
+#[test]
+fn gpu_fp8_quantisation_is_the_cpu_rungs_bit_for_bit() {
+    let Some(gpu) = gpu() else { return };
+    let decode = |b: &[u8]| -> Vec<f32> {
+        b.iter().map(|&x| float8::F8E4M3::from_bits(x).to_f32()).collect()
+    };
+    for (dtype, d, incoherent) in [
+        (DType::F16, 128, None),
+        (DType::F16, 128, Some(3)),
+        (DType::BF16, 256, Some(9)),
+        (DType::BF16, 128, None),
+    ] {
+        let case = Case {
+            shape: AttentionShape::new(2, 4, 2, 333, 270, d).unwrap(),
+            causal: false,
+            logit_std: 1.0,
+            tiles: TileSizes::new(128, 128).unwrap(),
+            splits: 1,
+            seed: 21,
+        };
+        // Outliers, so that the blocks get different scales.
+        let x = rounded(&case.inputs_with_outliers::<f64>(0.002, 30.0), dtype);
+        let (_, opts) = options(&case.attention(), d);
+        let (q, k, v) =
+            (upload(gpu, &x.q, dtype), upload(gpu, &x.k, dtype), upload(gpu, &x.v, dtype));
+        let inputs =
+            fp8::quantize(gpu, &q, &k, &v, &opts, &fp8::Fp8Options { incoherent }).unwrap();
+        let [gq, gk, gv] = inputs.to_bytes().unwrap();
+        let [sq, sk, sv] = inputs.scales().unwrap();
+
+        let x32 = narrow(&x);
+        let (q32, k32) = match incoherent {
+            Some(seed) => {
+                let r = RandomHadamard::new(d, seed);
+                (r.apply(x32.q.view()), r.apply(x32.k.view()))
+            }
+            None => (x32.q.clone(), x32.k.clone()),
+        };
+        let br = inputs.tiles().br();
+        let what = format!("{dtype}, d = {d}, incoherent {incoherent:?}");
+        for (name, gpu_values, gpu_scales, cpu) in [
+            ("q", gq, sq, Fp8Tensor::quantize(q32.view(), br, Fp8Scaling::PerBlock)),
+            ("k", gk, sk, Fp8Tensor::quantize(k32.view(), 128, Fp8Scaling::PerBlock)),
+            ("v", gv, sv, Fp8Tensor::quantize(x32.v.view(), 128, Fp8Scaling::PerBlock)),
+        ] {
+            let cpu_scales: Vec<f32> = cpu.scales.iter().copied().collect();
+            assert_eq!(gpu_scales, cpu_scales, "{name} scales, {what}");
+            let cpu_values: Vec<f32> = cpu.values.iter().copied().collect();
+            let got = decode(&gpu_values);
+            let diff = got.iter().zip(&cpu_values).position(|(a, b)| a.to_bits() != b.to_bits());
+            assert_eq!(diff, None, "{name} values first differ at {diff:?}, {what}");
+        }
+    }
+}
+
+/// FA3's §4.3 claim on the GPU: with outliers, incoherent processing lowers the FP8 error (the
+/// relative L2 error of O against the oracle), as it does on the CPU rung.
+#[test]
+fn gpu_fp8_incoherent_processing_lowers_the_error_on_outliers() {
+    let Some(gpu) = gpu() else { return };
+    let mut ratios = Vec::new();
+    for seed in 0..3u64 {
+        let case = Case {
+            shape: AttentionShape::new(1, 2, 2, 4096, 4096, 128).unwrap(),
+            causal: false,
+            logit_std: 1.0,
+            tiles: TileSizes::new(128, 128).unwrap(),
+            splits: 1,
+            seed,
+        };
+        let x = rounded(&case.inputs_with_outliers::<f64>(0.001, 10.0), DType::F16);
+        let (attention, opts) = options(&case.attention(), 128);
+        let oracle = Oracle::new(&x, &attention).unwrap();
+        let x32 = narrow(&x);
+        let err = |incoherent: Option<u64>| {
+            let fp8 = with_seed(incoherent);
+            let (got, _) =
+                gpu_check::forward_fp8(gpu, GpuRung::Fa3Fp8, &x, &opts, DType::F16, &fp8).unwrap();
+            let config = RungConfig { attention, ..cpu_config(&case, fp8) };
+            let cpu = ladder_compare::Rung::Fa3Fp8
+                .forward(x32.q.view(), x32.k.view(), x32.v.view(), &config)
+                .unwrap();
+            (error(&got.o, &oracle.out.o).rel_l2, error(&cpu.o, &oracle.out.o).rel_l2)
+        };
+        let ((gpu_plain, cpu_plain), (gpu_rot, cpu_rot)) = (err(None), err(Some(seed)));
+        println!(
+            "fp8 outliers seed {seed}: rel L2 of O, no rotation {gpu_plain:.3e} (CPU \
+             {cpu_plain:.3e}), incoherent {gpu_rot:.3e} (CPU {cpu_rot:.3e})"
+        );
+        assert!(gpu_rot < gpu_plain, "seed {seed}: incoherent {gpu_rot:.3e} vs {gpu_plain:.3e}");
+        ratios.push(gpu_rot / gpu_plain);
+    }
+    let mean = ratios.iter().sum::<f64>() / ratios.len() as f64;
+    println!("fp8 outliers: mean error ratio incoherent / none on the GPU {mean:.3}");
+    assert!(mean < 0.9, "mean ratio {mean:.3} ({ratios:?})");
+}
+
+/// Every schedule gives the FP8 kernel's bits (they reorder issues, not arithmetic).
+#[test]
+fn gpu_fp8_schedules_give_the_same_bits() {
+    let Some(gpu) = gpu() else { return };
+    for causal in [false, true] {
+        let case = Case {
+            shape: AttentionShape::new(1, 4, 2, 517, 1029, 128).unwrap(),
+            causal,
+            logit_std: 1.0,
+            tiles: TileSizes::new(128, 128).unwrap(),
+            splits: 1,
+            seed: 31,
+        };
+        let x = device_inputs(&case, DType::F16);
+        let (_, opts) = options(&case.attention(), 128);
+        let (q, k, v) = (
+            upload(gpu, &x.q, DType::F16),
+            upload(gpu, &x.k, DType::F16),
+            upload(gpu, &x.v, DType::F16),
+        );
+        let inputs = fp8::quantize(gpu, &q, &k, &v, &opts, &fp8::Fp8Options::default()).unwrap();
+        let run = |schedule| {
+            let out = fp8::forward_quantized_with(gpu, &inputs, schedule).unwrap();
+            (out.o.to_f32_vec().unwrap(), out.lse.to_f32_vec().unwrap())
+        };
+        let bits = |v: &(Vec<f32>, Vec<f32>)| -> Vec<u32> {
+            v.0.iter().chain(&v.1).map(|x| x.to_bits()).collect()
+        };
+        let full = bits(&run(fa3::Schedule::default()));
+        for (pingpong, overlap, persistent) in
+            [(false, true, true), (true, false, true), (false, false, true), (true, true, false)]
+        {
+            let s = fa3::Schedule { pingpong, overlap, persistent };
+            assert!(bits(&run(s)) == full, "{s:?}, causal = {causal}: bits differ");
+        }
+    }
+}
+
+/// Bad input is an error, not a panic: head dims without an FP8 kernel, f32 inputs.
+#[test]
+fn gpu_fp8_rejects_what_it_cannot_run() {
+    let Some(gpu) = gpu() else { return };
+    let opts = ladder_kernels::Options::default();
+    let x = |d: usize, dtype| gpu.upload(&vec![0.5; 2 * 64 * d], &[1, 2, 64, d], dtype).unwrap();
+    let none = fp8::Fp8Options::default();
+    let (a, b, c) = (x(64, DType::F16), x(64, DType::F16), x(64, DType::F16));
+    assert!(matches!(
+        fp8::forward(gpu, &a, &b, &c, &opts, &none),
+        Err(KernelError::UnsupportedHeadDim { d: 64, .. })
+    ));
+    let (a, b, c) = (x(128, DType::F32), x(128, DType::F32), x(128, DType::F32));
+    assert!(matches!(
+        fp8::forward(gpu, &a, &b, &c, &opts, &none),
+        Err(KernelError::UnsupportedDtype { .. })
+    ));
+    // Empty-looking but valid: one query, one key.
+    let one = gpu.upload(&[1.0; 128], &[1, 1, 1, 128], DType::F16).unwrap();
+    let out = fp8::forward(gpu, &one, &one, &one, &opts, &none).unwrap();
+    let o = Array3::from_shape_vec((1, 1, 128), out.o.to_f32_vec().unwrap()).unwrap();
+    // softmax over one key is 1: O = V = 1 (e4m3 holds 1 exactly; P = 1 is lifted to 256).
+    assert!(o.iter().all(|&x| x == 1.0), "{o:?}");
+}
