@@ -255,18 +255,24 @@ fn run_rejects_bad_flag_combinations_and_gradients() {
         ("fa1", [&["--backward", "--do", &d_o][..], &grads].concat(), 2, "fa1 has no backward"),
         ("fa2", [&["--backward", "--do", &k][..], &grads].concat(), 1, "k.npy: dO is [1, 2, 6, 8]"),
         ("fa2", [&["--backward", "--do", &missing][..], &grads].concat(), 1, "missing.npy"),
-        ("naive", vec!["--device", "gpu"], 2, "naive has no GPU kernel (GPU rungs: fa1, fa2, fa3)"),
         (
-            "fa3-fp8",
+            "naive",
             vec!["--device", "gpu"],
             2,
-            "fa3-fp8 has no GPU kernel (GPU rungs: fa1, fa2, fa3)",
+            "naive has no GPU kernel (GPU rungs: fa1, fa2, fa3, fa3-fp8)",
+        ),
+        (
+            "online-softmax",
+            vec!["--device", "gpu"],
+            2,
+            "online-softmax has no GPU kernel (GPU rungs: fa1, fa2, fa3, fa3-fp8)",
         ),
         (
             "flash-decoding",
             vec!["--device", "gpu"],
             2,
-            "flash-decoding has no GPU kernel (GPU rungs: fa1, fa2, fa3); its decoding kernel",
+            "flash-decoding has no GPU kernel (GPU rungs: fa1, fa2, fa3, fa3-fp8); its decoding \
+             kernel",
         ),
         ("fa2", vec!["--device", "gpu", "--dtype", "f32"], 2, "fa2 on the GPU takes fp16, bf16"),
         (

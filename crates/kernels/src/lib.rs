@@ -22,6 +22,9 @@
 //! # Ok::<(), ladder_kernels::KernelError>(())
 //! ```
 //!
+//! FlashAttention-3 on Hopper ([`fa3::forward`]) and its FP8 path ([`fa3::fp8::forward`]: e4m3
+//! operands with block scales and incoherent processing).
+//!
 //! Decoding against a KV cache, contiguous or paged (a few new tokens per sequence, the keys
 //! split across blocks), with FlashDecoding or FlashDecoding++ (a unified max, a flat GEMM, a
 //! GEMV, and a dispatcher that picks): [`decode::forward`].
