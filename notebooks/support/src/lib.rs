@@ -7,13 +7,16 @@
 //!   prints `pass` or returns the shrunk counterexample as a cell error;
 //! - [`live`]: runs a GPU rung live and checks it against the oracle, when there is a GPU;
 //! - [`results`]: reads the GPU measurements committed under `docs/results/h200/` and charts them,
-//!   or says plainly that none are committed yet.
+//!   or says plainly that none are committed yet;
+//! - [`backward`]: notebook 10's exercise check (the learner's `D` and `dS` inside the FA2
+//!   backward pass) and the H200 backward figures beside the Triton tutorial's.
 //!
 //! [`Failure`] is the error every check returns: evcxr prints a cell's error with `{:?}`, so its
 //! `Debug` writes the message as it is, line breaks and all.
 
 use std::fmt;
 
+pub mod backward;
 pub mod exercise;
 pub mod live;
 pub mod results;
