@@ -201,6 +201,20 @@ fn verify_cmd(args: &VerifyArgs) -> anyhow::Result<bool> {
                 );
             })?;
             rows.extend(gpu_rows);
+            // Say which GPU rungs had no kernel for these problems' head dims (fa3-fp8 at the
+            // default d = 64), rather than leaving their rows out silently.
+            let ds: Vec<usize> = cases.iter().map(|c| c.shape.d).collect();
+            for rung in ladder_compare::GpuRung::ALL {
+                if rung.available_on(&gpu) && !ds.iter().any(|&d| rung.supports(d)) {
+                    eprintln!(
+                        "verify: {} not run: no kernel for d = {ds:?} (its head dims: {:?}; e.g. \
+                         --d {})",
+                        rung.label(),
+                        rung.head_dims(),
+                        rung.head_dims()[0]
+                    );
+                }
+            }
         }
         Err(e) => eprintln!("verify: GPU rungs not run ({e})"),
     }
