@@ -7,16 +7,23 @@
 //!   prints `pass` or returns the shrunk counterexample as a cell error;
 //! - [`live`]: runs a GPU rung live and checks it against the oracle, when there is a GPU;
 //! - [`results`]: reads the GPU measurements committed under `docs/results/h200/` and charts them,
-//!   or says plainly that none are committed yet.
+//!   or says plainly that none are committed yet;
+//! - [`source`]: excerpts of the kernels and the CPU rungs, chosen by their section markers and
+//!   names, for reading a kernel beside its rung;
+//! - [`block_program`]: a block-program emulator (program ids, masked tile loads and stores,
+//!   bytes counted) and the check that holds a block program to the oracle and to FA2's memory
+//!   model.
 //!
 //! [`Failure`] is the error every check returns: evcxr prints a cell's error with `{:?}`, so its
 //! `Debug` writes the message as it is, line breaks and all.
 
 use std::fmt;
 
+pub mod block_program;
 pub mod exercise;
 pub mod live;
 pub mod results;
+pub mod source;
 
 /// A check that did not pass. Returned with `?` from a notebook cell, it turns the cell red and
 /// prints the message; `.ci/notebooks` fails on it.
