@@ -255,11 +255,8 @@ def execute(src: Path, out_dir: Path | None) -> float:
         record_timing=False,
         resources={"metadata": {"path": str(NOTEBOOKS)}},
     )
-    start = time.monotonic()
-    try:
-        client.execute()
-    except nbclient.exceptions.CellExecutionError as e:
-        print(f"\n{src.name}: a cell failed\n{e}", file=sys.stderr)
+    def fail(message: str) -> None:
+        print(f"\n{src.name}: {message}", file=sys.stderr)
         # What the kernel said (evcxr reports compile errors on stderr and in error outputs).
         for cell in nb.cells:
             for out in cell.get("outputs", []):
@@ -272,6 +269,19 @@ def execute(src: Path, out_dir: Path | None) -> float:
         nbformat.write(nb, str(failed / f"{stem}.failed.ipynb"))
         print(f"the partly executed notebook is in {failed / (stem + '.failed.ipynb')}", file=sys.stderr)
         raise SystemExit(1)
+
+    start = time.monotonic()
+    try:
+        client.execute()
+    except nbclient.exceptions.CellExecutionError as e:
+        fail(f"a cell failed\n{e}")
+    # A cell whose `?` returns an error (a check that does not pass) is not an execution error
+    # for evcxr: it prints the error on stderr and carries on. No cell of ours writes to stderr
+    # otherwise, so any stderr output is a failure.
+    for n, cell in enumerate(nb.cells):
+        if any(o.get("output_type") == "stream" and o.get("name") == "stderr" for o in cell.get("outputs", [])):
+            first = "".join(cell["source"]).strip().splitlines()[0]
+            fail(f"a cell returned an error (printed on stderr); it begins: {first}")
     elapsed = time.monotonic() - start
     executed = json.loads(nbformat.writes(nb))
     merge_streams(executed)

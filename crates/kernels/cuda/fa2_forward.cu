@@ -83,6 +83,7 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
     u16* sK = sQ + BR * D;      // [2][BC][D]
     u16* sV = sK + 2 * BC * D;  // [2][BC][D]
 
+    // ---- which rows: one block per query tile, the longest causal blocks first ------------------
     // Causal blocks near the end of the sequence have the most tiles: launch them first so that
     // the last wave is made of short blocks.
     const int q_block = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
@@ -99,6 +100,7 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
     const int shift = p.n_kv - p.n_q;  // bottom-right causal alignment (mask.cuh)
     const int n_tiles = key_tiles<causal, BC>(q0 + BR - 1, p.n_kv, shift);
 
+    // ---- per-warp state: the warp's rows of O, m and l, in registers for the whole walk ---------
     float acc[MT][DT][4];  // O, unnormalised
     float row_max[MT][2], row_sum[MT][2];
     zero(acc);
@@ -108,6 +110,7 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
         row_sum[mt][0] = row_sum[mt][1] = 0.f;
     }
 
+    // ---- prologue: Q once, and the first K/V tile into stage 0 ----------------------------------
     load_tile<BR, D, THREADS>(sQ, gQ, q0, p.n_q);
     if (n_tiles > 0) {
         const int n_kv = p.n_kv;
@@ -123,6 +126,7 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
     const auto kB = b_operand<D>(sK);             // K: B of S = Q·Kᵀ (rows = keys = n)
     const auto vB = b_operand_trans<D>(sV);       // V: B of O = P·V (rows = keys = k)
 
+    // ---- the K/V walk: copy tile j + 1 into the other stage while tile j is computed ------------
     for (int j = 0; j < n_tiles; ++j) {
         const int stage = j & 1;
         if (j + 1 < n_tiles) {
@@ -183,6 +187,7 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
                 alpha[mt][h] =
                     online_softmax(s[mt], h, p.scale_log2, row_max[mt][h], row_sum[mt][h], pk[mt]);
 
+        // ---- lazy rescale: acc ·= 2^(m_old − m_new), only when a row of the warp moved ----------
         // Rescale the accumulator only when some row of the warp found a new maximum: after the
         // first few tiles that is rare, and the test is uniform across the warp (no divergence).
         // Skipping it is exact, since alpha is then exactly 1.

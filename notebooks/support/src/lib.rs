@@ -9,7 +9,12 @@
 //! - [`results`]: reads the GPU measurements committed under `docs/results/h200/` and charts them,
 //!   or says plainly that none are committed yet;
 //! - [`backward`]: notebook 10's exercise check (the learner's `D` and `dS` inside the FA2
-//!   backward pass) and the H200 backward figures beside the Triton tutorial's.
+//!   backward pass) and the H200 backward figures beside the Triton tutorial's;
+//! - [`source`]: excerpts of the kernels and the CPU rungs, chosen by their section markers and
+//!   names, for reading a kernel beside its rung;
+//! - [`block_program`]: a block-program emulator (program ids, masked tile loads and stores,
+//!   bytes counted) and the check that holds a block program to the oracle and to FA2's memory
+//!   model.
 //!
 //! [`Failure`] is the error every check returns: evcxr prints a cell's error with `{:?}`, so its
 //! `Debug` writes the message as it is, line breaks and all.
@@ -17,9 +22,11 @@
 use std::fmt;
 
 pub mod backward;
+pub mod block_program;
 pub mod exercise;
 pub mod live;
 pub mod results;
+pub mod source;
 
 /// A check that did not pass. Returned with `?` from a notebook cell, it turns the cell red and
 /// prints the message; `.ci/notebooks` fails on it.

@@ -1,0 +1,323 @@
+//! Excerpts of the project's own source, for notebooks that read a kernel beside its CPU rung.
+//!
+//! The files are compiled into this crate (`include_str!`), so an excerpt is always the code as
+//! it is in the tree the notebook runs from: when a file changes, cargo rebuilds the crate and
+//! the notebook shows the new code. An excerpt is chosen by what is written in the file, never
+//! by line numbers:
+//!
+//! - [`section`]: a kernel section, from its `// ---- title ----` marker line to the next marker
+//!   (or the end of the file);
+//! - [`item`]: a definition (function, struct, `impl` method) by a string on its first line, with
+//!   the comments and attributes above it, down to its closing brace;
+//! - [`lines`]: from the line holding one string to the next line holding another, with the
+//!   comments above the first.
+//!
+//! A marker or string that is no longer in the file is an error that names it: a notebook cell
+//! fails loudly rather than show stale code.
+//!
+//! [`Beside`] shows two excerpts side by side (the CPU rung on the left, the kernel on the right)
+//! as an HTML table in Jupyter.
+
+use std::fmt;
+
+use crate::Failure;
+
+/// The files a notebook may quote, by their path in the repository.
+const FILES: &[(&str, &str)] = &[
+    (
+        "crates/kernels/cuda/fa2_forward.cu",
+        include_str!("../../../crates/kernels/cuda/fa2_forward.cu"),
+    ),
+    ("crates/kernels/cuda/copy.cuh", include_str!("../../../crates/kernels/cuda/copy.cuh")),
+    ("crates/kernels/cuda/mma.cuh", include_str!("../../../crates/kernels/cuda/mma.cuh")),
+    ("crates/kernels/cuda/softmax.cuh", include_str!("../../../crates/kernels/cuda/softmax.cuh")),
+    ("crates/kernels/cuda/mask.cuh", include_str!("../../../crates/kernels/cuda/mask.cuh")),
+    ("crates/kernels/cuda/types.cuh", include_str!("../../../crates/kernels/cuda/types.cuh")),
+    ("crates/kernels/src/problem.rs", include_str!("../../../crates/kernels/src/problem.rs")),
+    ("crates/reference/src/fa2.rs", include_str!("../../../crates/reference/src/fa2.rs")),
+    ("crates/reference/src/tile.rs", include_str!("../../../crates/reference/src/tile.rs")),
+    ("crates/reference/src/problem.rs", include_str!("../../../crates/reference/src/problem.rs")),
+    ("crates/reference/src/shape.rs", include_str!("../../../crates/reference/src/shape.rs")),
+    (
+        "scripts/triton_fused_attention.py",
+        include_str!("../../../scripts/triton_fused_attention.py"),
+    ),
+    (
+        "docs/results/ptxas/fa2_forward.txt",
+        include_str!("../../../docs/results/ptxas/fa2_forward.txt"),
+    ),
+];
+
+/// The whole text of `path` (one of the files this crate carries).
+pub fn file(path: &str) -> Result<&'static str, Failure> {
+    FILES.iter().find(|(p, _)| *p == path).map(|(_, text)| *text).ok_or_else(|| {
+        let known: Vec<&str> = FILES.iter().map(|(p, _)| *p).collect();
+        Failure(format!("source: no file {path:?} (known: {})", known.join(", ")))
+    })
+}
+
+/// Lines `first..=last` (0-based) of a file, shown with their 1-based line numbers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Excerpt {
+    pub path: &'static str,
+    /// 1-based number of the first line.
+    pub first_line: usize,
+    pub lines: Vec<&'static str>,
+}
+
+impl Excerpt {
+    fn new(path: &'static str, all: &[&'static str], first: usize, last: usize) -> Excerpt {
+        let mut lines = all[first..=last].to_vec();
+        while lines.last().is_some_and(|l| l.trim().is_empty()) {
+            lines.pop();
+        }
+        Excerpt { path, first_line: first + 1, lines }
+    }
+
+    /// The 1-based number of the last line.
+    pub fn last_line(&self) -> usize {
+        self.first_line + self.lines.len().saturating_sub(1)
+    }
+
+    /// The code alone, without line numbers.
+    pub fn code(&self) -> String {
+        self.lines.join("\n")
+    }
+
+    /// `path:first-last`.
+    pub fn location(&self) -> String {
+        format!("{}:{}-{}", self.path, self.first_line, self.last_line())
+    }
+
+    fn numbered(&self) -> String {
+        let width = self.last_line().to_string().len();
+        self.lines
+            .iter()
+            .enumerate()
+            .map(|(i, l)| format!("{:>width$} │ {l}", self.first_line + i))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Jupyter shows a value with this method as its output: the excerpt as preformatted HTML.
+    pub fn evcxr_display(&self) {
+        println!("EVCXR_BEGIN_CONTENT text/html\n{}\nEVCXR_END_CONTENT", self.html());
+    }
+
+    fn html(&self) -> String {
+        format!(
+            "<div style=\"font-family:monospace;font-size:0.85em;color:#555\">{}</div>\
+             <pre style=\"margin-top:2px\">{}</pre>",
+            escape(&self.location()),
+            escape(&self.numbered())
+        )
+    }
+}
+
+impl fmt::Display for Excerpt {
+    /// `path:first-last`, then the numbered lines.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "{}", self.location())?;
+        write!(f, "{}", self.numbered())
+    }
+}
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+}
+
+fn split(path: &str) -> Result<(&'static str, Vec<&'static str>), Failure> {
+    let text = file(path)?;
+    let path = FILES.iter().find(|(p, _)| *p == path).map(|(p, _)| *p).unwrap_or_default();
+    Ok((path, text.lines().collect()))
+}
+
+fn is_marker(line: &str) -> bool {
+    line.trim_start().starts_with("// ----")
+}
+
+/// The section of `path` whose marker line reads `// ---- {title}…`: from the marker to the line
+/// before the next marker (or the end of the file).
+pub fn section(path: &str, title: &str) -> Result<Excerpt, Failure> {
+    let (path, all) = split(path)?;
+    let marker = format!("// ---- {title}");
+    let first = all
+        .iter()
+        .position(|l| l.trim_start().starts_with(&marker))
+        .ok_or_else(|| Failure(format!("source: no section marked {marker:?} in {path}")))?;
+    let last = all[first + 1..]
+        .iter()
+        .position(|l| is_marker(l))
+        .map_or(all.len() - 1, |offset| first + offset);
+    Ok(Excerpt::new(path, &all, first, last))
+}
+
+/// The lines of comments, attributes and `template <…>` right above line `at`.
+fn preamble_start(all: &[&str], at: usize) -> usize {
+    let mut first = at;
+    while first > 0 {
+        let above = all[first - 1].trim_start();
+        if above.starts_with("//") || above.starts_with("#[") || above.starts_with("template") {
+            first -= 1;
+        } else {
+            break;
+        }
+    }
+    first
+}
+
+fn find(path: &str, all: &[&str], from: usize, needle: &str) -> Result<usize, Failure> {
+    all[from..]
+        .iter()
+        .position(|l| l.contains(needle))
+        .map(|i| from + i)
+        .ok_or_else(|| Failure(format!("source: {needle:?} is not in {path}")))
+}
+
+/// The definition whose first line holds `needle` (the first such line), with the comments above
+/// it, down to the closing brace indented like that first line.
+pub fn item(path: &str, needle: &str) -> Result<Excerpt, Failure> {
+    let (path, all) = split(path)?;
+    let at = find(path, &all, 0, needle)?;
+    let indent = all[at].len() - all[at].trim_start().len();
+    let closes = |l: &&str| {
+        let t = l.trim_start();
+        l.len() - t.len() == indent && t.starts_with('}')
+    };
+    let last =
+        if all[at].trim_end().ends_with(';') || all[at].trim_end().ends_with('}') {
+            at // a one-line definition
+        } else {
+            all[at..].iter().position(closes).map(|i| at + i).ok_or_else(|| {
+                Failure(format!("source: no closing brace for {needle:?} in {path}"))
+            })?
+        };
+    Ok(Excerpt::new(path, &all, preamble_start(&all, at), last))
+}
+
+/// From the first line holding `from` (with the comments above it) to the next line holding `to`.
+pub fn lines(path: &str, from: &str, to: &str) -> Result<Excerpt, Failure> {
+    let (path, all) = split(path)?;
+    let first = find(path, &all, 0, from)?;
+    let last = find(path, &all, first, to)?;
+    Ok(Excerpt::new(path, &all, preamble_start(&all, first), last))
+}
+
+/// Two excerpts side by side: the CPU rung on the left, the kernel on the right.
+pub struct Beside {
+    pub left: Vec<Excerpt>,
+    pub right: Vec<Excerpt>,
+}
+
+/// `left` beside `right` (each a list of excerpts shown one under the other).
+pub fn beside(
+    left: impl IntoIterator<Item = Excerpt>,
+    right: impl IntoIterator<Item = Excerpt>,
+) -> Beside {
+    Beside { left: left.into_iter().collect(), right: right.into_iter().collect() }
+}
+
+impl Beside {
+    /// Jupyter shows a value with this method as its output: a two-column table.
+    pub fn evcxr_display(&self) {
+        let column = |xs: &[Excerpt]| xs.iter().map(Excerpt::html).collect::<String>();
+        let cell = "style=\"vertical-align:top;text-align:left;padding:0 12px 0 0\"";
+        println!(
+            "EVCXR_BEGIN_CONTENT text/html\n<table><tr><th {cell}>CPU rung</th><th {cell}>kernel</th></tr>\
+             <tr><td {cell}>{}</td><td {cell}>{}</td></tr></table>\nEVCXR_END_CONTENT",
+            column(&self.left),
+            column(&self.right)
+        );
+    }
+}
+
+impl fmt::Display for Beside {
+    /// The left excerpts, then the right ones (plain text has no room for two columns).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (title, xs) in [("CPU rung", &self.left), ("kernel", &self.right)] {
+            writeln!(f, "== {title}")?;
+            for x in xs {
+                writeln!(f, "{x}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FA2: &str = "crates/kernels/cuda/fa2_forward.cu";
+
+    #[test]
+    fn sections_run_from_their_marker_to_the_next() {
+        let s = section(FA2, "S = Q·Kᵀ").unwrap();
+        assert!(s.lines[0].contains("// ---- S = Q·Kᵀ"));
+        assert!(s.code().contains("mma_16x16(s[mt][2 * np]"));
+        assert!(!s.code().contains("mask_columns"), "stops before the mask section");
+        let all: Vec<&str> = file(FA2).unwrap().lines().collect();
+        let next = all[s.last_line()..].iter().find(|l| !l.trim().is_empty()).unwrap();
+        assert!(next.trim_start().starts_with("// ---- mask"), "{next}");
+        // The last section runs to the end of the file.
+        let e = section(FA2, "epilogue").unwrap();
+        assert_eq!(e.last_line(), all.len());
+        assert!(section(FA2, "no such section").is_err());
+    }
+
+    #[test]
+    fn every_section_of_the_forward_kernel_is_found() {
+        let titles = [
+            "which rows",
+            "per-warp state",
+            "prologue",
+            "the K/V walk",
+            "S = Q·Kᵀ",
+            "mask",
+            "online softmax",
+            "lazy rescale",
+            "O += P·V",
+            "epilogue",
+        ];
+        let mut previous = 0;
+        for t in titles {
+            let s = section(FA2, t).unwrap();
+            assert!(s.first_line > previous, "{t} comes after the one before");
+            previous = s.last_line();
+        }
+    }
+
+    #[test]
+    fn items_take_their_comments_and_end_at_their_brace() {
+        let swz = item("crates/kernels/cuda/copy.cuh", "int swz(").unwrap();
+        assert!(swz.lines[0].starts_with("// Shared-memory tiles"), "{swz}");
+        assert!(swz.lines.iter().any(|l| l.starts_with("template <int COLS>")));
+        assert_eq!(*swz.lines.last().unwrap(), "}");
+        // A method inside an impl block ends at its own brace, not the impl's.
+        let rescale = item("crates/reference/src/tile.rs", "pub fn rescale(").unwrap();
+        assert!(rescale.lines[0].trim_start().starts_with("///"));
+        assert_eq!(*rescale.lines.last().unwrap(), "    }");
+        assert!(!rescale.code().contains("pub fn update"));
+        // A one-line definition is one line (plus its comments).
+        let one = item("crates/kernels/cuda/types.cuh", "float bf16_to_f32(").unwrap();
+        assert_eq!(one.lines.len(), 2, "{one}");
+        assert!(one.lines[0].starts_with("// bf16 is the top half"));
+        assert!(item("crates/kernels/cuda/copy.cuh", "no_such_function").is_err());
+    }
+
+    #[test]
+    fn lines_run_between_two_strings() {
+        let t = lines("scripts/triton_fused_attention.py", "qk_scale *= 1.44269504", "qk_scale")
+            .unwrap();
+        assert_eq!(t.lines.len(), 1);
+        assert!(t.code().contains("1.44269504"));
+        let html = beside([t.clone()], [t]).left[0].html();
+        assert!(html.contains("1.44269504") && !html.contains("<template"));
+    }
+
+    #[test]
+    fn html_escapes_code() {
+        let swz = item("crates/kernels/cuda/copy.cuh", "int swz(").unwrap();
+        assert!(swz.html().contains("template &lt;int COLS&gt;"));
+    }
+}
