@@ -491,6 +491,101 @@ pub fn fa3_ablation() -> Result<String, String> {
     Ok(out)
 }
 
+/// FlashDecoding++ on the H200 against its unified max φ (`docs/results/h200-decode-pp-phi`):
+/// the share of rows sent to the FlashDecoding fallback, and the time of the call relative to
+/// FlashDecoding's on the same shape, per φ. Prints the table and returns the chart.
+pub fn fd_pp_phi_sweep() -> Result<Figures, String> {
+    let path = results_dir_named("h200-decode-pp-phi").join("phi-sweep.csv");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        println!("No φ sweep committed (docs/results/h200-decode-pp-phi).");
+        return Ok(Figures(vec![]));
+    };
+    // impl,phi,batch,heads_q,heads_kv,n_kv,rows,fallback_rows,ms,tbps
+    let mut fd: BTreeMap<String, f64> = BTreeMap::new();
+    let mut pp: Vec<(f64, f64, f64)> = Vec::new(); // (φ, fallback share, ms)
+    for (i, line) in text.lines().enumerate().skip(1) {
+        let f: Vec<&str> = line.split(',').collect();
+        let bad = || format!("{}: line {}: {line:?}", path.display(), i + 1);
+        if f.len() != 10 {
+            return Err(bad());
+        }
+        let num = |s: &str| s.parse::<f64>().map_err(|_| bad());
+        let ms = num(f[8])?;
+        match f[0] {
+            "flash-decoding" => {
+                fd.insert(f[1].to_string(), ms);
+            }
+            "flash-decoding-pp" => pp.push((num(f[1])?, num(f[7])? / num(f[6])?, ms)),
+            _ => {}
+        }
+    }
+    pp.sort_by(|a, b| a.0.total_cmp(&b.0));
+    println!("   φ   fallback rows   time / FlashDecoding's");
+    let mut points = Vec::new();
+    for &(phi, share, ms) in &pp {
+        let key = format!("{phi}");
+        let ratio = fd.get(&key).map(|f| ms / f);
+        println!(
+            "{phi:>5}   {:>12.1} %   {}",
+            share * 100.0,
+            ratio.map_or("–".to_string(), |r| format!("{r:.2}"))
+        );
+        points.push((phi, share, ratio.unwrap_or(f64::NAN)));
+    }
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (760, 360)).into_drawing_area();
+        draw_phi_sweep(&root, &points).map_err(|e| e.to_string())?;
+        root.present().map_err(|e| e.to_string())?;
+    }
+    Ok(Figures(vec![svg]))
+}
+
+fn draw_phi_sweep(
+    root: &DrawingArea<SVGBackend, plotters::coord::Shift>,
+    points: &[(f64, f64, f64)],
+) -> Result<(), Box<dyn std::error::Error>> {
+    root.fill(&WHITE)?;
+    let lo = points.iter().map(|p| p.0).fold(f64::INFINITY, f64::min) - 0.5;
+    let hi = points.iter().map(|p| p.0).fold(f64::NEG_INFINITY, f64::max) + 0.5;
+    let mut chart = ChartBuilder::on(root)
+        .caption("FlashDecoding++ on the H200: fallback against φ", ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(56)
+        .build_cartesian_2d(lo..hi, 0.0..2.4)?;
+    chart.configure_mesh().x_desc("unified max φ").y_desc("share of rows / time ratio").draw()?;
+    let share: Vec<(f64, f64)> = points.iter().map(|p| (p.0, p.1)).collect();
+    let time: Vec<(f64, f64)> =
+        points.iter().filter(|p| p.2.is_finite()).map(|p| (p.0, p.2)).collect();
+    let (red, blue) = (RED.mix(0.9), BLUE.mix(0.9));
+    chart
+        .draw_series(LineSeries::new(share.clone(), red.stroke_width(2)))?
+        .label("rows sent to the fallback (share)")
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], red.stroke_width(2)));
+    chart.draw_series(share.iter().map(|&p| Circle::new(p, 3, red.filled())))?;
+    chart
+        .draw_series(LineSeries::new(time.clone(), blue.stroke_width(2)))?
+        .label("time / FlashDecoding's time")
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], blue.stroke_width(2)));
+    chart.draw_series(time.iter().map(|&p| TriangleMarker::new(p, 4, blue.filled())))?;
+    let grey = BLACK.mix(0.5);
+    chart
+        .draw_series(std::iter::once(PathElement::new(
+            vec![(0.0, 0.0), (0.0, 2.4)],
+            grey.stroke_width(1),
+        )))?
+        .label("default φ = 0")
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], grey.stroke_width(1)));
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperMiddle)
+        .draw()?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
