@@ -6,10 +6,12 @@ Markdown cells and each ```rust fence becomes a code cell. A fence may carry wor
 
     ```rust exercise          the learner's cell: executed with notebooks/solutions/NN-name.rs in
                               its place, committed with the stub (and no output)
+    ```rust exercise=PART     a second exercise of the same notebook: its solution is
+                              notebooks/solutions/NN-name-PART.rs
     ```rust figure=NAME       its SVG outputs are also written to docs/figures/NN-NAME.svg
                               (NN-NAME-2.svg, ... for more than one), for the book
-    ```rust book              its printed text and figures also go to docs/figures/NN-name.md,
-                              which a book chapter includes
+    ```rust book              its printed text, HTML tables and figures also go to
+                              docs/figures/NN-name.md, which a book chapter includes
 
 Commands (NN selects notebooks by number; none means all):
 
@@ -101,9 +103,10 @@ def parse(path: Path) -> dict:
         meta: dict = {}
         tags = []
         for w in words:
-            if w == "exercise":
+            if w == "exercise" or w.startswith("exercise="):
                 tags.append("exercise")
-                meta["solution"] = f"solutions/{path.stem}.rs"
+                part = w.partition("=")[2]
+                meta["solution"] = f"solutions/{path.stem}{'-' + part if part else ''}.rs"
             elif w == "book":
                 tags.append("book")
             elif w.startswith("figure="):
@@ -165,6 +168,18 @@ def svgs(cell: dict) -> list[str]:
     return found
 
 
+def tables(cell: dict) -> list[str]:
+    """The HTML tables a cell displayed (a `book` cell's tables go to the book as they are)."""
+    found = []
+    for out in cell.get("outputs", []):
+        html = out.get("data", {}).get("text/html")
+        if html is None:
+            continue
+        html = "".join(html) if isinstance(html, list) else html
+        found += re.findall(r"<table.*?</table>", html, flags=re.S)
+    return found
+
+
 def text_of(cell: dict) -> str:
     parts = []
     for out in cell.get("outputs", []):
@@ -219,6 +234,7 @@ def export_figures(nb: dict, stem: str) -> list[Path]:
             text = text_of(cell)
             if text:
                 fragment.append(text)
+            fragment += tables(cell)
             fragment += [f"![{p.stem}](figures/{p.name})" for p in files]
     if fragment:
         path = FIGURES / f"{stem}.md"

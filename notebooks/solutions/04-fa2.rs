@@ -1,17 +1,19 @@
 /// FA2's work for one query block (one thread block on a GPU): returns (O_i, lse_i).
-/// `visible[r]`: how many leading keys row r sees; `bc`: the key block size.
-fn fa2_query_block(q_i: ArrayView2<f32>, k: ArrayView2<f32>, v: ArrayView2<f32>, scale: f32, visible: &[usize], bc: usize) -> (Array2<f32>, Array1<f32>) {
-    let (rows, d) = (q_i.nrows(), v.ncols());
-    let mut acc = Array2::<f32>::zeros((rows, d));
+/// `kv.load(j)` gives key block j as (K_j, V_j); `visible[r]`: how many leading keys row r sees.
+fn fa2_query_block(q_i: ArrayView2<f32>, kv: &KvBlocks, scale: f32, visible: &[usize]) -> (Array2<f32>, Array1<f32>) {
+    let rows = q_i.nrows();
+    let mut acc = Array2::<f32>::zeros((rows, kv.d()));
     let mut m = Array1::from_elem(rows, f32::NEG_INFINITY);
     let mut l = Array1::<f32>::zeros(rows);
-    // Key blocks past the last key any row sees lie above the causal diagonal: skip them.
+    // Key blocks that start past the last key any row sees lie above the causal diagonal:
+    // never loaded, never computed.
     let end = visible.iter().copied().max().unwrap_or(0);
-    for c0 in (0..end).step_by(bc) {
-        let cols = c0..(c0 + bc).min(end);
-        let mut p = q_i.dot(&k.slice(s![cols.clone(), ..]).t()) * scale;
+    for j in 0..end.div_ceil(kv.bc()) {
+        let (k_j, v_j) = kv.load(j);
+        let c0 = j * kv.bc();
+        let mut p = q_i.dot(&k_j.t()) * scale;
         for r in 0..rows {
-            let limit = visible[r].saturating_sub(c0).min(cols.len());
+            let limit = visible[r].saturating_sub(c0).min(k_j.nrows());
             let mut row = p.row_mut(r);
             row.slice_mut(s![limit..]).fill(f32::NEG_INFINITY); // the mask (diagonal tiles only)
             let m_new = row.iter().copied().fold(m[r], f32::max);
@@ -25,7 +27,7 @@ fn fa2_query_block(q_i: ArrayView2<f32>, k: ArrayView2<f32>, v: ArrayView2<f32>,
             acc.row_mut(r).mapv_inplace(|a| a * alpha);
             m[r] = m_new;
         }
-        acc += &p.dot(&v.slice(s![cols, ..])); // unnormalised: no division here
+        acc += &p.dot(&v_j); // unnormalised: no division here
     }
     let mut lse = Array1::from_elem(rows, f32::NEG_INFINITY);
     for r in 0..rows {

@@ -254,7 +254,12 @@ fn note<T>(rung: Rung, out: &AttentionOutput<T>, fp8_baseline: ErrorStats) -> St
 }
 
 /// The table, one row per line.
+///
+/// The "extra mem" column needs the counting allocator ([`crate::memory`]), which only a binary
+/// can install (the `ladder` CLI does); when no row has the figure (a notebook, a test, a library
+/// caller without the allocator) the column is left out instead of reading `n/a` on every row.
 pub fn render(rows: &[Row]) -> String {
+    let with_memory = rows.iter().any(|r| r.extra_bytes.is_some());
     let header = [
         "case",
         "rung",
@@ -268,10 +273,12 @@ pub fn render(rows: &[Row]) -> String {
         "ok",
         "notes",
     ];
-    let body: Vec<[String; 11]> = rows
+    const MEMORY: usize = 7;
+    let keep = |c: &usize| with_memory || *c != MEMORY;
+    let body: Vec<Vec<String>> = rows
         .iter()
         .map(|r| {
-            [
+            let cells: [String; 11] = [
                 r.case.clone(),
                 r.label.clone(),
                 r.vs_previous.as_ref().map_or("-".into(), |(name, e)| format!("{e} ({name})")),
@@ -288,9 +295,12 @@ pub fn render(rows: &[Row]) -> String {
                 r.hbm.map_or("n/a".into(), |h| human_bytes(h.total_bytes())),
                 if r.pass { "ok".into() } else { "FAIL".into() },
                 r.note.clone(),
-            ]
+            ];
+            cells.into_iter().enumerate().filter(|(c, _)| keep(c)).map(|(_, x)| x).collect()
         })
         .collect();
+    let header: Vec<&str> =
+        header.into_iter().enumerate().filter(|(c, _)| keep(c)).map(|(_, h)| h).collect();
     let widths: Vec<usize> = (0..header.len())
         .map(|c| body.iter().map(|r| r[c].chars().count()).fold(header[c].len(), usize::max))
         .collect();
@@ -300,17 +310,9 @@ pub fn render(rows: &[Row]) -> String {
             cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
         let _ = writeln!(out, "{}", padded.join("  ").trim_end());
     };
-    line(header.to_vec(), &mut out);
-    line(
-        widths
-            .iter()
-            .map(|w| "-".repeat(*w))
-            .collect::<Vec<_>>()
-            .iter()
-            .map(String::as_str)
-            .collect(),
-        &mut out,
-    );
+    line(header.clone(), &mut out);
+    let rules: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
+    line(rules.iter().map(String::as_str).collect(), &mut out);
     for r in &body {
         line(r.iter().map(String::as_str).collect(), &mut out);
     }
@@ -487,4 +489,39 @@ pub fn gpu_rows(
         }
     }
     Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(extra_bytes: Option<u64>) -> Row {
+        Row {
+            case: "prefill".into(),
+            label: "naive".into(),
+            vs_previous: None,
+            vs_oracle: ErrorStats::default(),
+            err_over_tol: 0.5,
+            f64_err_over_tol: 0.25,
+            elapsed: Duration::from_millis(3),
+            extra_bytes,
+            hbm: Some(HbmTraffic { read_bytes: 1024, written_bytes: 1024 }),
+            note: "4 work items".into(),
+            pass: true,
+        }
+    }
+
+    #[test]
+    fn the_memory_column_appears_only_when_something_was_measured() {
+        let without = render(&[row(None), row(None)]);
+        assert!(!without.contains("extra mem") && !without.contains("n/a"), "{without}");
+        assert!(without.contains("HBM traffic") && without.contains("2.0 KiB"), "{without}");
+        // One measured row is enough for the column; an unmeasured one reads n/a in it.
+        let with = render(&[row(Some(512)), row(None)]);
+        assert!(with.contains("extra mem") && with.contains("512 B"), "{with}");
+        assert!(with.lines().nth(3).is_some_and(|l| l.contains("n/a")), "{with}");
+        // The rule under the header has one run of dashes per column: 10 without, 11 with.
+        let columns = |table: &str| table.lines().nth(1).unwrap().split_whitespace().count();
+        assert_eq!((columns(&without), columns(&with)), (10, 11));
+    }
 }

@@ -17,9 +17,11 @@
 //! Because the outer loop runs over keys, the partial results `O, l, m` of every query block make
 //! a round trip through HBM at every step, and `O` is renormalised each time. Its traffic is
 //! `Θ(N² d² / M)` for an SRAM of `M` elements, against `Θ(N d + N²)` for the naive rung; the
-//! emulation counts it as it runs ([`crate::RunStats::hbm`]). Algorithm 1 masks the causal
-//! diagonal but skips nothing: tiles above the diagonal are computed too (counted as partial).
-//! FlashAttention-2 ([`crate::fa2`]) swaps the loops to remove the round trips.
+//! emulation counts it as it runs ([`crate::RunStats::hbm`]). Algorithm 1 has no mask; the
+//! paper's Algorithm 2 (the same loop with masking and dropout) masks every tile's scores and
+//! skips nothing, and so does this rung under a causal mask: tiles above the diagonal are
+//! computed too (counted as partial). FlashAttention-2 ([`crate::fa2`]) swaps the loops to
+//! remove the round trips, and skips those tiles.
 
 use ndarray::{Array1, Array2, ArrayView4, s};
 
@@ -59,7 +61,7 @@ pub fn forward<T: Element>(
             counters.read(2 * cols.len() * d);
             for rows in blocks(shape.n_q, br) {
                 let (kind, limits) = match head.classify(&rows, &cols) {
-                    // Algorithm 1 masks a hidden tile but does not skip it.
+                    // The paper masks a hidden tile (its Algorithm 2) but does not skip it.
                     (TileKind::Skip, _) => (TileKind::Partial, Some(vec![0; rows.len()])),
                     classified => classified,
                 };

@@ -210,5 +210,6 @@ fn overlapped_rows<T: Element>(
 // The schedule simulator lives in `fa3_schedule`; its items are re-exported here, the path the
 // notebooks use.
 pub use crate::fa3_schedule::{
-    Event, Schedule, Stage, StageCosts, makespan, tensor_core_utilisation, timeline,
+    Event, Pipeline, Schedule, Stage, StageCosts, makespan, run_program, tensor_core_utilisation,
+    timeline, timeline_with_producer,
 };

@@ -129,16 +129,7 @@ pub fn forward<T: Element>(
     let counters = Counters::new(size_of::<T>());
     let heads = shape.batch * shape.heads_q;
 
-    let phis: Vec<T> = (0..heads)
-        .into_par_iter()
-        .map(|i| {
-            let head = problem.head(i / shape.heads_q, i % shape.heads_q);
-            match opts.phi {
-                Phi::Given(phi) => T::of(phi),
-                Phi::Estimate { samples } => estimate_phi(&head, samples, &counters),
-            }
-        })
-        .collect();
+    let phis = head_phis(&problem, opts.phi, &counters);
 
     // Phase 1: independent sums per (batch, head, split). No max, no rescale, no dependency.
     let mut part_acc = Array4::zeros((heads, splits, n_q, d));
@@ -204,6 +195,36 @@ pub fn forward<T: Element>(
     Ok(AttentionOutput { o, lse, stats })
 }
 
+/// The unified max `φ` that [`forward`] uses for each `(batch, query head)`, shape
+/// `[batch, heads_q]`: the given value everywhere, or each head's estimate from its sampled keys.
+pub fn unified_max<T: Element>(
+    q: ArrayView4<T>,
+    k: ArrayView4<T>,
+    v: ArrayView4<T>,
+    opts: &FlashDecodingPpOptions,
+) -> Result<Array2<T>> {
+    opts.validate::<T>()?;
+    let problem = Problem::new(q, k, v, &opts.attention)?;
+    let shape = problem.shape;
+    let phis = head_phis(&problem, opts.phi, &Counters::new(size_of::<T>()));
+    Ok(Array2::from_shape_vec((shape.batch, shape.heads_q), phis).expect("one per head"))
+}
+
+/// `φ` of every `(batch, query head)`, in that order.
+fn head_phis<T: Element>(problem: &Problem<'_, T>, phi: Phi, counters: &Counters) -> Vec<T> {
+    let shape = problem.shape;
+    (0..shape.batch * shape.heads_q)
+        .into_par_iter()
+        .map(|i| {
+            let head = problem.head(i / shape.heads_q, i % shape.heads_q);
+            match phi {
+                Phi::Given(phi) => T::of(phi),
+                Phi::Estimate { samples } => estimate_phi(&head, samples, counters),
+            }
+        })
+        .collect()
+}
+
 /// Phase 1 for one chunk: `acc = Σ exp(s − φ) v`, `l = Σ exp(s − φ)` and the largest score of
 /// each of the query rows `rows` over the keys `cols`.
 fn unified_max_rows<T: Element>(
@@ -263,4 +284,52 @@ fn estimate_phi<T: Element>(head: &Head<'_, T>, samples: usize, counters: &Count
         }
     }
     if phi == T::neg_infinity() { T::zero() } else { phi }
+}
+
+#[cfg(test)]
+mod tests {
+    use ndarray::Array4;
+
+    use super::*;
+
+    #[test]
+    fn the_unified_max_is_given_or_estimated_from_sampled_keys() {
+        // Batch 1, 2 query heads over 1 kv head, 3 queries, 100 keys, d = 2, non-causal.
+        let q = Array4::from_shape_fn((1, 2, 3, 2), |(_, h, i, c)| (h + i + c) as f64 * 0.5 - 1.0);
+        let k = Array4::from_shape_fn((1, 1, 100, 2), |(_, _, j, c)| {
+            ((j * 7 + c * 3) % 11) as f64 - 5.0
+        });
+        let v = k.clone();
+        let opts = FlashDecodingPpOptions::new(AttentionOptions::default());
+        let given =
+            unified_max(q.view(), k.view(), v.view(), &opts.with_phi(Phi::Given(2.5))).unwrap();
+        assert_eq!(given.shape(), &[1, 2]);
+        assert!(given.iter().all(|&p| p == 2.5));
+        let scale = 1.0 / 2f64.sqrt();
+        for samples in [1, 10, 100] {
+            let phi = unified_max(
+                q.view(),
+                k.view(),
+                v.view(),
+                &opts.with_phi(Phi::Estimate { samples }),
+            )
+            .unwrap();
+            for h in 0..2 {
+                let scores: Vec<f64> = (0..3)
+                    .flat_map(|i| (0..100).map(move |j| (i, j)))
+                    .map(|(i, j)| {
+                        scale * (0..2).map(|c| q[[0, h, i, c]] * k[[0, 0, j, c]]).sum::<f64>()
+                    })
+                    .collect();
+                let all_max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                // Key 0 is always sampled; the estimate never exceeds the true largest score,
+                // and with every key sampled it is the largest score.
+                let first = (0..3).map(|i| scores[i * 100]).fold(f64::NEG_INFINITY, f64::max);
+                assert!(first <= phi[[0, h]] && phi[[0, h]] <= all_max, "{samples} samples");
+                if samples == 100 {
+                    assert_eq!(phi[[0, h]], all_max);
+                }
+            }
+        }
+    }
 }

@@ -135,6 +135,15 @@ pub fn results_dir_named(name: &str) -> PathBuf {
         .unwrap_or_else(|| cwd.join("..").join(&rel))
 }
 
+/// `docs/results/NAME` when `dir` is a folder of the committed results, whatever the checkout.
+fn committed_name(dir: &Path) -> Option<String> {
+    let parts: Vec<String> =
+        dir.components().map(|c| c.as_os_str().to_string_lossy().into_owned()).collect();
+    let at = parts.windows(2).rposition(|w| w[0] == "docs" && w[1] == "results")?;
+    let rest = &parts[at + 2..];
+    (!rest.is_empty()).then(|| format!("docs/results/{}", rest.join("/")))
+}
+
 /// Reads `bench.csv` (our kernels), `peers.csv` (the peers timed in the same run, when present)
 /// and `meta.json`; `Ok(None)` when `bench.csv` is not there, `Err` naming the line when a file
 /// is there but malformed.
@@ -196,12 +205,9 @@ impl Results {
             m.cuda,
             m.torch,
             m.date,
-            // The repository-relative folder when it is the committed one (outputs are committed).
-            if self.dir.ends_with("docs/results/h200") {
-                "docs/results/h200".to_string()
-            } else {
-                self.dir.display().to_string()
-            }
+            // The repository-relative folder when it is a committed one (outputs are committed,
+            // and must not carry the path of the checkout they were run in).
+            committed_name(&self.dir).unwrap_or_else(|| self.dir.display().to_string())
         );
         if !m.note.is_empty() {
             let _ = write!(s, " Note: {}", m.note);
@@ -315,9 +321,10 @@ fn draw_bars(
         let top = n - ci as f64; // first case at the top
         for (name, v) in &cases[label] {
             let ii = impls.iter().position(|x| x == name).unwrap_or(0);
+            let name = name.as_str();
             let y1 = top - 0.1 - 0.8 * ii as f64 / k;
             let y0 = y1 - 0.8 / k;
-            let color = Palette99::pick(ii).to_rgba();
+            let color = color_of(name);
             chart.draw_series(std::iter::once(Rectangle::new(
                 [(0.0, y0), (*v, y1)],
                 color.filled(),
@@ -329,8 +336,8 @@ fn draw_bars(
             )))?;
         }
     }
-    for (ii, name) in impls.iter().enumerate() {
-        let color = Palette99::pick(ii).to_rgba();
+    for name in impls {
+        let color = color_of(name);
         chart
             .draw_series(std::iter::once(Rectangle::new(
                 [(0.0, -1.0), (0.0, -1.0)],
@@ -346,6 +353,478 @@ fn draw_bars(
         .position(SeriesLabelPosition::UpperRight)
         .draw()?;
     Ok(())
+}
+
+/// The colour of an implementation, the same in every chart: our kernels in strong colours, the
+/// peers in others, none of them too pale to read on white.
+pub fn color_of(implementation: &str) -> RGBColor {
+    match implementation {
+        "fa1" => RGBColor(190, 30, 140),
+        "fa2" => RGBColor(20, 90, 200),
+        "fa3" => RGBColor(0, 40, 110),
+        "flash-decoding" => RGBColor(20, 90, 200),
+        "flash-decoding-pp" => RGBColor(190, 30, 140),
+        "sdpa-flash" => RGBColor(230, 110, 0),
+        "sdpa-cudnn" => RGBColor(30, 140, 60),
+        "sdpa-efficient" => RGBColor(130, 90, 180),
+        "triton" => RGBColor(140, 80, 60),
+        // Variants of our kernels (an ablation, a tuning run) and anything else: a dark grey.
+        _ => RGBColor(90, 90, 90),
+    }
+}
+
+/// One of the ladder's kernels (as opposed to a peer: PyTorch's back-ends, Triton).
+pub fn is_ours(implementation: &str) -> bool {
+    !implementation.starts_with("sdpa") && implementation != "triton"
+}
+
+/// The ceilings measured on the card (`docs/conventions.md`, "Measured ceilings on the H200"),
+/// drawn by [`against_n`] as a roofline: no kernel can beat the fp16 GEMM, and none can beat the
+/// rate at which its inputs and outputs cross HBM.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Roofs {
+    /// fp16 GEMM (8192³, cuBLAS) in TFLOP/s.
+    pub gemm_tflops: f64,
+    /// A device-to-device copy, bytes read + written, in TB/s.
+    pub copy_tbps: f64,
+}
+
+impl Roofs {
+    /// The H200's, measured on 2026-11-29: 679 TFLOP/s and 4.24 TB/s.
+    pub const H200: Roofs = Roofs { gemm_tflops: 679.0, copy_tbps: 4.24 };
+
+    /// FLOPs per byte of HBM traffic of one attention call (fp16, `n_q = n_kv = n`): forward
+    /// `4n²d` FLOPs (half under a causal mask) over `Q, K, V, O` (`8nd` bytes); backward 2.5× the
+    /// FLOPs over `Q, K, V, O, dO` read and `dQ, dK, dV` written (`16nd` bytes). The head
+    /// dimension cancels: the intensity grows with `n` alone.
+    pub fn intensity(direction: &str, causal: bool, n: usize) -> f64 {
+        let mask = if causal { 0.5 } else { 1.0 };
+        let n = n as f64;
+        if direction == "bwd" { 10.0 * n * mask / 16.0 } else { 4.0 * n * mask / 8.0 }
+    }
+
+    /// The roofline: the lower of the GEMM ceiling and the memory roof at this intensity.
+    pub fn bound(&self, direction: &str, causal: bool, n: usize) -> f64 {
+        self.gemm_tflops.min(self.copy_tbps * Self::intensity(direction, causal, n))
+    }
+}
+
+/// How [`against_n`] draws.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct AgainstN {
+    /// A logarithmic TFLOP/s axis, for kernels orders of magnitude apart (FA1 against the rest).
+    pub log_y: bool,
+    /// The measured ceilings, drawn as dashed lines.
+    pub roofs: Option<Roofs>,
+}
+
+/// TFLOP/s against the sequence length of the `direction` (`"fwd"` or `"bwd"`) rows of square
+/// prefill problems: one panel per head dimension and mask, one line per implementation (our
+/// kernels drawn thicker), the measured ceilings when asked. `None` when there are no such rows.
+pub fn against_n(title: &str, rows: &[&Row], direction: &str, style: AgainstN) -> Option<String> {
+    let chosen: Vec<&Row> = rows
+        .iter()
+        .copied()
+        .filter(|r| r.direction == direction && !r.is_decode() && r.tflops > 0.0 && r.n_q == r.n_kv)
+        .collect();
+    if chosen.is_empty() {
+        return None;
+    }
+    let mut panels: Vec<(usize, bool)> = chosen.iter().map(|r| (r.d, r.causal)).collect();
+    panels.sort();
+    panels.dedup();
+    let mut impls: Vec<&str> = chosen.iter().map(|r| r.implementation.as_str()).collect();
+    impls.sort_by_key(|name| (!is_ours(name), *name));
+    impls.dedup();
+    let mut ns: Vec<usize> = chosen.iter().map(|r| r.n_q).collect();
+    ns.sort();
+    ns.dedup();
+    let cols = panels.len().min(2);
+    let panel_rows = panels.len().div_ceil(cols);
+    let (panel_w, panel_h) = (460u32, 300u32);
+    let mut legend: Vec<(String, RGBColor, bool)> =
+        impls.iter().map(|name| (name.to_string(), color_of(name), false)).collect();
+    if let Some(roofs) = style.roofs {
+        legend.push((
+            format!("fp16 GEMM, measured ({:.0} TFLOP/s)", roofs.gemm_tflops),
+            BLACK,
+            true,
+        ));
+        legend.push((
+            format!("memory: {:.2} TB/s × FLOP/byte", roofs.copy_tbps),
+            RGBColor(150, 150, 150),
+            true,
+        ));
+    }
+    let per_line = (cols as u32 * panel_w / 230).max(1) as usize;
+    let header = 34 + 20 * legend.len().div_ceil(per_line) as u32;
+    let size = (cols as u32 * panel_w, header + panel_rows as u32 * panel_h);
+
+    let values: Vec<f64> = chosen.iter().map(|r| r.tflops).collect();
+    let top_value = values.iter().cloned().fold(0.0, f64::max);
+    // On a log axis the values drawn are log10(TFLOP/s), labelled back as TFLOP/s: whole decades.
+    let log_y = style.log_y;
+    let y_of = |v: f64| if log_y { v.log10() } else { v };
+    let ceiling = style.roofs.map_or(0.0, |r| r.gemm_tflops);
+    let (y_range, y_labels) = if log_y {
+        let lo = values.iter().cloned().fold(f64::INFINITY, f64::min).log10().floor();
+        let hi = top_value.max(ceiling).log10().ceil();
+        (lo..hi, (hi - lo) as usize + 1)
+    } else {
+        (0.0..top_value.max(ceiling) * 1.08, 8)
+    };
+    let (first, last) = (ns[0] as f64, *ns.last().expect("not empty") as f64);
+    let x_range = first / 1.25..last * 1.25;
+    let x_ticks: Vec<f64> = ns.iter().map(|&n| n as f64).collect();
+
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, size).into_drawing_area();
+        let drawn: Result<(), Box<dyn std::error::Error>> = (|| {
+            root.fill(&WHITE)?;
+            let (top, body) = root.split_vertically(header);
+            let top = top.titled(title, ("sans-serif", 18))?;
+            for (i, (name, color, dashed)) in legend.iter().enumerate() {
+                let x = 20 + (i % per_line) as i32 * 230;
+                let y = 8 + (i / per_line) as i32 * 20;
+                let style = color.stroke_width(if *dashed { 1 } else { 3 });
+                if *dashed {
+                    top.draw(&PathElement::new([(x, y), (x + 8, y)], style))?;
+                    top.draw(&PathElement::new([(x + 14, y), (x + 22, y)], style))?;
+                } else {
+                    top.draw(&PathElement::new([(x, y), (x + 22, y)], style))?;
+                }
+                top.draw(&Text::new(name.clone(), (x + 28, y - 7), ("sans-serif", 13)))?;
+            }
+            for (area, &(d, causal)) in body.split_evenly((panel_rows, cols)).iter().zip(&panels) {
+                let caption = format!("d = {d}, {}", if causal { "causal" } else { "no mask" });
+                let mut chart = ChartBuilder::on(area)
+                    .caption(caption, ("sans-serif", 15))
+                    .margin(8)
+                    .x_label_area_size(34)
+                    .y_label_area_size(52)
+                    .build_cartesian_2d(
+                        x_range.clone().log_scale().with_key_points(x_ticks.clone()),
+                        y_range.clone(),
+                    )?;
+                chart
+                    .configure_mesh()
+                    .light_line_style(WHITE)
+                    .bold_line_style(RGBColor(225, 225, 225))
+                    .x_desc("sequence length n")
+                    .y_desc(if log_y { "TFLOP/s (log scale)" } else { "TFLOP/s" })
+                    .y_labels(y_labels)
+                    .x_label_formatter(&|x| {
+                        let n = x.round() as usize;
+                        if n >= 1024 { format!("{}k", n / 1024) } else { n.to_string() }
+                    })
+                    .y_label_formatter(&|y| {
+                        if !log_y {
+                            format!("{y:.0}")
+                        } else if (y - y.round()).abs() < 1e-9 {
+                            format!("{}", 10f64.powf(y.round()))
+                        } else {
+                            String::new()
+                        }
+                    })
+                    .draw()?;
+                if let Some(roofs) = style.roofs {
+                    let gemm = y_of(roofs.gemm_tflops);
+                    chart.draw_series(DashedLineSeries::new(
+                        [(x_range.start, gemm), (x_range.end, gemm)],
+                        8,
+                        6,
+                        BLACK.stroke_width(1),
+                    ))?;
+                    // The memory roof, up to where it meets the top of the panel.
+                    let steps = 60;
+                    let memory: Vec<(f64, f64)> = (0..=steps)
+                        .map(|k| {
+                            let x = x_range.start
+                                * (x_range.end / x_range.start).powf(k as f64 / steps as f64);
+                            let n = x.round() as usize;
+                            (x, roofs.copy_tbps * Roofs::intensity(direction, causal, n))
+                        })
+                        .filter(|&(_, v)| y_of(v) <= y_range.end)
+                        .map(|(x, v)| (x, y_of(v)))
+                        .collect();
+                    if memory.len() > 1 {
+                        chart.draw_series(DashedLineSeries::new(
+                            memory,
+                            8,
+                            6,
+                            RGBColor(150, 150, 150).stroke_width(2),
+                        ))?;
+                    }
+                }
+                for name in &impls {
+                    let mut points: Vec<(f64, f64)> = chosen
+                        .iter()
+                        .filter(|r| r.implementation == *name && r.d == d && r.causal == causal)
+                        .map(|r| (r.n_q as f64, y_of(r.tflops)))
+                        .collect();
+                    points.sort_by(|a, b| a.0.total_cmp(&b.0));
+                    let color = color_of(name);
+                    let width = if is_ours(name) { 3 } else { 2 };
+                    chart
+                        .draw_series(LineSeries::new(points.clone(), color.stroke_width(width)))?;
+                    chart.draw_series(
+                        points.iter().map(|&p| Circle::new(p, width + 1, color.filled())),
+                    )?;
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = drawn {
+            return Some(format!("<p>chart failed: {e}</p>"));
+        }
+        let _ = root.present();
+    }
+    Some(svg)
+}
+
+impl Results {
+    /// [`against_n`] for `impls` (all when empty), one figure per direction in `directions`
+    /// that has rows of the first implementation named (of any, when `impls` is empty): a
+    /// direction the rung was not measured in would chart only its peers.
+    pub fn charts_against_n(
+        &self,
+        impls: &[&str],
+        directions: &[&str],
+        style: AgainstN,
+    ) -> Figures {
+        let rows = self.select(impls);
+        let figures = directions
+            .iter()
+            .filter(|dir| {
+                rows.iter().any(|r| {
+                    r.direction == **dir && impls.first().is_none_or(|f| r.implementation == *f)
+                })
+            })
+            .filter_map(|dir| {
+                let title = match *dir {
+                    "fwd" => "forward, fp16: TFLOP/s against n",
+                    "bwd" => "backward, fp16: TFLOP/s against n",
+                    other => other,
+                };
+                against_n(title, &rows, dir, style)
+            })
+            .collect();
+        Figures(figures)
+    }
+
+    /// TFLOP/s of the square prefill problems at the sequence lengths `ns`: one row per
+    /// direction, head dimension, mask and `n`, one column per implementation, then `ours`
+    /// against the best peer and against the GEMM ceiling of `roofs`.
+    pub fn tflops_table(&self, ns: &[usize], ours: &str, roofs: Roofs) -> Table {
+        let rows: Vec<&Row> = self
+            .rows
+            .iter()
+            .filter(|r| !r.is_decode() && r.n_q == r.n_kv && ns.contains(&r.n_q))
+            .collect();
+        let mut impls: Vec<&str> = rows.iter().map(|r| r.implementation.as_str()).collect();
+        impls.sort_by_key(|name| (!is_ours(name), *name));
+        impls.dedup();
+        let mut keys: Vec<(String, usize, bool, usize)> =
+            rows.iter().map(|r| (r.direction.clone(), r.d, r.causal, r.n_q)).collect();
+        // Forward first, then by head dimension, mask and length.
+        keys.sort_by_key(|(dir, d, causal, n)| (dir != "fwd", *d, *causal, *n));
+        keys.dedup();
+        let mut header: Vec<String> =
+            ["pass", "d", "mask", "n"].iter().map(|h| h.to_string()).collect();
+        header.extend(impls.iter().map(|i| i.to_string()));
+        header.push(format!("{ours} / best peer"));
+        header.push(format!("{ours} / GEMM ceiling"));
+        let number = |v: f64| if v < 10.0 { format!("{v:.1}") } else { format!("{v:.0}") };
+        let body =
+            keys.iter()
+                .map(|(dir, d, causal, n)| {
+                    let tflops = |imp: &str| {
+                        rows.iter()
+                            .find(|r| {
+                                r.implementation == imp
+                                    && r.direction == *dir
+                                    && r.d == *d
+                                    && r.causal == *causal
+                                    && r.n_q == *n
+                            })
+                            .map(|r| r.tflops)
+                    };
+                    let mut line = vec![
+                        dir.clone(),
+                        d.to_string(),
+                        if *causal { "causal" } else { "none" }.to_string(),
+                        if *n >= 1024 { format!("{}k", n / 1024) } else { n.to_string() },
+                    ];
+                    line.extend(impls.iter().map(|i| tflops(i).map_or("–".into(), number)));
+                    let best_peer = impls
+                        .iter()
+                        .filter(|i| !is_ours(i))
+                        .filter_map(|i| tflops(i))
+                        .fold(None, |a: Option<f64>, v| Some(a.map_or(v, |a| a.max(v))));
+                    let mine = tflops(ours);
+                    line.push(match (mine, best_peer) {
+                        (Some(m), Some(p)) => format!("{:.2}×", m / p),
+                        _ => "–".into(),
+                    });
+                    line.push(mine.map_or("–".into(), |m| {
+                        format!("{:.0} %", 100.0 * m / roofs.gemm_tflops)
+                    }));
+                    line
+                })
+                .collect();
+        Table { header, rows: body }
+    }
+}
+
+/// A small table, shown by evcxr as HTML (and copied into the book by `scripts/refresh-notebooks`
+/// from a `book` cell).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Table {
+    pub header: Vec<String>,
+    pub rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    /// The table as an HTML `<table>`, numbers right-aligned.
+    pub fn to_html(&self) -> String {
+        let escape = |s: &str| s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;");
+        let mut html = String::from("<table>\n<thead><tr>");
+        for h in &self.header {
+            let _ = write!(html, "<th>{}</th>", escape(h));
+        }
+        html.push_str("</tr></thead>\n<tbody>\n");
+        for row in &self.rows {
+            html.push_str("<tr>");
+            for (c, cell) in row.iter().enumerate() {
+                let align = if c >= 3 { " style=\"text-align:right\"" } else { "" };
+                let _ = write!(html, "<td{align}>{}</td>", escape(cell));
+            }
+            html.push_str("</tr>\n");
+        }
+        html.push_str("</tbody>\n</table>");
+        html
+    }
+
+    /// Shows the table in Jupyter (nothing for a table without rows).
+    pub fn evcxr_display(&self) {
+        if !self.rows.is_empty() {
+            println!("EVCXR_BEGIN_CONTENT text/html\n{}\nEVCXR_END_CONTENT", self.to_html());
+        }
+    }
+}
+
+/// One line of a sweep committed beside decode measurements (`split-sweep.txt`,
+/// `strategy-sweep.txt`: `examples/decode_bandwidth.rs` prints them).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SweepRow {
+    pub batch: usize,
+    pub heads_q: usize,
+    pub heads_kv: usize,
+    /// Tokens in the KV cache.
+    pub len: usize,
+    /// The strategy asked for and the kernel that ran (`None` in a sweep of one kernel).
+    pub strategy: Option<String>,
+    pub ran: Option<String>,
+    /// The split count: fixed, or the heuristic's choice (`auto`, with its count when printed).
+    pub splits: Option<usize>,
+    pub auto: bool,
+    pub ms: f64,
+    pub tbps: f64,
+}
+
+/// Parses a sweep table: a header line starting with `B` (`B heads L [strategy ran] splits ms
+/// TB/s`) and one line per run; a split count of `auto` or `auto N` is the heuristic's choice.
+pub fn parse_sweep(text: &str) -> Result<Vec<SweepRow>, String> {
+    let mut lines = text.lines().enumerate().skip_while(|(_, l)| !l.trim_start().starts_with("B "));
+    let Some((_, header)) = lines.next() else {
+        return Err("no header line starting with `B`".into());
+    };
+    let header: Vec<&str> = header.split_whitespace().collect();
+    let column = |name: &str| header.iter().position(|h| *h == name);
+    let need = |name: &str| column(name).ok_or_else(|| format!("no column {name:?}"));
+    let (b, heads, len, splits, ms, tbps) =
+        (need("B")?, need("heads")?, need("L")?, need("splits")?, need("ms")?, need("TB/s")?);
+    let mut rows = Vec::new();
+    for (number, line) in lines {
+        let mut tokens: Vec<String> = line.split_whitespace().map(str::to_string).collect();
+        if tokens.is_empty() {
+            continue;
+        }
+        // `auto 4`: the heuristic's count printed beside it, one column in the header. (A
+        // strategy may be called `auto` too: only an `auto` followed by a count is merged.)
+        if tokens.len() == header.len() + 1 {
+            let merged =
+                tokens.windows(2).position(|w| w[0] == "auto" && w[1].parse::<usize>().is_ok());
+            if let Some(a) = merged {
+                let count = tokens.remove(a + 1);
+                tokens[a] = format!("auto {count}");
+            }
+        }
+        let at = |what: &str| format!("line {}: {what} in {line:?}", number + 1);
+        if tokens.len() != header.len() {
+            return Err(at("wrong number of columns"));
+        }
+        let int = |c: usize| tokens[c].parse::<usize>().map_err(|_| at("not a whole number"));
+        let real = |c: usize| tokens[c].parse::<f64>().map_err(|_| at("not a number"));
+        let (heads_q, heads_kv) = tokens[heads].split_once('/').ok_or_else(|| at("heads"))?;
+        let split = tokens[splits].as_str();
+        let (auto, count) = match split.strip_prefix("auto") {
+            Some(rest) => (true, rest.trim()),
+            None => (false, split),
+        };
+        rows.push(SweepRow {
+            batch: int(b)?,
+            heads_q: heads_q.parse().map_err(|_| at("heads"))?,
+            heads_kv: heads_kv.parse().map_err(|_| at("heads"))?,
+            len: int(len)?,
+            strategy: column("strategy").map(|c| tokens[c].clone()),
+            ran: column("ran").map(|c| tokens[c].clone()),
+            splits: if count.is_empty() {
+                None
+            } else {
+                Some(count.parse().map_err(|_| at("split count"))?)
+            },
+            auto,
+            ms: real(ms)?,
+            tbps: real(tbps)?,
+        });
+    }
+    Ok(rows)
+}
+
+/// The sweep `docs/results/FOLDER/FILE`, parsed; `Ok(None)` when it is not committed.
+pub fn committed_sweep(folder: &str, file: &str) -> Result<Option<Vec<SweepRow>>, String> {
+    let path = results_dir_named(folder).join(file);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => parse_sweep(&text).map(Some).map_err(|e| format!("{}: {e}", path.display())),
+        Err(_) => Ok(None),
+    }
+}
+
+/// The "on the GPU" cell of a rung notebook, drawn against the sequence length: like
+/// [`gpu_section`], but one figure of [`against_n`] per direction in `directions` in which the
+/// rung (the first of `impls`) was measured.
+pub fn gpu_section_against_n(impls: &[&str], directions: &[&str], style: AgainstN) -> Figures {
+    match load() {
+        Ok(Some(results)) => {
+            let rung = impls.first().copied().unwrap_or_default();
+            if results.select(&[rung]).is_empty() {
+                println!("No GPU measurements of {rung} are committed ({}).", results.provenance());
+                return Figures(Vec::new());
+            }
+            println!("{}", results.provenance());
+            results.charts_against_n(impls, directions, style)
+        }
+        Ok(None) => {
+            println!("{NOT_MEASURED}");
+            Figures(Vec::new())
+        }
+        Err(e) => {
+            println!("The committed results could not be read: {e}");
+            Figures(Vec::new())
+        }
+    }
 }
 
 /// Charts as SVG, shown inline by evcxr (and extracted into the book by
@@ -441,14 +920,10 @@ pub fn fa3_ablation() -> Result<String, String> {
     // The kernel always has two consumer warpgroups: without ping-pong they still share the
     // tensor cores, unordered, which is what the simulation's two-warpgroup schedule models.
     let schedules = [
-        (
-            "neither: 2 warpgroups, unordered",
-            "fa3-no-pingpong+no-overlap",
-            Some(Schedule::PingPong),
-        ),
-        ("intra-warpgroup overlap only", "fa3-no-pingpong", Some(Schedule::IntraWarpgroup)),
-        ("ping-pong only: turns enforced", "fa3-no-overlap", Some(Schedule::PingPong)),
-        ("both (the full kernel)", "fa3", None),
+        ("neither: 2 warpgroups, unordered", "fa3-no-pingpong+no-overlap", Schedule::PingPong),
+        ("intra-warpgroup overlap only", "fa3-no-pingpong", Schedule::IntraWarpgroup),
+        ("ping-pong only: turns enforced", "fa3-no-overlap", Schedule::PingPong),
+        ("both (the full kernel)", "fa3", Schedule::PingPongOverlap),
     ];
     let mut cases: Vec<(bool, usize)> =
         r.rows.iter().filter(|x| x.implementation == "fa3").map(|x| (x.causal, x.n_q)).collect();
@@ -467,7 +942,7 @@ pub fn fa3_ablation() -> Result<String, String> {
     }
     out += "\n";
     for (label, imp, sim) in schedules {
-        let sim = sim.map_or("≥ either".to_string(), |s| format!("{:.2}", simulated(s)));
+        let sim = format!("{:.2}", simulated(sim));
         out += &format!("{label:<42} {sim:>10}");
         for &case in &cases {
             let cell = match (tflops(imp, case), tflops("fa3", case)) {
@@ -619,5 +1094,114 @@ mod tests {
     #[test]
     fn absent_results_are_none() {
         assert!(load_from(Path::new("/nonexistent")).unwrap().is_none());
+    }
+
+    #[test]
+    fn committed_folders_are_named_from_the_repository_root() {
+        let named = |p: &str| committed_name(Path::new(p));
+        assert_eq!(
+            named("/any/checkout/docs/results/h200-fa3"),
+            Some("docs/results/h200-fa3".into())
+        );
+        assert_eq!(
+            named("../docs/results/h200-fa3/ablation").as_deref(),
+            Some("docs/results/h200-fa3/ablation")
+        );
+        assert_eq!(named("/tmp/bench"), None);
+        assert_eq!(named("/x/docs/results"), None);
+    }
+
+    #[test]
+    fn charts_against_n_have_a_panel_per_head_dim_and_mask_and_only_measured_directions() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/results/h200");
+        let results = load_from(&dir).unwrap().expect("committed");
+        // FA1 has no backward kernel: its section draws the forward figure only.
+        let fa1 = results.charts_against_n(
+            &["fa1", "sdpa-flash"],
+            &["fwd", "bwd"],
+            AgainstN { log_y: true, roofs: None },
+        );
+        assert_eq!(fa1.0.len(), 1);
+        let svg = &fa1.0[0];
+        for caption in ["d = 64, no mask", "d = 64, causal", "d = 128, no mask", "d = 128, causal"]
+        {
+            assert!(svg.contains(caption), "{caption} missing");
+        }
+        assert!(svg.contains("\nfa1\n") && svg.contains("\nsdpa-flash\n"), "legend");
+        assert!(svg.contains("\n16k\n") && svg.contains("\n512\n"), "the x axis names every n");
+        // Every implementation, both directions, with the ceilings: compact, not a tall bar chart.
+        let all = results.charts_against_n(
+            &[],
+            &["fwd", "bwd"],
+            AgainstN { log_y: false, roofs: Some(Roofs::H200) },
+        );
+        assert_eq!(all.0.len(), 2);
+        assert!(all.0[0].contains("fp16 GEMM, measured (679 TFLOP/s)"));
+        let height = |svg: &str| -> u32 {
+            let at = svg.find("height=\"").unwrap() + 8;
+            svg[at..].split('"').next().unwrap().parse().unwrap()
+        };
+        assert!(all.0.iter().all(|svg| height(svg) < 800), "figures stay under 800 px");
+    }
+
+    #[test]
+    fn the_roofline_takes_the_lower_ceiling() {
+        let r = Roofs::H200;
+        // Forward, no mask: n/2 FLOP per byte, so the memory roof passes the GEMM ceiling
+        // between n = 256 and 512; causal halves the FLOPs and moves the crossing to twice n.
+        assert_eq!(Roofs::intensity("fwd", false, 512), 256.0);
+        assert_eq!(Roofs::intensity("fwd", true, 512), 128.0);
+        assert_eq!(r.bound("fwd", false, 512), 679.0);
+        assert!((r.bound("fwd", true, 512) - 4.24 * 128.0).abs() < 1e-9);
+        assert!(r.bound("bwd", false, 256) < 679.0 && r.bound("bwd", false, 1024) == 679.0);
+    }
+
+    #[test]
+    fn the_table_keeps_the_asked_lengths_and_compares_with_the_best_peer() {
+        let text = format!(
+            "{}\nfa2,fwd,fp16,false,1,16,16,2048,2048,128,1.0,300.0,\n\
+             sdpa-flash,fwd,fp16,false,1,16,16,2048,2048,128,1.0,250.0,\n\
+             sdpa-cudnn,fwd,fp16,false,1,16,16,2048,2048,128,1.0,600.0,\n\
+             fa2,fwd,fp16,false,1,16,16,4096,4096,128,1.0,320.0,\n",
+            bench::CSV_HEADER
+        );
+        let results =
+            Results { dir: PathBuf::new(), rows: parse_csv(&text).unwrap(), meta: Meta::default() };
+        let table = results.tflops_table(&[2048], "fa2", Roofs::H200);
+        assert_eq!(table.header[4..7], ["fa2", "sdpa-cudnn", "sdpa-flash"]);
+        assert_eq!(table.rows.len(), 1, "n = 4096 was not asked for");
+        assert_eq!(table.rows[0][7], "0.50×", "against cuDNN, the best peer");
+        assert_eq!(table.rows[0][8], "44 %");
+        assert!(table.to_html().contains("<td style=\"text-align:right\">300</td>"));
+    }
+
+    #[test]
+    fn the_committed_sweeps_parse() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/results");
+        let split =
+            parse_sweep(&std::fs::read_to_string(dir.join("h200-decode/split-sweep.txt")).unwrap())
+                .unwrap();
+        assert_eq!(split.len(), 25);
+        let first = &split[0];
+        assert_eq!((first.batch, first.heads_q, first.heads_kv, first.len), (1, 32, 32, 8192));
+        assert!(first.auto && first.splits.is_none() && first.strategy.is_none());
+        assert_eq!((split[1].splits, split[1].ms, split[1].tbps), (Some(1), 0.0854, 1.57));
+        let strategy = parse_sweep(
+            &std::fs::read_to_string(dir.join("h200-decode-pp/strategy-sweep.txt")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(strategy.len(), 100);
+        assert_eq!(strategy[0].strategy.as_deref(), Some("flash-decoding"));
+        assert!(strategy[0].auto && strategy[0].splits == Some(4));
+        // The dispatcher's own rows: strategy `auto`, the kernel it ran, the heuristic's splits.
+        let dispatched: Vec<&SweepRow> =
+            strategy.iter().filter(|r| r.strategy.as_deref() == Some("auto") && r.auto).collect();
+        assert_eq!(dispatched.len(), 5, "one per shape");
+        assert_eq!(dispatched[0].ran.as_deref(), Some("gemv"));
+        assert_eq!((dispatched[0].splits, dispatched[0].tbps), (Some(4), 3.13));
+        assert_eq!(dispatched[3].ran.as_deref(), Some("flat-gemm"));
+        assert_eq!(dispatched[3].splits, Some(15));
+        assert!(parse_sweep("no table here").is_err());
+        assert!(parse_sweep("  B heads L splits ms TB/s\n 1 32/8 8192 4 0.1\n").is_err());
     }
 }
