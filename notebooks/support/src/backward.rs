@@ -22,7 +22,7 @@ use proptest::test_runner::TestCaseError;
 
 use crate::Failure;
 use crate::exercise::fail;
-use crate::results::{self, Figures, Row};
+use crate::results::{self, Row};
 
 /// The exercise's property for one drawn case: the learner's `steps` inside the FA2 backward
 /// pass, in `f32`, on the case's inputs, tiles and mask.
@@ -238,20 +238,7 @@ pub fn h200_backward_table() -> String {
     out
 }
 
-/// Charts committed beside measurements (`docs/results/FOLDER/FILE`, SVGs drawn by `ladder bench
-/// --charts-only`), to show inline; a line for each one that is missing.
-pub fn committed_charts(folder: &str, files: &[&str]) -> Figures {
-    let mut svgs = Vec::new();
-    for file in files {
-        let path = results::results_dir_named(folder).join(file);
-        match std::fs::read_to_string(&path) {
-            // From the <svg> element on: the XML prolog has no place inside HTML.
-            Ok(svg) => svgs.extend(svg.find("<svg").map(|at| svg[at..].to_string())),
-            Err(_) => println!("No {file} committed in docs/results/{folder}."),
-        }
-    }
-    Figures(svgs)
-}
+pub use crate::results::committed_charts;
 
 #[cfg(test)]
 mod tests {

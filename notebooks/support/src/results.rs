@@ -362,12 +362,14 @@ pub fn color_of(implementation: &str) -> RGBColor {
         "fa1" => RGBColor(190, 30, 140),
         "fa2" => RGBColor(20, 90, 200),
         "fa3" => RGBColor(0, 40, 110),
+        "fa3-fp8" => RGBColor(200, 30, 30),
         "flash-decoding" => RGBColor(20, 90, 200),
         "flash-decoding-pp" => RGBColor(190, 30, 140),
         "sdpa-flash" => RGBColor(230, 110, 0),
         "sdpa-cudnn" => RGBColor(30, 140, 60),
         "sdpa-efficient" => RGBColor(130, 90, 180),
         "triton" => RGBColor(140, 80, 60),
+        "triton-fp8" => RGBColor(205, 150, 20),
         // Variants of our kernels (an ablation, a tuning run) and anything else: a dark grey.
         _ => RGBColor(90, 90, 90),
     }
@@ -375,12 +377,12 @@ pub fn color_of(implementation: &str) -> RGBColor {
 
 /// One of the ladder's kernels (as opposed to a peer: PyTorch's back-ends, Triton).
 pub fn is_ours(implementation: &str) -> bool {
-    !implementation.starts_with("sdpa") && implementation != "triton"
+    !implementation.starts_with("sdpa") && !implementation.starts_with("triton")
 }
 
 /// The ceilings measured on the card (`docs/conventions.md`, "Measured ceilings on the H200"),
-/// drawn by [`against_n`] as a roofline: no kernel can beat the fp16 GEMM, and none can beat the
-/// rate at which its inputs and outputs cross HBM.
+/// drawn by [`against_n`] as a roofline: no fp16 kernel can beat the fp16 GEMM (FP8's products run
+/// at twice its rate), and none can beat the rate at which its inputs and outputs cross HBM.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Roofs {
     /// fp16 GEMM (8192³, cuBLAS) in TFLOP/s.
@@ -1059,6 +1061,21 @@ fn draw_phi_sweep(
         .position(SeriesLabelPosition::UpperMiddle)
         .draw()?;
     Ok(())
+}
+
+/// Charts committed beside measurements (`docs/results/FOLDER/FILE`, SVGs drawn by `ladder bench
+/// --charts-only`), to show inline; a line for each one that is missing.
+pub fn committed_charts(folder: &str, files: &[&str]) -> Figures {
+    let mut svgs = Vec::new();
+    for file in files {
+        let path = results_dir_named(folder).join(file);
+        match std::fs::read_to_string(&path) {
+            // From the <svg> element on: the XML prolog has no place inside HTML.
+            Ok(svg) => svgs.extend(svg.find("<svg").map(|at| svg[at..].to_string())),
+            Err(_) => println!("No {file} committed in docs/results/{folder}."),
+        }
+    }
+    Figures(svgs)
 }
 
 #[cfg(test)]
