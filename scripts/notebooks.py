@@ -157,27 +157,25 @@ def is_exercise(cell: dict) -> bool:
     return "exercise" in cell.get("metadata", {}).get("tags", [])
 
 
-def svgs(cell: dict) -> list[str]:
+def html_elements(cell: dict, tag: str) -> list[str]:
+    """The `<tag>…</tag>` elements in the HTML a cell displayed."""
     found = []
     for out in cell.get("outputs", []):
         html = out.get("data", {}).get("text/html")
         if html is None:
             continue
         html = "".join(html) if isinstance(html, list) else html
-        found += re.findall(r"<svg.*?</svg>", html, flags=re.S)
+        found += re.findall(rf"<{tag}.*?</{tag}>", html, flags=re.S)
     return found
+
+
+def svgs(cell: dict) -> list[str]:
+    return html_elements(cell, "svg")
 
 
 def tables(cell: dict) -> list[str]:
     """The HTML tables a cell displayed (a `book` cell's tables go to the book as they are)."""
-    found = []
-    for out in cell.get("outputs", []):
-        html = out.get("data", {}).get("text/html")
-        if html is None:
-            continue
-        html = "".join(html) if isinstance(html, list) else html
-        found += re.findall(r"<table.*?</table>", html, flags=re.S)
-    return found
+    return html_elements(cell, "table")
 
 
 def text_of(cell: dict) -> str:

@@ -52,17 +52,6 @@ struct Fp8QuantizeParams {
     float* o_scale;       // v_scales: [batch, heads]
 };
 
-__device__ __forceinline__ float add_exact_order(float a, float b) {
-    float c;
-    asm("add.rn.f32 %0, %1, %2;" : "=f"(c) : "f"(a), "f"(b));
-    return c;
-}
-__device__ __forceinline__ float sub_exact_order(float a, float b) {
-    float c;
-    asm("sub.rn.f32 %0, %1, %2;" : "=f"(c) : "f"(a), "f"(b));
-    return c;
-}
-
 // In-place fast Walsh–Hadamard transform of a row spread over the warp (lane holds columns
 // lane + 32i). Butterfly h pairs columns c and c + h (c with bit h clear): (a, b) ↦ (a + b, a − b),
 // for h = 1, 2, 4, … in turn, as the CPU loop does. Below 32 the partner is another lane.
@@ -73,7 +62,7 @@ __device__ __forceinline__ void walsh_hadamard(float (&x)[PER_LANE]) {
 #pragma unroll
         for (int i = 0; i < PER_LANE; ++i) {
             const float other = __shfl_xor_sync(0xffffffff, x[i], h);
-            x[i] = (lane & h) ? sub_exact_order(other, x[i]) : add_exact_order(x[i], other);
+            x[i] = (lane & h) ? ieee_sub(other, x[i]) : ieee_add(x[i], other);
         }
 #pragma unroll
     for (int h = 1; h < PER_LANE; h *= 2)  // column distance 32h: within the lane
@@ -81,8 +70,8 @@ __device__ __forceinline__ void walsh_hadamard(float (&x)[PER_LANE]) {
         for (int i = 0; i < PER_LANE; ++i)
             if ((i & h) == 0) {
                 const float a = x[i], b = x[i + h];
-                x[i] = add_exact_order(a, b);
-                x[i + h] = sub_exact_order(a, b);
+                x[i] = ieee_add(a, b);
+                x[i + h] = ieee_sub(a, b);
             }
 }
 
@@ -95,10 +84,10 @@ __device__ __forceinline__ void load_row(const Fp8QuantizeParams& p, size_t head
     for (int i = 0; i < PER_LANE; ++i) x[i] = to_f32(src[lane_id() + 32 * i]);
     if (ROTATE) {
 #pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) x[i] = mul_rn(x[i], p.signs[lane_id() + 32 * i]);
+        for (int i = 0; i < PER_LANE; ++i) x[i] = ieee_mul(x[i], p.signs[lane_id() + 32 * i]);
         walsh_hadamard(x);
 #pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) x[i] = mul_rn(x[i], p.norm);
+        for (int i = 0; i < PER_LANE; ++i) x[i] = ieee_mul(x[i], p.norm);
     }
 }
 
@@ -136,7 +125,7 @@ extern "C" __global__ void __launch_bounds__(256) quantize_rows(const Fp8Quantiz
         load_row<rotate>(p, head, row, x);
         u8* dst = p.out + (head * p.n + row) * D;
 #pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) dst[lane_id() + 32 * i] = to_e4m3(div_rn(x[i], scale));
+        for (int i = 0; i < PER_LANE; ++i) dst[lane_id() + 32 * i] = to_e4m3(ieee_div(x[i], scale));
     }
 }
 
@@ -161,7 +150,7 @@ extern "C" __global__ void __launch_bounds__(256) quantize_v(const Fp8QuantizePa
         const int slot = key / 32 * 32 + fp8_key_slot(key % 32);
 #pragma unroll
         for (int i = 0; i < PER_LANE; ++i)
-            vt[(lane_id() + 32 * i) * PITCH + slot] = to_e4m3(div_rn(x[i], scale));
+            vt[(lane_id() + 32 * i) * PITCH + slot] = to_e4m3(ieee_div(x[i], scale));
     }
     __syncthreads();
     u8* dst = p.out + head * D * (size_t)p.n_pad + row0;
@@ -182,6 +171,6 @@ extern "C" __global__ void __launch_bounds__(32) v_scales(const Fp8QuantizeParam
     for (int offset = 16; offset > 0; offset /= 2)
         m = amax_nan(m, __shfl_xor_sync(0xffffffff, m, offset));
     for (int j = lane_id(); j < tiles; j += 32)
-        p.p_lift[(size_t)blockIdx.x * tiles + j] = 8.f + log2f(div_rn(scale[j], m));
-    if (lane_id() == 0) p.o_scale[blockIdx.x] = mul_rn(m, 1.f / 256.f);
+        p.p_lift[(size_t)blockIdx.x * tiles + j] = 8.f + log2f(ieee_div(scale[j], m));
+    if (lane_id() == 0) p.o_scale[blockIdx.x] = ieee_mul(m, 1.f / 256.f);
 }

@@ -3,9 +3,8 @@
 //
 // e4m3: 1 sign, 4 exponent, 3 mantissa bits; largest finite value 448; cvt rounds to nearest
 // even and, with .satfinite, saturates at ±448 (NaN stays NaN) — the rounding of the CPU rung
-// (crates/reference/src/fp8.rs). The quantisation steps use round-to-nearest PTX instructions
-// written out, because the kernels are compiled with --use_fast_math (whose `/` is approximate):
-// the GPU's e4m3 operands are then bit for bit the CPU rung's.
+// (crates/reference/src/fp8.rs). The quantisation steps use IEEE arithmetic written out (ieee_*
+// below), so the GPU's e4m3 operands are bit for bit the CPU rung's.
 //
 // P's registers and V's key order. The A operand of an e4m3 wgmma (m64nNk32) from registers holds,
 // per thread (lane = 4g + t), the row g (and g + 8) at reduction indices 4t … 4t+3 and
@@ -34,15 +33,27 @@ __device__ __forceinline__ u32 pack4_e4m3(float x0, float x1, float x2, float x3
 }
 __device__ __forceinline__ u8 to_e4m3(float x) { return (u8)(pack4_e4m3(x, 0.f, 0.f, 0.f) & 0xff); }
 
-// Correctly rounded f32 division and product (fast math would approximate them).
-__device__ __forceinline__ float div_rn(float a, float b) {
+// f32 arithmetic exactly as IEEE (and the CPU) has it: correctly rounded, subnormals kept. The
+// kernels are compiled with --use_fast_math, whose `/` is approximate and whose `+`, `*` flush
+// subnormals; the quantisation must not, to stay bit for bit the CPU rung's.
+__device__ __forceinline__ float ieee_add(float a, float b) {
     float r;
-    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
     return r;
 }
-__device__ __forceinline__ float mul_rn(float a, float b) {
+__device__ __forceinline__ float ieee_sub(float a, float b) {
+    float r;
+    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float ieee_mul(float a, float b) {
     float r;
     asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float ieee_div(float a, float b) {
+    float r;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
     return r;
 }
 
@@ -55,7 +66,7 @@ __device__ __forceinline__ float amax_nan(float m, float x) {
 
 // The scale of a block whose largest magnitude is amax: amax / 448, or 1 for an all-zero block.
 __device__ __forceinline__ float e4m3_scale(float amax) {
-    return amax == 0.f ? 1.f : div_rn(amax, E4M3_MAX);
+    return amax == 0.f ? 1.f : ieee_div(amax, E4M3_MAX);
 }
 
 // Where key k (0 … 31) of a 32-key group sits in V's transposed rows: the reduction index of the
