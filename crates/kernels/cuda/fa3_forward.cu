@@ -374,6 +374,7 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
     PipelineState v_read = kv;  // V lags K by one tile
     if (n_tiles > 0) {
         float s[NT][4];
+        const float scale_0 = score_scale(p, sc, 0), lift_0 = p_lift(sc, 0);
         wait_turn(wg);
         mbar_wait(&t.k_full[kv.stage()], kv.parity());
         wgmma_fence();
@@ -384,11 +385,15 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
         wgmma_hold(s);
         release(&t.k_empty[kv.stage()]);
         ++kv.count;
-        softmax_step(s, alpha, st, p, score_scale(p, sc, 0), p_lift(sc, 0), row0, 0);
+        softmax_step(s, alpha, st, p, scale_0, lift_0, row0, 0);
         pack(s, pk);
     }
     for (int j = 1; j < n_tiles; ++j, ++kv.count, ++v_read.count) {
         float s[NT][4];
+        // FP8: tile j's scales are read from global memory here, before the waits and the
+        // products, so that their latency hides under them (after the waits' memory clobbers the
+        // compiler could not hoist the loads, and the softmax would stall on them).
+        const float scale_j = score_scale(p, sc, j), lift_j = p_lift(sc, j);
         wait_turn(wg);
         // Both tiles are waited for before the products are issued: ptxas serialises every
         // wgmma of a kernel that waits (branches) between the issues of one batch.
@@ -408,7 +413,7 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
         wgmma_wait<overlap ? 1 : 0>();
         wgmma_hold(s);
         release(&t.k_empty[kv.stage()]);
-        moved = softmax_step(s, alpha, st, p, score_scale(p, sc, j), p_lift(sc, j), row0, j * BC);
+        moved = softmax_step(s, alpha, st, p, scale_j, lift_j, row0, j * BC);
         wgmma_wait<0>();  // P_{j-1}·V_{j-1} has landed: O and P's registers are free
         wgmma_hold(o);
         wgmma_hold(pk);
