@@ -51,13 +51,20 @@ TAIL = """
 """
 
 
-def wrapper(n: int) -> str:
+def accumulator(n: int):
+    """The accumulator of an N-wide product: its 8-column tiles, its f32 registers per thread,
+    their PTX operand list and their asm constraints."""
     nt = n // 8
     regs = n // 2
     acc_list = ", ".join(f"%{i}" for i in range(regs))
     operands = ",\n          ".join(
         ", ".join(f'"+f"(d[{t}][{e}])' for e in range(4)) for t in range(nt)
     )
+    return nt, regs, acc_list, operands
+
+
+def wrapper(n: int) -> str:
+    nt, regs, acc_list, operands = accumulator(n)
     ss = f"""
     __device__ __forceinline__ static void ss(float (&d)[{nt}][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {{
@@ -89,12 +96,7 @@ struct Wgmma<{nt}, TRANS_B> {{{ss}
 
 
 def wrapper_fp8(n: int) -> str:
-    nt = n // 8
-    regs = n // 2
-    acc_list = ", ".join(f"%{i}" for i in range(regs))
-    operands = ",\n          ".join(
-        ", ".join(f'"+f"(d[{t}][{e}])' for e in range(4)) for t in range(nt)
-    )
+    nt, regs, acc_list, operands = accumulator(n)
     op = f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3"
     ss = f"""
     __device__ __forceinline__ static void ss(float (&d)[{nt}][4], u64 desc_a, u64 desc_b,
