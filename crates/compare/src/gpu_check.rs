@@ -13,7 +13,8 @@ use anyhow::bail;
 use ladder_kernels::decode::{self, DecodeOptions, DecodeStats, KvCache};
 use ladder_kernels::{DType, Gpu, GpuConfig, KernelCache, KernelError, Options, Tensor, fa3};
 use ladder_reference::{
-    AttentionOptions, AttentionOutput, Fa2Options, Fp8Options, Gradients, fa2 as cpu_fa2, naive,
+    AttentionOptions, AttentionOutput, Fa2Options, Fp8Options, Gradients, TileSizes,
+    fa2 as cpu_fa2, naive,
 };
 use ndarray::{Array3, Array4};
 
@@ -160,6 +161,13 @@ fn download3(t: &Tensor, dims: [usize; 3]) -> anyhow::Result<Array3<f32>> {
 /// rotation's seed carries over, so both rotate by the same map).
 pub fn gpu_fp8(fp8: &Fp8Options) -> fa3::fp8::Fp8Options {
     fa3::fp8::Fp8Options { incoherent: fp8.incoherent }
+}
+
+/// The tiles the CPU `fa3-fp8` rung must quantise in to round exactly the numbers the GPU FP8
+/// kernel rounds at head dim `d`: the kernel's query block and K/V tile.
+pub fn fp8_cpu_tiles(d: usize) -> anyhow::Result<TileSizes> {
+    let t = fa3::fp8::tiles_for_head_dim(d)?;
+    Ok(TileSizes::new(t.br(), t.bc)?)
 }
 
 /// Runs the forward rung `rung` on `x` (already rounded to `dtype`); returns its output and the

@@ -355,19 +355,14 @@ pub fn gpu_rows(
         let gpu_expected = gpu_check::expected_forward(&oracle, &x, dtype)?;
         let (q, k, v) = (x32.q.view(), x32.k.view(), x32.v.view());
         let cpu_config = RungConfig { attention, ..RungConfig::default() };
-        // A forward-like row: the GPU output against the oracle and against its CPU rung's.
-        // The FP8 rung is held to the FP8 tolerance, on both sides (its CPU rung has the same).
-        let fp8_expected = Expected::fp8_from_oracle(&oracle, &x32, &config.fp8)?;
+        // A forward-like row: the GPU output against the oracle and against its CPU rung's, each
+        // held to its own tolerance.
         let forward_row = |rung: GpuRung,
                            out: &AttentionOutput<f32>,
                            cpu_out: &AttentionOutput<f32>,
+                           (gpu_expected, cpu_expected): (&Expected, &Expected),
                            elapsed: Duration,
                            note: String| {
-            let (gpu_expected, cpu_expected) = if rung.cpu().is_fp8() {
-                (&fp8_expected, &fp8_expected)
-            } else {
-                (&gpu_expected, &cpu_expected)
-            };
             let verdict = gpu_expected.judge(out);
             let pair = judge_between(out, cpu_out, gpu_expected, cpu_expected);
             let ratio = ratio_of(verdict.o, gpu_expected.o)
@@ -396,25 +391,34 @@ pub fn gpu_rows(
             let row = match rung.direction() {
                 Direction::Fwd if rung.cpu().is_fp8() => {
                     // The CPU rung quantises in the kernel's blocks, so both round the same
-                    // numbers: 128 query rows, 128 keys.
-                    let (br, bc) = (ladder_kernels::fa3::fp8::tiles_for_head_dim(d)?.br(), 128);
+                    // numbers; both are held to the FP8 tolerance.
                     let fp8_config = RungConfig {
-                        tiles: ladder_reference::TileSizes::new(br, bc)?,
+                        tiles: gpu_check::fp8_cpu_tiles(d)?,
                         fp8: config.fp8,
                         ..cpu_config
                     };
+                    let fp8_expected = Expected::fp8_from_oracle(&oracle, &x32, &config.fp8)?;
                     let cpu_out = rung.cpu().forward(q, k, v, &fp8_config)?;
                     let (out, elapsed) =
                         gpu_check::forward_fp8(gpu, rung, &x, &opts, dtype, &config.fp8)?;
                     let rotation =
                         if config.fp8.incoherent.is_some() { "incoherent" } else { "no rotation" };
                     let note = format!("fp16 in, e4m3 ({rotation}), on {}", gpu.name());
-                    forward_row(rung, &out, &cpu_out, elapsed, note)
+                    let expected = (&fp8_expected, &fp8_expected);
+                    forward_row(rung, &out, &cpu_out, expected, elapsed, note)
                 }
                 Direction::Fwd => {
                     let cpu_out = rung.cpu().forward(q, k, v, &cpu_config)?;
                     let (out, elapsed) = gpu_check::forward(gpu, rung, &x, &opts, dtype)?;
-                    forward_row(rung, &out, &cpu_out, elapsed, format!("fp16 on {}", gpu.name()))
+                    let expected = (&gpu_expected, &cpu_expected);
+                    forward_row(
+                        rung,
+                        &out,
+                        &cpu_out,
+                        expected,
+                        elapsed,
+                        format!("fp16 on {}", gpu.name()),
+                    )
                 }
                 Direction::Decode => {
                     // A decoding step has 1 to 16 new tokens, causal among themselves: a case
@@ -447,7 +451,8 @@ pub fn gpu_rows(
                             stats.plan.strategy
                         );
                     }
-                    forward_row(rung, &out, &cpu_out, elapsed, note)
+                    let expected = (&gpu_expected, &cpu_expected);
+                    forward_row(rung, &out, &cpu_out, expected, elapsed, note)
                 }
                 Direction::Bwd => {
                     let grad_oracle = GradientOracle::new(&x, &attention)?;

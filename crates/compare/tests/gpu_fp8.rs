@@ -44,10 +44,9 @@ fn upload(gpu: &Gpu, a: &Array4<f64>, dtype: DType) -> Tensor {
 
 /// The CPU rung's configuration matching the kernel's blocks (so both quantise the same tiles).
 fn cpu_config(case: &Case, fp8: Fp8Options) -> RungConfig {
-    let br = fp8::tiles_for_head_dim(case.shape.d).expect("an FP8 head dim").br();
     RungConfig {
         attention: case.attention(),
-        tiles: TileSizes::new(br, 128).expect("valid tiles"),
+        tiles: gpu_check::fp8_cpu_tiles(case.shape.d).expect("an FP8 head dim"),
         fp8,
         ..RungConfig::default()
     }

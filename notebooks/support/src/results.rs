@@ -979,7 +979,7 @@ pub fn fd_pp_phi_sweep() -> Result<Figures, String> {
     };
     // impl,phi,batch,heads_q,heads_kv,n_kv,rows,fallback_rows,ms,tbps
     let mut fd: BTreeMap<String, f64> = BTreeMap::new();
-    let mut pp: Vec<(f64, f64, f64)> = Vec::new(); // (φ, fallback share, ms)
+    let mut pp: Vec<(f64, &str, f64, f64)> = Vec::new(); // (φ, as written, fallback share, ms)
     for (i, line) in text.lines().enumerate().skip(1) {
         let f: Vec<&str> = line.split(',').collect();
         let bad = || format!("{}: line {}: {line:?}", path.display(), i + 1);
@@ -992,16 +992,15 @@ pub fn fd_pp_phi_sweep() -> Result<Figures, String> {
             "flash-decoding" => {
                 fd.insert(f[1].to_string(), ms);
             }
-            "flash-decoding-pp" => pp.push((num(f[1])?, num(f[7])? / num(f[6])?, ms)),
+            "flash-decoding-pp" => pp.push((num(f[1])?, f[1], num(f[7])? / num(f[6])?, ms)),
             _ => {}
         }
     }
     pp.sort_by(|a, b| a.0.total_cmp(&b.0));
     println!("   φ   fallback rows   time / FlashDecoding's");
     let mut points = Vec::new();
-    for &(phi, share, ms) in &pp {
-        let key = format!("{phi}");
-        let ratio = fd.get(&key).map(|f| ms / f);
+    for &(phi, written, share, ms) in &pp {
+        let ratio = fd.get(written).map(|f| ms / f);
         println!(
             "{phi:>5}   {:>12.1} %   {}",
             share * 100.0,
