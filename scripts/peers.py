@@ -14,13 +14,23 @@ Writes OUT/peers.csv in the schema of bench.csv (`ladder bench --charts-only --o
 both), and fills OUT/meta.json's `torch` field (and card, cuda, date if `ladder bench` has not).
 A backend that refuses a shape is reported as skipped, with its reason.
 
-`--direction decode` times the SDPA backends (not the Triton tutorial) on the decoding shapes of
-`ladder bench --direction decode`: one new token, q [B, Hq, 1, d] against k, v [B, Hkv, L, d]
-(enable_gqa when Hq != Hkv), d = 128; rows with direction `decode` and tbps = bytes of K and V
-read / time. --n, --batch and --heads-kv replace the shapes by their grid, as in `ladder bench`.
+`--direction decode` times the SDPA backends and FlashInfer (not the Triton tutorial) on the
+decoding shapes of `ladder bench --direction decode`: one new token, q [B, Hq, 1, d] against k, v
+[B, Hkv, L, d] (enable_gqa when Hq != Hkv), d = 128; rows with direction `decode` and tbps = bytes
+of K and V read / time. --n, --batch and --heads-kv replace the shapes by their grid, as in
+`ladder bench`.
 `ladder bench` also times 4 new tokens and paged caches on the reference shapes; the peers time
 one new token against a contiguous cache (--new-tokens and --page-size are accepted and ignored,
 so that scripts/gpu-bench.sh can pass its flags to both).
+
+`flashinfer` (decode only; the flashinfer-python package, imported only when asked for) is
+FlashInfer's BatchDecodeWithPagedKVCacheWrapper with its defaults (the CUDA-core decode kernel,
+use_tensor_cores=False), planned once per shape outside the timed region. It reads the same
+contiguous cache through a page table: pages of FLASHINFER_PAGE_SIZE tokens, HND, laid over
+[B, Hkv, L, d] as a strided view (no copy; the page size sets how finely FlashInfer can split a
+sequence across thread blocks), so it reads the same bytes as the SDPA rows; its first call is
+checked against SDPA. Its kernels are compiled at first use with the machine's nvcc (ninja; about
+a minute per dtype, cached under FLASHINFER_WORKSPACE_BASE, /tmp/flashinfer by default).
 
 Run on the GPU machine from the repo root (torch and triton installed, no network needed):
 
@@ -35,6 +45,7 @@ import datetime
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import warnings
@@ -43,7 +54,7 @@ import warnings
 # file by column name: keep the two in step.
 HEADER = ["impl", "direction", "dtype", "causal", "batch", "heads_q", "heads_kv",
           "n_q", "n_kv", "d", "ms", "tflops", "tbps", "page_size"]  # page_size: empty (no paged peers)
-IMPLS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "triton", "triton-fp8"]
+IMPLS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "triton", "triton-fp8", "flashinfer"]
 L2_BYTES = 50 << 20  # H100/H200 L2: inputs smaller than this rotate among several sets
 SAMPLE_MS = 1.0      # a timed sample spans at least this long
 # The decoding shapes of `ladder bench --direction decode` (crates/compare/src/bench/plan.rs):
@@ -55,7 +66,14 @@ DECODE_ISSUE_SHAPES = [(1, 32, 32, 8 << 10), (1, 32, 32, 128 << 10), (16, 32, 32
 DECODE_BATCHES = [1, 4, 16, 64]
 DECODE_LENGTHS = [1 << 10, 4 << 10, 16 << 10, 64 << 10, 128 << 10]
 DECODE_HEADS_KV = [32, 8]
-DECODE_IMPLS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient"]  # no Triton tutorial in decode
+DECODE_IMPLS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flashinfer"]  # no Triton tutorial
+FLASHINFER_PAGE_SIZE = 16  # tokens per page of FlashInfer's page table over the contiguous cache
+FLASHINFER_WORKSPACE_BYTES = 128 << 20  # its float workspace (split-KV partial results): FlashInfer's advice
+FLASHINFER_BASE = "/tmp/flashinfer"  # FLASHINFER_WORKSPACE_BASE unless set (JIT builds: .cache/flashinfer)
+# The first FlashInfer call is checked against SDPA on the same inputs: max abs error and
+# ‖out − ref‖ / ‖ref‖ (both fp16/bf16 with float32 accumulation; they differ by roundings, ~1e-3).
+FLASHINFER_MAX_ABS = 2e-2
+FLASHINFER_MAX_REL = 2e-2
 
 
 class Skip(Exception):
@@ -264,6 +282,8 @@ def measure(torch, call_on, nsets, warmup, repeats, budget_ms):
 def make_step(torch, impl, sets, causal, direction, d, args):
     """A function of the input set index that runs one call of `impl`."""
     F = torch.nn.functional
+    if impl == "flashinfer":
+        raise Skip("FlashInfer is timed in decode only (--direction decode)")
     # The sweep's shapes are square (n_q == n_kv), where PyTorch's top-left `is_causal=True` and
     # the ladder's bottom-right causal mask (docs/conventions.md) are the same mask.
     if impl in ("triton", "triton-fp8"):
@@ -320,9 +340,144 @@ def make_decode_step(torch, sets, grouped):
     return decode
 
 
+_flashinfer = []  # [module] once imported, [Skip] once it failed
+
+
+def import_flashinfer():
+    """The flashinfer module, imported on first use; raises Skip (with why) where it is absent.
+
+    Sets FLASHINFER_WORKSPACE_BASE (where its JIT builds and caches kernels) to FLASHINFER_BASE
+    unless set, and puts the interpreter's bin folder on PATH when `ninja` is not on it (pip's
+    ninja in a virtual environment that was not activated): FlashInfer runs `ninja` and `nvcc`."""
+    if not _flashinfer:
+        os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", FLASHINFER_BASE)
+        bindir = os.path.dirname(sys.executable)
+        if shutil.which("ninja") is None and shutil.which("ninja", path=bindir):
+            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+        try:
+            import flashinfer
+            _flashinfer.append(flashinfer)
+        except Exception as e:  # noqa: BLE001 - any import failure means no FlashInfer peer
+            _flashinfer.append(Skip(f"flashinfer not importable: {type(e).__name__}: {e}".splitlines()[0]))
+    if isinstance(_flashinfer[0], Skip):
+        raise _flashinfer[0]
+    return _flashinfer[0]
+
+
+def flashinfer_version():
+    """flashinfer's version, or why it cannot be imported."""
+    try:
+        return import_flashinfer().__version__
+    except Skip as e:
+        return str(e)
+
+
+def flashinfer_pages(torch, cache, page):
+    """FlashInfer's paged view of a contiguous cache [B, Hkv, L, d], without copying it.
+
+    Returns (pages, indptr, indices, last_page_len): `pages` is a strided view of `cache` as
+    [num_pages, Hkv, page, d] (HND) with strides (page·d, L·d, d, 1), so that page number
+    b·Hkv·(L/page) + j holds tokens j·page … j·page + page − 1 of sequence b, every head (head h
+    is L·d further on, as in the cache); `indices` lists those pages in order for each sequence,
+    `indptr` where each sequence's pages begin, `last_page_len` how full its last page is
+    (all full). The view ends exactly at the cache's last element. L must be a multiple of `page`."""
+    batch, heads_kv, n, d = cache.shape
+    if n % page:
+        raise Skip(f"L = {n} is not a multiple of FlashInfer's page size {page}")
+    if not cache.is_contiguous():
+        raise ValueError("flashinfer_pages needs a contiguous cache")
+    per_seq = n // page
+    num_pages = ((batch - 1) * heads_kv + 1) * per_seq
+    pages = cache.as_strided((num_pages, heads_kv, page, d), (page * d, n * d, d, 1))
+    kw = {"dtype": torch.int32, "device": cache.device}
+    indices = (torch.arange(batch, **kw)[:, None] * (heads_kv * per_seq)
+               + torch.arange(per_seq, **kw)[None, :]).reshape(-1)
+    indptr = torch.arange(batch + 1, **kw) * per_seq
+    last_page_len = torch.full((batch,), page, **kw)
+    return pages, indptr, indices, last_page_len
+
+
+# (dtype, d) -> None once its kernels are built or loaded, or the Skip of its failed build.
+_flashinfer_built = {}
+
+
+def make_flashinfer_decode_step(torch, sets, grouped, dtype_name):
+    """One FlashInfer batch decode on input set i: q [B, Hq, 1, d] against the cache k, v, read
+    through flashinfer_pages; planned here (outside the timed region, compiling the kernels on first
+    use) and checked against SDPA on set 0 (raises when the output is wrong)."""
+    fi = import_flashinfer()
+    q0, k0, _ = sets[0]
+    batch, heads_q, _, d = q0.shape
+    heads_kv = k0.shape[1]
+    page = FLASHINFER_PAGE_SIZE
+    paged = []
+    for q, k, v in sets:
+        kp, indptr, indices, last = flashinfer_pages(torch, k, page)
+        vp = flashinfer_pages(torch, v, page)[0]
+        paged.append((q.view(batch, heads_q, d), (kp, vp)))
+    workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=q0.device)
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
+    key = (dtype_name, d)
+    if _flashinfer_built.get(key) is not None:
+        raise _flashinfer_built[key]  # its build failed on an earlier shape: not tried again
+    first = key not in _flashinfer_built
+    if first:
+        print(f"compiling FlashInfer decode kernels ({dtype_name}, d={d}; first use: a minute or so, "
+              f"then cached under {os.environ.get('FLASHINFER_WORKSPACE_BASE', '~')}/.cache/flashinfer)…",
+              file=sys.stderr, flush=True)
+    started = datetime.datetime.now()
+    try:
+        # plan() builds (JIT, nvcc) or loads the kernels of this dtype and head dim on first use,
+        # then splits the work among thread blocks for this shape.
+        wrapper.plan(indptr, indices, last, heads_q, heads_kv, d, page,
+                     q_data_type=q0.dtype, kv_data_type=k0.dtype)
+    except Exception as e:
+        text = str(e).strip()
+        if first and any(w in text.lower() for w in ("ninja", "nvcc", "build", "compil")):
+            head = text.splitlines()[0] if text else ""
+            tail = [line.strip() for line in text.splitlines() if "error" in line.lower()][:2]
+            why = [f"FlashInfer's JIT build failed: {type(e).__name__}: {head}"] + tail
+            _flashinfer_built[key] = Skip("; ".join(why))
+            print(text[-4000:], file=sys.stderr)  # the compiler's own words, for the log
+            raise _flashinfer_built[key] from None
+        raise
+    if first:
+        secs = (datetime.datetime.now() - started).total_seconds()
+        print(f"FlashInfer decode kernels ready ({secs:.1f} s)", file=sys.stderr, flush=True)
+        _flashinfer_built[key] = None
+
+    def decode(i):
+        q, kv = paged[i]
+        return wrapper.run(q, kv)
+
+    # A wrong peer must not report figures: compare the first call with SDPA on the same inputs,
+    # one sequence at a time (SDPA's fallback for GQA copies K and V per query head).
+    with torch.no_grad():
+        out = decode(0).float()
+        max_abs, err2, ref2 = 0.0, 0.0, 0.0
+        for b in range(batch):
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q0[b:b + 1], k0[b:b + 1], sets[0][2][b:b + 1], enable_gqa=grouped)
+            ref = ref.reshape(heads_q, d).float()
+            diff = out[b] - ref
+            max_abs = max(max_abs, diff.abs().max().item())
+            err2 += diff.square().sum().item()
+            ref2 += ref.square().sum().item()
+    rel = math.sqrt(err2 / ref2) if ref2 > 0 else math.inf
+    if not (max_abs <= FLASHINFER_MAX_ABS and rel <= FLASHINFER_MAX_REL):  # NaN fails too
+        raise RuntimeError(f"FlashInfer's output differs from SDPA's: max abs {max_abs:.3g} "
+                           f"(tolerance {FLASHINFER_MAX_ABS}), relative L2 {rel:.3g} "
+                           f"(tolerance {FLASHINFER_MAX_REL})")
+    del out, ref, diff
+    return decode
+
+
 def time_case(torch, backend, impl, sets, causal, direction, d, args):
     """Median ms per call of one case; raises Skip with the reason when it does not run."""
-    if direction == "decode":
+    if direction == "decode" and impl == "flashinfer":
+        make = lambda: make_flashinfer_decode_step(  # noqa: E731
+            torch, sets, sets[0][0].shape[1] != sets[0][1].shape[1], args.dtype)
+    elif direction == "decode":
         make = lambda: make_decode_step(torch, sets, sets[0][0].shape[1] != sets[0][1].shape[1])  # noqa: E731
     else:
         make = lambda: make_step(torch, impl, sets, causal, direction, d, args)  # noqa: E731
@@ -365,7 +520,14 @@ def main(argv=None):
     card = torch.cuda.get_device_name()
     torch_desc = (f"{torch.__version__} (CUDA {torch.version.cuda}, "
                   f"cuDNN {torch.backends.cudnn.version()}, triton {triton_version})")
-    merge_meta(meta_path, {"torch": torch_desc}, {
+    fields = {}
+    if "flashinfer" in args.impl and args.decode:
+        # Its version (or why it is absent) under its own key, and beside triton's in `torch`.
+        fields["flashinfer"] = flashinfer_version()
+        if not fields["flashinfer"].startswith("flashinfer not importable"):
+            torch_desc = torch_desc[:-1] + f", flashinfer {fields['flashinfer']})"
+    fields["torch"] = torch_desc
+    merge_meta(meta_path, fields, {
         "card": card,
         "cuda": torch.version.cuda or "",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -448,6 +610,9 @@ def main(argv=None):
         old = json.load(fh).get("note", "")
     note = (f"peers.py: median of {args.repeats} CUDA-event samples after {args.warmup} warm-up calls, "
             f"triton warp_specialize={args.triton_warp_specialize}")
+    if "flashinfer" in decode_impls:
+        note += (f", flashinfer: BatchDecodeWithPagedKVCacheWrapper (CUDA-core decode), HND pages of "
+                 f"{FLASHINFER_PAGE_SIZE} over the contiguous cache")
     kept = [part for part in old.split("; ") if part and not part.startswith("peers.py:")]
     merge_meta(meta_path, {"note": "; ".join(kept + [note])}, {})
     print(render(results))
