@@ -72,8 +72,9 @@ pub fn main(args: &BenchArgs) -> ExitCode {
 }
 
 /// The CSV name of `rung` on `gpu`: its own name, or for FA3 under a non-default schedule
-/// (`LADDER_FA3_SCHEDULE`, the ablation) or tiles (`LADDER_FA3_TILES`, tuning) `fa3-` (or
-/// `fa3-fp8-`) and what differs, e.g. `fa3-no-pingpong` or `fa3-bc192c2s2`.
+/// (`LADDER_FA3_SCHEDULE`, the ablation), tiles (`LADDER_FA3_TILES`, tuning) or causal tile order
+/// (`LADDER_FA3_L2_SECTION_MB`) `fa3-` (or `fa3-fp8-`) and what differs, e.g. `fa3-no-pingpong`,
+/// `fa3-bc192c2s2` or `fa3-l2s12mb`.
 fn impl_name(gpu: &Gpu, rung: GpuRung) -> String {
     let mut name = rung.name().to_string();
     if matches!(rung, GpuRung::Fa3 | GpuRung::Fa3Fp8) {
@@ -83,6 +84,9 @@ fn impl_name(gpu: &Gpu, rung: GpuRung) -> String {
         }
         if let Some(t) = gpu.config().fa3_tiles_override() {
             name = format!("{name}-bc{}c{}s{}", t.bc, t.consumers, t.stages);
+        }
+        if let Some(bytes) = gpu.config().fa3_l2_section_override() {
+            name = format!("{name}-l2s{}mb", bytes >> 20);
         }
     }
     name

@@ -197,17 +197,42 @@ fn gpu_fa3_long_sequences() {
     }
 }
 
+/// The GPU, when it has the FA3 kernels (Hopper); `None` after saying so otherwise.
+fn hopper() -> Option<&'static Gpu> {
+    let gpu = gpu()?;
+    if !GpuRung::Fa3.available_on(gpu) {
+        eprintln!("fa3 skipped: {} is {}", gpu.name(), gpu.arch());
+        return None;
+    }
+    Some(gpu)
+}
+
+/// The problem of the FA3 schedule and tile-order tests: `batch` sequences × 4 query heads (2 kv
+/// heads), 517 queries against 1029 keys (5 query blocks of 128 rows, ragged tails), d = 128.
+fn fa3_case(batch: usize, causal: bool, seed: u64) -> Case {
+    Case {
+        shape: ladder_reference::AttentionShape::new(batch, 4, 2, 517, 1029, 128).unwrap(),
+        causal,
+        logit_std: 1.0,
+        tiles: ladder_reference::TileSizes::new(128, 128).unwrap(),
+        splits: 1,
+        seed,
+    }
+}
+
+/// `a` in fp16 on `gpu`.
+fn upload_f16(gpu: &Gpu, a: &ndarray::Array4<f64>) -> ladder_kernels::Tensor {
+    let v: Vec<f32> = a.iter().map(|&x| x as f32).collect();
+    gpu.upload(&v, a.shape(), DType::F16).unwrap()
+}
+
 /// Every FA3 schedule (no ping-pong, no intra-warpgroup overlap, neither; one block per tile) is
 /// right on its own
 /// (the oracle's rule) and computes what the full kernel computes, bit for bit: they reorder when
 /// products are issued, not the arithmetic. Each is also run twice (deterministic).
 #[test]
 fn gpu_fa3_ablation_variants_equal_the_full_kernel() {
-    let Some(gpu) = gpu() else { return };
-    if !GpuRung::Fa3.available_on(gpu) {
-        eprintln!("fa3 skipped: {} is {}", gpu.name(), gpu.arch());
-        return;
-    }
+    let Some(gpu) = hopper() else { return };
     let schedules = [
         (true, true, true),
         (false, true, true),
@@ -218,24 +243,12 @@ fn gpu_fa3_ablation_variants_equal_the_full_kernel() {
     .map(|(pingpong, overlap, persistent)| fa3::Schedule { pingpong, overlap, persistent });
     let mut failures = Vec::new();
     for causal in [false, true] {
-        let shape = ladder_reference::AttentionShape::new(2, 4, 2, 517, 1029, 128).unwrap();
-        let case = Case {
-            shape,
-            causal,
-            logit_std: 1.0,
-            tiles: ladder_reference::TileSizes::new(128, 128).unwrap(),
-            splits: 1,
-            seed: 77,
-        };
+        let case = fa3_case(2, causal, 77);
         let x = device_inputs(&case, DType::F16);
         let (attention, opts) = options(&case.attention(), 128);
         let oracle = Oracle::new(&x, &attention).unwrap();
         let expected = gpu_check::expected_forward(&oracle, &x, DType::F16).unwrap();
-        let upload = |a: &ndarray::Array4<f64>| {
-            let v: Vec<f32> = a.iter().map(|&x| x as f32).collect();
-            gpu.upload(&v, a.shape(), DType::F16).unwrap()
-        };
-        let (q, k, v) = (upload(&x.q), upload(&x.k), upload(&x.v));
+        let (q, k, v) = (upload_f16(gpu, &x.q), upload_f16(gpu, &x.k), upload_f16(gpu, &x.v));
         let run = |schedule| {
             let out = fa3::forward_with(gpu, &q, &k, &v, &opts, schedule).unwrap();
             (out.o.to_f32_vec().unwrap(), out.lse.to_f32_vec().unwrap())
@@ -278,6 +291,41 @@ fn gpu_fa3_ablation_variants_equal_the_full_kernel() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The causal FA3 kernel walks its tiles in sections of heads sized to keep their K and V in L2
+/// (`fa3::L2_SECTION_BYTES`). Any section size (4, 5 or 7 of 12 heads, the last section short, or
+/// all heads at once) gives the same bits: the order moves tiles between blocks, it never changes
+/// a tile's arithmetic.
+#[test]
+fn gpu_fa3_causal_tile_order_does_not_change_the_bits() {
+    // Each section size runs on a `Gpu` of its own (the size is part of its configuration).
+    if hopper().is_none() {
+        return;
+    }
+    // 3 sequences × 4 q heads (2 kv heads), 5 query blocks of 128 rows: 60 tiles. One q head's
+    // share of K and V: 1029 keys × 128 × 2 tensors × 2 bytes / 2 q heads per kv head.
+    let per_head = 1029 * 128 * 2;
+    let case = fa3_case(3, true, 78);
+    let x = device_inputs(&case, DType::F16);
+    let (_, opts) = options(&case.attention(), 128);
+    let run = |section: Option<usize>| {
+        let config = gpu_check::gpu_config_from_env().unwrap().poison_outputs(true);
+        let config = match section {
+            Some(bytes) => config.fa3_l2_section(bytes),
+            None => config,
+        };
+        let gpu = Gpu::with_config(config).unwrap();
+        let (q, k, v) = (upload_f16(&gpu, &x.q), upload_f16(&gpu, &x.k), upload_f16(&gpu, &x.v));
+        let out = fa3::forward(&gpu, &q, &k, &v, &opts).unwrap();
+        (out.o.to_bytes().unwrap(), out.lse.to_bytes().unwrap())
+    };
+    let default = run(None);
+    assert!(default.0.iter().any(|&b| b != 0), "an all-zero O proves nothing");
+    for heads in [fa3::MIN_SECTION_HEADS, 5, 7, 100] {
+        let got = run(Some(heads * per_head));
+        assert!(got == default, "sections of {heads} heads: not the default order's bits");
+    }
 }
 
 /// Backward on a longer problem: many K/V and query tiles, GQA, causal with n_q < n_kv.

@@ -17,6 +17,8 @@
 //! - Drawn shapes (proptest): GQA groups 1–8 × 1–16 new tokens (up to 128 rows per kv head),
 //!   per-sequence lengths from 0 to the capacity, contiguous or paged, against the oracle and the
 //!   CPU rung `ladder_reference::flash_decoding` with the same split count.
+//! - `forward_into` (caller-owned outputs) gives `forward`'s bits; a call gives the same bits
+//!   whatever ran before it (the split kernel's counters are left at zero).
 //! - Bad input: errors, never a panic; a page table that lives only on the device and points
 //!   outside the cache makes exactly its sequence's rows NaN (FlashDecoding and FlashDecoding++).
 //!
@@ -439,6 +441,70 @@ fn bytes(out: &Output) -> (Vec<u8>, Vec<u8>) {
     (out.o.to_bytes().expect("copy"), out.lse.to_bytes().expect("copy"))
 }
 
+/// A call is one launch: the blocks of each group of splits count themselves in on counters the
+/// `Gpu` keeps, and the last one combines the group, so every call must leave the counters at
+/// zero. With calls of other split counts and shapes in between (including one split, which
+/// does not count, and more splits than key tiles), the same call gives the same bits.
+#[test]
+fn gpu_decode_gives_the_same_bits_whatever_ran_before() {
+    let Some(gpu) = gpu() else { return };
+    let all = cases(DType::F16);
+    let (a, b) = (&all[2], &all[9]);
+    let (xa, xb) = (a.inputs(), b.inputs());
+    let dev_a = upload(gpu, a, &xa, Layout::Contiguous);
+    let dev_b = upload(gpu, b, &xb, Layout::Contiguous);
+    let first = bytes(&launch(gpu, a, &dev_a, Some(3)));
+    for splits in [Some(7), None, Some(1), Some(64), Some(3)] {
+        launch(gpu, b, &dev_b, splits);
+        let again = bytes(&launch(gpu, a, &dev_a, Some(3)));
+        assert!(again == first, "after a call with {splits:?} splits on another shape");
+    }
+}
+
+/// `decode::forward_into` writes what `forward` returns, bit for bit and every element (its
+/// outputs are NaN first), call after call into the same tensors; outputs of another shape or
+/// dtype are errors.
+#[test]
+fn gpu_decode_forward_into_equals_forward() {
+    let Some(gpu) = gpu() else { return };
+    for dtype in [DType::F16, DType::BF16] {
+        let all = cases(dtype);
+        for case in [&all[2], &all[9], &all[10]] {
+            let x = case.inputs();
+            let dev = upload(gpu, case, &x, Layout::Contiguous);
+            let o_shape = [case.batch(), case.heads_q, case.n_new, case.d];
+            let nan = |shape: &[usize], dtype| {
+                let mut t = gpu.zeros(shape, dtype).expect("zeros");
+                gpu.fill_bytes(&mut t, 0xff).expect("fill");
+                t
+            };
+            let mut out = Output { o: nan(&o_shape, dtype), lse: nan(&o_shape[..3], DType::F32) };
+            for splits in [Some(3), None, Some(1), Some(64)] {
+                let opts = case.decode_options(DecodeStrategy::FlashDecoding, splits, 0.0);
+                let cache = dev.cache(&case.lengths);
+                decode::forward_into(gpu, &dev.q, cache, &opts, &mut out).expect("forward_into");
+                let want = bytes(&launch(gpu, case, &dev, splits));
+                assert!(bytes(&out) == want, "{case:?} splits {splits:?}: not forward's bits");
+            }
+            let opts = DecodeOptions::default();
+            let mut bad = [
+                Output { o: nan(&[1, 1, 1, case.d], dtype), lse: nan(&o_shape[..3], DType::F32) },
+                Output { o: nan(&o_shape, dtype), lse: nan(&o_shape, DType::F32) },
+                Output { o: nan(&o_shape, DType::F32), lse: nan(&o_shape[..3], DType::F32) },
+                Output { o: nan(&o_shape, dtype), lse: nan(&o_shape[..3], dtype) },
+            ];
+            for (i, out) in bad.iter_mut().enumerate() {
+                let r = decode::forward_into(gpu, &dev.q, dev.cache(&case.lengths), &opts, out);
+                let right = matches!(
+                    (i, &r),
+                    (0 | 1, Err(KernelError::Shape(_))) | (2 | 3, Err(KernelError::DType(_)))
+                );
+                assert!(right, "bad outputs {i}: {r:?}");
+            }
+        }
+    }
+}
+
 /// The paged kernel is the contiguous one with another address helper: on the same data, with
 /// the same split count, it gives the same bits, for pages of 16 (a 64-key tile gathered from 4
 /// pages), 64 (one page per tile) and 256 (4 tiles per page), in shuffled order, with the table
@@ -671,21 +737,24 @@ fn gpu_decode_bad_page_tables_are_errors_or_nan_rows() {
     let q = upload_values(gpu, &x.q.iter().copied().collect::<Vec<_>>(), x.q.shape(), case.dtype);
     for strategy in [DecodeStrategy::FlashDecoding, DecodeStrategy::Gemv, DecodeStrategy::FlatGemm]
     {
-        bad_page_tables(gpu, &case, &pages, (&q, &k, &v), strategy);
+        bad_page_tables(gpu, &case, &pages, (&q, &k, &v), strategy, 2);
     }
+    // One split: FlashDecoding's block writes O and lse itself, with no combine.
+    bad_page_tables(gpu, &case, &pages, (&q, &k, &v), DecodeStrategy::FlashDecoding, 1);
 }
 
-/// [`gpu_decode_bad_page_tables_are_errors_or_nan_rows`] with one strategy.
+/// [`gpu_decode_bad_page_tables_are_errors_or_nan_rows`] with one strategy and split count.
 fn bad_page_tables(
     gpu: &Gpu,
     case: &Case,
     pages: &HostPages,
     (q, k, v): (&Tensor, &Tensor, &Tensor),
     strategy: DecodeStrategy,
+    splits: usize,
 ) {
     let upload_pages =
         |values: &[f32], dtype: DType| gpu.upload(values, &pages.shape, dtype).expect("upload");
-    let opts = DecodeOptions { splits: Some(2), strategy, ..DecodeOptions::default() };
+    let opts = DecodeOptions { splits: Some(splits), strategy, ..DecodeOptions::default() };
     let call = |k: &Tensor, v: &Tensor, table: &PageTable, lengths: &[usize]| {
         let cache = PagedKvCache { k_pages: k, v_pages: v, page_table: table, lengths };
         decode::forward_with_stats(gpu, q, cache, &opts).map(|(out, stats)| {
@@ -1257,6 +1326,7 @@ fn gpu_decode_pp_bad_options_are_errors() {
             DecodeOptions { safe_range: Some((-1.0, f32::NAN)), ..base },
             DecodeOptions { safe_range: Some((-1.0, 12.0)), ..base }, // past ln(65504) = 11.09
             DecodeOptions { splits: Some(0), ..base },
+            DecodeOptions { splits: Some(decode::MAX_SPLITS + 1), ..base },
         ] {
             let r = decode::forward(gpu, &q, cache, &bad);
             assert!(matches!(r, Err(KernelError::Config(_))), "{bad:?}: {r:?}");

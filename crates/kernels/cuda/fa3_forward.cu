@@ -131,6 +131,7 @@ struct Fa3ForwardParams {
     int n_q;
     int n_kv;
     float scale_log2;  // softmax scale · log2(e)
+    int section_heads;  // causal tile order: (head, batch) pairs walked together (see below)
 };
 
 // Shared memory (dynamic, 1024-byte aligned for the swizzle), in this order.
@@ -149,11 +150,13 @@ struct SharedTiles {
 // ---- the work: persistent blocks over (query block, head, batch) tiles -------------------------
 
 // Each block walks tiles blockIdx.x, blockIdx.x + gridDim.x, … (one block per SM), so that while
-// the consumers finish one tile the producer already loads the next. Causal tiles are numbered
-// longest first (query blocks from the end), and blocks take them in snake order (round r goes
-// left to right when r is even, right to left when odd), so that each block's sum of tile
-// lengths comes out about even; otherwise consecutive tiles are query blocks of one head, which
-// share K and V in L2.
+// the consumers finish one tile the producer already loads the next. Without the mask,
+// consecutive tiles are query blocks of one head, which share K and V in L2. Causal tiles are
+// numbered longest first (query blocks from the end) within sections of section_heads (head,
+// batch) pairs, and blocks take them in snake order (round r goes left to right when r is even,
+// right to left when odd), so that each block's sum of tile lengths comes out about even. The
+// sections keep a head's query blocks close in time: they all read its K and V, which the host
+// sizes the sections to keep in L2 (a head's next query block comes section_heads tiles later).
 struct Tile {
     int q0;       // first query row
     int head;
@@ -170,8 +173,12 @@ __device__ __forceinline__ Tile tile_at(const Fa3ForwardParams& p, int index) {
     const int blocks = q_blocks(p), heads = p.heads_q * p.batch;
     int q_block, bh;
     if (causal) {
-        q_block = blocks - 1 - index / heads;
-        bh = index % heads;
+        const int section = index / (p.section_heads * blocks);
+        const int first = section * p.section_heads;
+        const int in_section = min(p.section_heads, heads - first);  // the last may be short
+        const int r = index - first * blocks;
+        q_block = blocks - 1 - r / in_section;
+        bh = first + r % in_section;
     } else {
         q_block = index % blocks;
         bh = index / blocks;

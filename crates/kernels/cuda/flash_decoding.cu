@@ -3,14 +3,20 @@
 //
 // A decoding step has a few new query tokens per sequence (n_new = 1 … 16) and a long KV cache.
 // FA2 gives one block to each (query block, head, batch): at batch 1 that is a few dozen blocks,
-// each streaming a whole KV cache alone, on a GPU with 132 SMs. Here:
+// each streaming a whole KV cache alone, on a GPU with 132 SMs. Here one kernel,
+// flash_decoding_split, grid (splits · row_blocks, heads_kv, batch), does both phases of the rung:
 //
-//   phase 1, flash_decoding_split, grid (splits · row_blocks, heads_kv, batch):
-//       block (s, kv_head, b) runs FA2 over the keys of chunk s of sequence b and writes the
+//   phase 1: block (s, kv_head, b) runs FA2 over the keys of chunk s of sequence b and writes the
 //       partial output O_s (normalised within the chunk, f32) and lse_s (natural log, −inf when
 //       the chunk gives the row no key) to workspaces;
-//   phase 2, flash_decoding_combine, one warp per output row:
+//   phase 2, the combine: the last of the splits' blocks to finish (a counter per group of
+//       splits, see "The combine" below) merges them,
 //       lse = ln Σ_s exp(lse_s),  O = Σ_s exp(lse_s − lse) · O_s,  in the inputs' dtype.
+//   With one split there is nothing to merge: the block writes O and lse itself.
+//
+// The combine could be a second kernel (FlashAttention's is); at batch 1 a call reads a few tens
+// of MB in ~10 µs, and a second launch, with the drain of the first and the fill of the second,
+// costs a sizeable share of that (docs/perf-notes.md, FlashDecoding v3).
 //
 // GQA packing. One kv head's rows are r = 0 … R−1 with R = group · n_new (group = heads_q /
 // heads_kv), row r being query head kv_head·group + r / n_new, new token t = r % n_new. In the
@@ -39,9 +45,18 @@
 // place the two kernels differ.
 //
 // FlashDecoding++'s fallback. flash_decoding_pp.cu flags the rows whose scores leave its safe
-// window; the host then launches these two kernels with `fallback` pointing at the flags: a split
-// block none of whose rows is flagged returns at once, and a combine warp writes only a flagged
-// row, which is then exactly what a FlashDecoding call with the same split count computes.
+// window; the host then launches this kernel with `fallback` pointing at the flags: a block none
+// of whose rows is flagged returns at once, and only flagged rows are written, each exactly what
+// a FlashDecoding call with the same split count computes.
+//
+// The combine. Blocks of one group (the same rows of one kv head of one sequence, every split)
+// count themselves in on counters[group] once their partials are written: each writing thread
+// fences its stores (__threadfence: visible to the whole device before the count), then one
+// thread adds 1. The block that brings the count to `splits` is the last: every other split's
+// partials are in memory, and it reads them from L2 (ld.cg: the SM's L1 is not coherent). It puts
+// the counter back to 0, so the host zeroes the counters once, not per call. Blocks of a group
+// all return early together or none does (FlashDecoding++'s fallback flags are per row, and a
+// group's splits share their rows), so a count is never left short.
 //
 // Inside a split block: the block walks the chunk in tiles of BC = 64 keys, K and V in a
 // STAGES-deep cp.async pipeline (STAGES − 1 tiles in flight while one is read). Each of the 4
@@ -68,6 +83,11 @@
 //   FD_WARPS  warps per block of the split kernel
 //   FD_STAGES K/V tiles in shared memory (STAGES − 1 copies in flight while one tile is read)
 //   FD_PAGED  0: contiguous cache, 1: paged cache
+//   FD_MAX_SPLITS  the most splits a call takes (the combine keeps a weight per split and row)
+//
+// Shared memory: the Q tile and STAGES stages of K and V during the walk; then the same memory as
+// the f32 buffer that merges the warps; then, in the last block of a group, the combine's per-row
+// numbers.
 
 #include "copy.cuh"
 #include "kv_cache.cuh"
@@ -94,6 +114,9 @@
 #ifndef FD_PAGED
 #define FD_PAGED 0
 #endif
+#ifndef FD_MAX_SPLITS
+#define FD_MAX_SPLITS 128
+#endif
 
 constexpr int D = FD_D;
 constexpr int MT = FD_MT;
@@ -102,6 +125,7 @@ constexpr int WARPS = FD_WARPS;
 constexpr int STAGES = FD_STAGES;
 constexpr bool PAGED = FD_PAGED != 0;
 static_assert(STAGES >= 2, "at least one copy in flight");
+constexpr int MAX_SPLITS = FD_MAX_SPLITS;  // the host's decode::MAX_SPLITS
 constexpr int THREADS = WARPS * 32;
 constexpr int ROWS = MT * 16;   // rows of the Q tile
 constexpr int DT = D / 8;       // 8-column accumulator tiles across one row of O
@@ -111,7 +135,8 @@ constexpr int GROUPS = BC / KEY_GROUP;
 // float2 stores touch into 8 different groups of banks.
 constexpr int RED_STRIDE = D + 8;
 static_assert(BC == 16 * WARPS, "each warp owns 16 keys of a tile");
-static_assert(D % 32 == 0, "the combine gives each lane D / 32 columns");
+// The combine's per-row numbers fit where the warps' merge buffer was.
+static_assert(ROWS * (MAX_SPLITS + 2) <= WARPS * ROWS * (RED_STRIDE + 2), "combine in the merge buffer");
 
 // The lengths travel in the parameter struct itself (a launch copies it to constant memory), so a
 // call needs no host-to-device copy; the host launches batches of more than FD_MAX_BATCH
@@ -138,6 +163,9 @@ struct FdParams {
     // where the row must be recomputed here. When set, only those rows are written (a block none
     // of whose rows is flagged returns at once); the other rows keep what FlashDecoding++ wrote.
     const int* fallback;
+    // One per (sequence, kv head, row block) of a launch, zero before the launch and left zero
+    // after it: the splits of a group count themselves in here (see "The combine").
+    unsigned* counters;
     int heads_q;
     int heads_kv;
     int n_new;
@@ -160,9 +188,108 @@ struct FdParams {
 // FlashDecoding++ (flash_decoding_pp.cu): the helper chosen at compile time is the only
 // difference between the contiguous and the paged kernel.
 
+// ---- the output: one row's O and lse ------------------------------------------------------------
+
+// Whether output row `row` is this launch's to write: all rows, or FlashDecoding++'s flagged ones.
+__device__ __forceinline__ bool writes_row(const FdParams& p, size_t row) {
+    return p.fallback == nullptr || p.fallback[row] != 0;
+}
+
+// Columns c … c+3 of output row `row`, o · inv rounded to the inputs' dtype (and the row's lse
+// with the first columns).
+__device__ __forceinline__ void store_output(const FdParams& p, size_t row, int c, float4 o,
+                                             float inv, float lse) {
+    *reinterpret_cast<uint2*>(p.o + row * D + c) =
+        make_uint2(pack2(o.x * inv, o.y * inv), pack2(o.z * inv, o.w * inv));
+    if (c == 0) p.lse[row] = lse;
+}
+
+// ---- the combine (phase 2), in the last block of a group ----------------------------------------
+
+// Whether this block is the last of its group of splits to finish (see "The combine" above).
+// Every thread of the block calls it, after writing its partials.
+__device__ bool last_to_finish(const FdParams& p, int row_block) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned* counter =
+            p.counters + ((size_t)blockIdx.z * gridDim.y + blockIdx.y) * p.row_blocks + row_block;
+        last = atomicAdd(counter, 1u) == (unsigned)p.splits - 1;
+        if (last) atomicExch(counter, 0u);  // every split has counted: ready for the next launch
+    }
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
+// Rows row0 … row0 + RB − 1: lse = ln Σ_s exp(lse_s), O = Σ_s w_s · O_s / Σ_s w_s with
+// w_s = exp(lse_s − max_s lse_s) ∈ [0, 1]. Each warp takes whole rows: its lanes read the row's
+// lse_s (at most MAX_SPLITS, a few per lane, all at once) and put the weights, 1 / Σ w_s and lse
+// in shared memory. Then every thread takes 4 columns of a row, as in the merge, and sums the
+// splits' O_s in order with several loads in flight: each is an L2 round trip, and a loop that
+// waited for one before the next would add microseconds to the call.
+__device__ void combine_rows(const FdParams& p, size_t row0, int RB, float* smem) {
+    constexpr int PER_LANE = (MAX_SPLITS + 31) / 32;
+    const int splits = p.splits, lane = lane_id();
+    float* weight = smem;                     // [ROWS][MAX_SPLITS]
+    float* inv = weight + ROWS * MAX_SPLITS;  // [ROWS]
+    float* lse = inv + ROWS;                  // [ROWS]
+    for (int r = warp_id(); r < RB; r += WARPS) {
+        const float* lse_s = p.lse_part + (row0 + r) * splits;
+        float x[PER_LANE];
+        float m = LADDER_NEG_INF;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            const int s = lane + 32 * i;
+            x[i] = s < splits ? __ldcg(lse_s + s) : LADDER_NEG_INF;
+            m = fmaxf(m, x[i]);
+        }
+        m = warp_max(m);
+        float l = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            const int s = lane + 32 * i;
+            if (s >= splits) continue;
+            // No split saw a key (m = −inf): every weight is 0.
+            const float w = m == LADDER_NEG_INF ? 0.f : fast_exp2((x[i] - m) * LADDER_LOG2E);
+            weight[r * MAX_SPLITS + s] = w;
+            l += w;
+        }
+        l = warp_sum(l);
+        if (lane == 0) {
+            // All splits empty (the row sees no key): O = 0, lse = −inf, as everywhere.
+            inv[r] = l > 0.f ? 1.f / l : 0.f;
+            lse[r] = l == 0.f ? LADDER_NEG_INF : m + logf(l);
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < RB * (D / 4); i += THREADS) {
+        const int r = i / (D / 4), c = (i % (D / 4)) * 4;
+        if (!writes_row(p, row0 + r)) continue;
+        const float* o_s = p.o_part + (row0 + r) * splits * D + c;
+        const float* w = weight + r * MAX_SPLITS;
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+        for (int s = 0; s < splits; ++s) {
+            // Every split wrote its O_s (0 for an empty chunk), so the load needs no condition and
+            // the loads of an unrolled batch go out together; a weight of 0 adds nothing (as in
+            // the CPU rung, not even a NaN).
+            const float4 x = __ldcg(reinterpret_cast<const float4*>(o_s + (size_t)s * D));
+            if (w[s] != 0.f) {
+                o.x += w[s] * x.x;
+                o.y += w[s] * x.y;
+                o.z += w[s] * x.z;
+                o.w += w[s] * x.w;
+            }
+        }
+        store_output(p, row0 + r, c, o, inv[r], lse[r]);
+    }
+}
+
 // Launch: grid (splits · row_blocks, heads_kv, batch), block (THREADS, 1, 1), dynamic shared
-// memory max((ROWS + 2·STAGES·BC)·D·2, WARPS·ROWS·(RED_STRIDE + 2)·4) bytes: the Q tile and STAGES
-// stages of K and V during the walk, then the same memory as the f32 buffer that merges the warps.
+// memory max((ROWS + 2·STAGES·BC)·D·2, WARPS·ROWS·(RED_STRIDE + 2)·4) bytes (see "Shared memory"
+// above).
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
 flash_decoding_split(const __grid_constant__ FdParams p) {
     extern __shared__ __align__(128) u16 smem[];
@@ -378,54 +505,20 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
         // NaN whatever the other splits hold (+inf is their maximum, and +inf − +inf is NaN).
         if (bad_page) {
             inv = __int_as_float(0x7fc00000);
-            lse_s = __int_as_float(0x7f800000);
+            // With one split this is the row's lse, which the combine would have made NaN.
+            lse_s = __int_as_float(p.splits == 1 ? 0x7fc00000 : 0x7f800000);
+        }
+        if (p.splits == 1) {  // nothing to combine: this is the row's O and lse
+            if (writes_row(p, row0 + r)) store_output(p, row0 + r, c, o, inv, lse_s);
+            continue;
         }
         const size_t out = (row0 + r) * p.splits + split;
         *reinterpret_cast<float4*>(p.o_part + out * D + c) =
             make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
         if (c == 0) p.lse_part[out] = lse_s;
     }
-}
-
-// Launch: grid (ceil(rows / 4), 1, 1), block (128, 1, 1), no shared memory. Warp w of block x
-// combines output row 4x + w; lane i holds columns [i·D/32, (i+1)·D/32).
-extern "C" __global__ void __launch_bounds__(128)
-flash_decoding_combine(const __grid_constant__ FdParams p) {
-    constexpr int PER_LANE = D / 32;
-    const int row = blockIdx.x * 4 + warp_id();
-    if (row >= p.rows) return;  // the whole warp leaves together
-    // FlashDecoding++'s fallback: only the flagged rows are ours to write.
-    if (p.fallback != nullptr && p.fallback[row] == 0) return;
-    const int lane = lane_id();
-    const int splits = p.splits;
-    const float* lse_s = p.lse_part + (size_t)row * splits;
-
-    float m = LADDER_NEG_INF;
-    for (int s = lane; s < splits; s += 32) m = fmaxf(m, lse_s[s]);
-    m = warp_max(m);
-
-    float o[PER_LANE];
-    zero(o);
-    float l = 0.f;
-    if (m != LADDER_NEG_INF) {
-        // w_s = exp(lse_s − m) ∈ [0, 1]; the largest is 1.
-        for (int s = lane; s < splits; s += 32) l += fast_exp2((lse_s[s] - m) * LADDER_LOG2E);
-        l = warp_sum(l);
-        const float* o_s = p.o_part + (size_t)row * splits * D + lane * PER_LANE;
-        for (int s = 0; s < splits; ++s) {
-            const float w = fast_exp2((lse_s[s] - m) * LADDER_LOG2E);
-            if (w == 0.f) continue;  // an empty chunk (uniform across the warp)
-            float x[PER_LANE];
-            load_f32<PER_LANE>(x, o_s + (size_t)s * D);
-#pragma unroll
-            for (int i = 0; i < PER_LANE; ++i) o[i] += w * x[i];
-        }
-    }
-    // All splits empty (the row sees no key): O = 0, lse = −inf, as everywhere in the project.
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    u16* dst = p.o + (size_t)row * D + lane * PER_LANE;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; i += 2)
-        *reinterpret_cast<u32*>(dst + i) = pack2(o[i] * inv, o[i + 1] * inv);
-    if (lane == 0) p.lse[row] = l == 0.f ? LADDER_NEG_INF : m + logf(l);
+    if (p.splits == 1 || !last_to_finish(p, row_block)) return;
+    // The merge buffer has been read (last_to_finish synchronises the block): its memory holds
+    // the combine's per-row numbers now.
+    combine_rows(p, row0, RB, reinterpret_cast<float*>(smem));
 }

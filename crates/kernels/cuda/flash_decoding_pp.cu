@@ -35,9 +35,9 @@
 // of a row tiny. A row whose largest exponent max_s t leaves [lo, hi] (log2 units; the host's
 // default is ±ln(MAX)/2 of the element type, ±5.5 in natural units for fp16 and ±44 for bf16), or
 // whose sum came out infinite or zero, falls back: the combine writes 1 into fallback[row] instead
-// of the row, and the host then launches flash_decoding_split and flash_decoding_combine with that
-// array, which run only the blocks holding a flagged row and write only the flagged rows (the
-// FlashDecoding path, exact for any scores). This is the CPU rung's rule: a row that saw no key
+// of the row, and the host then launches flash_decoding_split with that array, which runs only the
+// blocks holding a flagged row and writes only the flagged rows (the FlashDecoding path, exact for
+// any scores). This is the CPU rung's rule: a row that saw no key
 // (max = −inf) is O = 0, lse = −inf, and a row with a NaN score (its sum is NaN) is NaN; neither
 // falls back.
 //

@@ -7,11 +7,36 @@
 //! ```sh
 //! cargo run --release -p ladder-kernels --example decode_bandwidth
 //! ```
-//! Without a GPU it says so and exits with status 1. Timings are CUDA events around 20 calls,
-//! after 3 warm-up calls; the cache is several times the L2, so it is read from HBM.
+//! Without a GPU it says so and exits with status 1. Each figure is 20 calls into outputs
+//! allocated once (`decode::forward_into`, as a serving loop calls it), after 3 warm-up calls,
+//! rotating among copies of the cache that together are several times the L2, so that it is read
+//! from HBM. Three times per call:
+//!
+//! - `ms`: CUDA events around the 20 calls as the host issues them (what `ladder bench` reports);
+//! - `host µs`: the host's wall time to issue one call. Where it comes near `ms`, the GPU waits
+//!   on the host, and `ms` measures the host;
+//! - `gpu ms`: the same 20 calls queued behind a kernel that spins for 2 ms, so that the events
+//!   time the GPU's work alone, the host out of the way.
 
+use std::time::Instant;
+
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use ladder_kernels::decode::{self, DecodeOptions, KvCache, Strategy};
-use ladder_kernels::{DType, Gpu};
+use ladder_kernels::{DType, Gpu, KernelError, Output};
+
+/// The caches a shape rotates among span at least this many bytes (the H200's L2 is 50 MB).
+const ROTATE_BYTES: usize = 200 << 20;
+/// Calls per timing.
+const CALLS: usize = 20;
+
+/// Holds the stream for `ns` nanoseconds (of the GPU's global timer).
+const SPIN: &str = r#"
+extern "C" __global__ void spin(long long ns) {
+    long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < ns);
+}
+"#;
 
 fn main() {
     if let Err(e) = run() {
@@ -20,12 +45,51 @@ fn main() {
     }
 }
 
+/// Milliseconds per call by events as issued, host microseconds per call, and milliseconds per
+/// call with the queue filled behind `spin` first.
+fn time_calls(
+    gpu: &Gpu,
+    spin: &CudaFunction,
+    mut call: impl FnMut(usize) -> Result<(), KernelError>,
+) -> Result<(f64, f64, f64), Box<dyn std::error::Error>> {
+    for i in 0..3 {
+        call(i)?;
+    }
+    let mut host_s = 0.0;
+    let issued = gpu.time_ms(|| {
+        let start = Instant::now();
+        (0..CALLS).try_for_each(&mut call)?;
+        host_s = start.elapsed().as_secs_f64();
+        Ok(())
+    })?;
+    let mut spin_launch = gpu.stream().launch_builder(spin);
+    let ns: i64 = 2_000_000;
+    spin_launch.arg(&ns);
+    // SAFETY: `spin` takes one i64 and touches no memory.
+    unsafe { spin_launch.launch(LaunchConfig::for_num_elems(1)) }?;
+    let queued = gpu.time_ms(|| (0..CALLS).try_for_each(&mut call))?;
+    let per_call = |ms: f32| f64::from(ms) / CALLS as f64;
+    Ok((per_call(issued), host_s / CALLS as f64 * 1e6, per_call(queued)))
+}
+
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     let gpu = Gpu::new()?;
     println!("{} ({}), {} SMs", gpu.name(), gpu.arch(), gpu.sm_count());
+    let spin =
+        gpu.context().load_module(cudarc::nvrtc::compile_ptx(SPIN)?)?.load_function("spin")?;
     println!(
-        "{:>3} {:>9} {:>7} {:>15} {:>15} {:>7} {:>10} {:>8}",
-        "B", "heads", "L", "strategy", "ran", "splits", "ms", "TB/s"
+        "{:>3} {:>9} {:>7} {:>15} {:>15} {:>7} {:>10} {:>8} {:>8} {:>10} {:>8}",
+        "B",
+        "heads",
+        "L",
+        "strategy",
+        "ran",
+        "splits",
+        "ms",
+        "TB/s",
+        "host µs",
+        "gpu ms",
+        "gpu TB/s"
     );
     let d = 128;
     for (b, hq, hkv, len) in [
@@ -40,32 +104,42 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         // Small varied values (not zeros: a kernel can run faster on zeros than on real data).
         let values: Vec<f32> =
             (0..kv_len).map(|i| ((i * 7919) % 2003) as f32 / 2003.0 - 0.5).collect();
-        let k = gpu.upload(&values, &[b, hkv, len, d], DType::F16)?;
-        let v = gpu.upload(&values, &[b, hkv, len, d], DType::F16)?;
+        let copies = ROTATE_BYTES.div_ceil(2 * kv_len * 2).max(1);
+        let kv = (0..copies)
+            .map(|_| {
+                let k = gpu.upload(&values, &[b, hkv, len, d], DType::F16)?;
+                let v = gpu.upload(&values, &[b, hkv, len, d], DType::F16)?;
+                Ok((k, v))
+            })
+            .collect::<Result<Vec<_>, KernelError>>()?;
         let lengths = vec![len; b];
-        let cache = KvCache { k: &k, v: &v, lengths: &lengths };
+        let cache = |i: usize| {
+            let (k, v) = &kv[i % copies];
+            KvCache { k, v, lengths: &lengths }
+        };
+        let mut out = Output {
+            o: gpu.zeros(&[b, hq, 1, d], DType::F16)?,
+            lse: gpu.zeros(&[b, hq, 1], DType::F32)?,
+        };
         let bytes = 2.0 * (kv_len * 2) as f64;
+        let tbps = |ms: f64| bytes / (ms * 1e-3) / 1e12;
         let strategies =
             [Strategy::FlashDecoding, Strategy::Gemv, Strategy::FlatGemm, Strategy::Auto];
         for strategy in strategies {
-            for splits in [None, Some(1), Some(4), Some(16), Some(64)] {
+            for splits in [None, Some(1), Some(4), Some(8), Some(16), Some(32), Some(64)] {
                 let opts = DecodeOptions { splits, strategy, ..DecodeOptions::default() };
-                for _ in 0..3 {
-                    decode::forward(&gpu, &q, cache, &opts)?;
-                }
-                let ms = gpu.time_ms(|| {
-                    for _ in 0..20 {
-                        decode::forward(&gpu, &q, cache, &opts)?;
-                    }
-                    Ok(())
-                })? / 20.0;
-                let (_, stats) = decode::forward_with_stats(&gpu, &q, cache, &opts)?;
+                let (ms, host_us, gpu_ms) = time_calls(&gpu, &spin, |i| {
+                    decode::forward_into(&gpu, &q, cache(i), &opts, &mut out)
+                })?;
+                let (_, stats) = decode::forward_with_stats(&gpu, &q, cache(0), &opts)?;
                 let label = splits.map_or(format!("auto {}", stats.plan.splits), |s| s.to_string());
-                let tbps = bytes / (f64::from(ms) * 1e-3) / 1e12;
                 println!(
-                    "{b:>3} {:>9} {len:>7} {strategy:>15} {:>15} {label:>7} {ms:>10.4} {tbps:>8.2}",
+                    "{b:>3} {:>9} {len:>7} {strategy:>15} {:>15} {label:>7} {ms:>10.4} {:>8.2} \
+                     {host_us:>8.1} {gpu_ms:>10.4} {:>8.2}",
                     format!("{hq}/{hkv}"),
-                    stats.plan.strategy
+                    stats.plan.strategy,
+                    tbps(ms),
+                    tbps(gpu_ms)
                 );
             }
         }

@@ -121,16 +121,27 @@ pub fn compile(variant: &Variant, arch: &str, settings: &CompileSettings) -> Res
     }
     let compiled = compile_uncached(variant, &options)?;
     if let Some(dir) = &dir {
-        // A cache that cannot be written only costs the next run a compile.
+        // A cache that cannot be written only costs the next run a compile. Each file is
+        // written under a name of its own, then renamed into place, so that threads and processes
+        // compiling the same variant at once never read or leave a half-written file; the log
+        // goes first, so that whoever finds the cubin finds its log complete.
         if std::fs::create_dir_all(dir).is_ok() {
-            let tmp = dir.join(format!("{key}.{}.tmp", std::process::id()));
-            if std::fs::write(&tmp, &compiled.cubin).is_ok() {
-                let _ = std::fs::rename(&tmp, dir.join(format!("{key}.cubin")));
-            }
-            let _ = std::fs::write(dir.join(format!("{key}.log")), &compiled.log);
+            let _ = write_atomically(&dir.join(format!("{key}.log")), compiled.log.as_bytes());
+            let _ = write_atomically(&dir.join(format!("{key}.cubin")), &compiled.cubin);
         }
     }
     Ok(compiled)
+}
+
+/// Write `bytes` to a temporary file unique to this process and call, then rename it to `path`.
+fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = path.with_extension(format!("{}-{n}.tmp", std::process::id()));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
 }
 
 fn load_error(variant: &Variant) -> KernelError {

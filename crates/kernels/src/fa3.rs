@@ -45,6 +45,10 @@ pub const DTYPES: &[DType] = &[DType::F16, DType::BF16];
 /// The architecture the kernels need (wgmma and setmaxnreg exist only in `sm_90a`).
 pub const ARCH: &str = "sm_90a";
 
+/// The longest causal problem (keys) at d = 128 that takes 128-key tiles
+/// ([`Fa3Tiles::for_problem`]).
+pub const SHORT_CAUSAL_KEYS: usize = 2048;
+
 /// Tile configuration of the FA3 forward kernel: `64 · consumers` query rows per block, `bc`
 /// keys per K/V tile, `stages` K/V tiles in shared memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,6 +89,20 @@ impl Fa3Tiles {
             (128, _) => Ok(Fa3Tiles { bc: 176, consumers: 2, stages: 2 }),
             (256, _) => Ok(Fa3Tiles { bc: 80, consumers: 2, stages: 2 }),
             _ => Err(KernelError::UnsupportedHeadDim { rung: "fa3", d, supported: HEAD_DIMS }),
+        }
+    }
+
+    /// The tiles [`forward`] uses for a problem of head dimension `d`, the mask, and `n_kv` keys:
+    /// [`Fa3Tiles::for_head_dim`], except at d = 128 under the causal mask with at most
+    /// [`SHORT_CAUSAL_KEYS`] keys, where FA3's own 128 keys per tile beat 176: the diagonal's
+    /// tiles are a large share of a short problem, and smaller ones waste less of it on masked
+    /// scores (H200: +12 %, +9 %, +3 % at n = 512, 1k, 2k; level at 4k; −7 % at 16k).
+    pub fn for_problem(d: usize, causal: bool, n_kv: usize) -> Result<Fa3Tiles> {
+        match (d, causal) {
+            (128, true) if n_kv <= SHORT_CAUSAL_KEYS => {
+                Ok(Fa3Tiles { bc: 128, consumers: 2, stages: 2 })
+            }
+            _ => Fa3Tiles::for_head_dim(d, causal),
         }
     }
 
@@ -219,6 +237,7 @@ struct ForwardParams {
     n_q: i32,
     n_kv: i32,
     scale_log2: f32,
+    section_heads: i32,
 }
 
 /// Device addresses of the FP8 path's scales (`q, k, p, o` in the kernel's order); zero on the
@@ -342,7 +361,7 @@ pub fn forward_with(
     }
     let tiles = match gpu.config().fa3_tiles_override() {
         Some(t) => t,
-        None => Fa3Tiles::for_head_dim(p.d, p.causal)?,
+        None => Fa3Tiles::for_problem(p.d, p.causal, p.n_kv)?,
     };
     let s = gpu.stream();
     let (q_ptr, _g0) = q.read_ptr(s);
@@ -356,6 +375,38 @@ pub fn forward_with(
     let kernel =
         Kernel { variant: variant(p.d, p.dtype, p.causal, tiles, schedule), entry: "fa3_forward" };
     launch(gpu, &p, &kernel, tiles, schedule, maps, Fp8Scales::default(), 2)
+}
+
+/// K and V bytes the causal tile order keeps in L2 at a time (the kernel's `tile_at`), unless
+/// [`crate::GpuConfig::fa3_l2_section`] says otherwise. Measured on the H200 at d = 128
+/// (docs/perf-notes.md, "FA3 causal tile order"): sections of 12 MB beat 24 and 48 MB at
+/// n = 512 … 4k, by 9–21 % over one section of every head.
+pub const L2_SECTION_BYTES: usize = 12 << 20;
+
+/// Sections are used only for problems of at most this many query blocks per head, and of at
+/// least [`MIN_SECTION_HEADS`] heads; otherwise the order walks every head at once. A section's
+/// tiles are all the query blocks of its heads, longest first, and the blocks take them in a
+/// static (snake) order: with many query blocks, or few heads, the tiles of one wave vary in
+/// length too much for every block's share to come out even. Measured on the H200: −33 % at
+/// d = 64, n = 8k (43 query blocks of 192 rows, sections of 6 heads); at n = 16k, d = 128,
+/// −28 % with one head per section and −12 % with three.
+pub const MAX_SECTION_QUERY_BLOCKS: usize = 32;
+/// See [`MAX_SECTION_QUERY_BLOCKS`].
+pub const MIN_SECTION_HEADS: usize = 4;
+
+/// How many (head, batch) pairs the causal tile order walks together: as many as whose K and V
+/// fit in `budget` bytes (q heads of one GQA group share theirs), within the limits of
+/// [`MAX_SECTION_QUERY_BLOCKS`] and [`MIN_SECTION_HEADS`] (all of them otherwise), for query
+/// blocks of `br` rows. Without the mask the order ignores it.
+fn section_heads(p: &Problem, br: usize, operand_bytes: usize, budget: usize) -> i32 {
+    let group = (p.heads_q / p.heads_kv.max(1)).max(1);
+    let kv_per_head = (2 * p.n_kv * p.d * operand_bytes).div_ceil(group).max(1);
+    let heads = (p.heads_q * p.batch).max(1);
+    let fit = budget / kv_per_head;
+    let sections =
+        fit >= MIN_SECTION_HEADS && p.n_q.div_ceil(br.max(1)) <= MAX_SECTION_QUERY_BLOCKS;
+    let section = if sections { fit.min(heads) } else { heads };
+    section.min(i32::MAX as usize) as i32
 }
 
 /// Launches the forward kernel on Q, K, V described by `maps` (16-bit or e4m3, as `kernel`'s
@@ -394,6 +445,12 @@ pub(crate) fn launch(
             n_q: nq,
             n_kv: nkv,
             scale_log2: p.scale_log2(),
+            section_heads: section_heads(
+                p,
+                tiles.br(),
+                operand_bytes,
+                gpu.config().fa3_l2_section_override().unwrap_or(L2_SECTION_BYTES),
+            ),
         };
         // Persistent blocks, one per SM, each walking the tiles (query block, head, batch); or one
         // block per tile (the kernel's tile loop then runs once).
@@ -426,6 +483,10 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
                 }
             }
         }
+    }
+    for &dtype in DTYPES {
+        let short = Fa3Tiles::for_problem(128, true, SHORT_CAUSAL_KEYS).expect("d = 128 has tiles");
+        all.push(variant(128, dtype, true, short, Schedule::default()));
     }
     for (pingpong, overlap) in [(false, true), (true, false), (false, false)] {
         for causal in [false, true] {
@@ -486,9 +547,41 @@ mod tests {
     }
 
     #[test]
+    fn causal_sections_follow_the_l2_budget_within_their_limits() {
+        let problem = |batch, heads_q, heads_kv, n, d| Problem {
+            batch,
+            heads_q,
+            heads_kv,
+            n_q: n,
+            n_kv: n,
+            d,
+            dtype: DType::F16,
+            scale: 1.0,
+            causal: true,
+        };
+        let budget = L2_SECTION_BYTES;
+        // n = 512, d = 128: 256 KB of K and V per head, 48 of 512 heads per section.
+        assert_eq!(section_heads(&problem(32, 16, 16, 512, 128), 128, 2, budget), 48);
+        // GQA 4: four q heads share one kv head's K and V.
+        assert_eq!(section_heads(&problem(32, 16, 4, 512, 128), 128, 2, budget), 192);
+        // Fewer heads than fit: one section.
+        assert_eq!(section_heads(&problem(1, 16, 16, 512, 128), 128, 2, budget), 16);
+        // n = 4k: 32 query blocks of 128 rows, 6 heads of 2 MB each.
+        assert_eq!(section_heads(&problem(4, 16, 16, 4096, 128), 128, 2, budget), 6);
+        // More query blocks than MAX_SECTION_QUERY_BLOCKS, or fewer heads per section than
+        // MIN_SECTION_HEADS: every head at once.
+        assert_eq!(section_heads(&problem(2, 32, 32, 8192, 64), 192, 2, budget), 64);
+        assert_eq!(section_heads(&problem(1, 16, 16, 16384, 128), 128, 2, budget), 16);
+        assert_eq!(section_heads(&problem(2, 16, 16, 4096, 256), 128, 2, budget), 32);
+        // e4m3 operands take half the bytes: twice the heads.
+        assert_eq!(section_heads(&problem(32, 16, 16, 512, 128), 128, 1, budget), 96);
+    }
+
+    #[test]
     fn params_are_laid_out_as_the_kernel_expects() {
         // Three 128-byte maps, then the pointers at byte 384: o, lse, four scales, the sizes.
         assert_eq!(std::mem::align_of::<ForwardParams>(), 128);
+        assert_eq!(std::mem::offset_of!(ForwardParams, section_heads), 384 + 16 + 32 + 24);
         assert_eq!(std::mem::offset_of!(ForwardParams, o), 384);
         assert_eq!(std::mem::offset_of!(ForwardParams, scales), 384 + 16);
         assert_eq!(std::mem::offset_of!(ForwardParams, scale_log2), 384 + 16 + 32 + 20);

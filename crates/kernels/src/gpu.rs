@@ -9,7 +9,8 @@ use std::path::PathBuf;
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, LaunchConfig,
+    PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -78,6 +79,7 @@ pub struct GpuConfig {
     fa2_forward_tiles: Option<ForwardTiles>,
     fa3_schedule: Option<Schedule>,
     fa3_tiles: Option<Fa3Tiles>,
+    fa3_l2_section: Option<usize>,
 }
 
 impl GpuConfig {
@@ -142,6 +144,19 @@ impl GpuConfig {
         self
     }
 
+    /// K and V bytes the causal FA3 kernel's tile order keeps in L2 at a time, instead of the
+    /// default (`fa3::L2_SECTION_BYTES`; for tuning, and for tests of the order: the order never
+    /// changes a result).
+    pub fn fa3_l2_section(mut self, bytes: usize) -> GpuConfig {
+        self.fa3_l2_section = Some(bytes);
+        self
+    }
+
+    /// The byte count set with [`GpuConfig::fa3_l2_section`], if any.
+    pub fn fa3_l2_section_override(&self) -> Option<usize> {
+        self.fa3_l2_section
+    }
+
     /// The FA3 tiles set with [`GpuConfig::fa3_tiles`], if any.
     pub fn fa3_tiles_override(&self) -> Option<Fa3Tiles> {
         self.fa3_tiles
@@ -181,6 +196,24 @@ pub struct Gpu {
     functions: Mutex<HashMap<(Variant, &'static str), CudaFunction>>,
     poison_outputs: AtomicBool,
     sync_launches: AtomicBool,
+    /// Memory the kernels reuse from call to call ([`Gpu::with_scratch`]).
+    scratch: Mutex<ScratchBuffers>,
+}
+
+/// The buffers behind [`Gpu::with_scratch`], allocated when first needed.
+#[derive(Default)]
+struct ScratchBuffers {
+    counters: Option<CudaSlice<u32>>,
+    floats: Option<CudaSlice<f32>>,
+}
+
+/// Device addresses of the scratch memory [`Gpu::with_scratch`] lends to a launch.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Scratch {
+    /// `u32` counters, zero.
+    pub counters: u64,
+    /// `f32` workspace.
+    pub floats: u64,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -259,6 +292,7 @@ impl Gpu {
             functions: Mutex::new(HashMap::new()),
             poison_outputs: AtomicBool::new(config.poison_outputs),
             sync_launches: AtomicBool::new(config.sync_launches),
+            scratch: Mutex::new(ScratchBuffers::default()),
             config,
         })
     }
@@ -479,6 +513,62 @@ impl Gpu {
         }
         functions.insert(key, f.clone());
         Ok(f)
+    }
+
+    /// Run `launch` with scratch memory that lives from call to call instead of being allocated
+    /// per call (an allocation and a free cost the host microseconds, a sizeable share of a
+    /// decoding step): at least `counters` `u32` counters that are zero, and that its kernels must
+    /// leave zero (the decoding kernel's last block per group resets its count), and at least
+    /// `floats` `f32` of workspace whose contents do not outlive the call (NaN first when outputs
+    /// are poisoned, so that a kernel reading what no kernel wrote fails its tests). Calls on this
+    /// `Gpu` follow each other in stream order, so one call's kernels never overlap the next's; the
+    /// lock, held for the launches, keeps two threads sharing this `Gpu` from freeing a buffer
+    /// under each other's launches. Buffers grow to a power of two and never shrink.
+    pub(crate) fn with_scratch<R>(
+        &self,
+        counters: usize,
+        floats: usize,
+        launch: impl FnOnce(Scratch) -> Result<R>,
+    ) -> Result<R> {
+        let mut held = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let ScratchBuffers { counters: c, floats: f } = &mut *held;
+        let (c, f) = (self.grown(c, counters)?, self.grown(f, floats)?);
+        if self.poison_outputs.load(Ordering::Relaxed) {
+            let (ptr, _guard) = f.device_ptr_mut(&self.stream);
+            // SAFETY: ptr addresses at least `floats` f32 owned by `f`, on this stream.
+            unsafe {
+                cudarc::driver::result::memset_d8_async(
+                    ptr,
+                    0xff,
+                    4 * floats,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(KernelError::driver("poisoning the workspace"))?;
+        }
+        let (counters, _g0) = c.device_ptr_mut(&self.stream);
+        let (floats, _g1) = f.device_ptr_mut(&self.stream);
+        launch(Scratch { counters, floats })
+    }
+
+    /// `slot`'s buffer, replaced by a zeroed one of the next power of two past `n` when smaller
+    /// (the old one is freed in stream order, after the kernels that used it).
+    fn grown<'s, T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        slot: &'s mut Option<CudaSlice<T>>,
+        n: usize,
+    ) -> Result<&'s mut CudaSlice<T>> {
+        let need = n.max(1);
+        let buffer = match slot.take() {
+            Some(b) if b.len() >= need => b,
+            _ => {
+                let len = need.next_power_of_two();
+                self.stream
+                    .alloc_zeros::<T>(len)
+                    .map_err(KernelError::alloc(len * std::mem::size_of::<T>()))?
+            }
+        };
+        Ok(slot.insert(buffer))
     }
 
     /// Make sure `kernel` is compiled and loaded for `dynamic_smem` bytes of shared memory, so

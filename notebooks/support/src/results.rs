@@ -370,14 +370,17 @@ pub fn color_of(implementation: &str) -> RGBColor {
         "sdpa-efficient" => RGBColor(130, 90, 180),
         "triton" => RGBColor(140, 80, 60),
         "triton-fp8" => RGBColor(205, 150, 20),
+        "flashinfer" => RGBColor(140, 86, 75),
         // Variants of our kernels (an ablation, a tuning run) and anything else: a dark grey.
         _ => RGBColor(90, 90, 90),
     }
 }
 
-/// One of the ladder's kernels (as opposed to a peer: PyTorch's back-ends, Triton).
+/// One of the ladder's kernels (as opposed to a peer: PyTorch's back-ends, Triton, FlashInfer).
 pub fn is_ours(implementation: &str) -> bool {
-    !implementation.starts_with("sdpa") && !implementation.starts_with("triton")
+    !implementation.starts_with("sdpa")
+        && !implementation.starts_with("triton")
+        && implementation != "flashinfer"
 }
 
 /// The ceilings measured on the card (`docs/conventions.md`, "Measured ceilings on the H200"),

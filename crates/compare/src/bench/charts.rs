@@ -17,10 +17,10 @@ use plotters::prelude::*;
 use anyhow::bail;
 use ladder_compare::results::{self, Row};
 
-use super::report::{impl_rank, render_side_by_side};
+use super::report::{impl_rank, is_peer, render_side_by_side};
 
 /// Line colours of the known implementations; others take [`SPARE_COLORS`].
-const COLORS: [(&str, RGBColor); 9] = [
+const COLORS: [(&str, RGBColor); 10] = [
     ("fa1", RGBColor(148, 103, 189)),              // purple
     ("fa2", RGBColor(214, 39, 40)),                // red
     ("fa2-det", RGBColor(227, 119, 194)),          // pink
@@ -30,8 +30,9 @@ const COLORS: [(&str, RGBColor); 9] = [
     ("sdpa-cudnn", RGBColor(44, 160, 44)),         // green
     ("sdpa-efficient", RGBColor(255, 127, 14)),    // orange
     ("triton", RGBColor(23, 190, 207)),            // cyan
+    ("flashinfer", RGBColor(140, 86, 75)),         // brown
 ];
-const SPARE_COLORS: [RGBColor; 2] = [RGBColor(140, 86, 75), RGBColor(127, 127, 127)];
+const SPARE_COLORS: [RGBColor; 2] = [RGBColor(188, 128, 0), RGBColor(127, 127, 127)];
 
 /// The colour of implementation `name` (the `i`-th series of its chart).
 fn color_of(name: &str, i: usize) -> RGBColor {
@@ -278,7 +279,7 @@ fn draw_decode_series(
     }
     for (i, (((_, name), Reverse(heads_kv), heads_q), points)) in chart.iter().enumerate() {
         let color = color_of(name, i);
-        let ours = !name.starts_with("sdpa") && name != "triton";
+        let ours = !is_peer(name);
         let style = color.stroke_width(if ours { 3 } else { 2 });
         let pts: Vec<(f64, f64)> = points.iter().map(|(&n, &t)| ((n as f64).log2(), t)).collect();
         // Grouped-query attention dashed, one kv head per query head solid.

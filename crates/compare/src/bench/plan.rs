@@ -533,8 +533,9 @@ impl Plan {
             let per_shape = format!("{tokens} / {layouts}");
             notes.push(format!(
                 "decode: {} shape(s), {per_shape} ({} cases); each KV cache allocated once per \
-                 shape and layout with every sequence full, pages in shuffled order; TB/s = bytes \
-                 of K and V / time; splits: {}",
+                 shape and layout with every sequence full, pages in shuffled order; O and lse \
+                 allocated once per case (decode::forward_into); TB/s = bytes of K and V / time; \
+                 splits: {}",
                 self.decode.len(),
                 self.decode_cases(),
                 self.splits

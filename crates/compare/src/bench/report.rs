@@ -14,7 +14,14 @@ use ladder_kernels::Gpu;
 
 /// The peers `scripts/peers.py` times, in the order they follow the GPU rungs in tables and chart
 /// legends; other names come last, alphabetically.
-const PEER_ORDER: [&str; 4] = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "triton"];
+const PEER_ORDER: [&str; 6] =
+    ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "triton", "triton-fp8", "flashinfer"];
+
+/// Whether `name` is a peer measured by `scripts/peers.py` (PyTorch SDPA's backends, the Triton
+/// tutorial's kernels, FlashInfer) rather than one of our kernels or a variant of one.
+pub fn is_peer(name: &str) -> bool {
+    name.starts_with("sdpa") || name.starts_with("triton") || name == "flashinfer"
+}
 
 /// Sort key of an implementation name: the GPU rungs in table order, the peers in
 /// [`PEER_ORDER`], then the rest.

@@ -110,7 +110,7 @@ impl DecodeSet {
 }
 
 /// Prepare a decoding case of `rung` on `sets`, `n_new` new tokens per sequence, every sequence
-/// `lengths[b]` long; the step then runs one call on input set `i`.
+/// `lengths[b]` long; the step then runs one call on input set `i`, into outputs allocated once.
 pub(super) fn decode_step<'a>(
     rung: GpuRung,
     gpu: &'a Gpu,
@@ -119,13 +119,21 @@ pub(super) fn decode_step<'a>(
     lengths: &'a [usize],
     opts: DecodeOptions,
 ) -> ladder_kernels::Result<Step<'a>> {
-    let Kernels::Decode(forward) = rung.kernels() else {
+    let Kernels::Decode(_) = rung.kernels() else {
         return Err(KernelError::Config(format!("{rung} is not a decoding kernel")));
+    };
+    let opts = rung.decode_options(&opts);
+    // O and lse are allocated once per case and overwritten by every call
+    // (decode::forward_into), as a serving loop keeps them from one step to the next.
+    let q = sets.first().ok_or_else(|| KernelError::Config("no input set".into()))?.q(n_new)?;
+    let mut out = Output {
+        o: gpu.zeros(q.shape(), q.dtype())?,
+        lse: gpu.zeros(&q.shape()[..3], DType::F32)?,
     };
     Ok(Box::new(move |i| {
         let s = &sets[i];
-        let out = forward(gpu, s.q(n_new)?, s.cache(lengths), &opts)?;
-        Ok(vec![out.o, out.lse])
+        decode::forward_into(gpu, s.q(n_new)?, s.cache(lengths), &opts, &mut out)?;
+        Ok(Vec::new())
     }))
 }
 

@@ -176,7 +176,8 @@ pub fn dispatch(
 
 /// What a call with `strategy` and `splits` (both from [`super::DecodeOptions`]) runs: the
 /// strategy resolved ([`dispatch`] for `Auto`, the rows for `FlashDecodingPp`) and the given split
-/// count, or [`num_splits`] over that kernel's blocks. A split count of 0 is an error.
+/// count, or [`num_splits`] over that kernel's blocks. A split count of 0 or more than
+/// [`MAX_SPLITS`] is an error.
 pub fn plan(
     strategy: Strategy,
     splits: Option<usize>,
@@ -187,10 +188,10 @@ pub fn plan(
 ) -> Result<Plan> {
     let strategy = strategy.kernel(rows_per_kv_head, max_len, batch_heads_kv, sm_count);
     let splits = match splits {
-        Some(0) => {
-            return Err(KernelError::Config(
-                "flash_decoding: splits must be at least 1".to_string(),
-            ));
+        Some(s) if s == 0 || s > MAX_SPLITS => {
+            return Err(KernelError::Config(format!(
+                "flash_decoding: {s} splits; expected 1 to {MAX_SPLITS}"
+            )));
         }
         Some(s) => s,
         None => splits_for(strategy, rows_per_kv_head, max_len, batch_heads_kv, sm_count),
@@ -282,13 +283,16 @@ mod tests {
         assert_eq!(blocks_per_split(Strategy::FlatGemm, 9), 1);
         assert_eq!(blocks_per_split(Strategy::FlashDecoding, 40), 2);
         assert_eq!(blocks_per_split(Strategy::Gemv, 0), 1);
-        // A given split count is kept; 0 is an error.
+        // A given split count is kept; 0 and more than MAX_SPLITS are errors.
         let p = plan(Strategy::Auto, Some(7), 1, 100, 1, sms).unwrap();
         assert_eq!(p, Plan { strategy: Strategy::FlashDecoding, splits: 7 });
-        assert!(matches!(
-            plan(Strategy::Gemv, Some(0), 1, 100, 1, sms),
-            Err(KernelError::Config(_))
-        ));
+        assert_eq!(plan(Strategy::Auto, Some(MAX_SPLITS), 1, 100, 1, sms).unwrap().splits, 128);
+        for bad in [0, MAX_SPLITS + 1] {
+            assert!(matches!(
+                plan(Strategy::Gemv, Some(bad), 1, 100, 1, sms),
+                Err(KernelError::Config(_))
+            ));
+        }
     }
 
     #[test]
