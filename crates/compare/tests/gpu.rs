@@ -294,19 +294,19 @@ fn gpu_fa3_ablation_variants_equal_the_full_kernel() {
 }
 
 /// The causal FA3 kernel walks its tiles in sections of heads sized to keep their K and V in L2
-/// (`fa3::L2_SECTION_BYTES`). Any section size (4, 5 or 7 of 12 heads, the last section short, or
+/// (`fa3::L2_SECTION_BYTES`). Any section size (4, 5 or 7 of 32 heads, the last section short, or
 /// all heads at once) gives the same bits: the order moves tiles between blocks, it never changes
-/// a tile's arithmetic.
+/// a tile's arithmetic. 160 tiles: more than an H200's 132 blocks, so blocks walk several.
 #[test]
 fn gpu_fa3_causal_tile_order_does_not_change_the_bits() {
     // Each section size runs on a `Gpu` of its own (the size is part of its configuration).
     if hopper().is_none() {
         return;
     }
-    // 3 sequences × 4 q heads (2 kv heads), 5 query blocks of 128 rows: 60 tiles. One q head's
+    // 8 sequences × 4 q heads (2 kv heads), 5 query blocks of 128 rows: 160 tiles. One q head's
     // share of K and V: 1029 keys × 128 × 2 tensors × 2 bytes / 2 q heads per kv head.
     let per_head = 1029 * 128 * 2;
-    let case = fa3_case(3, true, 78);
+    let case = fa3_case(8, true, 78);
     let x = device_inputs(&case, DType::F16);
     let (_, opts) = options(&case.attention(), 128);
     let run = |section: Option<usize>| {

@@ -461,6 +461,49 @@ fn gpu_decode_gives_the_same_bits_whatever_ran_before() {
     }
 }
 
+/// A NaN in one query row makes that row's `O` and `lse` NaN, as in the CPU rung, for every split
+/// count: one split writes the row itself, more go through the combine, whose max must not skip a
+/// split's NaN `lse_s`. Every other row keeps its bits.
+#[test]
+fn gpu_decode_a_nan_query_row_is_nan_for_every_split_count() {
+    let Some(gpu) = gpu() else { return };
+    for case in [&cases(DType::F16)[0], &cases(DType::BF16)[3]] {
+        let x = case.inputs();
+        let dev = upload(gpu, case, &x, Layout::Contiguous);
+        // Query head 1, new token 0 of sequence 0 gets a NaN in one column.
+        let mut q = x.q.clone();
+        q[[0, 1, 0, 5]] = f32::NAN;
+        let nan_q =
+            upload_values(gpu, &q.iter().copied().collect::<Vec<_>>(), q.shape(), case.dtype);
+        for splits in [Some(1), Some(3), None] {
+            let opts = case.decode_options(DecodeStrategy::FlashDecoding, splits, 0.0);
+            let call = |q: &Tensor| {
+                let out =
+                    decode::forward(gpu, q, dev.cache(&case.lengths), &opts).expect("forward");
+                to_host(case, &out)
+            };
+            let ((o_want, lse_want), (o, lse)) = (call(&dev.q), call(&nan_q));
+            let what = format!("{case:?} splits {splits:?}");
+            assert!(
+                o.slice(s![0, 1, 0, ..]).iter().all(|v| v.is_nan()),
+                "{what}: O of the NaN row"
+            );
+            assert!(lse[[0, 1, 0]].is_nan(), "{what}: lse of the NaN row is {}", lse[[0, 1, 0]]);
+            let bits = |a: &[f32]| a.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            for ((index, got), want) in o.indexed_iter().zip(o_want.iter()) {
+                let (b, h, t, _) = index;
+                if (b, h, t) != (0, 1, 0) {
+                    assert_eq!(got.to_bits(), want.to_bits(), "{what}: O{index:?} changed");
+                }
+            }
+            let (mut lse, mut lse_want) = (lse.clone(), lse_want.clone());
+            lse[[0, 1, 0]] = 0.0;
+            lse_want[[0, 1, 0]] = 0.0;
+            assert_eq!(bits(lse.as_slice().unwrap()), bits(lse_want.as_slice().unwrap()), "{what}");
+        }
+    }
+}
+
 /// `decode::forward_into` writes what `forward` returns, bit for bit and every element (its
 /// outputs are NaN first), call after call into the same tensors; outputs of another shape or
 /// dtype are errors.
@@ -480,6 +523,9 @@ fn gpu_decode_forward_into_equals_forward() {
             };
             let mut out = Output { o: nan(&o_shape, dtype), lse: nan(&o_shape[..3], DType::F32) };
             for splits in [Some(3), None, Some(1), Some(64)] {
+                // NaN before every call, so that an element the call leaves alone cannot match.
+                gpu.fill_bytes(&mut out.o, 0xff).expect("fill");
+                gpu.fill_bytes(&mut out.lse, 0xff).expect("fill");
                 let opts = case.decode_options(DecodeStrategy::FlashDecoding, splits, 0.0);
                 let cache = dev.cache(&case.lengths);
                 decode::forward_into(gpu, &dev.q, cache, &opts, &mut out).expect("forward_into");

@@ -149,7 +149,7 @@ static_assert(ROWS * (MAX_SPLITS + 2) <= WARPS * ROWS * (RED_STRIDE + 2), "combi
 // or [num_pages, heads_kv, page_size, D] (paged, with page_table [batch, max_pages]); lengths[b]
 // is the number of valid cache entries of sequence b (the new tokens included). Workspaces, f32:
 // o_part [batch, heads_q, n_new, splits, D] and lse_part [batch, heads_q, n_new, splits]; lse is
-// [batch, heads_q, n_new], natural log. Both kernels take the same struct.
+// [batch, heads_q, n_new], natural log.
 struct FdParams {
     const u16* q;
     const u16* k;
@@ -175,7 +175,6 @@ struct FdParams {
     int log2_page;     // paged: page_size = 2^log2_page
     int splits;
     int row_blocks;    // blocks per (split, kv head, sequence): ceil(R / ROWS)
-    int rows;          // batch · heads_q · n_new: output rows
     float scale_log2;  // softmax scale · log2(e)
     int lengths[FD_MAX_BATCH];
 };
@@ -239,13 +238,18 @@ __device__ void combine_rows(const FdParams& p, size_t row0, int RB, float* smem
         const float* lse_s = p.lse_part + (row0 + r) * splits;
         float x[PER_LANE];
         float m = LADDER_NEG_INF;
+        bool nan = false;
 #pragma unroll
         for (int i = 0; i < PER_LANE; ++i) {
             const int s = lane + 32 * i;
             x[i] = s < splits ? __ldcg(lse_s + s) : LADDER_NEG_INF;
             m = fmaxf(m, x[i]);
+            nan |= x[i] != x[i];
         }
         m = warp_max(m);
+        // fmaxf skips NaN; a split whose scores met a NaN (lse_s = NaN) makes the row NaN, as with
+        // one split and in the CPU rung, instead of dropping out of it.
+        if (__any_sync(0xffffffff, nan)) m = __int_as_float(0x7fc00000);
         float l = 0.f;
 #pragma unroll
         for (int i = 0; i < PER_LANE; ++i) {

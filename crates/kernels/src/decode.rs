@@ -155,7 +155,7 @@ pub const MAX_LENGTH: usize = i32::MAX as usize - 1024;
 pub fn stages(arch: &str) -> usize {
     if arch.starts_with("sm_90") { 3 } else { 2 }
 }
-/// Output rows per block of the combine kernel (one warp each).
+/// Output rows per block of FlashDecoding++'s combine kernel (one warp each).
 const COMBINE_ROWS_PER_BLOCK: usize = 4;
 
 /// A contiguous KV cache: K and V `[batch, heads_kv, capacity, d]`, and the number of valid
@@ -585,8 +585,7 @@ pub(crate) fn variants() -> Vec<Variant> {
     all
 }
 
-/// Mirror of `FdParams` in `cuda/flash_decoding.cu` (device pointers as `u64`); both kernels
-/// take it.
+/// Mirror of `FdParams` in `cuda/flash_decoding.cu` (device pointers as `u64`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 struct Params {
@@ -609,7 +608,6 @@ struct Params {
     log2_page: i32,
     splits: i32,
     row_blocks: i32,
-    rows: i32,
     scale_log2: f32,
     lengths: [i32; MAX_BATCH_PER_LAUNCH],
 }
@@ -867,7 +865,8 @@ impl Shape {
 ///
 /// The kernels are FlashDecoding's or FlashDecoding++'s, as [`DecodeOptions::strategy`] says
 /// ([`Strategy::Auto`]: [`dispatch`] picks); see the module docs. Errors: shapes, element types,
-/// lengths, the page table, a split count of 0, a `φ` that is not finite or a bad safe window.
+/// lengths, the page table, a split count outside `1..=`[`MAX_SPLITS`], a `φ` that is not finite or a
+/// bad safe window.
 ///
 /// ```no_run
 /// use ladder_kernels::{DType, Gpu, decode};
@@ -1171,7 +1170,6 @@ fn launch(
                 log2_page: log2_page as i32,
                 splits: splits_i,
                 row_blocks: fd_row_blocks as i32,
-                rows: chunk_rows as i32,
                 scale_log2: p.scale * std::f32::consts::LOG2_E,
                 lengths: chunk_lengths,
             };
@@ -1199,7 +1197,7 @@ fn launch(
                     log2_page: params.log2_page,
                     splits: splits_i,
                     row_blocks: *row_blocks as i32,
-                    rows: params.rows,
+                    rows: chunk_rows as i32,
                     scale_log2: params.scale_log2,
                     phi: w.phi,
                     phi_log2: w.phi_log2,
@@ -1296,11 +1294,11 @@ mod tests {
 
     #[test]
     fn params_are_laid_out_like_the_cuda_struct() {
-        // 10 pointers, 10 ints, a float, then the lengths; 8-byte aligned.
+        // 10 pointers, 9 ints, a float, then the lengths; 8-byte aligned.
         assert_eq!(std::mem::offset_of!(Params, heads_q), 80);
-        assert_eq!(std::mem::offset_of!(Params, scale_log2), 120);
-        assert_eq!(std::mem::offset_of!(Params, lengths), 124);
-        assert_eq!(std::mem::size_of::<Params>(), 1152);
+        assert_eq!(std::mem::offset_of!(Params, scale_log2), 116);
+        assert_eq!(std::mem::offset_of!(Params, lengths), 120);
+        assert_eq!(std::mem::size_of::<Params>(), 1144);
     }
 
     fn desc(shape: &[usize], dtype: DType) -> Desc<'_> {

@@ -200,6 +200,10 @@ pub struct Gpu {
     scratch: Mutex<ScratchBuffers>,
 }
 
+/// Elements the scratch buffers grow by ([`Gpu::with_scratch`]): calls of nearby sizes share a
+/// buffer without reallocating, and a large one costs at most this much more than it needs.
+const SCRATCH_GRANULE: usize = 1 << 16;
+
 /// The buffers behind [`Gpu::with_scratch`], allocated when first needed.
 #[derive(Default)]
 struct ScratchBuffers {
@@ -523,7 +527,10 @@ impl Gpu {
     /// are poisoned, so that a kernel reading what no kernel wrote fails its tests). Calls on this
     /// `Gpu` follow each other in stream order, so one call's kernels never overlap the next's; the
     /// lock, held for the launches, keeps two threads sharing this `Gpu` from freeing a buffer
-    /// under each other's launches. Buffers grow to a power of two and never shrink.
+    /// under each other's launches. Buffers grow in steps of [`SCRATCH_GRANULE`] elements and
+    /// shrink only with [`Gpu::release_scratch`]. A buffer that grows is freed in stream order,
+    /// after the work queued before it, so these calls are not for CUDA-graph capture (a graph
+    /// would keep the old address).
     pub(crate) fn with_scratch<R>(
         &self,
         counters: usize,
@@ -551,8 +558,17 @@ impl Gpu {
         launch(Scratch { counters, floats })
     }
 
-    /// `slot`'s buffer, replaced by a zeroed one of the next power of two past `n` when smaller
-    /// (the old one is freed in stream order, after the kernels that used it).
+    /// Free the scratch memory the decoding kernels keep from call to call (their workspaces grow
+    /// with the largest call so far: batch × query heads × new tokens × splits × (d + 1) floats).
+    /// The next call allocates what it needs again.
+    pub fn release_scratch(&self) {
+        let mut held = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        *held = ScratchBuffers::default();
+    }
+
+    /// `slot`'s buffer, replaced by a zeroed one of `n` rounded up to [`SCRATCH_GRANULE`]
+    /// elements when smaller (the old one is freed in stream order, after the kernels that used
+    /// it).
     fn grown<'s, T: DeviceRepr + ValidAsZeroBits>(
         &self,
         slot: &'s mut Option<CudaSlice<T>>,
@@ -562,7 +578,7 @@ impl Gpu {
         let buffer = match slot.take() {
             Some(b) if b.len() >= need => b,
             _ => {
-                let len = need.next_power_of_two();
+                let len = need.next_multiple_of(SCRATCH_GRANULE);
                 self.stream
                     .alloc_zeros::<T>(len)
                     .map_err(KernelError::alloc(len * std::mem::size_of::<T>()))?
