@@ -222,11 +222,6 @@ impl Results {
             .filter(|r| impls.is_empty() || impls.contains(&r.implementation.as_str()))
             .collect()
     }
-
-    /// The charts of [`charts`] for `impls`.
-    pub fn charts(&self, impls: &[&str]) -> Figures {
-        charts(&self.select(impls))
-    }
 }
 
 /// Charts of `rows`: TFLOP/s of the prefill cases, one chart per direction, and TB/s of the
@@ -807,9 +802,10 @@ pub fn committed_sweep(folder: &str, file: &str) -> Result<Option<Vec<SweepRow>>
     }
 }
 
-/// The "on the GPU" cell of a rung notebook, drawn against the sequence length: like
-/// [`gpu_section`], but one figure of [`against_n`] per direction in `directions` in which the
-/// rung (the first of `impls`) was measured.
+/// The "on the GPU" cell of a rung notebook: the H200 figures of `impls` (the rung first, then
+/// what to compare it with), one figure of [`against_n`] per direction in `directions` in which
+/// the rung was measured, when `docs/results/h200/bench.csv` has rows of the rung itself; else
+/// the message saying the rung has not been measured (the peers alone would chart other problems).
 pub fn gpu_section_against_n(impls: &[&str], directions: &[&str], style: AgainstN) -> Figures {
     match load() {
         Ok(Some(results)) => {
@@ -843,36 +839,6 @@ impl Figures {
         if !self.0.is_empty() {
             let html: String = self.0.iter().map(|svg| format!("<div>{svg}</div>")).collect();
             println!("EVCXR_BEGIN_CONTENT text/html\n{html}\nEVCXR_END_CONTENT");
-        }
-    }
-}
-
-/// The "on the GPU" cell of a rung notebook: the H200 figures of `impls` (the rung first, then
-/// what to compare it with) when `docs/results/h200/bench.csv` has rows of the rung itself; else
-/// the message saying the rung has not been measured (the peers alone would chart other problems).
-pub fn gpu_section(impls: &[&str]) -> Figures {
-    match load() {
-        Ok(Some(results)) => {
-            let rung = impls.first().copied().unwrap_or_default();
-            if results.select(&[rung]).is_empty() {
-                println!(
-                    "No GPU measurements of {rung} are committed: this rung has no GPU kernel \
-                     yet. Notebook 08 charts the H200 results of the kernels that exist \
-                     ({}).",
-                    results.provenance()
-                );
-                return Figures(Vec::new());
-            }
-            println!("{}", results.provenance());
-            results.charts(impls)
-        }
-        Ok(None) => {
-            println!("{NOT_MEASURED}");
-            Figures(Vec::new())
-        }
-        Err(e) => {
-            println!("The committed results could not be read: {e}");
-            Figures(Vec::new())
         }
     }
 }
