@@ -201,12 +201,20 @@ pub enum Cache<'a> {
     Paged(PagedKvCache<'a>),
 }
 
-impl Cache<'_> {
+impl<'a> Cache<'a> {
     /// Valid entries of each sequence.
     pub fn lengths(&self) -> &[usize] {
         match self {
             Cache::Contiguous(c) => c.lengths,
             Cache::Paged(c) => c.lengths,
+        }
+    }
+
+    /// K, V, and the page table of a paged cache.
+    fn buffers(&self) -> (&'a Tensor, &'a Tensor, Option<&'a PageTable>) {
+        match *self {
+            Cache::Contiguous(c) => (c.k, c.v, None),
+            Cache::Paged(c) => (c.k_pages, c.v_pages, Some(c.page_table)),
         }
     }
 }
@@ -908,8 +916,9 @@ pub fn forward<'a>(
     opts: &DecodeOptions,
 ) -> Result<Output> {
     let cache = cache.into();
-    let mut out = new_output(gpu, q, &cache, opts)?;
-    launch(gpu, q, cache, opts, &mut out)?;
+    let call = check_call(gpu, q, &cache, opts)?;
+    let mut out = call.new_output(gpu)?;
+    launch(gpu, q, cache, &call, &mut out)?;
     Ok(out)
 }
 
@@ -943,7 +952,9 @@ pub fn forward_into<'a>(
     opts: &DecodeOptions,
     out: &mut Output,
 ) -> Result<()> {
-    launch(gpu, q, cache.into(), opts, out).map(|_| ())
+    let cache = cache.into();
+    let call = check_call(gpu, q, &cache, opts)?;
+    launch(gpu, q, cache, &call, out).map(|_| ())
 }
 
 /// [`forward`], and what it did: the kernel and split count that ran, and for FlashDecoding++ the
@@ -975,9 +986,10 @@ pub fn forward_with_stats<'a>(
     opts: &DecodeOptions,
 ) -> Result<(Output, DecodeStats)> {
     let cache = cache.into();
-    let mut out = new_output(gpu, q, &cache, opts)?;
-    let launched = launch(gpu, q, cache, opts, &mut out)?;
-    let fallback_rows = match &launched.fallback {
+    let call = check_call(gpu, q, &cache, opts)?;
+    let mut out = call.new_output(gpu)?;
+    let fallback = launch(gpu, q, cache, &call, &mut out)?;
+    let fallback_rows = match &fallback {
         None => None,
         Some(flags) => {
             let flags = flags
@@ -987,24 +999,46 @@ pub fn forward_with_stats<'a>(
             Some(flags.iter().filter(|&&f| f != 0).count())
         }
     };
-    Ok((out, DecodeStats { plan: launched.plan, fallback_rows }))
+    Ok((out, DecodeStats { plan: call.plan, fallback_rows }))
 }
 
-/// `O` and `lse` for a call, uninitialised (NaN when outputs are poisoned), after the call's checks.
-fn new_output(gpu: &Gpu, q: &Tensor, cache: &Cache<'_>, opts: &DecodeOptions) -> Result<Output> {
-    let p = Shape::check(Desc::of(q), &CacheDesc::of(cache), opts)?;
-    let o_shape = p.o_shape();
-    Ok(Output { o: gpu.output(&o_shape, p.dtype)?, lse: gpu.output(&o_shape[..3], DType::F32)? })
-}
-
-/// A launched call: its plan and, for FlashDecoding++, the fallback flags (one `i32` per output
-/// row, 1 where FlashDecoding recomputed the row).
-struct Launched {
+/// A call that passed its checks: its shapes and its plan (kernel and split count).
+struct Call {
+    shape: Shape,
     plan: Plan,
-    fallback: Option<CudaSlice<i32>>,
 }
 
-/// Every check, then the launches of one call:
+/// A call's checks, before anything is allocated or launched: the inputs on this `Gpu`'s stream,
+/// the shapes and options, and the plan.
+fn check_call(gpu: &Gpu, q: &Tensor, cache: &Cache<'_>, opts: &DecodeOptions) -> Result<Call> {
+    let (k, v, table) = cache.buffers();
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        gpu.check_context(t, name)?;
+    }
+    if let Some(table) = table {
+        gpu.check_stream(table.stream(), "page_table")?;
+    }
+    let shape = Shape::check(Desc::of(q), &CacheDesc::of(cache), opts)?;
+    let max_len = cache.lengths().iter().copied().max().unwrap_or(0);
+    let batch_heads_kv = shape.batch * shape.heads_kv;
+    let sm_count = gpu.sm_count() as usize;
+    let r = shape.rows_per_kv_head();
+    let plan = plan(opts.strategy, opts.splits, r, max_len, batch_heads_kv, sm_count)?;
+    Ok(Call { shape, plan })
+}
+
+impl Call {
+    /// `O` and `lse` for the call, uninitialised (NaN when outputs are poisoned).
+    fn new_output(&self, gpu: &Gpu) -> Result<Output> {
+        let o_shape = self.shape.o_shape();
+        let o = gpu.output(&o_shape, self.shape.dtype)?;
+        Ok(Output { o, lse: gpu.output(&o_shape[..3], DType::F32)? })
+    }
+}
+
+/// The launches of one checked call ([`check_call`]), into `out` (checked here); returns
+/// FlashDecoding++'s fallback flags when it ran (one `i32` per output row, 1 where FlashDecoding
+/// recomputed the row):
 ///
 /// - FlashDecoding: `flash_decoding_split` (whose last block per group of splits combines them);
 /// - FlashDecoding++: `flash_decoding_pp_split`, `flash_decoding_pp_combine` (which flags the rows
@@ -1019,30 +1053,16 @@ fn launch(
     gpu: &Gpu,
     q: &Tensor,
     cache: Cache<'_>,
-    opts: &DecodeOptions,
+    Call { shape: p, plan }: &Call,
     out: &mut Output,
-) -> Result<Launched> {
-    let (k, v) = match cache {
-        Cache::Contiguous(c) => (c.k, c.v),
-        Cache::Paged(c) => (c.k_pages, c.v_pages),
-    };
-    for (name, t) in [("q", q), ("k", k), ("v", v), ("o", &out.o), ("lse", &out.lse)] {
+) -> Result<Option<CudaSlice<i32>>> {
+    for (name, t) in [("o", &out.o), ("lse", &out.lse)] {
         gpu.check_context(t, name)?;
     }
-    let table = match cache {
-        Cache::Contiguous(_) => None,
-        Cache::Paged(c) => {
-            gpu.check_stream(c.page_table.stream(), "page_table")?;
-            Some(c.page_table)
-        }
-    };
-    let p = Shape::check(Desc::of(q), &CacheDesc::of(&cache), opts)?;
     p.check_output(out)?;
+    let (k, v, table) = cache.buffers();
     let lengths = cache.lengths();
-    let max_len = lengths.iter().copied().max().unwrap_or(0);
     let r = p.rows_per_kv_head();
-    let sm_count = gpu.sm_count() as usize;
-    let plan = plan(opts.strategy, opts.splits, r, max_len, p.batch * p.heads_kv, sm_count)?;
     let splits = plan.splits;
     let too_many = || KernelError::Config(format!("flash_decoding: {splits} splits is too many"));
     let splits_i = i32::try_from(splits).map_err(|_| too_many())?;
@@ -1226,7 +1246,7 @@ fn launch(
         Ok(())
     })?;
     drop((_g0, _g1, _g2, _g5, _g6, _g7, _g9));
-    Ok(Launched { plan, fallback: flags })
+    Ok(flags)
 }
 
 #[cfg(test)]
