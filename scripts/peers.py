@@ -25,7 +25,8 @@ so that scripts/gpu-bench.sh can pass its flags to both).
 
 `flashinfer` (decode only; the flashinfer-python package, imported only when asked for) is
 FlashInfer's BatchDecodeWithPagedKVCacheWrapper with its defaults (the CUDA-core decode kernel,
-use_tensor_cores=False), planned once per shape outside the timed region. It reads the same
+use_tensor_cores=False, programmatic dependent launch as on every sm_90+ card, as our decode
+kernel launches), planned once per shape outside the timed region. It reads the same
 contiguous cache through a page table: pages of FLASHINFER_PAGE_SIZE tokens, HND, laid over
 [B, Hkv, L, d] as a strided view (no copy; the page size sets how finely FlashInfer can split a
 sequence across thread blocks), so it reads the same bytes as the SDPA rows; its first call is
@@ -448,7 +449,9 @@ def make_flashinfer_decode_step(torch, sets, grouped, dtype_name):
 
     def decode(i):
         q, kv = paged[i]
-        return wrapper.run(q, kv)
+        # Programmatic dependent launch, FlashInfer's default from sm_90 on, said out loud: our
+        # decode kernel is launched the same way (GpuConfig::programmatic_launch).
+        return wrapper.run(q, kv, enable_pdl=True)
 
     # A wrong peer must not report figures: compare the first call with SDPA on the same inputs,
     # one sequence at a time (SDPA's fallback for GQA copies K and V per query head).
@@ -611,8 +614,8 @@ def main(argv=None):
     note = (f"peers.py: median of {args.repeats} CUDA-event samples after {args.warmup} warm-up calls, "
             f"triton warp_specialize={args.triton_warp_specialize}")
     if "flashinfer" in decode_impls:
-        note += (f", flashinfer: BatchDecodeWithPagedKVCacheWrapper (CUDA-core decode), HND pages of "
-                 f"{FLASHINFER_PAGE_SIZE} over the contiguous cache")
+        note += (f", flashinfer: BatchDecodeWithPagedKVCacheWrapper (CUDA-core decode, programmatic "
+                 f"dependent launch), HND pages of {FLASHINFER_PAGE_SIZE} over the contiguous cache")
     kept = [part for part in old.split("; ") if part and not part.startswith("peers.py:")]
     merge_meta(meta_path, {"note": "; ".join(kept + [note])}, {})
     print(render(results))

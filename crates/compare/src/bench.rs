@@ -349,7 +349,8 @@ fn run_decode_case(
     let strategy = rung.decode_options(&opts).strategy;
     let sms = gpu.sm_count() as usize;
     let bh = case.batch * case.heads_kv;
-    let resolved = decode::plan(strategy, plan.splits, rows_per_kv_head, max_len, bh, sms);
+    let paged = case.page_size.is_some();
+    let resolved = decode::plan(strategy, plan.splits, rows_per_kv_head, max_len, bh, sms, paged);
     let n_new = case.n_q;
     let timed = timing::decode_step(rung, gpu, sets, n_new, lengths, opts).and_then(|mut step| {
         timing::measure(gpu, &mut step, sets.len(), warmup, repeats, plan.budget_ms)

@@ -145,7 +145,7 @@ impl Case {
     }
 
     /// The split count the kernel uses for `splits` (the heuristic's when `None`).
-    fn splits_used(&self, gpu: &Gpu, splits: Option<usize>) -> usize {
+    fn splits_used(&self, gpu: &Gpu, splits: Option<usize>, paged: bool) -> usize {
         splits.unwrap_or_else(|| {
             let max_len = self.lengths.iter().copied().max().unwrap_or(0);
             let rows = self.heads_q / self.heads_kv * self.n_new;
@@ -155,6 +155,7 @@ impl Case {
                 rows,
                 max_len,
                 gpu.sm_count() as usize,
+                paged,
             )
         })
     }
@@ -551,6 +552,62 @@ fn gpu_decode_forward_into_equals_forward() {
     }
 }
 
+/// Calls launched back to back, each reading as its query what the call before it wrote: on
+/// Hopper the split kernel is launched programmatically (`GpuConfig::programmatic_launch`, on by
+/// default), so its blocks start while the previous call finishes, and must wait for it before
+/// reading. Every output of the chain is NaN until written (a read that came too early would
+/// carry NaN or stale values down the chain), and the chain must give the bits of the same chain
+/// with the host waiting for each call to finish.
+#[test]
+fn gpu_decode_a_call_reads_what_the_call_before_it_wrote() {
+    let Some(gpu) = gpu() else { return };
+    let all = cases(DType::F16);
+    for case in [&all[2], &all[9]] {
+        let x = case.inputs();
+        let dev = upload(gpu, case, &x, Layout::Contiguous);
+        let o_shape = [case.batch(), case.heads_q, case.n_new, case.d];
+        for splits in [Some(1), Some(5)] {
+            let opts = case.decode_options(DecodeStrategy::FlashDecoding, splits, 0.0);
+            let chain = |wait: bool| -> Vec<Output> {
+                let nan = |shape: &[usize], dtype| {
+                    let mut t = gpu.zeros(shape, dtype).expect("zeros");
+                    gpu.fill_bytes(&mut t, 0xff).expect("fill");
+                    t
+                };
+                let mut outs: Vec<Output> = (0..8)
+                    .map(|_| Output {
+                        o: nan(&o_shape, case.dtype),
+                        lse: nan(&o_shape[..3], DType::F32),
+                    })
+                    .collect();
+                gpu.synchronize().expect("sync");
+                for i in 0..outs.len() {
+                    let (done, rest) = outs.split_at_mut(i);
+                    let q = done.last().map_or(&dev.q, |prev| &prev.o);
+                    decode::forward_into(gpu, q, dev.cache(&case.lengths), &opts, &mut rest[0])
+                        .expect("forward_into");
+                    if wait {
+                        gpu.synchronize().expect("sync");
+                    }
+                }
+                outs
+            };
+            // The test GPU synchronises after every launch; the chain must not.
+            gpu.set_sync_launches(false);
+            let fast = chain(false);
+            gpu.set_sync_launches(true);
+            let waited = chain(true);
+            for (i, (a, b)) in fast.iter().zip(&waited).enumerate() {
+                let (a, b) = (bytes(a), bytes(b));
+                assert!(a == b, "{case:?} splits {splits:?}: call {i} of the chain differs");
+            }
+            // Not a chain of NaN: the last call's output is finite.
+            let o = waited[7].o.to_f32_vec().expect("download");
+            assert!(o.iter().all(|v| v.is_finite()), "{case:?}: NaN in the chain");
+        }
+    }
+}
+
 /// The paged kernel is the contiguous one with another address helper: on the same data, with
 /// the same split count, it gives the same bits, for pages of 16 (a 64-key tile gathered from 4
 /// pages), 64 (one page per tile) and 256 (4 tiles per page), in shuffled order, with the table
@@ -566,7 +623,10 @@ fn gpu_decode_paged_equals_contiguous_bit_for_bit() {
                 for device_only in [false, true] {
                     let paged = upload(gpu, &case, &x, Layout::Paged { page, device_only });
                     for splits in [None, Some(1), Some(3)] {
-                        let want = bytes(&launch(gpu, &case, &contiguous, splits));
+                        // The heuristic may fill more blocks per SM for a paged cache
+                        // (decode::split_count): the contiguous call takes the paged one's count.
+                        let same = Some(case.splits_used(gpu, splits, true));
+                        let want = bytes(&launch(gpu, &case, &contiguous, same));
                         let got = bytes(&launch(gpu, &case, &paged, splits));
                         assert!(
                             got.0 == want.0 && got.1 == want.1,
@@ -635,7 +695,7 @@ fn check_drawn(drawn: &Drawn) -> Result<(), TestCaseError> {
     let (o, lse) = run(gpu, case, &x, *layout, *splits);
     let (attention, _) = case.options();
     let cpu_opts = FlashDecodingOptions::new(attention)
-        .with_splits(case.splits_used(gpu, *splits))
+        .with_splits(case.splits_used(gpu, *splits, matches!(layout, Layout::Paged { .. })))
         .map_err(|e| TestCaseError::fail(e.to_string()))?;
     for (b, &len) in case.lengths.iter().enumerate() {
         if len == 0 {
@@ -1066,7 +1126,7 @@ fn gpu_decode_auto_follows_the_decision_table() {
             launch_with(gpu, &case, &dev, &case.decode_options(DecodeStrategy::Auto, None, 0.0));
         let rows = case.heads_q / case.heads_kv * case.n_new;
         let max_len = case.lengths.iter().copied().max().unwrap_or(0);
-        let want = decode::dispatch(rows, max_len, case.batch() * case.heads_kv, sms);
+        let want = decode::dispatch(rows, max_len, case.batch() * case.heads_kv, sms, false);
         assert_eq!(stats.plan, want, "{case:?}");
     }
     let large = large_cases(DType::F16);
@@ -1075,8 +1135,9 @@ fn gpu_decode_auto_follows_the_decision_table() {
     let plan = |c: &Case| {
         let rows = c.heads_q / c.heads_kv * c.n_new;
         let bh = c.batch() * c.heads_kv;
-        let pp = decode::plan(DecodeStrategy::FlashDecodingPp, None, rows, c.capacity, bh, sms);
-        (pp.expect("plan").strategy, decode::dispatch(rows, c.capacity, bh, sms).strategy)
+        let pp =
+            decode::plan(DecodeStrategy::FlashDecodingPp, None, rows, c.capacity, bh, sms, false);
+        (pp.expect("plan").strategy, decode::dispatch(rows, c.capacity, bh, sms, false).strategy)
     };
     let auto = |kernel| if decode::PP_IN_AUTO { kernel } else { DecodeStrategy::FlashDecoding };
     assert_eq!(plan(&large[0]), (DecodeStrategy::Gemv, auto(DecodeStrategy::Gemv)));
@@ -1084,8 +1145,8 @@ fn gpu_decode_auto_follows_the_decision_table() {
 }
 
 /// FlashDecoding++'s kernels read a paged cache through FlashDecoding's address helper: on the same
-/// data, with the same split count, pages of 16, 64 and 256 give the contiguous cache's bits and
-/// fallback count.
+/// data, with the same split count (the paged call's), pages of 16, 64 and 256 give the contiguous
+/// cache's bits and fallback count.
 #[test]
 fn gpu_decode_pp_paged_equals_contiguous_bit_for_bit() {
     let Some(gpu) = gpu() else { return };
@@ -1099,8 +1160,12 @@ fn gpu_decode_pp_paged_equals_contiguous_bit_for_bit() {
                     for strategy in [DecodeStrategy::Gemv, DecodeStrategy::FlatGemm] {
                         for splits in [None, Some(3)] {
                             let opts = case.decode_options(strategy, splits, 0.0);
-                            let (want, want_stats) = launch_with(gpu, &case, &contiguous, &opts);
                             let (got, got_stats) = launch_with(gpu, &case, &paged, &opts);
+                            // The paged call's split count (the heuristic may fill more blocks
+                            // per SM for a paged cache: decode::split_count).
+                            let same = Some(got_stats.plan.splits);
+                            let opts = case.decode_options(strategy, same, 0.0);
+                            let (want, want_stats) = launch_with(gpu, &case, &contiguous, &opts);
                             assert!(
                                 bytes(&got) == bytes(&want) && got_stats == want_stats,
                                 "{case:?}: {strategy}, pages of {page} (device-only table: \

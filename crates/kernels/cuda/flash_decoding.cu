@@ -83,16 +83,15 @@
 //   FD_WARPS  warps per block of the split kernel
 //   FD_STAGES K/V tiles in shared memory (STAGES − 1 copies in flight while one tile is read)
 //   FD_PAGED  0: contiguous cache, 1: paged cache
-//   FD_MAX_SPLITS  the most splits a call takes (the combine keeps a weight per split and row)
 //
 // Shared memory: the Q tile and STAGES stages of K and V during the walk; then the same memory as
-// the f32 buffer that merges the warps; then, in the last block of a group, the combine's per-row
-// numbers.
+// the f32 buffer that merges the warps. (The combine works in registers.)
 
 #include "copy.cuh"
 #include "kv_cache.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
+#include "pdl.cuh"
 #include "softmax.cuh"
 #include "types.cuh"
 
@@ -114,9 +113,6 @@
 #ifndef FD_PAGED
 #define FD_PAGED 0
 #endif
-#ifndef FD_MAX_SPLITS
-#define FD_MAX_SPLITS 128
-#endif
 
 constexpr int D = FD_D;
 constexpr int MT = FD_MT;
@@ -125,7 +121,6 @@ constexpr int WARPS = FD_WARPS;
 constexpr int STAGES = FD_STAGES;
 constexpr bool PAGED = FD_PAGED != 0;
 static_assert(STAGES >= 2, "at least one copy in flight");
-constexpr int MAX_SPLITS = FD_MAX_SPLITS;  // the host's decode::MAX_SPLITS
 constexpr int THREADS = WARPS * 32;
 constexpr int ROWS = MT * 16;   // rows of the Q tile
 constexpr int DT = D / 8;       // 8-column accumulator tiles across one row of O
@@ -135,8 +130,6 @@ constexpr int GROUPS = BC / KEY_GROUP;
 // float2 stores touch into 8 different groups of banks.
 constexpr int RED_STRIDE = D + 8;
 static_assert(BC == 16 * WARPS, "each warp owns 16 keys of a tile");
-// The combine's per-row numbers fit where the warps' merge buffer was.
-static_assert(ROWS * (MAX_SPLITS + 2) <= WARPS * ROWS * (RED_STRIDE + 2), "combine in the merge buffer");
 
 // The lengths travel in the parameter struct itself (a launch copies it to constant memory), so a
 // call needs no host-to-device copy; the host launches batches of more than FD_MAX_BATCH
@@ -223,71 +216,78 @@ __device__ bool last_to_finish(const FdParams& p, int row_block) {
 }
 
 // Rows row0 … row0 + RB − 1: lse = ln Σ_s exp(lse_s), O = Σ_s w_s · O_s / Σ_s w_s with
-// w_s = exp(lse_s − max_s lse_s) ∈ [0, 1]. Each warp takes whole rows: its lanes read the row's
-// lse_s (at most MAX_SPLITS, a few per lane, all at once) and put the weights, 1 / Σ w_s and lse
-// in shared memory. Then every thread takes 4 columns of a row, as in the merge, and sums the
-// splits' O_s in order with several loads in flight: each is an L2 round trip, and a loop that
-// waited for one before the next would add microseconds to the call.
-__device__ void combine_rows(const FdParams& p, size_t row0, int RB, float* smem) {
-    constexpr int PER_LANE = (MAX_SPLITS + 31) / 32;
-    const int splits = p.splits, lane = lane_id();
-    float* weight = smem;                     // [ROWS][MAX_SPLITS]
-    float* inv = weight + ROWS * MAX_SPLITS;  // [ROWS]
-    float* lse = inv + ROWS;                  // [ROWS]
-    for (int r = warp_id(); r < RB; r += WARPS) {
-        const float* lse_s = p.lse_part + (row0 + r) * splits;
-        float x[PER_LANE];
-        float m = LADDER_NEG_INF;
+// w_s = exp(lse_s − max_s lse_s) ∈ [0, 1]. Each thread takes 8 columns of a row at a time (4 in
+// each half of the row, so that a warp's float4 loads cover whole 32-byte sectors) and reads the
+// row's lse_s and its columns of O_s for COMBINE_BATCH splits at once. Every read is an L2 round
+// trip, and the tail of the call waits for them, so as many go out together as registers allow
+// (two float4 per split: 16 splits of 8 columns are 144 registers, reused from the main loop's),
+// and the batches are merged with the online rule: running max m, running weight sum l, the sums
+// so far rescaled when m grows. (Reading all lse_s first, then the O_s, 4 columns at a
+// time, took a round trip and a barrier more and twice the batches: docs/perf-notes.md,
+// FlashDecoding v4.)
+constexpr int COMBINE_BATCH = 16;
+constexpr int COMBINE_COLS = 8;
+
+__device__ void combine_rows(const FdParams& p, size_t row0, int RB) {
+    constexpr int PER_ROW = D / COMBINE_COLS;  // threads per row
+    const int splits = p.splits;
+    for (int i = threadIdx.x; i < RB * PER_ROW; i += THREADS) {
+        // Columns c … c + 3 and c + D/2 … c + D/2 + 3 of row r.
+        const int r = i / PER_ROW, c = (i % PER_ROW) * 4;
+        const size_t row = row0 + r;
+        if (!writes_row(p, row)) continue;
+        const float* lse_s = p.lse_part + row * splits;
+        const float4* o_s = reinterpret_cast<const float4*>(p.o_part + row * splits * D + c);
+        float m = LADDER_NEG_INF, l = 0.f;
+        float4 o[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
         bool nan = false;
+        for (int s0 = 0; s0 < splits; s0 += COMBINE_BATCH) {
+            float x[COMBINE_BATCH];
+            float4 v[COMBINE_BATCH][2];
 #pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) {
-            const int s = lane + 32 * i;
-            x[i] = s < splits ? __ldcg(lse_s + s) : LADDER_NEG_INF;
-            m = fmaxf(m, x[i]);
-            nan |= x[i] != x[i];
-        }
-        m = warp_max(m);
-        // fmaxf skips NaN; a split whose scores met a NaN (lse_s = NaN) makes the row NaN, as with
-        // one split and in the CPU rung, instead of dropping out of it.
-        if (__any_sync(0xffffffff, nan)) m = __int_as_float(0x7fc00000);
-        float l = 0.f;
+            for (int b = 0; b < COMBINE_BATCH; ++b) {
+                const int s = s0 + b;
+                const bool in = s < splits;
+                x[b] = in ? __ldcg(lse_s + s) : LADDER_NEG_INF;
 #pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) {
-            const int s = lane + 32 * i;
-            if (s >= splits) continue;
-            // No split saw a key (m = −inf): every weight is 0.
-            const float w = m == LADDER_NEG_INF ? 0.f : fast_exp2((x[i] - m) * LADDER_LOG2E);
-            weight[r * MAX_SPLITS + s] = w;
-            l += w;
-        }
-        l = warp_sum(l);
-        if (lane == 0) {
-            // All splits empty (the row sees no key): O = 0, lse = −inf, as everywhere.
-            inv[r] = l > 0.f ? 1.f / l : 0.f;
-            lse[r] = l == 0.f ? LADDER_NEG_INF : m + logf(l);
-        }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < RB * (D / 4); i += THREADS) {
-        const int r = i / (D / 4), c = (i % (D / 4)) * 4;
-        if (!writes_row(p, row0 + r)) continue;
-        const float* o_s = p.o_part + (row0 + r) * splits * D + c;
-        const float* w = weight + r * MAX_SPLITS;
-        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-        for (int s = 0; s < splits; ++s) {
-            // Every split wrote its O_s (0 for an empty chunk), so the load needs no condition and
-            // the loads of an unrolled batch go out together; a weight of 0 adds nothing (as in
-            // the CPU rung, not even a NaN).
-            const float4 x = __ldcg(reinterpret_cast<const float4*>(o_s + (size_t)s * D));
-            if (w[s] != 0.f) {
-                o.x += w[s] * x.x;
-                o.y += w[s] * x.y;
-                o.z += w[s] * x.z;
-                o.w += w[s] * x.w;
+                for (int h = 0; h < 2; ++h)
+                    v[b][h] = in ? __ldcg(o_s + (size_t)s * (D / 4) + h * (D / 8))
+                                 : make_float4(0.f, 0.f, 0.f, 0.f);
             }
+            float m_new = m;
+#pragma unroll
+            for (int b = 0; b < COMBINE_BATCH; ++b) {
+                m_new = fmaxf(m_new, x[b]);
+                // fmaxf skips NaN; a split whose scores met a NaN (lse_s = NaN) makes the row
+                // NaN, as with one split and in the CPU rung, instead of dropping out of it.
+                nan |= x[b] != x[b];
+            }
+            // No split so far saw a key (m_new = −inf): every weight is 0, nothing to add.
+            if (m_new == LADDER_NEG_INF) continue;
+            const float alpha = fast_exp2((m - m_new) * LADDER_LOG2E);  // 0 while m = −inf
+            l *= alpha;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) o[h].x *= alpha, o[h].y *= alpha, o[h].z *= alpha, o[h].w *= alpha;
+#pragma unroll
+            for (int b = 0; b < COMBINE_BATCH; ++b) {
+                const float w = fast_exp2((x[b] - m_new) * LADDER_LOG2E);
+                // A weight of 0 adds nothing (as in the CPU rung, not even a NaN of its O_s).
+                if (w == 0.f) continue;
+                l += w;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    o[h].x += w * v[b][h].x, o[h].y += w * v[b][h].y;
+                    o[h].z += w * v[b][h].z, o[h].w += w * v[b][h].w;
+                }
+            }
+            m = m_new;
         }
-        store_output(p, row0 + r, c, o, inv[r], lse[r]);
+        // All splits empty (the row sees no key): O = 0, lse = −inf, as everywhere.
+        float inv = l > 0.f ? 1.f / l : 0.f;
+        float lse = l == 0.f ? LADDER_NEG_INF : m + logf(l);
+        if (nan) inv = lse = __int_as_float(0x7fc00000);
+        store_output(p, row, c, o[0], inv, lse);
+        store_output(p, row, c + D / 2, o[1], inv, lse);
     }
 }
 
@@ -317,6 +317,12 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
 
     // The block's first output row; its Q rows start there too (GQA packing above).
     const size_t row0 = ((size_t)batch * p.heads_kv + kv_head) * R + r0;
+
+    // The host launches this kernel programmatically (pdl.cuh): its blocks may start during the
+    // previous kernel's tail, and nothing above this line touches memory. The next call may then
+    // start as soon as every block of this one is running: it too waits here before reading.
+    wait_for_prior_grids();
+    allow_next_grid();
 
     // FlashDecoding++'s fallback: a block whose rows all passed there has nothing to do. (Every
     // thread takes the same branch: __syncthreads_or gives all of them the same answer.)
@@ -522,7 +528,5 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
         if (c == 0) p.lse_part[out] = lse_s;
     }
     if (p.splits == 1 || !last_to_finish(p, row_block)) return;
-    // The merge buffer has been read (last_to_finish synchronises the block): its memory holds
-    // the combine's per-row numbers now.
-    combine_rows(p, row0, RB, reinterpret_cast<float*>(smem));
+    combine_rows(p, row0, RB);
 }

@@ -5,8 +5,12 @@
 //! crossovers (`decode::GEMV_MAX_ROWS`, `FLAT_GEMM_MAX_ROWS`, `PP_MIN_KEYS`) are to be set from.
 //!
 //! ```sh
-//! cargo run --release -p ladder-kernels --example decode_bandwidth
+//! cargo run --release -p ladder-kernels --example decode_bandwidth [-- --new N --page P --fd-only --no-pdl]
 //! ```
+//! `--new N`: N new tokens per sequence (default 1); `--page P`: the cache in pages of P tokens,
+//! scattered in a shuffled order as a serving cache's pages are (default: contiguous);
+//! `--fd-only`: FlashDecoding alone; `--no-pdl`: ordinary launches instead of programmatic ones
+//! (`GpuConfig::programmatic_launch`).
 //! Without a GPU it says so and exits with status 1. Each figure is 20 calls into outputs
 //! allocated once (`decode::forward_into`, as a serving loop calls it), after 3 warm-up calls,
 //! rotating among copies of the cache that together are several times the L2, so that it is read
@@ -21,8 +25,12 @@
 use std::time::Instant;
 
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
-use ladder_kernels::decode::{self, DecodeOptions, KvCache, Strategy};
-use ladder_kernels::{DType, Gpu, KernelError, Output};
+use ladder_kernels::decode::{
+    self, Cache, DecodeOptions, KvCache, PageTable, PagedKvCache, Strategy,
+};
+use ladder_kernels::{DType, Gpu, GpuConfig, KernelError, Output, Tensor};
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
 
 /// The caches a shape rotates among span at least this many bytes (the H200's L2 is 50 MB).
 const ROTATE_BYTES: usize = 200 << 20;
@@ -72,9 +80,55 @@ fn time_calls(
     Ok((per_call(issued), host_s / CALLS as f64 * 1e6, per_call(queued)))
 }
 
+/// The command line: new tokens, page size (0: contiguous), FlashDecoding only, no programmatic
+/// launches.
+struct Args {
+    new: usize,
+    page: usize,
+    fd_only: bool,
+    no_pdl: bool,
+}
+
+fn args() -> Result<Args, Box<dyn std::error::Error>> {
+    let mut a = Args { new: 1, page: 0, fd_only: false, no_pdl: false };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || -> Result<usize, Box<dyn std::error::Error>> {
+            let v = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
+            Ok(v.parse().map_err(|e| format!("{flag} {v}: {e}"))?)
+        };
+        match flag.as_str() {
+            "--new" => a.new = value()?,
+            "--page" => a.page = value()?,
+            "--fd-only" => a.fd_only = true,
+            "--no-pdl" => a.no_pdl = true,
+            _ => {
+                let known = "--new N, --page P, --fd-only, --no-pdl";
+                return Err(format!("unknown argument {flag} ({known})").into());
+            }
+        }
+    }
+    Ok(a)
+}
+
+/// K and V of one copy of the cache, contiguous `[b, hkv, len, d]` or in shuffled pages
+/// `[pages, hkv, page, d]`.
+struct Copy {
+    k: Tensor,
+    v: Tensor,
+}
+
 fn run() -> Result<(), Box<dyn std::error::Error>> {
-    let gpu = Gpu::new()?;
+    let args = args()?;
+    let gpu = Gpu::with_config(GpuConfig::new().programmatic_launch(!args.no_pdl))?;
     println!("{} ({}), {} SMs", gpu.name(), gpu.arch(), gpu.sm_count());
+    let layout = if args.page == 0 {
+        "contiguous".to_string()
+    } else {
+        format!("pages of {} (shuffled)", args.page)
+    };
+    let launch = if args.no_pdl { "ordinary" } else { "programmatic" };
+    println!("{} new token(s), cache {layout}, {launch} launches", args.new);
     let spin =
         gpu.context().load_module(cudarc::nvrtc::compile_ptx(SPIN)?)?.load_function("spin")?;
     println!(
@@ -99,33 +153,56 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         (1, 32, 8, 8192),
         (16, 32, 8, 32768),
     ] {
-        let q = gpu.upload(&vec![0.01; b * hq * d], &[b, hq, 1, d], DType::F16)?;
+        let new = args.new;
+        let q = gpu.upload(&vec![0.01; b * hq * new * d], &[b, hq, new, d], DType::F16)?;
         let kv_len = b * hkv * len * d;
         // Small varied values (not zeros: a kernel can run faster on zeros than on real data).
         let values: Vec<f32> =
             (0..kv_len).map(|i| ((i * 7919) % 2003) as f32 / 2003.0 - 0.5).collect();
         let copies = ROTATE_BYTES.div_ceil(2 * kv_len * 2).max(1);
+        // Pages per sequence, when paged.
+        let pages = len.checked_div(args.page);
+        let kv_shape = match pages {
+            None => vec![b, hkv, len, d],
+            Some(n) => vec![b * n, hkv, args.page, d],
+        };
         let kv = (0..copies)
             .map(|_| {
-                let k = gpu.upload(&values, &[b, hkv, len, d], DType::F16)?;
-                let v = gpu.upload(&values, &[b, hkv, len, d], DType::F16)?;
-                Ok((k, v))
+                let k = gpu.upload(&values, &kv_shape, DType::F16)?;
+                let v = gpu.upload(&values, &kv_shape, DType::F16)?;
+                Ok(Copy { k, v })
             })
             .collect::<Result<Vec<_>, KernelError>>()?;
         let lengths = vec![len; b];
-        let cache = |i: usize| {
-            let (k, v) = &kv[i % copies];
-            KvCache { k, v, lengths: &lengths }
+        // Paged: every page of every sequence somewhere in the pool, in a shuffled order.
+        let table = match pages {
+            None => None,
+            Some(n) => {
+                let mut entries: Vec<i32> = (0..(b * n) as i32).collect();
+                entries.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(7));
+                Some(PageTable::upload(&gpu, &entries, b, n)?)
+            }
+        };
+        let cache = |i: usize| -> Cache<'_> {
+            let c = &kv[i % copies];
+            match &table {
+                None => KvCache { k: &c.k, v: &c.v, lengths: &lengths }.into(),
+                Some(t) => {
+                    PagedKvCache { k_pages: &c.k, v_pages: &c.v, page_table: t, lengths: &lengths }
+                        .into()
+                }
+            }
         };
         let mut out = Output {
-            o: gpu.zeros(&[b, hq, 1, d], DType::F16)?,
-            lse: gpu.zeros(&[b, hq, 1], DType::F32)?,
+            o: gpu.zeros(&[b, hq, new, d], DType::F16)?,
+            lse: gpu.zeros(&[b, hq, new], DType::F32)?,
         };
         let bytes = 2.0 * (kv_len * 2) as f64;
         let tbps = |ms: f64| bytes / (ms * 1e-3) / 1e12;
         let strategies =
             [Strategy::FlashDecoding, Strategy::Gemv, Strategy::FlatGemm, Strategy::Auto];
-        for strategy in strategies {
+        let strategies = if args.fd_only { &strategies[..1] } else { &strategies[..] };
+        for &strategy in strategies {
             for splits in [None, Some(1), Some(4), Some(8), Some(16), Some(32), Some(64)] {
                 let opts = DecodeOptions { splits, strategy, ..DecodeOptions::default() };
                 let (ms, host_us, gpu_ms) = time_calls(&gpu, &spin, |i| {

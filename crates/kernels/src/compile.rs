@@ -30,6 +30,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("wgmma.cuh", include_str!("../cuda/wgmma.cuh")),
     ("wgmma_ops.cuh", include_str!("../cuda/wgmma_ops.cuh")),
     ("fp8.cuh", include_str!("../cuda/fp8.cuh")),
+    ("pdl.cuh", include_str!("../cuda/pdl.cuh")),
 ];
 
 /// One compilable kernel: a rung's source plus the macro constants that pick the variant.
@@ -116,7 +117,12 @@ pub fn compile(variant: &Variant, arch: &str, settings: &CompileSettings) -> Res
             std::fs::read(dir.join(format!("{key}.cubin"))),
             std::fs::read_to_string(dir.join(format!("{key}.log"))),
         ) {
-            return Ok(Compiled { cubin, log, cached: true });
+            // A log without ptxas's report (written by a version that let NVRTC compile
+            // concurrently, see compile_uncached) is compiled again, so the compile check always
+            // has the report.
+            if log.contains("ptxas info") {
+                return Ok(Compiled { cubin, log, cached: true });
+            }
         }
     }
     let compiled = compile_uncached(variant, &options)?;
@@ -168,6 +174,11 @@ pub fn nvrtc_version(variant: &Variant) -> Result<(i32, i32)> {
 }
 
 fn compile_uncached(variant: &Variant, options: &[String]) -> Result<Compiled> {
+    // One NVRTC compile at a time per process: with several in flight (two `Gpu`s of one process
+    // compiling at once), one compile's log came back empty, ptxas's report lost, while its cubin
+    // was fine (seen on the H200 with CUDA 13.0). The compiles are seconds, once per variant.
+    static NVRTC: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = NVRTC.lock().unwrap_or_else(|p| p.into_inner());
     let fail = |log: String| KernelError::Compile { kernel: variant.label(), log };
     let cstring = |s: &str| CString::new(s).map_err(|e| fail(e.to_string()));
     let src = cstring(variant.source)?;
@@ -301,7 +312,10 @@ mod tests {
         let variants = |arch: &str| -> Vec<Variant> {
             crate::variants(arch).into_iter().filter(|v| v.label().contains(&filter)).collect()
         };
-        if let Err(e) = nvrtc_version(&variants("sm_90a")[0]) {
+        let Some(first) = variants("sm_90a").into_iter().next() else {
+            panic!("no kernel variant's label contains LADDER_COMPILE_FILTER={filter:?}");
+        };
+        if let Err(e) = nvrtc_version(&first) {
             if std::env::var("LADDER_REQUIRE_NVRTC").is_ok_and(|v| v == "1") {
                 panic!("LADDER_REQUIRE_NVRTC=1 but {e}");
             }

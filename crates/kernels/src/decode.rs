@@ -116,8 +116,8 @@ mod dispatch;
 mod pp;
 
 pub use dispatch::{
-    FLAT_GEMM_MAX_ROWS, GEMV_MAX_ROWS, PP_IN_AUTO, PP_MIN_KEYS, Plan, Strategy, blocks_per_split,
-    dispatch, plan,
+    FLAT_GEMM_MAX_ROWS, GEMV_MAX_ROWS, PAGED_BLOCKS_PER_SM, PAGED_MIN_SPLIT_TILES, PP_IN_AUTO,
+    PP_MIN_KEYS, Plan, Strategy, blocks_per_split, dispatch, plan, split_count,
 };
 pub use pp::default_safe_range;
 use pp::{PpKernel, PpParams, Window};
@@ -139,8 +139,10 @@ pub const MAX_NEW_TOKENS: usize = 16;
 pub const ROWS_PER_BLOCK: usize = 32;
 /// Tokens per page a paged cache may have ([`PagedKvCache`]).
 pub const PAGE_SIZES: &[usize] = &[16, 32, 64, 128, 256];
-/// The most splits a call takes, and the heuristic picks ([`num_splits`]): the last block of a
-/// group keeps one weight per split and row in shared memory while it combines them.
+/// The most splits a call takes, and the heuristic picks ([`num_splits`]). The last block of a
+/// group reads every split's partials from L2 one batch of splits at a time, so its work grows
+/// with the count; past 128 splits (more than 16 per SM, or chunks of a tile or two) more splits
+/// only add to it.
 pub const MAX_SPLITS: usize = 128;
 /// Sequences per launch: their lengths travel inside the parameter struct (no host-to-device copy
 /// per call); larger batches are launched in chunks of this many.
@@ -491,7 +493,7 @@ fn m_tiles(rows_per_kv_head: usize) -> usize {
     if rows_per_kv_head <= 16 { 1 } else { ROWS_PER_BLOCK / 16 }
 }
 
-/// The split count [`forward`] uses when [`DecodeOptions::splits`] is `None`: [`num_splits`] with
+/// The split count [`forward`] uses when [`DecodeOptions::splits`] is `None`: [`split_count`] with
 /// `batch · heads_kv · row_blocks` blocks per split and the longest sequence's key tiles.
 pub fn default_splits(
     batch: usize,
@@ -499,33 +501,35 @@ pub fn default_splits(
     rows_per_kv_head: usize,
     max_len: usize,
     sm_count: usize,
+    paged: bool,
 ) -> usize {
     let blocks = batch.saturating_mul(heads_kv).saturating_mul(row_blocks(rows_per_kv_head));
-    num_splits(blocks, max_len.div_ceil(BC), sm_count, MAX_SPLITS)
+    split_count(blocks, max_len.div_ceil(BC), sm_count, paged)
 }
 
 /// How many splits fill the device: FlashAttention's `num_splits_heuristic` (wave efficiency).
 ///
 /// `batch_heads_kv` blocks per split (one per kv head and sequence, times [`row_blocks`]),
 /// `key_blocks` tiles of [`BC`] keys in the longest sequence. With enough blocks already (at least
-/// 80 % of the SMs) it is 1. Otherwise, for `s` in `1 ..= min(max_splits, key_blocks, 128)`, the
-/// last wave of `batch_heads_kv · s` blocks on `sm_count` SMs is `efficiency(s) = n / ceil(n)`
-/// full (`n = batch_heads_kv · s / sm_count` waves); the answer is the smallest `s` within
+/// 80 % of a wave) it is 1. `slots` blocks make a wave: the SM count, or twice it where a paged
+/// cache needs two blocks per SM to keep the memory busy ([`split_count`]). Otherwise, for `s`
+/// in `1 ..= min(max_splits, key_blocks, 128)`, the last wave of `batch_heads_kv · s` blocks is
+/// `efficiency(s) = n / ceil(n)` full (`n = batch_heads_kv · s / slots` waves); the answer is the smallest `s` within
 /// [`SPLIT_EFFICIENCY`] of the best efficiency. As in FlashAttention, an `s` that gives each split
 /// as many key blocks as `s − 1` does is skipped (it is `s − 1` splits with an empty one).
 pub fn num_splits(
     batch_heads_kv: usize,
     key_blocks: usize,
-    sm_count: usize,
+    slots: usize,
     max_splits: usize,
 ) -> usize {
-    if sm_count == 0 || batch_heads_kv as f64 >= 0.8 * sm_count as f64 {
+    if slots == 0 || batch_heads_kv as f64 >= 0.8 * slots as f64 {
         return 1;
     }
     let max_splits = max_splits.min(key_blocks).min(MAX_SPLITS);
     let eligible = |s: usize| s == 1 || key_blocks.div_ceil(s) != key_blocks.div_ceil(s - 1);
     let efficiency = |s: usize| {
-        let waves = (batch_heads_kv * s) as f64 / sm_count as f64;
+        let waves = (batch_heads_kv * s) as f64 / slots as f64;
         waves / waves.ceil()
     };
     let best = (1..=max_splits).filter(|&s| eligible(s)).map(efficiency).fold(0.0, f64::max);
@@ -560,7 +564,6 @@ pub(crate) fn variant(
             ("FD_STAGES", stages.to_string()),
             ("FD_PAGED", u8::from(paged).to_string()),
             ("FD_MAX_BATCH", MAX_BATCH_PER_LAUNCH.to_string()),
-            ("FD_MAX_SPLITS", MAX_SPLITS.to_string()),
         ],
     }
 }
@@ -1021,9 +1024,9 @@ fn check_call(gpu: &Gpu, q: &Tensor, cache: &Cache<'_>, opts: &DecodeOptions) ->
     let shape = Shape::check(Desc::of(q), &CacheDesc::of(cache), opts)?;
     let max_len = cache.lengths().iter().copied().max().unwrap_or(0);
     let batch_heads_kv = shape.batch * shape.heads_kv;
-    let sm_count = gpu.sm_count() as usize;
+    let (sm_count, paged) = (gpu.sm_count() as usize, table.is_some());
     let r = shape.rows_per_kv_head();
-    let plan = plan(opts.strategy, opts.splits, r, max_len, batch_heads_kv, sm_count)?;
+    let plan = plan(opts.strategy, opts.splits, r, max_len, batch_heads_kv, sm_count, paged)?;
     Ok(Call { shape, plan })
 }
 
@@ -1235,7 +1238,8 @@ fn launch(
                 gpu.launch(combine, combine_grid, combine_threads, 0, &pp_params)?;
             }
             // FlashDecoding: the call itself, or (fallback set) the rows FlashDecoding++ flagged.
-            gpu.launch(
+            // Programmatic: its blocks start during the previous kernel's tail (pdl.cuh).
+            gpu.launch_programmatic(
                 &fd_split,
                 grid(fd_blocks_x, p.heads_kv, n)?,
                 32 * WARPS as u32,
@@ -1308,8 +1312,23 @@ mod tests {
         assert_eq!((m_tiles(128), row_blocks(128)), (2, 4)); // GQA 8 × 16 tokens
         assert_eq!(row_blocks(0), 1);
         // The heuristic counts the row blocks: 4 of them on 8 kv heads are 32 blocks per split.
-        assert_eq!(default_splits(1, 8, 128, 128 * BC, 132), num_splits(32, 128, 132, MAX_SPLITS));
-        assert_eq!(default_splits(1, 8, 4, 128 * BC, 132), num_splits(8, 128, 132, MAX_SPLITS));
+        assert_eq!(
+            default_splits(1, 8, 128, 128 * BC, 132, false),
+            num_splits(32, 128, 132, MAX_SPLITS)
+        );
+        assert_eq!(
+            default_splits(1, 8, 4, 128 * BC, 132, false),
+            num_splits(8, 128, 132, MAX_SPLITS)
+        );
+        // A paged cache fills two blocks per SM: batch 16, 8 kv heads (128 blocks) takes 2
+        // splits, where a contiguous one takes 1; batch 1, 32 kv heads, 8 splits instead of 4.
+        assert_eq!(default_splits(16, 8, 4, 512 * BC, 132, false), 1);
+        assert_eq!(default_splits(16, 8, 4, 512 * BC, 132, true), 2);
+        assert_eq!(default_splits(1, 32, 1, 128 * BC, 132, false), 4);
+        assert_eq!(default_splits(1, 32, 1, 128 * BC, 132, true), 8);
+        // … but not below 16 tiles per split: batch 1, 8 kv heads, 8k keys keeps 16 splits.
+        assert_eq!(default_splits(1, 8, 4, 128 * BC, 132, true), 16);
+        assert_eq!(default_splits(1, 8, 4, 128 * BC, 132, false), 16);
     }
 
     #[test]

@@ -45,7 +45,7 @@ pub const DTYPES: &[DType] = &[DType::F16, DType::BF16];
 /// The architecture the kernels need (wgmma and setmaxnreg exist only in `sm_90a`).
 pub const ARCH: &str = "sm_90a";
 
-/// The longest causal problem (keys) at d = 128 that takes 128-key tiles
+/// The longest causal problem (keys) that takes the short-problem tiles at d = 64 and 128
 /// ([`Fa3Tiles::for_problem`]).
 pub const SHORT_CAUSAL_KEYS: usize = 2048;
 
@@ -93,14 +93,21 @@ impl Fa3Tiles {
     }
 
     /// The tiles [`forward`] uses for a problem of head dimension `d`, the mask, and `n_kv` keys:
-    /// [`Fa3Tiles::for_head_dim`], except at d = 128 under the causal mask with at most
-    /// [`SHORT_CAUSAL_KEYS`] keys, where FA3's own 128 keys per tile beat 176: the diagonal's
-    /// tiles are a large share of a short problem, and smaller ones waste less of it on masked
-    /// scores (H200: +12 %, +9 %, +3 % at n = 512, 1k, 2k; level at 4k; −7 % at 16k).
+    /// [`Fa3Tiles::for_head_dim`], except under the causal mask with at most
+    /// [`SHORT_CAUSAL_KEYS`] keys, where the diagonal's tiles are a large share of the problem and
+    /// smaller tiles waste less of it on masked scores (H200, docs/perf-notes.md):
+    ///
+    /// - d = 128: FA3's own 128 keys per tile instead of 176 (+12 %, +9 %, +3 % at n = 512, 1k,
+    ///   2k; level at 4k; −7 % at 16k);
+    /// - d = 64: 128 query rows (two consumer warpgroups) instead of 192 (+10 %, +16 %, +2 % at
+    ///   n = 512, 1k, 2k; level at 4k).
     pub fn for_problem(d: usize, causal: bool, n_kv: usize) -> Result<Fa3Tiles> {
         match (d, causal) {
             (128, true) if n_kv <= SHORT_CAUSAL_KEYS => {
                 Ok(Fa3Tiles { bc: 128, consumers: 2, stages: 2 })
+            }
+            (64, true) if n_kv <= SHORT_CAUSAL_KEYS => {
+                Ok(Fa3Tiles { bc: 128, consumers: 2, stages: 4 })
             }
             _ => Fa3Tiles::for_head_dim(d, causal),
         }
@@ -485,8 +492,10 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
         }
     }
     for &dtype in DTYPES {
-        let short = Fa3Tiles::for_problem(128, true, SHORT_CAUSAL_KEYS).expect("d = 128 has tiles");
-        all.push(variant(128, dtype, true, short, Schedule::default()));
+        for d in [64, 128] {
+            let short = Fa3Tiles::for_problem(d, true, SHORT_CAUSAL_KEYS).expect("d has tiles");
+            all.push(variant(d, dtype, true, short, Schedule::default()));
+        }
     }
     for (pingpong, overlap) in [(false, true), (true, false), (false, false)] {
         for causal in [false, true] {
@@ -521,6 +530,20 @@ mod tests {
             Fa3Tiles::for_head_dim(96, false),
             Err(KernelError::UnsupportedHeadDim { d: 96, .. })
         ));
+        // Short causal problems: 128-key tiles at d = 128, 128 query rows at d = 64, up to
+        // SHORT_CAUSAL_KEYS keys; longer ones and unmasked ones keep the head dim's tiles.
+        let short = |d, causal, n| Fa3Tiles::for_problem(d, causal, n).unwrap();
+        assert_eq!(short(128, true, SHORT_CAUSAL_KEYS).bc, 128);
+        assert_eq!(short(64, true, SHORT_CAUSAL_KEYS).br(), 128);
+        assert_eq!(short(64, true, 512).shared_bytes(64, 2), (128 + 8 * 128) * 128 + 144 + 1024);
+        for d in [64, 128, 256] {
+            assert_eq!(
+                short(d, true, SHORT_CAUSAL_KEYS + 1),
+                Fa3Tiles::for_head_dim(d, true).unwrap()
+            );
+            assert_eq!(short(d, false, 512), Fa3Tiles::for_head_dim(d, false).unwrap());
+            assert!(short(d, true, 512).shared_bytes(d, 2) <= 227 * 1024);
+        }
     }
 
     #[test]

@@ -80,6 +80,7 @@ pub struct GpuConfig {
     fa3_schedule: Option<Schedule>,
     fa3_tiles: Option<Fa3Tiles>,
     fa3_l2_section: Option<usize>,
+    no_programmatic_launch: bool,
 }
 
 impl GpuConfig {
@@ -152,6 +153,16 @@ impl GpuConfig {
         self
     }
 
+    /// Launch the decoding kernel with programmatic dependent launch (Hopper and later; on by
+    /// default there, ignored before). The kernel then starts while the work before it in the
+    /// stream finishes, and waits (`griddepcontrol.wait`) before its first read of memory, so
+    /// its launch and block start overlap the tail of the previous kernel; results are the same
+    /// either way. Off: an ordinary launch (for measuring what it gains).
+    pub fn programmatic_launch(mut self, on: bool) -> GpuConfig {
+        self.no_programmatic_launch = !on;
+        self
+    }
+
     /// The byte count set with [`GpuConfig::fa3_l2_section`], if any.
     pub fn fa3_l2_section_override(&self) -> Option<usize> {
         self.fa3_l2_section
@@ -191,6 +202,8 @@ pub struct Gpu {
     arch: String,
     sm_count: u32,
     max_smem_per_block: usize,
+    /// Whether [`Gpu::launch_programmatic`] sets programmatic stream serialisation (sm_90+).
+    programmatic: bool,
     config: GpuConfig,
     compile: CompileSettings,
     functions: Mutex<HashMap<(Variant, &'static str), CudaFunction>>,
@@ -292,6 +305,7 @@ impl Gpu {
             arch,
             sm_count,
             max_smem_per_block,
+            programmatic: major >= 9 && !config.no_programmatic_launch,
             compile,
             functions: Mutex::new(HashMap::new()),
             poison_outputs: AtomicBool::new(config.poison_outputs),
@@ -604,6 +618,33 @@ impl Gpu {
         dynamic_smem: usize,
         params: &P,
     ) -> Result<()> {
+        self.launch_as(kernel, grid, threads, dynamic_smem, params, false)
+    }
+
+    /// [`Gpu::launch`] with programmatic dependent launch where the device has it and the
+    /// configuration allows it ([`GpuConfig::programmatic_launch`]): the kernel may start before
+    /// the previous work in the stream has finished, so it must execute `griddepcontrol.wait`
+    /// (pdl.cuh) before it reads or writes any memory that work may touch.
+    pub(crate) fn launch_programmatic<P: DeviceRepr>(
+        &self,
+        kernel: &Kernel,
+        grid: (u32, u32, u32),
+        threads: u32,
+        dynamic_smem: usize,
+        params: &P,
+    ) -> Result<()> {
+        self.launch_as(kernel, grid, threads, dynamic_smem, params, self.programmatic)
+    }
+
+    fn launch_as<P: DeviceRepr>(
+        &self,
+        kernel: &Kernel,
+        grid: (u32, u32, u32),
+        threads: u32,
+        dynamic_smem: usize,
+        params: &P,
+        programmatic: bool,
+    ) -> Result<()> {
         let f = self.function(kernel, dynamic_smem)?;
         let cfg = LaunchConfig {
             grid_dim: grid,
@@ -611,13 +652,49 @@ impl Gpu {
             shared_mem_bytes: dynamic_smem as u32,
         };
         let what = kernel.entry;
-        let mut launch = self.stream.launch_builder(&f);
-        launch.arg(params);
-        // SAFETY: every rung passes the #[repr(C)] mirror of the parameter struct its kernel
-        // declares, with device pointers to buffers of the sizes the kernel indexes (checked by
-        // the rung before the launch).
-        unsafe { launch.launch(cfg) }
-            .map_err(KernelError::driver(format!("launching {what} with {cfg:?}")))?;
+        let failed = KernelError::driver(format!("launching {what} with {cfg:?}"));
+        if programmatic {
+            use cudarc::driver::sys;
+            // SAFETY: an all-zero launch attribute is valid plain data; its id and value are set
+            // below.
+            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let config = sys::CUlaunchConfig {
+                gridDimX: grid.0,
+                gridDimY: grid.1,
+                gridDimZ: grid.2,
+                blockDimX: threads,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: dynamic_smem as u32,
+                hStream: self.stream.cu_stream(),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // The kernel's one parameter, by address (the driver copies it at the launch).
+            let mut args = [params as *const P as *mut std::ffi::c_void];
+            // SAFETY: as in the launch below (the parameter struct mirrors the kernel's); `attr`,
+            // `config` and `args` outlive the call, which copies them.
+            unsafe {
+                sys::cuLaunchKernelEx(
+                    &config,
+                    f.cu_function(),
+                    args.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            }
+            .result()
+            .map_err(failed)?;
+        } else {
+            let mut launch = self.stream.launch_builder(&f);
+            launch.arg(params);
+            // SAFETY: every rung passes the #[repr(C)] mirror of the parameter struct its kernel
+            // declares, with device pointers to buffers of the sizes the kernel indexes (checked
+            // by the rung before the launch).
+            unsafe { launch.launch(cfg) }.map_err(failed)?;
+        }
         if self.sync_launches.load(Ordering::Relaxed) {
             self.stream.synchronize().map_err(KernelError::driver(format!("running {what}")))?;
         }

@@ -534,7 +534,8 @@ impl Plan {
             notes.push(format!(
                 "decode: {} shape(s), {per_shape} ({} cases); each KV cache allocated once per \
                  shape and layout with every sequence full, pages in shuffled order; O and lse \
-                 allocated once per case (decode::forward_into); TB/s = bytes of K and V / time; \
+                 allocated once per case (decode::forward_into); calls back to back, the split \
+                 kernel launched programmatically (PDL) on sm_90+; TB/s = bytes of K and V / time; \
                  splits: {}",
                 self.decode.len(),
                 self.decode_cases(),

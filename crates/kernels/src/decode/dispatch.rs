@@ -75,10 +75,11 @@ impl Strategy {
         max_len: usize,
         batch_heads_kv: usize,
         sm_count: usize,
+        paged: bool,
     ) -> Strategy {
         match self {
             Strategy::Auto => {
-                dispatch(rows_per_kv_head, max_len, batch_heads_kv, sm_count).strategy
+                dispatch(rows_per_kv_head, max_len, batch_heads_kv, sm_count, paged).strategy
             }
             Strategy::FlashDecodingPp if rows_per_kv_head <= GEMV_MAX_ROWS => Strategy::Gemv,
             Strategy::FlashDecodingPp => Strategy::FlatGemm,
@@ -142,7 +143,7 @@ pub struct Plan {
 
 /// The heuristic dataflow: the kernel and split count of an automatic call, from the rows per kv
 /// head (query heads per kv head × new tokens), the longest sequence, `batch · heads_kv` and the
-/// device's SM count.
+/// device's SM count, and whether the cache is paged.
 ///
 /// With [`PP_IN_AUTO`] off (as measured on the H200): FlashDecoding, always. With it on:
 ///
@@ -153,14 +154,15 @@ pub struct Plan {
 /// | up to [`GEMV_MAX_ROWS`] (1) | from [`PP_MIN_KEYS`] | FlashDecoding++, GEMV |
 /// | 2 … 16 | from [`PP_MIN_KEYS`] | FlashDecoding++, flat GEMM |
 ///
-/// The split count is then [`num_splits`] over the kernel's blocks per split
-/// ([`blocks_per_split`]) and the longest sequence's tiles of [`BC`] keys: the SM count enters
-/// there, the wave-efficiency heuristic being the same for every kernel.
+/// The split count is then [`split_count`] over the kernel's blocks per split
+/// ([`blocks_per_split`]) and the longest sequence's tiles of [`BC`] keys: the SM count and the
+/// layout enter there, the wave-efficiency heuristic being the same for every kernel.
 pub fn dispatch(
     rows_per_kv_head: usize,
     max_len: usize,
     batch_heads_kv: usize,
     sm_count: usize,
+    paged: bool,
 ) -> Plan {
     let keys = max_len.saturating_mul(batch_heads_kv);
     let strategy = if !PP_IN_AUTO || keys < PP_MIN_KEYS || rows_per_kv_head > FLAT_GEMM_MAX_ROWS {
@@ -170,13 +172,14 @@ pub fn dispatch(
     } else {
         Strategy::FlatGemm
     };
-    let splits = splits_for(strategy, rows_per_kv_head, max_len, batch_heads_kv, sm_count);
+    let blocks = batch_heads_kv.saturating_mul(blocks_per_split(strategy, rows_per_kv_head));
+    let splits = split_count(blocks, max_len.div_ceil(BC), sm_count, paged);
     Plan { strategy, splits }
 }
 
 /// What a call with `strategy` and `splits` (both from [`super::DecodeOptions`]) runs: the
 /// strategy resolved ([`dispatch`] for `Auto`, the rows for `FlashDecodingPp`) and the given split
-/// count, or [`num_splits`] over that kernel's blocks. A split count of 0 or more than
+/// count, or [`split_count`] over that kernel's blocks. A split count of 0 or more than
 /// [`MAX_SPLITS`] is an error.
 pub fn plan(
     strategy: Strategy,
@@ -185,8 +188,9 @@ pub fn plan(
     max_len: usize,
     batch_heads_kv: usize,
     sm_count: usize,
+    paged: bool,
 ) -> Result<Plan> {
-    let strategy = strategy.kernel(rows_per_kv_head, max_len, batch_heads_kv, sm_count);
+    let strategy = strategy.kernel(rows_per_kv_head, max_len, batch_heads_kv, sm_count, paged);
     let splits = match splits {
         Some(s) if s == 0 || s > MAX_SPLITS => {
             return Err(KernelError::Config(format!(
@@ -194,7 +198,11 @@ pub fn plan(
             )));
         }
         Some(s) => s,
-        None => splits_for(strategy, rows_per_kv_head, max_len, batch_heads_kv, sm_count),
+        None => {
+            let blocks =
+                batch_heads_kv.saturating_mul(blocks_per_split(strategy, rows_per_kv_head));
+            split_count(blocks, max_len.div_ceil(BC), sm_count, paged)
+        }
     };
     Ok(Plan { strategy, splits })
 }
@@ -221,17 +229,35 @@ pub(crate) fn flat_rows_per_block(rows_per_kv_head: usize) -> usize {
     if rows_per_kv_head <= 8 { 8 } else { 16 }
 }
 
-/// [`num_splits`] for `strategy`'s kernel.
-fn splits_for(
-    strategy: Strategy,
-    rows_per_kv_head: usize,
-    max_len: usize,
-    batch_heads_kv: usize,
-    sm_count: usize,
-) -> usize {
-    let blocks = batch_heads_kv.saturating_mul(blocks_per_split(strategy, rows_per_kv_head));
-    num_splits(blocks, max_len.div_ceil(BC), sm_count, MAX_SPLITS)
+/// The split count for `blocks` blocks per split and `key_blocks` tiles of [`BC`] keys in the
+/// longest sequence: [`num_splits`] with one block per SM, or, for a paged cache, with
+/// [`PAGED_BLOCKS_PER_SM`] while each split keeps at least [`PAGED_MIN_SPLIT_TILES`] tiles.
+pub fn split_count(blocks: usize, key_blocks: usize, sm_count: usize, paged: bool) -> usize {
+    let one = num_splits(blocks, key_blocks, sm_count, MAX_SPLITS);
+    if !paged {
+        return one;
+    }
+    let more =
+        num_splits(blocks, key_blocks, sm_count.saturating_mul(PAGED_BLOCKS_PER_SM), MAX_SPLITS);
+    if key_blocks.div_ceil(more) >= PAGED_MIN_SPLIT_TILES { more } else { one }
 }
+
+/// Blocks per SM the split count fills for a paged cache ([`split_count`]): two, the kernel's
+/// occupancy (one for a contiguous cache).
+///
+/// One block per SM keeps enough of a contiguous cache in flight to stream it at full speed (its
+/// tiles are runs of 16 KB): 4.47 TB/s at batch 16, 32/8 heads, 32k keys, 128 blocks. A paged
+/// cache's tiles are runs of one page (4 KB with pages of 16 tokens), each behind a page-table
+/// read, and one block per SM reads it at 3.56 TB/s, two (two splits) at 4.33–4.38. A contiguous
+/// cache gains nothing from the second block (docs/perf-notes.md, FlashDecoding v4).
+pub const PAGED_BLOCKS_PER_SM: usize = 2;
+
+/// The fewest tiles of [`BC`] keys a split keeps when [`split_count`] fills two blocks per SM
+/// for a paged cache: shorter splits pay more in their fixed costs (first loads, partials, the
+/// combine) than the second block gains. At batch 1, 32/8 heads, 8k keys (128 tiles), 16 splits
+/// read pages of 16 at 2.27 TB/s and 32 splits (4 tiles each) at 2.15; at 32/32 heads, 4 splits
+/// read 3.09 and 8 (16 tiles each) 3.53.
+pub const PAGED_MIN_SPLIT_TILES: usize = 16;
 
 #[cfg(test)]
 mod tests {
@@ -241,9 +267,9 @@ mod tests {
     fn the_decision_table() {
         let sms = 132;
         let big = PP_MIN_KEYS; // e.g. one kv head of 65536 keys, or 8 of 8192
-        let auto = |rows, len, heads| dispatch(rows, len, heads, sms).strategy;
+        let auto = |rows, len, heads| dispatch(rows, len, heads, sms, false).strategy;
         let pp = |rows, len, heads| {
-            plan(Strategy::FlashDecodingPp, None, rows, len, heads, sms).unwrap().strategy
+            plan(Strategy::FlashDecodingPp, None, rows, len, heads, sms, false).unwrap().strategy
         };
         for (rows, len, heads) in [(1, 8192, 8), (2, 8192, 8), (16, 8192, 8), (4, big, 1)] {
             // Long enough caches: the rows pick FlashDecoding++'s kernel (Auto too when it may).
@@ -268,15 +294,21 @@ mod tests {
         let sms = 132;
         // Batch 1, 32 kv heads, one row each, 8k keys: 32 blocks per split whatever the kernel,
         // so the same count as FlashDecoding's heuristic.
-        let p = plan(Strategy::FlashDecodingPp, None, 1, 8192, 32, sms).unwrap();
+        let p = plan(Strategy::FlashDecodingPp, None, 1, 8192, 32, sms, false).unwrap();
         assert_eq!(p, Plan { strategy: Strategy::Gemv, splits: num_splits(32, 128, sms, 128) });
-        assert_eq!(dispatch(1, 8192, 32, sms).splits, num_splits(32, 128, sms, 128));
+        assert_eq!(dispatch(1, 8192, 32, sms, false).splits, num_splits(32, 128, sms, 128));
         // 8 kv heads × 16 rows: one flat block per kv head, as FlashDecoding's.
-        let p = plan(Strategy::FlashDecodingPp, None, 16, 8192, 8, sms).unwrap();
+        let p = plan(Strategy::FlashDecodingPp, None, 16, 8192, 8, sms, false).unwrap();
         assert_eq!(p.splits, num_splits(8, 128, sms, 128));
         // Forced GEMV with 4 rows: 4 blocks per kv head per split.
-        let p = plan(Strategy::Gemv, None, 4, 8192, 8, sms).unwrap();
+        let p = plan(Strategy::Gemv, None, 4, 8192, 8, sms, false).unwrap();
         assert_eq!(p, Plan { strategy: Strategy::Gemv, splits: num_splits(32, 128, sms, 128) });
+        // A paged cache: two blocks per SM while splits keep 16 tiles (batch 1, 32 kv heads, 8k
+        // keys: 8 splits of 16 tiles, where a contiguous cache takes 4).
+        assert_eq!(dispatch(1, 8192, 32, sms, true).splits, 8);
+        assert_eq!(dispatch(1, 8192, 32, sms, false).splits, 4);
+        assert_eq!(split_count(32, 128, sms, true), num_splits(32, 128, 2 * sms, 128));
+        assert_eq!(split_count(8, 128, sms, true), split_count(8, 128, sms, false));
         // Forced flat GEMM with 40 rows: blocks of 16, 3 per kv head.
         assert_eq!(blocks_per_split(Strategy::FlatGemm, 40), 3);
         assert_eq!(blocks_per_split(Strategy::FlatGemm, 8), 1);
@@ -284,12 +316,15 @@ mod tests {
         assert_eq!(blocks_per_split(Strategy::FlashDecoding, 40), 2);
         assert_eq!(blocks_per_split(Strategy::Gemv, 0), 1);
         // A given split count is kept; 0 and more than MAX_SPLITS are errors.
-        let p = plan(Strategy::Auto, Some(7), 1, 100, 1, sms).unwrap();
+        let p = plan(Strategy::Auto, Some(7), 1, 100, 1, sms, false).unwrap();
         assert_eq!(p, Plan { strategy: Strategy::FlashDecoding, splits: 7 });
-        assert_eq!(plan(Strategy::Auto, Some(MAX_SPLITS), 1, 100, 1, sms).unwrap().splits, 128);
+        assert_eq!(
+            plan(Strategy::Auto, Some(MAX_SPLITS), 1, 100, 1, sms, false).unwrap().splits,
+            128
+        );
         for bad in [0, MAX_SPLITS + 1] {
             assert!(matches!(
-                plan(Strategy::Gemv, Some(bad), 1, 100, 1, sms),
+                plan(Strategy::Gemv, Some(bad), 1, 100, 1, sms, false),
                 Err(KernelError::Config(_))
             ));
         }
@@ -301,7 +336,7 @@ mod tests {
         for rows in [1, 2, 8, 16, 17, 128] {
             for (len, heads) in [(10, 1), (100_000, 8)] {
                 for s in Strategy::ALL {
-                    let p = plan(s, Some(3), rows, len, heads, sms).unwrap();
+                    let p = plan(s, Some(3), rows, len, heads, sms, false).unwrap();
                     assert!(
                         matches!(
                             p.strategy,
@@ -311,7 +346,7 @@ mod tests {
                     );
                     match s {
                         Strategy::Auto => {
-                            assert_eq!(p.strategy, dispatch(rows, len, heads, sms).strategy)
+                            assert_eq!(p.strategy, dispatch(rows, len, heads, sms, false).strategy)
                         }
                         Strategy::FlashDecodingPp => assert_eq!(
                             p.strategy,
