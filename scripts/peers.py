@@ -417,6 +417,7 @@ def make_flashinfer_decode_step(torch, sets, grouped, dtype_name):
         vp = flashinfer_pages(torch, v, page)[0]
         paged.append((q.view(batch, heads_q, d), (kp, vp)))
     workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=q0.device)
+    pdl = torch.cuda.get_device_capability(q0.device)[0] >= 9
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
     key = (dtype_name, d)
     if _flashinfer_built.get(key) is not None:
@@ -451,7 +452,7 @@ def make_flashinfer_decode_step(torch, sets, grouped, dtype_name):
         q, kv = paged[i]
         # Programmatic dependent launch, FlashInfer's default from sm_90 on, said out loud: our
         # decode kernel is launched the same way (GpuConfig::programmatic_launch).
-        return wrapper.run(q, kv, enable_pdl=True)
+        return wrapper.run(q, kv, enable_pdl=pdl)
 
     # A wrong peer must not report figures: compare the first call with SDPA on the same inputs,
     # one sequence at a time (SDPA's fallback for GQA copies K and V per query head).
@@ -615,7 +616,7 @@ def main(argv=None):
             f"triton warp_specialize={args.triton_warp_specialize}")
     if "flashinfer" in decode_impls:
         note += (f", flashinfer: BatchDecodeWithPagedKVCacheWrapper (CUDA-core decode, programmatic "
-                 f"dependent launch), HND pages of {FLASHINFER_PAGE_SIZE} over the contiguous cache")
+                 f"dependent launch on sm_90+), HND pages of {FLASHINFER_PAGE_SIZE} over the contiguous cache")
     kept = [part for part in old.split("; ") if part and not part.startswith("peers.py:")]
     merge_meta(meta_path, {"note": "; ".join(kept + [note])}, {})
     print(render(results))

@@ -476,7 +476,8 @@ fn gpu_decode_a_nan_query_row_is_nan_for_every_split_count() {
         q[[0, 1, 0, 5]] = f32::NAN;
         let nan_q =
             upload_values(gpu, &q.iter().copied().collect::<Vec<_>>(), q.shape(), case.dtype);
-        for splits in [Some(1), Some(3), None] {
+        // 40 splits: the combine reads them in batches of 16, the NaN split in the first.
+        for splits in [Some(1), Some(3), Some(40), None] {
             let opts = case.decode_options(DecodeStrategy::FlashDecoding, splits, 0.0);
             let call = |q: &Tensor| {
                 let out =
@@ -555,48 +556,61 @@ fn gpu_decode_forward_into_equals_forward() {
 /// Calls launched back to back, each reading as its query what the call before it wrote: on
 /// Hopper the split kernel is launched programmatically (`GpuConfig::programmatic_launch`, on by
 /// default), so its blocks start while the previous call finishes, and must wait for it before
-/// reading. Every output of the chain is NaN until written (a read that came too early would
-/// carry NaN or stale values down the chain), and the chain must give the bits of the same chain
-/// with the host waiting for each call to finish.
+/// reading. The chain runs on a `Gpu` of its own (its own stream, no poisoning, no synchronising
+/// launches: nothing between two calls but the calls), issued from a thread that has not used the
+/// GPU before (the launch must bind the context itself). Every output is NaN until written (a
+/// read that came too early would carry NaN or stale values down the chain), and the chain must
+/// give the bits of the same chain with the host waiting for each call to finish.
 #[test]
 fn gpu_decode_a_call_reads_what_the_call_before_it_wrote() {
     let Some(gpu) = gpu() else { return };
+    let stream = gpu.context().new_stream().expect("stream");
+    let config = gpu_check::gpu_config_from_env().expect("config");
+    let own = Gpu::from_stream(stream, config).expect("gpu");
+    if own.arch().starts_with("sm_9") {
+        assert!(
+            own.programmatic_launches(),
+            "Hopper launches the decoding kernel programmatically"
+        );
+    }
     let all = cases(DType::F16);
     for case in [&all[2], &all[9]] {
         let x = case.inputs();
-        let dev = upload(gpu, case, &x, Layout::Contiguous);
+        let dev = upload(&own, case, &x, Layout::Contiguous);
         let o_shape = [case.batch(), case.heads_q, case.n_new, case.d];
+        let nan = |shape: &[usize], dtype| {
+            let mut t = own.zeros(shape, dtype).expect("zeros");
+            own.fill_bytes(&mut t, 0xff).expect("fill");
+            t
+        };
+        let outputs = || -> Vec<Output> {
+            let outs = (0..8)
+                .map(|_| Output {
+                    o: nan(&o_shape, case.dtype),
+                    lse: nan(&o_shape[..3], DType::F32),
+                })
+                .collect();
+            own.synchronize().expect("sync");
+            outs
+        };
         for splits in [Some(1), Some(5)] {
             let opts = case.decode_options(DecodeStrategy::FlashDecoding, splits, 0.0);
-            let chain = |wait: bool| -> Vec<Output> {
-                let nan = |shape: &[usize], dtype| {
-                    let mut t = gpu.zeros(shape, dtype).expect("zeros");
-                    gpu.fill_bytes(&mut t, 0xff).expect("fill");
-                    t
-                };
-                let mut outs: Vec<Output> = (0..8)
-                    .map(|_| Output {
-                        o: nan(&o_shape, case.dtype),
-                        lse: nan(&o_shape[..3], DType::F32),
-                    })
-                    .collect();
-                gpu.synchronize().expect("sync");
+            let chain = |outs: &mut Vec<Output>, wait: bool| {
                 for i in 0..outs.len() {
                     let (done, rest) = outs.split_at_mut(i);
                     let q = done.last().map_or(&dev.q, |prev| &prev.o);
-                    decode::forward_into(gpu, q, dev.cache(&case.lengths), &opts, &mut rest[0])
+                    decode::forward_into(&own, q, dev.cache(&case.lengths), &opts, &mut rest[0])
                         .expect("forward_into");
                     if wait {
-                        gpu.synchronize().expect("sync");
+                        own.synchronize().expect("sync");
                     }
                 }
-                outs
             };
-            // The test GPU synchronises after every launch; the chain must not.
-            gpu.set_sync_launches(false);
-            let fast = chain(false);
-            gpu.set_sync_launches(true);
-            let waited = chain(true);
+            let mut waited = outputs();
+            chain(&mut waited, true);
+            let mut fast = outputs();
+            std::thread::scope(|s| s.spawn(|| chain(&mut fast, false)).join().expect("thread"));
+            own.synchronize().expect("sync");
             for (i, (a, b)) in fast.iter().zip(&waited).enumerate() {
                 let (a, b) = (bytes(a), bytes(b));
                 assert!(a == b, "{case:?} splits {splits:?}: call {i} of the chain differs");

@@ -267,7 +267,10 @@ __device__ void combine_rows(const FdParams& p, size_t row0, int RB) {
             const float alpha = fast_exp2((m - m_new) * LADDER_LOG2E);  // 0 while m = −inf
             l *= alpha;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) o[h].x *= alpha, o[h].y *= alpha, o[h].z *= alpha, o[h].w *= alpha;
+            for (int h = 0; h < 2; ++h) {
+                o[h].x *= alpha, o[h].y *= alpha;
+                o[h].z *= alpha, o[h].w *= alpha;
+            }
 #pragma unroll
             for (int b = 0; b < COMBINE_BATCH; ++b) {
                 const float w = fast_exp2((x[b] - m_new) * LADDER_LOG2E);

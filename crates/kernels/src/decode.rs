@@ -139,10 +139,10 @@ pub const MAX_NEW_TOKENS: usize = 16;
 pub const ROWS_PER_BLOCK: usize = 32;
 /// Tokens per page a paged cache may have ([`PagedKvCache`]).
 pub const PAGE_SIZES: &[usize] = &[16, 32, 64, 128, 256];
-/// The most splits a call takes, and the heuristic picks ([`num_splits`]). The last block of a
-/// group reads every split's partials from L2 one batch of splits at a time, so its work grows
-/// with the count; past 128 splits (more than 16 per SM, or chunks of a tile or two) more splits
-/// only add to it.
+/// The most splits a call takes, and the heuristic picks ([`num_splits`]): a limit of the host,
+/// not of the kernel. The last block of a group reads every split's partials from L2, 16 splits
+/// per round trip, so its work grows with the count (8 round trips at 128), while chunks of a
+/// long sequence past 128 splits are a tile or two: more splits only add to the combine.
 pub const MAX_SPLITS: usize = 128;
 /// Sequences per launch: their lengths travel inside the parameter struct (no host-to-device copy
 /// per call); larger batches are launched in chunks of this many.
@@ -514,9 +514,10 @@ pub fn default_splits(
 /// 80 % of a wave) it is 1. `slots` blocks make a wave: the SM count, or twice it where a paged
 /// cache needs two blocks per SM to keep the memory busy ([`split_count`]). Otherwise, for `s`
 /// in `1 ..= min(max_splits, key_blocks, 128)`, the last wave of `batch_heads_kv · s` blocks is
-/// `efficiency(s) = n / ceil(n)` full (`n = batch_heads_kv · s / slots` waves); the answer is the smallest `s` within
-/// [`SPLIT_EFFICIENCY`] of the best efficiency. As in FlashAttention, an `s` that gives each split
-/// as many key blocks as `s − 1` does is skipped (it is `s − 1` splits with an empty one).
+/// `efficiency(s) = n / ceil(n)` full (`n = batch_heads_kv · s / slots` waves); the answer is
+/// the smallest `s` within [`SPLIT_EFFICIENCY`] of the best efficiency. As in FlashAttention, an
+/// `s` that gives each split as many key blocks as `s − 1` does is skipped (it is `s − 1` splits
+/// with an empty one).
 pub fn num_splits(
     batch_heads_kv: usize,
     key_blocks: usize,

@@ -154,10 +154,12 @@ impl GpuConfig {
     }
 
     /// Launch the decoding kernel with programmatic dependent launch (Hopper and later; on by
-    /// default there, ignored before). The kernel then starts while the work before it in the
-    /// stream finishes, and waits (`griddepcontrol.wait`) before its first read of memory, so
-    /// its launch and block start overlap the tail of the previous kernel; results are the same
-    /// either way. Off: an ordinary launch (for measuring what it gains).
+    /// default there, ignored before). The kernel may then start while the kernel before it in
+    /// the stream finishes, and waits (`griddepcontrol.wait`) before its first read of memory;
+    /// results are the same either way. It starts early only where that kernel lets it (calls
+    /// `griddepcontrol.launch_dependents`, as the decoding kernel does): back-to-back decoding
+    /// calls overlap one's launch with the other's tail; after an ordinary kernel it starts when
+    /// that one completes, as without. Off: an ordinary launch (for measuring what it gains).
     pub fn programmatic_launch(mut self, on: bool) -> GpuConfig {
         self.no_programmatic_launch = !on;
         self
@@ -313,6 +315,12 @@ impl Gpu {
             scratch: Mutex::new(ScratchBuffers::default()),
             config,
         })
+    }
+
+    /// Whether the decoding kernel is launched programmatically on this device
+    /// ([`GpuConfig::programmatic_launch`], and an sm_90+ device).
+    pub fn programmatic_launches(&self) -> bool {
+        self.programmatic
     }
 
     /// The configuration this device was opened with.
@@ -539,7 +547,9 @@ impl Gpu {
     /// leave zero (the decoding kernel's last block per group resets its count), and at least
     /// `floats` `f32` of workspace whose contents do not outlive the call (NaN first when outputs
     /// are poisoned, so that a kernel reading what no kernel wrote fails its tests). Calls on this
-    /// `Gpu` follow each other in stream order, so one call's kernels never overlap the next's; the
+    /// `Gpu` follow each other in stream order: a kernel launched programmatically
+    /// ([`Gpu::launch_programmatic`]) may start during the previous call's tail, but waits for it
+    /// to finish before it touches memory, so one call never sees the next's use of a buffer; the
     /// lock, held for the launches, keeps two threads sharing this `Gpu` from freeing a buffer
     /// under each other's launches. Buffers grow in steps of [`SCRATCH_GRANULE`] elements and
     /// shrink only with [`Gpu::release_scratch`]. A buffer that grows is freed in stream order,
@@ -607,7 +617,8 @@ impl Gpu {
         self.function(kernel, dynamic_smem).map(|_| ())
     }
 
-    /// Launch `kernel` with its parameter struct: the one way every rung launches. The launch
+    /// Launch `kernel` with its parameter struct, as every rung does (the decoding kernel through
+    /// [`Gpu::launch_programmatic`], the same with one launch attribute more). The launch
     /// call's own result is always checked; with sync launches on, also the kernel's completion,
     /// so an asynchronous fault names the kernel that caused it.
     pub(crate) fn launch<P: DeviceRepr>(
@@ -655,6 +666,11 @@ impl Gpu {
         let failed = KernelError::driver(format!("launching {what} with {cfg:?}"));
         if programmatic {
             use cudarc::driver::sys;
+            // The driver takes the context from the calling thread (this stream may be the null
+            // stream), and cudarc's own launch binds it first: so do we.
+            self.ctx
+                .bind_to_thread()
+                .map_err(KernelError::driver(format!("binding the context to launch {what}")))?;
             // SAFETY: an all-zero launch attribute is valid plain data; its id and value are set
             // below.
             let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
