@@ -734,12 +734,16 @@ pub struct SweepRow {
 }
 
 /// Parses a sweep table: a header line starting with `B` (`B heads L [strategy ran] splits ms
-/// TB/s`) and one line per run; a split count of `auto` or `auto N` is the heuristic's choice.
+/// TB/s [host µs gpu ms gpu TB/s]`, the two-word names of `decode_bandwidth`'s later columns
+/// read as one column each) and one line per run; a split count of `auto` or `auto N` is the
+/// heuristic's choice.
 pub fn parse_sweep(text: &str) -> Result<Vec<SweepRow>, String> {
     let mut lines = text.lines().enumerate().skip_while(|(_, l)| !l.trim_start().starts_with("B "));
     let Some((_, header)) = lines.next() else {
         return Err("no header line starting with `B`".into());
     };
+    let header = header.replace("host µs", "host_µs").replace("gpu ms", "gpu_ms");
+    let header = header.replace("gpu TB/s", "gpu_TB/s");
     let header: Vec<&str> = header.split_whitespace().collect();
     let column = |name: &str| header.iter().position(|h| *h == name);
     let need = |name: &str| column(name).ok_or_else(|| format!("no column {name:?}"));
@@ -1186,6 +1190,15 @@ mod tests {
         assert_eq!((dispatched[0].splits, dispatched[0].tbps), (Some(4), 3.13));
         assert_eq!(dispatched[3].ran.as_deref(), Some("flat-gemm"));
         assert_eq!(dispatched[3].splits, Some(15));
+        // decode_bandwidth's later format: host and GPU times beside the events' (v4: PDL on).
+        let v4 = parse_sweep(
+            &std::fs::read_to_string(dir.join("h200-decode-v4/bandwidth-sweep.txt")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(v4.len(), 35);
+        assert_eq!(v4[0].strategy.as_deref(), Some("flash-decoding"));
+        assert!(v4[0].auto && v4[0].splits == Some(4));
+        assert_eq!((v4[1].splits, v4[1].ms, v4[1].tbps), (Some(1), 0.0762, 1.76));
         assert!(parse_sweep("no table here").is_err());
         assert!(parse_sweep("  B heads L splits ms TB/s\n 1 32/8 8192 4 0.1\n").is_err());
     }
