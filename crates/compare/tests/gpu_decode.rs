@@ -438,6 +438,14 @@ fn gpu_decode_bf16_matches_the_oracle_for_every_split_count() {
 }
 
 /// Raw bytes of `O` and `lse`.
+/// A tensor of all-ones bytes (NaN in every float type), so that an element no kernel writes
+/// cannot pass a check.
+fn nan_tensor(gpu: &Gpu, shape: &[usize], dtype: DType) -> Tensor {
+    let mut t = gpu.zeros(shape, dtype).expect("zeros");
+    gpu.fill_bytes(&mut t, 0xff).expect("fill");
+    t
+}
+
 fn bytes(out: &Output) -> (Vec<u8>, Vec<u8>) {
     (out.o.to_bytes().expect("copy"), out.lse.to_bytes().expect("copy"))
 }
@@ -518,11 +526,7 @@ fn gpu_decode_forward_into_equals_forward() {
             let x = case.inputs();
             let dev = upload(gpu, case, &x, Layout::Contiguous);
             let o_shape = [case.batch(), case.heads_q, case.n_new, case.d];
-            let nan = |shape: &[usize], dtype| {
-                let mut t = gpu.zeros(shape, dtype).expect("zeros");
-                gpu.fill_bytes(&mut t, 0xff).expect("fill");
-                t
-            };
+            let nan = |shape: &[usize], dtype| nan_tensor(gpu, shape, dtype);
             let mut out = Output { o: nan(&o_shape, dtype), lse: nan(&o_shape[..3], DType::F32) };
             for splits in [Some(3), None, Some(1), Some(64)] {
                 // NaN before every call, so that an element the call leaves alone cannot match.
@@ -578,11 +582,7 @@ fn gpu_decode_a_call_reads_what_the_call_before_it_wrote() {
         let x = case.inputs();
         let dev = upload(&own, case, &x, Layout::Contiguous);
         let o_shape = [case.batch(), case.heads_q, case.n_new, case.d];
-        let nan = |shape: &[usize], dtype| {
-            let mut t = own.zeros(shape, dtype).expect("zeros");
-            own.fill_bytes(&mut t, 0xff).expect("fill");
-            t
-        };
+        let nan = |shape: &[usize], dtype| nan_tensor(&own, shape, dtype);
         let outputs = || -> Vec<Output> {
             let outs = (0..8)
                 .map(|_| Output {

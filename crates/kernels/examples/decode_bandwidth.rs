@@ -113,7 +113,7 @@ fn args() -> Result<Args, Box<dyn std::error::Error>> {
 
 /// K and V of one copy of the cache, contiguous `[b, hkv, len, d]` or in shuffled pages
 /// `[pages, hkv, page, d]`.
-struct Copy {
+struct CacheCopy {
     k: Tensor,
     v: Tensor,
 }
@@ -170,7 +170,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             .map(|_| {
                 let k = gpu.upload(&values, &kv_shape, DType::F16)?;
                 let v = gpu.upload(&values, &kv_shape, DType::F16)?;
-                Ok(Copy { k, v })
+                Ok(CacheCopy { k, v })
             })
             .collect::<Result<Vec<_>, KernelError>>()?;
         let lengths = vec![len; b];

@@ -493,8 +493,9 @@ fn m_tiles(rows_per_kv_head: usize) -> usize {
     if rows_per_kv_head <= 16 { 1 } else { ROWS_PER_BLOCK / 16 }
 }
 
-/// The split count [`forward`] uses when [`DecodeOptions::splits`] is `None`: [`split_count`] with
-/// `batch · heads_kv · row_blocks` blocks per split and the longest sequence's key tiles.
+/// The split count [`forward`] uses when [`DecodeOptions::splits`] is `None` for FlashDecoding:
+/// [`split_count`] with `batch · heads_kv · row_blocks` blocks per split and the longest
+/// sequence's key tiles.
 pub fn default_splits(
     batch: usize,
     heads_kv: usize,
@@ -503,8 +504,9 @@ pub fn default_splits(
     sm_count: usize,
     paged: bool,
 ) -> usize {
-    let blocks = batch.saturating_mul(heads_kv).saturating_mul(row_blocks(rows_per_kv_head));
-    split_count(blocks, max_len.div_ceil(BC), sm_count, paged)
+    let batch_heads_kv = batch.saturating_mul(heads_kv);
+    let fd = Strategy::FlashDecoding;
+    dispatch::splits_for(fd, rows_per_kv_head, max_len, batch_heads_kv, sm_count, paged)
 }
 
 /// How many splits fill the device: FlashAttention's `num_splits_heuristic` (wave efficiency).

@@ -172,8 +172,7 @@ pub fn dispatch(
     } else {
         Strategy::FlatGemm
     };
-    let blocks = batch_heads_kv.saturating_mul(blocks_per_split(strategy, rows_per_kv_head));
-    let splits = split_count(blocks, max_len.div_ceil(BC), sm_count, paged);
+    let splits = splits_for(strategy, rows_per_kv_head, max_len, batch_heads_kv, sm_count, paged);
     Plan { strategy, splits }
 }
 
@@ -198,11 +197,7 @@ pub fn plan(
             )));
         }
         Some(s) => s,
-        None => {
-            let blocks =
-                batch_heads_kv.saturating_mul(blocks_per_split(strategy, rows_per_kv_head));
-            split_count(blocks, max_len.div_ceil(BC), sm_count, paged)
-        }
+        None => splits_for(strategy, rows_per_kv_head, max_len, batch_heads_kv, sm_count, paged),
     };
     Ok(Plan { strategy, splits })
 }
@@ -227,6 +222,20 @@ pub fn blocks_per_split(strategy: Strategy, rows_per_kv_head: usize) -> usize {
 /// Rows per block of the flat GEMM: one 8-row tile up to 8 rows, else two.
 pub(crate) fn flat_rows_per_block(rows_per_kv_head: usize) -> usize {
     if rows_per_kv_head <= 8 { 8 } else { 16 }
+}
+
+/// [`split_count`] for `strategy`'s kernel: its blocks per split ([`blocks_per_split`]) over
+/// `batch_heads_kv`, and the longest sequence's tiles of [`BC`] keys.
+pub(crate) fn splits_for(
+    strategy: Strategy,
+    rows_per_kv_head: usize,
+    max_len: usize,
+    batch_heads_kv: usize,
+    sm_count: usize,
+    paged: bool,
+) -> usize {
+    let blocks = batch_heads_kv.saturating_mul(blocks_per_split(strategy, rows_per_kv_head));
+    split_count(blocks, max_len.div_ceil(BC), sm_count, paged)
 }
 
 /// The split count for `blocks` blocks per split and `key_blocks` tiles of [`BC`] keys in the
