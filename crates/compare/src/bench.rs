@@ -344,13 +344,15 @@ fn run_decode_case(
         ..DecodeOptions::default()
     };
     // What `decode::forward` picks: the same plan on the same shape.
-    let max_len = lengths.iter().copied().max().unwrap_or(0);
-    let rows_per_kv_head = case.heads_q / case.heads_kv.max(1) * case.n_q;
+    let work = decode::Workload {
+        rows_per_kv_head: case.heads_q / case.heads_kv.max(1) * case.n_q,
+        max_len: lengths.iter().copied().max().unwrap_or(0),
+        batch_heads_kv: case.batch * case.heads_kv,
+        head_dim: case.d,
+        paged: case.page_size.is_some(),
+    };
     let strategy = rung.decode_options(&opts).strategy;
-    let sms = gpu.sm_count() as usize;
-    let bh = case.batch * case.heads_kv;
-    let paged = case.page_size.is_some();
-    let resolved = decode::plan(strategy, plan.splits, rows_per_kv_head, max_len, bh, sms, paged);
+    let resolved = decode::plan(strategy, plan.splits, &work, gpu.sm_count() as usize);
     let n_new = case.n_q;
     let timed = timing::decode_step(rung, gpu, sets, n_new, lengths, opts).and_then(|mut step| {
         timing::measure(gpu, &mut step, sets.len(), warmup, repeats, plan.budget_ms)

@@ -39,6 +39,7 @@ use crate::rungs::RungConfig;
 /// | `LADDER_FA3_TILES=bc,consumers,stages` | FA3 tiles for every head dimension and mask (tuning) |
 /// | `LADDER_FA3_SCHEDULE=no-pingpong,...` | FA3 schedule: `full`, or what to switch off (`no-pingpong`, `no-overlap`, `no-persistent`) |
 /// | `LADDER_FA3_L2_SECTION_MB=N` | K and V megabytes the causal FA3 tile order keeps in L2 at a time (tuning) |
+/// | `LADDER_DECODE_STAGES=N` | K/V stages of the decoding kernels (tuning) |
 pub fn gpu_config_from_env() -> anyhow::Result<GpuConfig> {
     let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
     let mut config = GpuConfig::new();
@@ -70,6 +71,11 @@ pub fn gpu_config_from_env() -> anyhow::Result<GpuConfig> {
             .parse()
             .map_err(|_| anyhow::anyhow!("LADDER_FA3_L2_SECTION_MB={s:?} is not a number"))?;
         config = config.fa3_l2_section(mb.saturating_mul(1 << 20));
+    }
+    if let Some(s) = var("LADDER_DECODE_STAGES") {
+        let n =
+            s.parse().map_err(|_| anyhow::anyhow!("LADDER_DECODE_STAGES={s:?} is not a number"))?;
+        config = config.decode_stages(n);
     }
     Ok(config)
 }

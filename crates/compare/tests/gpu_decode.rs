@@ -11,11 +11,12 @@
 //!
 //! - Fixed cases: every split count (the heuristic, 1, 3, 7, and more splits than key tiles) must
 //!   pass the oracle and agree with the others within the sum of their tolerances; more than 32
-//!   rows per kv head (GQA 8 × 16 tokens) run in several row blocks.
+//!   rows per kv head (GQA 8 × 16 tokens; 16 at d = 256) run in several row blocks.
 //! - Paged: the same data in pages of 16, 64 and 256 tokens, in shuffled order, gives the same
 //!   bits as the contiguous cache with the same split count.
 //! - Drawn shapes (proptest): GQA groups 1–8 × 1–16 new tokens (up to 128 rows per kv head),
-//!   per-sequence lengths from 0 to the capacity, contiguous or paged, against the oracle and the
+//!   per-sequence lengths from 0 to the capacity, every head dimension (64, 128, 256),
+//!   contiguous or paged, against the oracle and the
 //!   CPU rung `ladder_reference::flash_decoding` with the same split count.
 //! - `forward_into` (caller-owned outputs) gives `forward`'s bits; a call gives the same bits
 //!   whatever ran before it (the split kernel's counters are left at zero).
@@ -144,19 +145,21 @@ impl Case {
         DecodeOptions { scale: Some(self.options().1), splits, strategy, phi, safe_range: None }
     }
 
+    /// What the heuristics see of the case (`paged` or not).
+    fn workload(&self, paged: bool) -> decode::Workload {
+        decode::Workload {
+            rows_per_kv_head: self.heads_q / self.heads_kv * self.n_new,
+            max_len: self.lengths.iter().copied().max().unwrap_or(0),
+            batch_heads_kv: self.batch() * self.heads_kv,
+            head_dim: self.d,
+            paged,
+        }
+    }
+
     /// The split count the kernel uses for `splits` (the heuristic's when `None`).
     fn splits_used(&self, gpu: &Gpu, splits: Option<usize>, paged: bool) -> usize {
         splits.unwrap_or_else(|| {
-            let max_len = self.lengths.iter().copied().max().unwrap_or(0);
-            let rows = self.heads_q / self.heads_kv * self.n_new;
-            decode::default_splits(
-                self.batch(),
-                self.heads_kv,
-                rows,
-                max_len,
-                gpu.sm_count() as usize,
-                paged,
-            )
+            decode::default_splits(&self.workload(paged), gpu.sm_count() as usize)
         })
     }
 }
@@ -420,6 +423,12 @@ fn cases(dtype: DType) -> Vec<Case> {
         case(6, 2, 11, 64, 200, &[200, 70], 11),
         // Multi-query attention, 32 heads × 8 tokens = 256 rows (8 blocks) on one kv head.
         case(32, 1, 8, 64, 150, &[150, 129], 12),
+        // d = 256: one 16-row tile per block. GQA 4 × 4 tokens (16 rows, one block), a sequence
+        // shorter than its new tokens; multi-head with one token; GQA 8 × 4 (32 rows, two
+        // blocks of 16 where d ≤ 128 takes one of 32).
+        case(8, 2, 4, 256, 700, &[700, 3], 13),
+        case(4, 4, 1, 256, 1500, &[1500, 0], 14),
+        case(16, 2, 4, 256, 300, &[300, 77], 15),
     ]
 }
 
@@ -663,14 +672,14 @@ struct Drawn {
 }
 
 /// GQA groups 1–8 × 1–16 new tokens (up to 128 rows per kv head), 1–2 kv heads, 1–3 sequences
-/// with lengths from 0 to the capacity (often full), d 64 or 128, fp16 or bf16, contiguous or
+/// with lengths from 0 to the capacity (often full), d 64, 128 or 256, fp16 or bf16, contiguous or
 /// paged (every page size), the heuristic's split count or 1–9.
 fn drawn() -> impl Strategy<Value = Drawn> {
     let page = prop::sample::select(vec![None, Some(16), Some(32), Some(64), Some(128), Some(256)]);
     let splits = prop_oneof![Just(None), (1..=9usize).prop_map(Some)];
     (
         (1..=3usize, 1..=2usize, 1..=8usize, 1..=16usize, 1..=600usize),
-        prop::sample::select(vec![64usize, 128]),
+        prop::sample::select(decode::HEAD_DIMS.to_vec()),
         prop::sample::select(vec![DType::F16, DType::BF16]),
         (page, any::<bool>(), splits, any::<u64>()),
     )
@@ -1138,20 +1147,16 @@ fn gpu_decode_auto_follows_the_decision_table() {
         let dev = upload(gpu, &case, &x, Layout::Contiguous);
         let (_, stats) =
             launch_with(gpu, &case, &dev, &case.decode_options(DecodeStrategy::Auto, None, 0.0));
-        let rows = case.heads_q / case.heads_kv * case.n_new;
-        let max_len = case.lengths.iter().copied().max().unwrap_or(0);
-        let want = decode::dispatch(rows, max_len, case.batch() * case.heads_kv, sms, false);
+        let want = decode::dispatch(&case.workload(false), sms);
         assert_eq!(stats.plan, want, "{case:?}");
     }
     let large = large_cases(DType::F16);
     // FlashDecoding++ picks its kernel by the rows (and Auto does the same where it may take
     // FlashDecoding++ at all: decode::PP_IN_AUTO).
     let plan = |c: &Case| {
-        let rows = c.heads_q / c.heads_kv * c.n_new;
-        let bh = c.batch() * c.heads_kv;
-        let pp =
-            decode::plan(DecodeStrategy::FlashDecodingPp, None, rows, c.capacity, bh, sms, false);
-        (pp.expect("plan").strategy, decode::dispatch(rows, c.capacity, bh, sms, false).strategy)
+        let work = decode::Workload { max_len: c.capacity, ..c.workload(false) };
+        let pp = decode::plan(DecodeStrategy::FlashDecodingPp, None, &work, sms);
+        (pp.expect("plan").strategy, decode::dispatch(&work, sms).strategy)
     };
     let auto = |kernel| if decode::PP_IN_AUTO { kernel } else { DecodeStrategy::FlashDecoding };
     assert_eq!(plan(&large[0]), (DecodeStrategy::Gemv, auto(DecodeStrategy::Gemv)));

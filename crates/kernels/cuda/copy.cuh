@@ -48,13 +48,17 @@ __device__ __forceinline__ void load_tile(u16* smem, const u16* gmem, int row0, 
         cp_async_16(smem + swz<D>(r + i * STEP, col), src + i * STEP * D, row0 + r + i * STEP < n);
 }
 
-// N consecutive floats (N = 2 or 4, the address aligned to 4·N bytes) in one load.
+// N consecutive floats (N = 2 or a multiple of 4, the address aligned to 4·min(N, 4) bytes), in
+// one load per 4.
 template <int N>
 __device__ __forceinline__ void load_f32(float (&x)[N], const float* src) {
-    static_assert(N == 2 || N == 4, "float2 or float4");
-    if constexpr (N == 4) {
-        const float4 v = *reinterpret_cast<const float4*>(src);
-        x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+    static_assert(N == 2 || N % 4 == 0, "float2 or float4s");
+    if constexpr (N % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < N; i += 4) {
+            const float4 v = *reinterpret_cast<const float4*>(src + i);
+            x[i] = v.x, x[i + 1] = v.y, x[i + 2] = v.z, x[i + 3] = v.w;
+        }
     } else {
         const float2 v = *reinterpret_cast<const float2*>(src);
         x[0] = v.x, x[1] = v.y;

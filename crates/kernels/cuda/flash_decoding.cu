@@ -26,7 +26,7 @@
 //
 // Row blocks. A block holds at most ROWS = 16·MT ≤ 32 rows (MT = 1 or 2 mma tiles of 16; rows
 // past the block's last are zeros and are never stored): every warp keeps the output of all its
-// rows in registers, 16·MT·D/32 floats per lane, and two tiles are what fits. A kv head with more
+// rows in registers, 16·MT·D/32 floats per lane, and two tiles are what fits (one at D = 256). A kv head with more
 // rows (GQA 8 × 16 speculative tokens = 128) is shared by row_blocks = ceil(R / ROWS) blocks of
 // consecutive rows, each reading the chunk's K and V. They are neighbours in the grid
 // (blockIdx.x = split · row_blocks + row_block), so they run together and all but one find the
@@ -77,8 +77,8 @@
 //   g     16-key group of a tile (never split by a page boundary)
 //
 // Compile-time constants, set by the host for each variant:
-//   FD_D      head dimension (64, 128)
-//   FD_MT     16-row mma tiles of the Q tile (1: ≤ 16 rows per block, 2: ≤ 32)
+//   FD_D      head dimension (64, 128, 256)
+//   FD_MT     16-row mma tiles of the Q tile (1: ≤ 16 rows per block, 2: ≤ 32; 1 at D = 256)
 //   FD_BC     keys per K/V tile (16 per warp)
 //   FD_WARPS  warps per block of the split kernel
 //   FD_STAGES K/V tiles in shared memory (STAGES − 1 copies in flight while one tile is read)

@@ -172,11 +172,21 @@ __device__ __forceinline__ void unpack2(u32 x, float& lo, float& hi) {
     hi = to_f32((u16)(x >> 16));
 }
 
-// N = 2 or 4 consecutive 16-bit values (the address aligned to 2·N bytes) as floats.
+// N = 2, 4 or a multiple of 8 consecutive 16-bit values (the address aligned to 2·min(N, 8)
+// bytes) as floats: one load of up to 16 bytes per 8 values.
 template <int N>
 __device__ __forceinline__ void unpack(float (&x)[N], const u16* src) {
-    static_assert(N == 2 || N == 4, "one or two registers");
-    if constexpr (N == 4) {
+    static_assert(N == 2 || N == 4 || N % 8 == 0, "one, two or 4k registers");
+    if constexpr (N % 8 == 0) {
+#pragma unroll
+        for (int i = 0; i < N; i += 8) {
+            const uint4 y = *reinterpret_cast<const uint4*>(src + i);
+            unpack2(y.x, x[i], x[i + 1]);
+            unpack2(y.y, x[i + 2], x[i + 3]);
+            unpack2(y.z, x[i + 4], x[i + 5]);
+            unpack2(y.w, x[i + 6], x[i + 7]);
+        }
+    } else if constexpr (N == 4) {
         const uint2 y = *reinterpret_cast<const uint2*>(src);
         unpack2(y.x, x[0], x[1]);
         unpack2(y.y, x[2], x[3]);

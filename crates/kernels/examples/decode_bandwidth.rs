@@ -5,12 +5,13 @@
 //! crossovers (`decode::GEMV_MAX_ROWS`, `FLAT_GEMM_MAX_ROWS`, `PP_MIN_KEYS`) are to be set from.
 //!
 //! ```sh
-//! cargo run --release -p ladder-kernels --example decode_bandwidth [-- --new N --page P --fd-only --no-pdl]
+//! cargo run --release -p ladder-kernels --example decode_bandwidth [-- --new N --page P --fd-only --no-pdl --stages S]
 //! ```
 //! `--new N`: N new tokens per sequence (default 1); `--page P`: the cache in pages of P tokens,
 //! scattered in a shuffled order as a serving cache's pages are (default: contiguous);
 //! `--fd-only`: FlashDecoding alone; `--no-pdl`: ordinary launches instead of programmatic ones
-//! (`GpuConfig::programmatic_launch`).
+//! (`GpuConfig::programmatic_launch`); `--stages S`: S K/V stages instead of the default
+//! (`GpuConfig::decode_stages`).
 //! Without a GPU it says so and exits with status 1. Each figure is 20 calls into outputs
 //! allocated once (`decode::forward_into`, as a serving loop calls it), after 3 warm-up calls,
 //! rotating among copies of the cache that together are several times the L2, so that it is read
@@ -87,10 +88,11 @@ struct Args {
     page: usize,
     fd_only: bool,
     no_pdl: bool,
+    stages: usize,
 }
 
 fn args() -> Result<Args, Box<dyn std::error::Error>> {
-    let mut a = Args { new: 1, page: 0, fd_only: false, no_pdl: false };
+    let mut a = Args { new: 1, page: 0, fd_only: false, no_pdl: false, stages: 0 };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || -> Result<usize, Box<dyn std::error::Error>> {
@@ -102,8 +104,9 @@ fn args() -> Result<Args, Box<dyn std::error::Error>> {
             "--page" => a.page = value()?,
             "--fd-only" => a.fd_only = true,
             "--no-pdl" => a.no_pdl = true,
+            "--stages" => a.stages = value()?,
             _ => {
-                let known = "--new N, --page P, --fd-only, --no-pdl";
+                let known = "--new N, --page P, --fd-only, --no-pdl, --stages S";
                 return Err(format!("unknown argument {flag} ({known})").into());
             }
         }
@@ -120,7 +123,11 @@ struct CacheCopy {
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args = args()?;
-    let gpu = Gpu::with_config(GpuConfig::new().programmatic_launch(!args.no_pdl))?;
+    let mut config = GpuConfig::new().programmatic_launch(!args.no_pdl);
+    if args.stages > 0 {
+        config = config.decode_stages(args.stages);
+    }
+    let gpu = Gpu::with_config(config)?;
     println!("{} ({}), {} SMs", gpu.name(), gpu.arch(), gpu.sm_count());
     let layout = if args.page == 0 {
         "contiguous".to_string()
@@ -128,7 +135,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         format!("pages of {} (shuffled)", args.page)
     };
     let launch = if args.no_pdl { "ordinary" } else { "programmatic" };
-    println!("{} new token(s), cache {layout}, {launch} launches", args.new);
+    let stages = match args.stages {
+        0 => format!("{} K/V stages (default)", decode::stages(gpu.arch())),
+        s => format!("{s} K/V stages"),
+    };
+    println!("{} new token(s), cache {layout}, {launch} launches, {stages}", args.new);
     let spin =
         gpu.context().load_module(cudarc::nvrtc::compile_ptx(SPIN)?)?.load_function("spin")?;
     println!(

@@ -29,7 +29,8 @@
 //!
 //! **Row blocks.** A block holds at most [`ROWS_PER_BLOCK`] = 32 of those rows: each of its warps
 //! keeps the output of every row in registers (`d` floats per lane at 32 rows, 128 at d = 128),
-//! and two 16-row tiles are what fits beside the rest. More rows per kv head (GQA 8 × 16 speculative tokens
+//! and two 16-row tiles are what fits beside the rest; at `d = 256` one tile of 16 rows
+//! ([`rows_per_block`]) is already 128 floats per lane. More rows per kv head (GQA 8 × 16 speculative tokens
 //! = 128) are shared by [`row_blocks`]`(R)` blocks of 32 consecutive rows, each reading the
 //! chunk's K and V. They sit next to each other in the grid, so they run together and all but the
 //! first find the tiles in L2: one HBM read of the cache, `row_blocks`-fold L2 traffic. The
@@ -100,7 +101,10 @@
 //! rounds `2^(s − φ)` to 16 bits where FlashDecoding rounds `2^(s − m)` (the GEMV keeps `P` in
 //! `f32`). A call gives the same bits every time, and the same as its strategy forced.
 //!
-//! Not yet: head dimension 256.
+//! **Head dimension 256.** The same kernels with `d = 256`: 16 rows per block (FlashDecoding) or 8
+//! (the flat GEMM), and three K/V stages of 64 keys are 192 KB of shared memory, so one block per
+//! SM, where `d ≤ 128` fits two; the split count counts one block per SM for a paged cache too
+//! ([`Workload::blocks_per_sm`]).
 
 use std::sync::Arc;
 
@@ -117,7 +121,7 @@ mod pp;
 
 pub use dispatch::{
     FLAT_GEMM_MAX_ROWS, GEMV_MAX_ROWS, PAGED_BLOCKS_PER_SM, PAGED_MIN_SPLIT_TILES, PP_IN_AUTO,
-    PP_MIN_KEYS, Plan, Strategy, blocks_per_split, dispatch, plan, split_count,
+    PP_MIN_KEYS, Plan, Strategy, Workload, blocks_per_split, dispatch, plan, split_count,
 };
 pub use pp::default_safe_range;
 use pp::{PpKernel, PpParams, Window};
@@ -125,7 +129,7 @@ use pp::{PpKernel, PpParams, Window};
 const SRC: &str = include_str!("../cuda/flash_decoding.cu");
 
 /// Head dimensions with a FlashDecoding kernel.
-pub const HEAD_DIMS: &[usize] = &[64, 128];
+pub const HEAD_DIMS: &[usize] = &[64, 128, 256];
 /// Element types of the FlashDecoding kernels.
 pub const DTYPES: &[DType] = &[DType::F16, DType::BF16];
 /// Keys per K/V tile of the split kernel (16 per warp).
@@ -134,8 +138,9 @@ pub const BC: usize = 64;
 pub const WARPS: usize = 4;
 /// The most new tokens per sequence.
 pub const MAX_NEW_TOKENS: usize = 16;
-/// The most rows (query heads per kv head times new tokens) one block of the split kernel holds;
-/// a kv head with more is shared by several blocks ([`row_blocks`]).
+/// The most rows (query heads per kv head times new tokens) one block of the split kernel holds
+/// at `d` ≤ 128 ([`rows_per_block`]); a kv head with more is shared by several blocks
+/// ([`row_blocks`]).
 pub const ROWS_PER_BLOCK: usize = 32;
 /// Tokens per page a paged cache may have ([`PagedKvCache`]).
 pub const PAGE_SIZES: &[usize] = &[16, 32, 64, 128, 256];
@@ -482,31 +487,31 @@ pub struct DecodeStats {
     pub fallback_rows: Option<usize>,
 }
 
-/// Blocks of the split kernel per (split, kv head, sequence) for `rows_per_kv_head` rows (query
-/// heads per kv head times new tokens): one up to [`ROWS_PER_BLOCK`], then one per 32 rows.
-pub fn row_blocks(rows_per_kv_head: usize) -> usize {
-    rows_per_kv_head.div_ceil(16 * m_tiles(rows_per_kv_head)).max(1)
+/// The most rows one block of the split kernel holds at head dimension `d`: every warp keeps the
+/// output of all of them in registers (`16 · d / 32` floats per lane and 16-row tile), so two
+/// 16-row tiles ([`ROWS_PER_BLOCK`] = 32) up to `d` = 128, one (16 rows) at `d` = 256.
+pub fn rows_per_block(d: usize) -> usize {
+    if d > 128 { 16 } else { ROWS_PER_BLOCK }
 }
 
-/// 16-row mma tiles of a block's Q tile: one for up to 16 rows, else two (32 rows per block).
-fn m_tiles(rows_per_kv_head: usize) -> usize {
-    if rows_per_kv_head <= 16 { 1 } else { ROWS_PER_BLOCK / 16 }
+/// Blocks of the split kernel per (split, kv head, sequence) for `rows_per_kv_head` rows (query
+/// heads per kv head times new tokens) at head dimension `d`: one up to [`rows_per_block`]`(d)`,
+/// then one per that many rows.
+pub fn row_blocks(rows_per_kv_head: usize, d: usize) -> usize {
+    rows_per_kv_head.div_ceil(16 * m_tiles(rows_per_kv_head, d)).max(1)
+}
+
+/// 16-row mma tiles of a block's Q tile: one for up to 16 rows, else as many as
+/// [`rows_per_block`] allows.
+fn m_tiles(rows_per_kv_head: usize, d: usize) -> usize {
+    if rows_per_kv_head <= 16 { 1 } else { rows_per_block(d) / 16 }
 }
 
 /// The split count [`forward`] uses when [`DecodeOptions::splits`] is `None` for FlashDecoding:
-/// [`split_count`] with `batch · heads_kv · row_blocks` blocks per split and the longest
-/// sequence's key tiles.
-pub fn default_splits(
-    batch: usize,
-    heads_kv: usize,
-    rows_per_kv_head: usize,
-    max_len: usize,
-    sm_count: usize,
-    paged: bool,
-) -> usize {
-    let batch_heads_kv = batch.saturating_mul(heads_kv);
-    let fd = Strategy::FlashDecoding;
-    dispatch::splits_for(fd, rows_per_kv_head, max_len, batch_heads_kv, sm_count, paged)
+/// [`split_count`] with `batch · heads_kv · row_blocks` blocks per split, the longest
+/// sequence's key tiles and the blocks per SM the cache wants ([`Workload::blocks_per_sm`]).
+pub fn default_splits(work: &Workload, sm_count: usize) -> usize {
+    dispatch::splits_for(Strategy::FlashDecoding, work, sm_count)
 }
 
 /// How many splits fill the device: FlashAttention's `num_splits_heuristic` (wave efficiency).
@@ -587,7 +592,7 @@ pub(crate) fn variants() -> Vec<Variant> {
     let mut all = pp::variants();
     for &dtype in DTYPES {
         for &d in HEAD_DIMS {
-            for m_tiles in [1, 2] {
+            for m_tiles in 1..=rows_per_block(d) / 16 {
                 for stages in [2, 3] {
                     for paged in [false, true] {
                         all.push(variant(d, dtype, m_tiles, stages, paged));
@@ -872,7 +877,7 @@ impl Shape {
 /// (see the module docs). The cache is a [`KvCache`], a [`PagedKvCache`] or a [`Cache`] (or a
 /// reference to one).
 ///
-/// `q` is `[batch, heads_q, n_new, d]` with `n_new` in `1 ..= 16`, fp16 or bf16, `d` 64 or 128,
+/// `q` is `[batch, heads_q, n_new, d]` with `n_new` in `1 ..= 16`, fp16 or bf16, `d` 64, 128 or 256,
 /// `heads_q` a multiple of `heads_kv` (any group: past [`ROWS_PER_BLOCK`] rows per kv head the
 /// rows are shared by several blocks). Returns `O` as `q` (`[batch, heads_q, n_new, d]`, `q`'s
 /// dtype) and `lse` `[batch, heads_q, n_new]` (`f32`, natural log).
@@ -1025,11 +1030,14 @@ fn check_call(gpu: &Gpu, q: &Tensor, cache: &Cache<'_>, opts: &DecodeOptions) ->
         gpu.check_stream(table.stream(), "page_table")?;
     }
     let shape = Shape::check(Desc::of(q), &CacheDesc::of(cache), opts)?;
-    let max_len = cache.lengths().iter().copied().max().unwrap_or(0);
-    let batch_heads_kv = shape.batch * shape.heads_kv;
-    let (sm_count, paged) = (gpu.sm_count() as usize, table.is_some());
-    let r = shape.rows_per_kv_head();
-    let plan = plan(opts.strategy, opts.splits, r, max_len, batch_heads_kv, sm_count, paged)?;
+    let work = Workload {
+        rows_per_kv_head: shape.rows_per_kv_head(),
+        max_len: cache.lengths().iter().copied().max().unwrap_or(0),
+        batch_heads_kv: shape.batch * shape.heads_kv,
+        head_dim: shape.d,
+        paged: table.is_some(),
+    };
+    let plan = plan(opts.strategy, opts.splits, &work, gpu.sm_count() as usize)?;
     Ok(Call { shape, plan })
 }
 
@@ -1072,11 +1080,16 @@ fn launch(
     let splits = plan.splits;
     let too_many = || KernelError::Config(format!("flash_decoding: {splits} splits is too many"));
     let splits_i = i32::try_from(splits).map_err(|_| too_many())?;
-    let stages = stages(gpu.arch());
+    let stages = gpu.config().decode_stages_override().unwrap_or_else(|| stages(gpu.arch()));
+    if !(2..=16).contains(&stages) {
+        return Err(KernelError::Config(format!(
+            "flash_decoding: {stages} K/V stages; expected 2 to 16"
+        )));
+    }
     let paged = table.is_some();
 
     // FlashDecoding's kernels: the whole call, or FlashDecoding++'s fallback.
-    let (m_tiles, fd_row_blocks) = (m_tiles(r), row_blocks(r));
+    let (m_tiles, fd_row_blocks) = (m_tiles(r, p.d), row_blocks(r, p.d));
     let fd_blocks_x = splits.checked_mul(fd_row_blocks).ok_or_else(too_many)?;
     let fd = variant(p.d, p.dtype, m_tiles, stages, paged);
     let fd_split = Kernel { variant: fd, entry: "flash_decoding_split" };
@@ -1085,7 +1098,7 @@ fn launch(
     // FlashDecoding++'s, when it runs.
     let pp_kernel = match plan.strategy {
         Strategy::Gemv => Some(PpKernel::Gemv),
-        Strategy::FlatGemm => Some(PpKernel::flat(r)),
+        Strategy::FlatGemm => Some(PpKernel::flat(r, p.d)),
         _ => None,
     };
     let pp_launch = match pp_kernel {
@@ -1294,12 +1307,17 @@ mod tests {
         // d = 64, 32 rows, two stages: the f32 merge buffer is the larger.
         assert_eq!(split_shared_bytes(64, 2, 2), 4 * 32 * (64 + 10) * 4);
         assert!(split_shared_bytes(64, 2, 2) > (32 + 256) * 64 * 2);
-        for d in HEAD_DIMS {
-            for mt in [1, 2] {
+        // d = 256, 16 rows: Q (8 KB) + three stages (192 KB).
+        assert_eq!(split_shared_bytes(256, 1, 3), (16 + 384) * 256 * 2);
+        for &d in HEAD_DIMS {
+            for mt in 1..=rows_per_block(d) / 16 {
                 // Two blocks per SM fit on sm_80 (164 KB) and sm_90 (228 KB, 1 KB per block
-                // reserved).
-                assert!(2 * split_shared_bytes(*d, mt, stages("sm_80")) <= 164 * 1024);
-                assert!(2 * (split_shared_bytes(*d, mt, stages("sm_90a")) + 1024) <= 228 * 1024);
+                // reserved) up to d = 128; one at d = 256 (Workload::blocks_per_sm).
+                let blocks = if d > 128 { 1 } else { 2 };
+                assert!(blocks * split_shared_bytes(d, mt, stages("sm_80")) <= 164 * 1024);
+                assert!(
+                    blocks * (split_shared_bytes(d, mt, stages("sm_90a")) + 1024) <= 228 * 1024
+                );
             }
         }
     }
@@ -1307,31 +1325,49 @@ mod tests {
     #[test]
     fn rows_past_32_go_to_more_blocks() {
         // Up to 16 rows: one tile; up to 32: two tiles, one block; then a block per 32 rows.
-        assert_eq!((m_tiles(1), row_blocks(1)), (1, 1));
-        assert_eq!((m_tiles(16), row_blocks(16)), (1, 1));
-        assert_eq!((m_tiles(17), row_blocks(17)), (2, 1));
-        assert_eq!((m_tiles(32), row_blocks(32)), (2, 1));
-        assert_eq!((m_tiles(33), row_blocks(33)), (2, 2));
-        assert_eq!((m_tiles(128), row_blocks(128)), (2, 4)); // GQA 8 × 16 tokens
-        assert_eq!(row_blocks(0), 1);
+        for d in [64, 128] {
+            assert_eq!((m_tiles(1, d), row_blocks(1, d)), (1, 1));
+            assert_eq!((m_tiles(16, d), row_blocks(16, d)), (1, 1));
+            assert_eq!((m_tiles(17, d), row_blocks(17, d)), (2, 1));
+            assert_eq!((m_tiles(32, d), row_blocks(32, d)), (2, 1));
+            assert_eq!((m_tiles(33, d), row_blocks(33, d)), (2, 2));
+            assert_eq!((m_tiles(128, d), row_blocks(128, d)), (2, 4)); // GQA 8 × 16 tokens
+            assert_eq!(row_blocks(0, d), 1);
+        }
+        // d = 256: one tile of 16 rows per block.
+        assert_eq!((m_tiles(16, 256), row_blocks(16, 256)), (1, 1));
+        assert_eq!((m_tiles(17, 256), row_blocks(17, 256)), (1, 2));
+        assert_eq!((m_tiles(128, 256), row_blocks(128, 256)), (1, 8));
+        let work = |batch: usize, heads_kv: usize, rows, max_len, head_dim, paged| Workload {
+            rows_per_kv_head: rows,
+            max_len,
+            batch_heads_kv: batch * heads_kv,
+            head_dim,
+            paged,
+        };
+        let splits = |batch, heads_kv, rows, max_len, paged| {
+            default_splits(&work(batch, heads_kv, rows, max_len, 128, paged), 132)
+        };
         // The heuristic counts the row blocks: 4 of them on 8 kv heads are 32 blocks per split.
+        assert_eq!(splits(1, 8, 128, 128 * BC, false), num_splits(32, 128, 132, MAX_SPLITS));
+        assert_eq!(splits(1, 8, 4, 128 * BC, false), num_splits(8, 128, 132, MAX_SPLITS));
+        // … 8 of them at d = 256.
         assert_eq!(
-            default_splits(1, 8, 128, 128 * BC, 132, false),
-            num_splits(32, 128, 132, MAX_SPLITS)
-        );
-        assert_eq!(
-            default_splits(1, 8, 4, 128 * BC, 132, false),
-            num_splits(8, 128, 132, MAX_SPLITS)
+            default_splits(&work(1, 8, 128, 128 * BC, 256, false), 132),
+            num_splits(64, 128, 132, MAX_SPLITS)
         );
         // A paged cache fills two blocks per SM: batch 16, 8 kv heads (128 blocks) takes 2
         // splits, where a contiguous one takes 1; batch 1, 32 kv heads, 8 splits instead of 4.
-        assert_eq!(default_splits(16, 8, 4, 512 * BC, 132, false), 1);
-        assert_eq!(default_splits(16, 8, 4, 512 * BC, 132, true), 2);
-        assert_eq!(default_splits(1, 32, 1, 128 * BC, 132, false), 4);
-        assert_eq!(default_splits(1, 32, 1, 128 * BC, 132, true), 8);
+        assert_eq!(splits(16, 8, 4, 512 * BC, false), 1);
+        assert_eq!(splits(16, 8, 4, 512 * BC, true), 2);
+        assert_eq!(splits(1, 32, 1, 128 * BC, false), 4);
+        assert_eq!(splits(1, 32, 1, 128 * BC, true), 8);
         // … but not below 16 tiles per split: batch 1, 8 kv heads, 8k keys keeps 16 splits.
-        assert_eq!(default_splits(1, 8, 4, 128 * BC, 132, true), 16);
-        assert_eq!(default_splits(1, 8, 4, 128 * BC, 132, false), 16);
+        assert_eq!(splits(1, 8, 4, 128 * BC, true), 16);
+        assert_eq!(splits(1, 8, 4, 128 * BC, false), 16);
+        // … and not at d = 256, where one block fills an SM's shared memory.
+        assert_eq!(default_splits(&work(1, 32, 1, 128 * BC, 256, true), 132), 4);
+        assert_eq!(work(1, 32, 1, 128 * BC, 256, true).blocks_per_sm(), 1);
     }
 
     #[test]

@@ -81,6 +81,7 @@ pub struct GpuConfig {
     fa3_tiles: Option<Fa3Tiles>,
     fa3_l2_section: Option<usize>,
     no_programmatic_launch: bool,
+    decode_stages: Option<usize>,
 }
 
 impl GpuConfig {
@@ -163,6 +164,19 @@ impl GpuConfig {
     pub fn programmatic_launch(mut self, on: bool) -> GpuConfig {
         self.no_programmatic_launch = !on;
         self
+    }
+
+    /// K/V stages of the decoding kernels' shared-memory pipeline, instead of
+    /// [`crate::decode::stages`] (for tuning experiments; a count whose shared memory does not fit
+    /// the device is an error at the call).
+    pub fn decode_stages(mut self, stages: usize) -> GpuConfig {
+        self.decode_stages = Some(stages);
+        self
+    }
+
+    /// The count set with [`GpuConfig::decode_stages`], if any.
+    pub fn decode_stages_override(&self) -> Option<usize> {
+        self.decode_stages
     }
 
     /// The byte count set with [`GpuConfig::fa3_l2_section`], if any.

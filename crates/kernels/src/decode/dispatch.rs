@@ -67,21 +67,12 @@ impl Strategy {
         matches!(self, Strategy::FlashDecodingPp | Strategy::Gemv | Strategy::FlatGemm)
     }
 
-    /// The kernel it runs for `rows_per_kv_head` rows: `Auto` is resolved by [`dispatch`] (with
-    /// the other arguments), `FlashDecodingPp` by the rows; the others are themselves.
-    fn kernel(
-        self,
-        rows_per_kv_head: usize,
-        max_len: usize,
-        batch_heads_kv: usize,
-        sm_count: usize,
-        paged: bool,
-    ) -> Strategy {
+    /// The kernel it runs for `work`: `Auto` is resolved by [`dispatch`], `FlashDecodingPp` by
+    /// the rows; the others are themselves.
+    fn kernel(self, work: &Workload, sm_count: usize) -> Strategy {
         match self {
-            Strategy::Auto => {
-                dispatch(rows_per_kv_head, max_len, batch_heads_kv, sm_count, paged).strategy
-            }
-            Strategy::FlashDecodingPp if rows_per_kv_head <= GEMV_MAX_ROWS => Strategy::Gemv,
+            Strategy::Auto => dispatch(work, sm_count).strategy,
+            Strategy::FlashDecodingPp if work.rows_per_kv_head <= GEMV_MAX_ROWS => Strategy::Gemv,
             Strategy::FlashDecodingPp => Strategy::FlatGemm,
             other => other,
         }
@@ -131,6 +122,30 @@ pub const PP_MIN_KEYS: usize = 1 << 16;
 /// [`Strategy::FlashDecodingPp`] picks between its two kernels).
 pub const PP_IN_AUTO: bool = false;
 
+/// What the heuristics see of a decoding call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Workload {
+    /// Query heads per kv head times new tokens.
+    pub rows_per_kv_head: usize,
+    /// The longest sequence's length.
+    pub max_len: usize,
+    /// `batch · heads_kv`.
+    pub batch_heads_kv: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+    /// Whether the cache is paged.
+    pub paged: bool,
+}
+
+impl Workload {
+    /// Blocks per SM the split count fills ([`split_count`]): [`PAGED_BLOCKS_PER_SM`] for a
+    /// paged cache where that many blocks fit on an SM (`head_dim` ≤ 128: a block of
+    /// `head_dim` = 256 takes 200 KB of shared memory), otherwise one.
+    pub fn blocks_per_sm(&self) -> usize {
+        if self.paged && self.head_dim <= 128 { PAGED_BLOCKS_PER_SM } else { 1 }
+    }
+}
+
 /// The kernel and split count of one call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Plan {
@@ -142,8 +157,8 @@ pub struct Plan {
 }
 
 /// The heuristic dataflow: the kernel and split count of an automatic call, from the rows per kv
-/// head (query heads per kv head × new tokens), the longest sequence, `batch · heads_kv` and the
-/// device's SM count, and whether the cache is paged.
+/// head (query heads per kv head × new tokens), the longest sequence, `batch · heads_kv`, the
+/// head dimension and whether the cache is paged ([`Workload`]), and the device's SM count.
 ///
 /// With [`PP_IN_AUTO`] off (as measured on the H200): FlashDecoding, always. With it on:
 ///
@@ -157,23 +172,17 @@ pub struct Plan {
 /// The split count is then [`split_count`] over the kernel's blocks per split
 /// ([`blocks_per_split`]) and the longest sequence's tiles of [`BC`] keys: the SM count and the
 /// layout enter there, the wave-efficiency heuristic being the same for every kernel.
-pub fn dispatch(
-    rows_per_kv_head: usize,
-    max_len: usize,
-    batch_heads_kv: usize,
-    sm_count: usize,
-    paged: bool,
-) -> Plan {
-    let keys = max_len.saturating_mul(batch_heads_kv);
-    let strategy = if !PP_IN_AUTO || keys < PP_MIN_KEYS || rows_per_kv_head > FLAT_GEMM_MAX_ROWS {
+pub fn dispatch(work: &Workload, sm_count: usize) -> Plan {
+    let rows = work.rows_per_kv_head;
+    let keys = work.max_len.saturating_mul(work.batch_heads_kv);
+    let strategy = if !PP_IN_AUTO || keys < PP_MIN_KEYS || rows > FLAT_GEMM_MAX_ROWS {
         Strategy::FlashDecoding
-    } else if rows_per_kv_head <= GEMV_MAX_ROWS {
+    } else if rows <= GEMV_MAX_ROWS {
         Strategy::Gemv
     } else {
         Strategy::FlatGemm
     };
-    let splits = splits_for(strategy, rows_per_kv_head, max_len, batch_heads_kv, sm_count, paged);
-    Plan { strategy, splits }
+    Plan { strategy, splits: splits_for(strategy, work, sm_count) }
 }
 
 /// What a call with `strategy` and `splits` (both from [`super::DecodeOptions`]) runs: the
@@ -183,13 +192,10 @@ pub fn dispatch(
 pub fn plan(
     strategy: Strategy,
     splits: Option<usize>,
-    rows_per_kv_head: usize,
-    max_len: usize,
-    batch_heads_kv: usize,
+    work: &Workload,
     sm_count: usize,
-    paged: bool,
 ) -> Result<Plan> {
-    let strategy = strategy.kernel(rows_per_kv_head, max_len, batch_heads_kv, sm_count, paged);
+    let strategy = strategy.kernel(work, sm_count);
     let splits = match splits {
         Some(s) if s == 0 || s > MAX_SPLITS => {
             return Err(KernelError::Config(format!(
@@ -197,62 +203,63 @@ pub fn plan(
             )));
         }
         Some(s) => s,
-        None => splits_for(strategy, rows_per_kv_head, max_len, batch_heads_kv, sm_count, paged),
+        None => splits_for(strategy, work, sm_count),
     };
     Ok(Plan { strategy, splits })
 }
 
-/// Blocks of `strategy`'s split kernel per (split, kv head, sequence) for `rows_per_kv_head` rows:
-/// FlashDecoding's [`row_blocks`] (32 rows per block), the flat GEMM's 8 or 16 rows per block,
-/// the GEMV's one. `Auto` and `FlashDecodingPp` count as the kernel they resolve to by the rows
-/// alone (FlashDecoding past [`FLAT_GEMM_MAX_ROWS`] rows).
-pub fn blocks_per_split(strategy: Strategy, rows_per_kv_head: usize) -> usize {
+/// Blocks of `strategy`'s split kernel per (split, kv head, sequence) for `rows_per_kv_head` rows
+/// at head dimension `d`: FlashDecoding's [`row_blocks`] (32 rows per block, 16 at `d` = 256),
+/// the flat GEMM's 8 or 16 rows per block, the GEMV's one. `Auto` and `FlashDecodingPp` count as
+/// the kernel they resolve to by the rows alone (FlashDecoding past [`FLAT_GEMM_MAX_ROWS`] rows).
+pub fn blocks_per_split(strategy: Strategy, rows_per_kv_head: usize, d: usize) -> usize {
     let rows = rows_per_kv_head.max(1);
     match strategy {
-        Strategy::FlashDecoding => row_blocks(rows),
+        Strategy::FlashDecoding => row_blocks(rows, d),
         Strategy::Gemv => rows,
-        Strategy::FlatGemm => rows.div_ceil(flat_rows_per_block(rows)),
+        Strategy::FlatGemm => rows.div_ceil(flat_rows_per_block(rows, d)),
         Strategy::FlashDecodingPp if rows <= GEMV_MAX_ROWS => rows,
-        Strategy::FlashDecodingPp => rows.div_ceil(flat_rows_per_block(rows)),
-        Strategy::Auto if !PP_IN_AUTO || rows > FLAT_GEMM_MAX_ROWS => row_blocks(rows),
-        Strategy::Auto => blocks_per_split(Strategy::FlashDecodingPp, rows),
+        Strategy::FlashDecodingPp => rows.div_ceil(flat_rows_per_block(rows, d)),
+        Strategy::Auto if !PP_IN_AUTO || rows > FLAT_GEMM_MAX_ROWS => row_blocks(rows, d),
+        Strategy::Auto => blocks_per_split(Strategy::FlashDecodingPp, rows, d),
     }
 }
 
-/// Rows per block of the flat GEMM: one 8-row tile up to 8 rows, else two.
-pub(crate) fn flat_rows_per_block(rows_per_kv_head: usize) -> usize {
-    if rows_per_kv_head <= 8 { 8 } else { 16 }
+/// Rows per block of the flat GEMM at head dimension `d`: one 8-row tile up to 8 rows, else two,
+/// except at `d` = 256, where a warp's `Oᵀ` of two tiles would not fit in its registers.
+pub(crate) fn flat_rows_per_block(rows_per_kv_head: usize, d: usize) -> usize {
+    if rows_per_kv_head <= 8 || d > 128 { 8 } else { 16 }
 }
 
 /// [`split_count`] for `strategy`'s kernel: its blocks per split ([`blocks_per_split`]) over
-/// `batch_heads_kv`, and the longest sequence's tiles of [`BC`] keys.
-pub(crate) fn splits_for(
-    strategy: Strategy,
-    rows_per_kv_head: usize,
-    max_len: usize,
-    batch_heads_kv: usize,
-    sm_count: usize,
-    paged: bool,
-) -> usize {
-    let blocks = batch_heads_kv.saturating_mul(blocks_per_split(strategy, rows_per_kv_head));
-    split_count(blocks, max_len.div_ceil(BC), sm_count, paged)
+/// `batch_heads_kv`, the longest sequence's tiles of [`BC`] keys, and the blocks per SM the
+/// cache wants ([`Workload::blocks_per_sm`]).
+pub(crate) fn splits_for(strategy: Strategy, work: &Workload, sm_count: usize) -> usize {
+    let per_split = blocks_per_split(strategy, work.rows_per_kv_head, work.head_dim);
+    let blocks = work.batch_heads_kv.saturating_mul(per_split);
+    split_count(blocks, work.max_len.div_ceil(BC), sm_count, work.blocks_per_sm())
 }
 
 /// The split count for `blocks` blocks per split and `key_blocks` tiles of [`BC`] keys in the
-/// longest sequence: [`num_splits`] with one block per SM, or, for a paged cache, with
-/// [`PAGED_BLOCKS_PER_SM`] while each split keeps at least [`PAGED_MIN_SPLIT_TILES`] tiles.
-pub fn split_count(blocks: usize, key_blocks: usize, sm_count: usize, paged: bool) -> usize {
+/// longest sequence, filling `blocks_per_sm` blocks per SM: [`num_splits`] with one block per
+/// SM, or, with more (a paged cache: [`Workload::blocks_per_sm`]), with that many while each
+/// split keeps at least [`PAGED_MIN_SPLIT_TILES`] tiles.
+pub fn split_count(
+    blocks: usize,
+    key_blocks: usize,
+    sm_count: usize,
+    blocks_per_sm: usize,
+) -> usize {
     let one = num_splits(blocks, key_blocks, sm_count, MAX_SPLITS);
-    if !paged {
+    if blocks_per_sm <= 1 {
         return one;
     }
-    let more =
-        num_splits(blocks, key_blocks, sm_count.saturating_mul(PAGED_BLOCKS_PER_SM), MAX_SPLITS);
+    let more = num_splits(blocks, key_blocks, sm_count.saturating_mul(blocks_per_sm), MAX_SPLITS);
     if key_blocks.div_ceil(more) >= PAGED_MIN_SPLIT_TILES { more } else { one }
 }
 
-/// Blocks per SM the split count fills for a paged cache ([`split_count`]): two, the kernel's
-/// occupancy (one for a contiguous cache).
+/// Blocks per SM the split count fills for a paged cache ([`Workload::blocks_per_sm`]): two, the
+/// kernel's occupancy up to `d` = 128 (one for a contiguous cache, and at `d` = 256).
 ///
 /// One block per SM keeps enough of a contiguous cache in flight to stream it at full speed (its
 /// tiles are runs of 16 KB): 4.47 TB/s at batch 16, 32/8 heads, 32k keys, 128 blocks. A paged
@@ -272,13 +279,23 @@ pub const PAGED_MIN_SPLIT_TILES: usize = 16;
 mod tests {
     use super::*;
 
+    /// A contiguous cache at d = 128.
+    fn work(rows_per_kv_head: usize, max_len: usize, batch_heads_kv: usize) -> Workload {
+        Workload { rows_per_kv_head, max_len, batch_heads_kv, head_dim: 128, paged: false }
+    }
+
+    /// The same, paged.
+    fn paged(rows_per_kv_head: usize, max_len: usize, batch_heads_kv: usize) -> Workload {
+        Workload { paged: true, ..work(rows_per_kv_head, max_len, batch_heads_kv) }
+    }
+
     #[test]
     fn the_decision_table() {
         let sms = 132;
         let big = PP_MIN_KEYS; // e.g. one kv head of 65536 keys, or 8 of 8192
-        let auto = |rows, len, heads| dispatch(rows, len, heads, sms, false).strategy;
+        let auto = |rows, len, heads| dispatch(&work(rows, len, heads), sms).strategy;
         let pp = |rows, len, heads| {
-            plan(Strategy::FlashDecodingPp, None, rows, len, heads, sms, false).unwrap().strategy
+            plan(Strategy::FlashDecodingPp, None, &work(rows, len, heads), sms).unwrap().strategy
         };
         for (rows, len, heads) in [(1, 8192, 8), (2, 8192, 8), (16, 8192, 8), (4, big, 1)] {
             // Long enough caches: the rows pick FlashDecoding++'s kernel (Auto too when it may).
@@ -303,37 +320,43 @@ mod tests {
         let sms = 132;
         // Batch 1, 32 kv heads, one row each, 8k keys: 32 blocks per split whatever the kernel,
         // so the same count as FlashDecoding's heuristic.
-        let p = plan(Strategy::FlashDecodingPp, None, 1, 8192, 32, sms, false).unwrap();
+        let p = plan(Strategy::FlashDecodingPp, None, &work(1, 8192, 32), sms).unwrap();
         assert_eq!(p, Plan { strategy: Strategy::Gemv, splits: num_splits(32, 128, sms, 128) });
-        assert_eq!(dispatch(1, 8192, 32, sms, false).splits, num_splits(32, 128, sms, 128));
+        assert_eq!(dispatch(&work(1, 8192, 32), sms).splits, num_splits(32, 128, sms, 128));
         // 8 kv heads × 16 rows: one flat block per kv head, as FlashDecoding's.
-        let p = plan(Strategy::FlashDecodingPp, None, 16, 8192, 8, sms, false).unwrap();
+        let p = plan(Strategy::FlashDecodingPp, None, &work(16, 8192, 8), sms).unwrap();
         assert_eq!(p.splits, num_splits(8, 128, sms, 128));
         // Forced GEMV with 4 rows: 4 blocks per kv head per split.
-        let p = plan(Strategy::Gemv, None, 4, 8192, 8, sms, false).unwrap();
+        let p = plan(Strategy::Gemv, None, &work(4, 8192, 8), sms).unwrap();
         assert_eq!(p, Plan { strategy: Strategy::Gemv, splits: num_splits(32, 128, sms, 128) });
         // A paged cache: two blocks per SM while splits keep 16 tiles (batch 1, 32 kv heads, 8k
-        // keys: 8 splits of 16 tiles, where a contiguous cache takes 4).
-        assert_eq!(dispatch(1, 8192, 32, sms, true).splits, 8);
-        assert_eq!(dispatch(1, 8192, 32, sms, false).splits, 4);
-        assert_eq!(split_count(32, 128, sms, true), num_splits(32, 128, 2 * sms, 128));
-        assert_eq!(split_count(8, 128, sms, true), split_count(8, 128, sms, false));
-        // Forced flat GEMM with 40 rows: blocks of 16, 3 per kv head.
-        assert_eq!(blocks_per_split(Strategy::FlatGemm, 40), 3);
-        assert_eq!(blocks_per_split(Strategy::FlatGemm, 8), 1);
-        assert_eq!(blocks_per_split(Strategy::FlatGemm, 9), 1);
-        assert_eq!(blocks_per_split(Strategy::FlashDecoding, 40), 2);
-        assert_eq!(blocks_per_split(Strategy::Gemv, 0), 1);
+        // keys: 8 splits of 16 tiles, where a contiguous cache takes 4) …
+        assert_eq!(dispatch(&paged(1, 8192, 32), sms).splits, 8);
+        assert_eq!(dispatch(&work(1, 8192, 32), sms).splits, 4);
+        assert_eq!(split_count(32, 128, sms, 2), num_splits(32, 128, 2 * sms, 128));
+        assert_eq!(split_count(8, 128, sms, 2), split_count(8, 128, sms, 1));
+        // … up to d = 128: one block of d = 256 fills an SM.
+        let wide = Workload { head_dim: 256, ..paged(1, 8192, 32) };
+        assert_eq!((wide.blocks_per_sm(), paged(1, 8192, 32).blocks_per_sm()), (1, 2));
+        assert_eq!(dispatch(&wide, sms).splits, 4);
+        // Forced flat GEMM with 40 rows: blocks of 16, 3 per kv head (blocks of 8 at d = 256).
+        assert_eq!(blocks_per_split(Strategy::FlatGemm, 40, 128), 3);
+        assert_eq!(blocks_per_split(Strategy::FlatGemm, 40, 256), 5);
+        assert_eq!(blocks_per_split(Strategy::FlatGemm, 8, 128), 1);
+        assert_eq!(blocks_per_split(Strategy::FlatGemm, 9, 128), 1);
+        assert_eq!(blocks_per_split(Strategy::FlashDecoding, 40, 128), 2);
+        assert_eq!(blocks_per_split(Strategy::FlashDecoding, 40, 256), 3);
+        assert_eq!(blocks_per_split(Strategy::Gemv, 0, 128), 1);
         // A given split count is kept; 0 and more than MAX_SPLITS are errors.
-        let p = plan(Strategy::Auto, Some(7), 1, 100, 1, sms, false).unwrap();
+        let p = plan(Strategy::Auto, Some(7), &work(1, 100, 1), sms).unwrap();
         assert_eq!(p, Plan { strategy: Strategy::FlashDecoding, splits: 7 });
         assert_eq!(
-            plan(Strategy::Auto, Some(MAX_SPLITS), 1, 100, 1, sms, false).unwrap().splits,
+            plan(Strategy::Auto, Some(MAX_SPLITS), &work(1, 100, 1), sms).unwrap().splits,
             128
         );
         for bad in [0, MAX_SPLITS + 1] {
             assert!(matches!(
-                plan(Strategy::Gemv, Some(bad), 1, 100, 1, sms, false),
+                plan(Strategy::Gemv, Some(bad), &work(1, 100, 1), sms),
                 Err(KernelError::Config(_))
             ));
         }
@@ -345,7 +368,7 @@ mod tests {
         for rows in [1, 2, 8, 16, 17, 128] {
             for (len, heads) in [(10, 1), (100_000, 8)] {
                 for s in Strategy::ALL {
-                    let p = plan(s, Some(3), rows, len, heads, sms, false).unwrap();
+                    let p = plan(s, Some(3), &work(rows, len, heads), sms).unwrap();
                     assert!(
                         matches!(
                             p.strategy,
@@ -355,7 +378,7 @@ mod tests {
                     );
                     match s {
                         Strategy::Auto => {
-                            assert_eq!(p.strategy, dispatch(rows, len, heads, sms, false).strategy)
+                            assert_eq!(p.strategy, dispatch(&work(rows, len, heads), sms).strategy)
                         }
                         Strategy::FlashDecodingPp => assert_eq!(
                             p.strategy,

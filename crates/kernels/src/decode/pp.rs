@@ -20,10 +20,18 @@ pub(crate) enum PpKernel {
 }
 
 impl PpKernel {
-    /// The flat GEMM for `rows_per_kv_head` rows: one 8-row tile up to 8 rows, else two (and more
-    /// rows in more blocks of 16).
-    pub(crate) fn flat(rows_per_kv_head: usize) -> PpKernel {
-        PpKernel::Flat { n_tiles: flat_rows_per_block(rows_per_kv_head) / 8 }
+    /// The flat GEMM for `rows_per_kv_head` rows at head dimension `d`: one 8-row tile up to 8
+    /// rows, else two (and more rows in more blocks of 16); always one at `d` = 256.
+    pub(crate) fn flat(rows_per_kv_head: usize, d: usize) -> PpKernel {
+        PpKernel::Flat { n_tiles: flat_rows_per_block(rows_per_kv_head, d) / 8 }
+    }
+
+    /// Every GEMM shape at head dimension `d` (two 8-row tiles only up to `d` = 128).
+    #[cfg(test)]
+    pub(crate) fn all(d: usize) -> Vec<PpKernel> {
+        let flat_tiles = flat_rows_per_block(usize::MAX, d) / 8;
+        let flat = (1..=flat_tiles).map(|n_tiles| PpKernel::Flat { n_tiles });
+        std::iter::once(PpKernel::Gemv).chain(flat).collect()
     }
 
     /// Rows one block holds.
@@ -72,9 +80,7 @@ pub(crate) fn variants() -> Vec<Variant> {
     let mut all = Vec::new();
     for &dtype in super::DTYPES {
         for &d in super::HEAD_DIMS {
-            for kernel in
-                [PpKernel::Gemv, PpKernel::Flat { n_tiles: 1 }, PpKernel::Flat { n_tiles: 2 }]
-            {
+            for kernel in PpKernel::all(d) {
                 for stages in [2, 3] {
                     for paged in [false, true] {
                         all.push(variant(d, dtype, kernel, stages, paged));
@@ -200,18 +206,20 @@ mod tests {
         assert_eq!(shared_bytes(128, PpKernel::Flat { n_tiles: 2 }, 3), (16 + 384) * 128 * 2);
         // d = 64, two stages, 16 rows: the tiles (33 KB) outweigh the merge (4·16·71·4 = 18 KB).
         assert_eq!(shared_bytes(64, PpKernel::Flat { n_tiles: 2 }, 2), (16 + 256) * 64 * 2);
-        for d in super::super::HEAD_DIMS {
-            for kernel in
-                [PpKernel::Gemv, PpKernel::Flat { n_tiles: 1 }, PpKernel::Flat { n_tiles: 2 }]
-            {
-                assert!(2 * shared_bytes(*d, kernel, 2) <= 164 * 1024);
-                assert!(2 * (shared_bytes(*d, kernel, 3) + 1024) <= 228 * 1024);
+        for &d in super::super::HEAD_DIMS {
+            // Two blocks per SM up to d = 128, one at d = 256 (as FlashDecoding's split kernel).
+            let blocks = if d > 128 { 1 } else { 2 };
+            for kernel in PpKernel::all(d) {
+                assert!(blocks * shared_bytes(d, kernel, 2) <= 164 * 1024);
+                assert!(blocks * (shared_bytes(d, kernel, 3) + 1024) <= 228 * 1024);
             }
         }
-        assert_eq!(PpKernel::flat(1), PpKernel::Flat { n_tiles: 1 });
-        assert_eq!(PpKernel::flat(8), PpKernel::Flat { n_tiles: 1 });
-        assert_eq!(PpKernel::flat(9), PpKernel::Flat { n_tiles: 2 });
-        assert_eq!(PpKernel::flat(128).rows_per_block(), 16);
+        assert_eq!(PpKernel::flat(1, 128), PpKernel::Flat { n_tiles: 1 });
+        assert_eq!(PpKernel::flat(8, 128), PpKernel::Flat { n_tiles: 1 });
+        assert_eq!(PpKernel::flat(9, 128), PpKernel::Flat { n_tiles: 2 });
+        assert_eq!(PpKernel::flat(128, 128).rows_per_block(), 16);
+        assert_eq!(PpKernel::flat(16, 256), PpKernel::Flat { n_tiles: 1 });
+        assert_eq!(PpKernel::all(256).len(), 2);
     }
 
     #[test]
