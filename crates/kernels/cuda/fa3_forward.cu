@@ -16,6 +16,10 @@
 //                                            release K_j, V_{j-1}
 //                                          O += P_last·V_last; O / l; write O and lse
 //
+// O is written through shared memory where it fits (FA3_O_SMEM): each consumer warpgroup puts
+// its 64 rows there and one of its threads hands them to the copy engine (a TMA store), so the
+// warpgroup goes on to its next tile instead of waiting on 4-byte global stores.
+//
 // Shared memory holds the Q tile and STAGES stages of K and V, so the producer copies tiles
 // j+1 … j+STAGES-1 while tile j is computed. The producer gives its registers to the consumers
 // (setmaxnreg), who need them: S, P, the previous P and O all live in registers. Blocks are
@@ -45,7 +49,8 @@
 //   h   row half of an accumulator tile (see mma.cuh)      dt  8-column accumulator tile of O
 //
 // Compile-time constants, set by the host for each variant:
-//   FA3_D, FA3_BC, FA3_CONSUMERS, FA3_STAGES, FA3_CAUSAL, FA3_OVERLAP, FA3_PINGPONG, FA3_FP8
+//   FA3_D, FA3_BC, FA3_CONSUMERS, FA3_STAGES, FA3_CAUSAL, FA3_OVERLAP, FA3_PINGPONG, FA3_FP8,
+//   FA3_O_SMEM (1: O through shared memory and a TMA store; 0: from registers to global memory)
 
 #include "barrier.cuh"
 #include "fp8.cuh"
@@ -80,6 +85,9 @@
 #ifndef FA3_FP8
 #define FA3_FP8 0
 #endif
+#ifndef FA3_O_SMEM
+#define FA3_O_SMEM 0
+#endif
 
 constexpr int D = FA3_D;
 constexpr int BC = FA3_BC;
@@ -88,6 +96,7 @@ constexpr int STAGES = FA3_STAGES;
 constexpr bool causal = FA3_CAUSAL;
 constexpr bool overlap = FA3_OVERLAP;
 constexpr bool pingpong = FA3_PINGPONG && CONSUMERS > 1;
+constexpr bool o_smem = FA3_O_SMEM;
 constexpr int BR = 64 * CONSUMERS;
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int NT = BC / 8;  // 8-column accumulator tiles across one row of S
@@ -109,8 +118,10 @@ typedef u32 PRegs[NT][2];  // two 16-bit values per register (softmax.cuh: pack_
 constexpr int PRODUCER_REGS = 24;
 constexpr int CONSUMER_REGS = CONSUMERS == 3 ? 160 : 240;
 
-// Named barriers of the ping-pong schedule: warpgroup wg waits on SCHEDULE_BARRIER + wg.
+// Named barriers of the ping-pong schedule: warpgroup wg waits on SCHEDULE_BARRIER + wg; those
+// of the O tiles in shared memory, one per warpgroup: O_BARRIER + wg.
 constexpr int SCHEDULE_BARRIER = 1;
+constexpr int O_BARRIER = SCHEDULE_BARRIER + CONSUMERS;
 
 // Q, K, V are described by tensor maps (tma.cuh); O is [batch, heads_q, n_q, D] and lse is
 // [batch, heads_q, n_q], natural log.
@@ -118,6 +129,7 @@ struct Fa3ForwardParams {
     TensorMap q;
     TensorMap k;
     TensorMap v;
+    TensorMap o_map;  // O in boxes of 64 rows (FA3_O_SMEM)
     u16* o;
     float* lse;
     // FP8 only (null otherwise): the scales of fa3_fp8_quantize.cu, see the top of the file.
@@ -134,8 +146,19 @@ struct Fa3ForwardParams {
     int section_heads;  // causal tile order: (head, batch) pairs walked together (see below)
 };
 
-// Shared memory (dynamic, 1024-byte aligned for the swizzle), in this order.
-struct SharedTiles {
+// Shared memory (dynamic, 1024-byte aligned for the swizzle), in this order: with FA3_O_SMEM,
+// O's tile (64 rows per consumer warpgroup, in the column blocks of the Q tile), then the rest.
+template <bool STAGED>
+struct OTile {
+    u16 o[BR * D];
+};
+template <>
+struct OTile<false> {};  // no room: O goes from registers to global memory (takes no space)
+__device__ __forceinline__ u16* o_tile(OTile<true>& t) { return t.o; }
+__device__ __forceinline__ u16* o_tile(OTile<false>&) { return nullptr; }
+static_assert(BR * D * 2 % 1024 == 0, "the tiles after O stay 1024-byte aligned");
+
+struct SharedTiles : OTile<o_smem> {
     op_t q[BR * D];             // 128-byte column blocks of [BR rows × 128 bytes]
     op_t k[STAGES][BC * D];     // the same for BC rows, per stage
     op_t v[STAGES][BC * D];     // the same (FP8: V transposed, D rows × BC keys)
@@ -342,23 +365,49 @@ __device__ __forceinline__ void rescale(float (&o)[DT][4], const float (&alpha)[
 }
 
 // O = acc / l (times V's scale, FP8) and lse = m·ln2 + ln l for the thread's rows; rows that saw
-// no key (l = 0) get O = 0 and lse = −inf, rows that met a NaN get NaN.
-__device__ void epilogue(const Fa3ForwardParams& p, const Tile& tile, const float (&o)[DT][4],
-                         const RowState& st, float o_scale, int row0) {
+// no key (l = 0) get O = 0 and lse = −inf, rows that met a NaN get NaN. O goes through shared
+// memory and a TMA store (FA3_O_SMEM) or straight from registers.
+__device__ void epilogue(const Fa3ForwardParams& p, SharedTiles& t, const Tile& tile, int wg,
+                         const float (&o)[DT][4], const RowState& st, float o_scale, int row0) {
     u16* gO = p.o + ((size_t)tile.batch * p.heads_q + tile.head) * p.n_q * D;
     float* gL = p.lse + ((size_t)tile.batch * p.heads_q + tile.head) * p.n_q;
+    const bool issuer = threadIdx.x % 128 == 0;  // the warpgroup's thread that stores its O tile
+    if constexpr (o_smem) {
+        // The warpgroup's previous O tile must have left the buffer before it is written again.
+        if (issuer) tma_store_wait_read();
+        named_sync(O_BARRIER + wg, 128);
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int row = row0 + (warp_id() % 4) * 16 + acc_row(2 * h);
+        const int r = (warp_id() % 4) * 16 + acc_row(2 * h);  // row within the warpgroup's 64
+        const int row = row0 + r;
         const float l = quad_sum(st.l[h]);
         const float inv = l > 0.f ? o_scale / l : 0.f;
-        if (row < p.n_q) {
+        if constexpr (o_smem) {
+            // The 128-byte swizzle of the copy engine (tma.cuh), as the Q tile is laid out.
+            u16* sO = o_tile(t) + wg * 64 * D;
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt) {
+                const int c = acc_col(dt, 0);
+                *reinterpret_cast<u32*>(sO + (c / 64) * 64 * 64 + swz<64>(r, c % 64)) =
+                    pack2(o[dt][2 * h] * inv, o[dt][2 * h + 1] * inv);
+            }
+        } else if (row < p.n_q) {
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt)
                 *reinterpret_cast<u32*>(gO + (size_t)row * D + acc_col(dt, 0)) =
                     pack2(o[dt][2 * h] * inv, o[dt][2 * h + 1] * inv);
-            if (lane_id() % 4 == 0)
-                gL[row] = l == 0.f ? LADDER_NEG_INF : fma_rn(st.m[h], LADDER_LN2, logf(l));
+        }
+        if (row < p.n_q && lane_id() % 4 == 0)
+            gL[row] = l == 0.f ? LADDER_NEG_INF : fma_rn(st.m[h], LADDER_LN2, logf(l));
+    }
+    if constexpr (o_smem) {
+        tma_store_fence();
+        named_sync(O_BARRIER + wg, 128);
+        if (issuer) {
+            tma_store_tile<64, D>(&p.o_map, o_tile(t) + wg * 64 * D, 0, row0, tile.head,
+                                  tile.batch);
+            tma_store_commit();
         }
     }
 }
@@ -439,7 +488,7 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
         wgmma_hold(o);
         release(&t.v_empty[v_read.stage()]);
     }
-    epilogue(p, tile, o, st, sc.o, row0);
+    epilogue(p, t, tile, wg, o, st, sc.o, row0);
 }
 
 __device__ void consumer(const Fa3ForwardParams& p, SharedTiles& t, int wg) {
@@ -454,6 +503,8 @@ __device__ void consumer(const Fa3ForwardParams& p, SharedTiles& t, int wg) {
         attend(p, t, tile, wg, tile.q0 + wg * 64, kv);
     }
     if (pingpong && wg == CONSUMERS - 1) named_sync(SCHEDULE_BARRIER, 256);
+    // The last O tile's store must be done before the block's shared memory goes away.
+    if (o_smem && threadIdx.x % 128 == 0) tma_store_wait_all();
 }
 
 // Launch: grid (min(tiles, SMs), 1, 1), block THREADS = 128·(CONSUMERS + 1), dynamic shared

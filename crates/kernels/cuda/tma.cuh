@@ -49,4 +49,54 @@ __device__ __forceinline__ void tma_load_tile(T* smem, const TensorMap* map, u64
         tma_load_4d(smem + cb * ROWS * BLOCK, map, bar, col0 + cb * BLOCK, row0, head, batch);
 }
 
+// ---- stores: shared to global, by the copy engine ------------------------------------------------
+//
+// The other direction: a tile written to shared memory (in the same swizzled column blocks) is
+// copied to the tensor by one thread, asynchronously. Rows past the tensor's end are not
+// written. The writing threads make their stores visible to the copy engine first
+// (tma_store_fence, then a barrier), and the buffer may be written again only once the copy has
+// read it (tma_store_wait_read).
+
+// Make this thread's ordinary shared-memory stores visible to the copy engine (the async proxy).
+__device__ __forceinline__ void tma_store_fence() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Copy `smem` to the box at coordinates (col, row, head, batch) of `map`.
+__device__ __forceinline__ void tma_store_4d(const TensorMap* map, const void* smem, int col,
+                                             int row, int head, int batch) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];" ::"l"(
+            map),
+        "r"(col), "r"(row), "r"(head), "r"(batch), "r"(smem_addr(smem))
+        : "memory");
+}
+
+// The stores issued so far by this thread form one group (what the waits below count).
+__device__ __forceinline__ void tma_store_commit() {
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// Wait until every group of this thread has read its shared memory (the buffer is free again).
+__device__ __forceinline__ void tma_store_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+
+// Wait until every group of this thread has completed (its writes done).
+__device__ __forceinline__ void tma_store_wait_all() {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+// A [ROWS × COLS] 16-bit tile in column blocks of [ROWS × 64] (as tma_load_tile lays them out)
+// to (col0, row0) of (head, batch).
+template <int ROWS, int COLS>
+__device__ __forceinline__ void tma_store_tile(const TensorMap* map, const u16* smem, int col0,
+                                               int row0, int head, int batch) {
+    constexpr int BLOCK = 64;  // 16-bit columns per 128-byte block
+    static_assert(COLS % BLOCK == 0, "whole 128-byte column blocks");
+#pragma unroll
+    for (int cb = 0; cb < COLS / BLOCK; ++cb)
+        tma_store_4d(map, smem + cb * ROWS * BLOCK, col0 + cb * BLOCK, row0, head, batch);
+}
+
 #endif  // LADDER_TMA_CUH

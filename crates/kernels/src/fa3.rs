@@ -45,8 +45,11 @@ pub const DTYPES: &[DType] = &[DType::F16, DType::BF16];
 /// The architecture the kernels need (wgmma and setmaxnreg exist only in `sm_90a`).
 pub const ARCH: &str = "sm_90a";
 
-/// The longest causal problem (keys) that takes the short-problem tiles at d = 64 and 128
-/// ([`Fa3Tiles::for_problem`]).
+/// Dynamic shared memory a block may opt in to on Hopper (227 KiB).
+pub const MAX_SHARED_BYTES: usize = 227 * 1024;
+
+/// The longest problem (keys) that takes the short-problem tiles ([`Fa3Tiles::for_problem`]: d
+/// = 128 with or without the mask, d = 64 causal).
 pub const SHORT_CAUSAL_KEYS: usize = 2048;
 
 /// Tile configuration of the FA3 forward kernel: `64 · consumers` query rows per block, `bc`
@@ -93,17 +96,18 @@ impl Fa3Tiles {
     }
 
     /// The tiles [`forward`] uses for a problem of head dimension `d`, the mask, and `n_kv` keys:
-    /// [`Fa3Tiles::for_head_dim`], except under the causal mask with at most
-    /// [`SHORT_CAUSAL_KEYS`] keys, where the diagonal's tiles are a large share of the problem and
-    /// smaller tiles waste less of it on masked scores (H200, docs/perf-notes.md):
+    /// [`Fa3Tiles::for_head_dim`], except for short problems, at most [`SHORT_CAUSAL_KEYS`] keys
+    /// (H200, docs/perf-notes.md):
     ///
-    /// - d = 128: FA3's own 128 keys per tile instead of 176 (+12 %, +9 %, +3 % at n = 512, 1k,
-    ///   2k; level at 4k; −7 % at 16k);
-    /// - d = 64: 128 query rows (two consumer warpgroups) instead of 192 (+10 %, +16 %, +2 % at
-    ///   n = 512, 1k, 2k; level at 4k).
+    /// - d = 128, causal: FA3's own 128 keys per tile instead of 176, which waste less on the
+    ///   diagonal's masked scores (+12 %, +9 %, +3 % at n = 512, 1k, 2k; level at 4k; −7 % at
+    ///   16k); without the mask too, where 128-key tiles leave room for O's tile in shared memory
+    ///   ([`Fa3Tiles::o_in_shared`]; +11 %, +5 % at n = 512, 1k, level at 2k and 4k);
+    /// - d = 64, causal: 128 query rows (two consumer warpgroups) instead of 192 (+10 %, +16 %,
+    ///   +2 % at n = 512, 1k, 2k; level at 4k).
     pub fn for_problem(d: usize, causal: bool, n_kv: usize) -> Result<Fa3Tiles> {
         match (d, causal) {
-            (128, true) if n_kv <= SHORT_CAUSAL_KEYS => {
+            (128, _) if n_kv <= SHORT_CAUSAL_KEYS => {
                 Ok(Fa3Tiles { bc: 128, consumers: 2, stages: 2 })
             }
             (64, true) if n_kv <= SHORT_CAUSAL_KEYS => {
@@ -125,12 +129,33 @@ impl Fa3Tiles {
 
     /// Dynamic shared memory in bytes for head dim `d` and operands of `operand_bytes` bytes (2
     /// for fp16/bf16, 1 for e4m3): the Q tile, `stages` K and V tiles, the pipeline's mbarriers
-    /// (Q full/empty, K and V full/empty per stage), and 1024 bytes to align the tiles for the
-    /// 128-byte swizzle.
+    /// (Q full/empty, K and V full/empty per stage), 1024 bytes to align the tiles for the
+    /// 128-byte swizzle, and O's tile (16-bit) where it fits ([`Fa3Tiles::o_in_shared`]).
     pub fn shared_bytes(&self, d: usize, operand_bytes: usize) -> usize {
+        let o = if self.o_in_shared(d, operand_bytes) { self.o_bytes(d) } else { 0 };
+        self.pipeline_bytes(d, operand_bytes) + o
+    }
+
+    /// Whether the kernel writes O through shared memory with a TMA store instead of from
+    /// registers (`FA3_O_SMEM`): where O's tile fits beside the pipeline's and `d` ≥ 128, that is
+    /// d = 128 with 128-key tiles and FP8; not d = 128 with 176-key tiles or d = 256 in 16 bits
+    /// (no room). Measured on the H200 (docs/perf-notes.md, FA3 v8): +9–12 % at d = 128 causal,
+    /// n = 512 … 2k, up to +13 % in FP8; at d = 64, where a warpgroup's O is 16 stores per thread
+    /// from registers, −5 % and −7 % causal at n = 1k and 2k, +2 % unmasked, so not there.
+    pub fn o_in_shared(&self, d: usize, operand_bytes: usize) -> bool {
+        d >= 128 && self.pipeline_bytes(d, operand_bytes) + self.o_bytes(d) <= MAX_SHARED_BYTES
+    }
+
+    /// The Q tile, the K/V stages, the mbarriers and the alignment slack.
+    fn pipeline_bytes(&self, d: usize, operand_bytes: usize) -> usize {
         (self.br() + 2 * self.stages * self.bc) * d * operand_bytes
             + 8 * (2 + 4 * self.stages)
             + 1024
+    }
+
+    /// O's tile, `br × d`, 16-bit.
+    fn o_bytes(&self, d: usize) -> usize {
+        self.br() * d * 2
     }
 }
 
@@ -209,8 +234,17 @@ impl std::str::FromStr for Schedule {
     }
 }
 
-/// The kernel variant for head dimension `d`, element type, masking, tiles and schedule.
-pub(crate) fn variant(d: usize, dtype: DType, causal: bool, t: Fa3Tiles, s: Schedule) -> Variant {
+/// The kernel variant for head dimension `d`, element type, masking, tiles and schedule, with
+/// 16-bit or (`fp8`) e4m3 operands.
+pub(crate) fn variant(
+    d: usize,
+    dtype: DType,
+    causal: bool,
+    t: Fa3Tiles,
+    s: Schedule,
+    fp8: bool,
+) -> Variant {
+    let operand_bytes = if fp8 { 1 } else { 2 };
     Variant {
         file: "fa3_forward",
         source: SRC,
@@ -223,11 +257,13 @@ pub(crate) fn variant(d: usize, dtype: DType, causal: bool, t: Fa3Tiles, s: Sche
             ("FA3_CAUSAL", (causal as u32).to_string()),
             ("FA3_OVERLAP", (s.overlap as u32).to_string()),
             ("FA3_PINGPONG", (s.pingpong as u32).to_string()),
+            ("FA3_FP8", (fp8 as u32).to_string()),
+            ("FA3_O_SMEM", (t.o_in_shared(d, operand_bytes) as u32).to_string()),
         ],
     }
 }
 
-/// Mirror of `Fa3ForwardParams` in `cuda/fa3_forward.cu`: three tensor maps (128-byte aligned,
+/// Mirror of `Fa3ForwardParams` in `cuda/fa3_forward.cu`: four tensor maps (128-byte aligned,
 /// as the kernel's `TensorMap`), then the output pointers, the FP8 scales and the sizes.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -235,6 +271,7 @@ struct ForwardParams {
     q: CUtensorMap,
     k: CUtensorMap,
     v: CUtensorMap,
+    o_map: CUtensorMap,
     o: u64,
     lse: u64,
     scales: Fp8Scales,
@@ -315,10 +352,16 @@ pub(crate) fn tensor_map(spec: &MapSpec) -> Result<CUtensorMap> {
     Ok(unsafe { map.assume_init() })
 }
 
-/// The map of a `[batch, heads, n, d]` 16-bit tensor at `ptr`, in tiles of `rows` rows.
-fn tensor_map_16(name: &'static str, t: &Tensor, ptr: u64, rows: usize) -> Result<CUtensorMap> {
-    let shape = t.shape();
-    let dtype = match t.dtype() {
+/// The map of a `[batch, heads, n, d]` 16-bit tensor (`shape`, `dtype`) at `ptr`, in tiles of
+/// `rows` rows.
+fn tensor_map_16(
+    name: &'static str,
+    shape: &[usize],
+    dtype: DType,
+    ptr: u64,
+    rows: usize,
+) -> Result<CUtensorMap> {
+    let dtype = match dtype {
         DType::F16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         DType::BF16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         other => {
@@ -375,12 +418,14 @@ pub fn forward_with(
     let (k_ptr, _g1) = k.read_ptr(s);
     let (v_ptr, _g2) = v.read_ptr(s);
     let maps = [
-        tensor_map_16("q", q, q_ptr, tiles.br())?,
-        tensor_map_16("k", k, k_ptr, tiles.bc)?,
-        tensor_map_16("v", v, v_ptr, tiles.bc)?,
+        tensor_map_16("q", q.shape(), q.dtype(), q_ptr, tiles.br())?,
+        tensor_map_16("k", k.shape(), k.dtype(), k_ptr, tiles.bc)?,
+        tensor_map_16("v", v.shape(), v.dtype(), v_ptr, tiles.bc)?,
     ];
-    let kernel =
-        Kernel { variant: variant(p.d, p.dtype, p.causal, tiles, schedule), entry: "fa3_forward" };
+    let kernel = Kernel {
+        variant: variant(p.d, p.dtype, p.causal, tiles, schedule, false),
+        entry: "fa3_forward",
+    };
     launch(gpu, &p, &kernel, tiles, schedule, maps, Fp8Scales::default(), 2)
 }
 
@@ -439,10 +484,14 @@ pub(crate) fn launch(
         let (lse_ptr, _g4) = lse.write_ptr(s);
         let [hq, hkv, nq, nkv] = p.dims_i32();
         let [q, k, v] = maps;
+        // O in boxes of 64 rows, one consumer warpgroup's (used where O goes through shared
+        // memory).
+        let o_map = tensor_map_16("o", &p.o_shape(), p.dtype, o_ptr, 64)?;
         let params = ForwardParams {
             q,
             k,
             v,
+            o_map,
             o: o_ptr,
             lse: lse_ptr,
             scales,
@@ -486,22 +535,22 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
         for &d in HEAD_DIMS {
             for causal in [false, true] {
                 if let Ok(t) = Fa3Tiles::for_head_dim(d, causal) {
-                    all.push(variant(d, dtype, causal, t, Schedule::default()));
+                    all.push(variant(d, dtype, causal, t, Schedule::default(), false));
                 }
             }
         }
     }
     for &dtype in DTYPES {
-        for d in [64, 128] {
-            let short = Fa3Tiles::for_problem(d, true, SHORT_CAUSAL_KEYS).expect("d has tiles");
-            all.push(variant(d, dtype, true, short, Schedule::default()));
+        for (d, causal) in [(64, true), (128, true), (128, false)] {
+            let short = Fa3Tiles::for_problem(d, causal, SHORT_CAUSAL_KEYS).expect("d has tiles");
+            all.push(variant(d, dtype, causal, short, Schedule::default(), false));
         }
     }
     for (pingpong, overlap) in [(false, true), (true, false), (false, false)] {
         for causal in [false, true] {
             let t = Fa3Tiles::for_head_dim(128, causal).expect("d = 128 has tiles");
             let schedule = Schedule { pingpong, overlap, persistent: true };
-            all.push(variant(128, DType::F16, causal, t, schedule));
+            all.push(variant(128, DType::F16, causal, t, schedule, false));
         }
     }
     all
@@ -523,27 +572,42 @@ mod tests {
                 assert!(t.shared_bytes(d, 2) <= 227 * 1024, "d = {d}: {}", t.shared_bytes(d, 2));
             }
         }
-        // d = 256: Q (128 × 256) and two stages of K and V (80 × 256), 16-bit.
+        // d = 256: Q (128 × 256) and two stages of K and V (80 × 256), 16-bit; no room for O.
         let t = Fa3Tiles::for_head_dim(256, false).unwrap();
         assert_eq!(t.shared_bytes(256, 2), (128 + 4 * 80) * 512 + 80 + 1024);
+        assert!(!t.o_in_shared(256, 2) && t.o_in_shared(256, 1));
+        // d = 128: 176-key tiles leave no room for O either, 128-key tiles do; d = 64 keeps O in
+        // registers.
+        assert!(!Fa3Tiles::for_head_dim(128, false).unwrap().o_in_shared(128, 2));
+        let t = Fa3Tiles::for_head_dim(64, false).unwrap();
+        assert_eq!(t.shared_bytes(64, 2), (192 + 8 * 128) * 128 + 144 + 1024);
+        assert!(!t.o_in_shared(64, 2));
         assert!(matches!(
             Fa3Tiles::for_head_dim(96, false),
             Err(KernelError::UnsupportedHeadDim { d: 96, .. })
         ));
-        // Short causal problems: 128-key tiles at d = 128, 128 query rows at d = 64, up to
-        // SHORT_CAUSAL_KEYS keys; longer ones and unmasked ones keep the head dim's tiles.
+        // Short problems: 128-key tiles at d = 128 (both masks, O through shared memory), 128
+        // query rows at d = 64 causal, up to SHORT_CAUSAL_KEYS keys; longer ones, and the rest,
+        // keep the head dim's tiles.
         let short = |d, causal, n| Fa3Tiles::for_problem(d, causal, n).unwrap();
         assert_eq!(short(128, true, SHORT_CAUSAL_KEYS).bc, 128);
+        assert_eq!(short(128, false, SHORT_CAUSAL_KEYS).bc, 128);
         assert_eq!(short(64, true, SHORT_CAUSAL_KEYS).br(), 128);
         assert_eq!(short(64, true, 512).shared_bytes(64, 2), (128 + 8 * 128) * 128 + 144 + 1024);
+        let t = short(128, false, 512);
+        assert!(t.o_in_shared(128, 2));
+        assert_eq!(t.shared_bytes(128, 2), (128 + 4 * 128) * 256 + 80 + 1024 + 128 * 256);
         for d in [64, 128, 256] {
-            assert_eq!(
-                short(d, true, SHORT_CAUSAL_KEYS + 1),
-                Fa3Tiles::for_head_dim(d, true).unwrap()
-            );
-            assert_eq!(short(d, false, 512), Fa3Tiles::for_head_dim(d, false).unwrap());
-            assert!(short(d, true, 512).shared_bytes(d, 2) <= 227 * 1024);
+            for causal in [false, true] {
+                assert_eq!(
+                    short(d, causal, SHORT_CAUSAL_KEYS + 1),
+                    Fa3Tiles::for_head_dim(d, causal).unwrap()
+                );
+                assert!(short(d, causal, 512).shared_bytes(d, 2) <= MAX_SHARED_BYTES);
+            }
         }
+        assert_eq!(short(64, false, 512), Fa3Tiles::for_head_dim(64, false).unwrap());
+        assert_eq!(short(256, true, 512), Fa3Tiles::for_head_dim(256, true).unwrap());
     }
 
     #[test]
@@ -602,11 +666,13 @@ mod tests {
 
     #[test]
     fn params_are_laid_out_as_the_kernel_expects() {
-        // Three 128-byte maps, then the pointers at byte 384: o, lse, four scales, the sizes.
+        // Four 128-byte maps (Q, K, V, O), then the pointers at byte 512: o, lse, four scales,
+        // the sizes.
         assert_eq!(std::mem::align_of::<ForwardParams>(), 128);
-        assert_eq!(std::mem::offset_of!(ForwardParams, section_heads), 384 + 16 + 32 + 24);
-        assert_eq!(std::mem::offset_of!(ForwardParams, o), 384);
-        assert_eq!(std::mem::offset_of!(ForwardParams, scales), 384 + 16);
-        assert_eq!(std::mem::offset_of!(ForwardParams, scale_log2), 384 + 16 + 32 + 20);
+        assert_eq!(std::mem::offset_of!(ForwardParams, o_map), 384);
+        assert_eq!(std::mem::offset_of!(ForwardParams, section_heads), 512 + 16 + 32 + 24);
+        assert_eq!(std::mem::offset_of!(ForwardParams, o), 512);
+        assert_eq!(std::mem::offset_of!(ForwardParams, scales), 512 + 16);
+        assert_eq!(std::mem::offset_of!(ForwardParams, scale_log2), 512 + 16 + 32 + 20);
     }
 }

@@ -166,9 +166,7 @@ fn quantize_variant(d: usize, dtype: DType, bc: usize, hadamard: bool) -> Varian
 
 /// The attention kernel's FP8 variant.
 fn forward_variant(p: &Problem, tiles: Fa3Tiles, schedule: Schedule) -> Variant {
-    let mut v = super::variant(p.d, p.dtype, p.causal, tiles, schedule);
-    v.defines.push(("FA3_FP8", "1".to_string()));
-    v
+    super::variant(p.d, p.dtype, p.causal, tiles, schedule, true)
 }
 
 fn alloc<T: cudarc::driver::DeviceRepr>(gpu: &Gpu, len: usize) -> Result<CudaSlice<T>> {
