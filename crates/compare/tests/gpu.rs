@@ -182,6 +182,11 @@ fn gpu_fa3_long_sequences() {
         (3, 24, 8, 600, 900, 128, false),
         (3, 24, 8, 900, 600, 64, true),
         (2, 16, 16, 1000, 1000, 128, true),
+        // Past 2k keys: d = 128's 176-key tiles, with O written from registers, and d = 64
+        // causal's 192 query rows (fa3::SHORT_KEYS).
+        (1, 4, 2, 300, 2100, 128, false),
+        (1, 4, 2, 300, 2100, 128, true),
+        (1, 4, 2, 300, 2100, 64, true),
     ] {
         let case = Case {
             shape: ladder_reference::AttentionShape::new(b, hq, hkv, n_q, n_kv, d).unwrap(),

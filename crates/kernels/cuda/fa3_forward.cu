@@ -147,13 +147,14 @@ struct Fa3ForwardParams {
 };
 
 // Shared memory (dynamic, 1024-byte aligned for the swizzle), in this order: with FA3_O_SMEM,
-// O's tile (64 rows per consumer warpgroup, in the column blocks of the Q tile), then the rest.
+// O's tile (per consumer warpgroup, 64 rows in [64 × 64] column blocks with the copy engine's
+// 128-byte swizzle, the swizzle the Q tile arrives in), then the rest.
 template <bool STAGED>
 struct OTile {
     u16 o[BR * D];
 };
 template <>
-struct OTile<false> {};  // no room: O goes from registers to global memory (takes no space)
+struct OTile<false> {};  // O from registers to global memory (Fa3Tiles::o_in_shared): no space
 __device__ __forceinline__ u16* o_tile(OTile<true>& t) { return t.o; }
 __device__ __forceinline__ u16* o_tile(OTile<false>&) { return nullptr; }
 static_assert(BR * D * 2 % 1024 == 0, "the tiles after O stay 1024-byte aligned");
@@ -384,7 +385,7 @@ __device__ void epilogue(const Fa3ForwardParams& p, SharedTiles& t, const Tile& 
         const float l = quad_sum(st.l[h]);
         const float inv = l > 0.f ? o_scale / l : 0.f;
         if constexpr (o_smem) {
-            // The 128-byte swizzle of the copy engine (tma.cuh), as the Q tile is laid out.
+            // [64 × 64] column blocks with the copy engine's 128-byte swizzle (tma.cuh).
             u16* sO = o_tile(t) + wg * 64 * D;
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt) {

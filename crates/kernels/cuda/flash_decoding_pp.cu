@@ -172,20 +172,17 @@ __device__ __forceinline__ void unpack2(u32 x, float& lo, float& hi) {
     hi = to_f32((u16)(x >> 16));
 }
 
-// N = 2, 4 or a multiple of 8 consecutive 16-bit values (the address aligned to 2·min(N, 8)
-// bytes) as floats: one load of up to 16 bytes per 8 values.
+// N = 2, 4 or 8 consecutive 16-bit values (the address aligned to 2·N bytes: one 16-byte chunk
+// of a swizzled tile at most, since the next chunk of a row lies elsewhere) as floats, in one load.
 template <int N>
 __device__ __forceinline__ void unpack(float (&x)[N], const u16* src) {
-    static_assert(N == 2 || N == 4 || N % 8 == 0, "one, two or 4k registers");
-    if constexpr (N % 8 == 0) {
-#pragma unroll
-        for (int i = 0; i < N; i += 8) {
-            const uint4 y = *reinterpret_cast<const uint4*>(src + i);
-            unpack2(y.x, x[i], x[i + 1]);
-            unpack2(y.y, x[i + 2], x[i + 3]);
-            unpack2(y.z, x[i + 4], x[i + 5]);
-            unpack2(y.w, x[i + 6], x[i + 7]);
-        }
+    static_assert(N == 2 || N == 4 || N == 8, "one, two or four registers");
+    if constexpr (N == 8) {
+        const uint4 y = *reinterpret_cast<const uint4*>(src);
+        unpack2(y.x, x[0], x[1]);
+        unpack2(y.y, x[2], x[3]);
+        unpack2(y.z, x[4], x[5]);
+        unpack2(y.w, x[6], x[7]);
     } else if constexpr (N == 4) {
         const uint2 y = *reinterpret_cast<const uint2*>(src);
         unpack2(y.x, x[0], x[1]);

@@ -30,14 +30,15 @@
 //! **Row blocks.** A block holds at most [`ROWS_PER_BLOCK`] = 32 of those rows: each of its warps
 //! keeps the output of every row in registers (`d` floats per lane at 32 rows, 128 at d = 128),
 //! and two 16-row tiles are what fits beside the rest; at `d = 256` one tile of 16 rows
-//! ([`rows_per_block`]) is already 128 floats per lane. More rows per kv head (GQA 8 × 16 speculative tokens
-//! = 128) are shared by [`row_blocks`]`(R)` blocks of 32 consecutive rows, each reading the
+//! ([`rows_per_block`]) is already 128 floats per lane. More rows per kv head (GQA 8 × 16
+//! speculative tokens = 128) are shared by [`row_blocks`]`(R, d)` blocks of 32 consecutive rows
+//! (16 at `d = 256`), each reading the
 //! chunk's K and V. They sit next to each other in the grid, so they run together and all but the
 //! first find the tiles in L2: one HBM read of the cache, `row_blocks`-fold L2 traffic. The
 //! alternative, one block with more 16-row tiles whose warps split the rows instead of the keys
 //! (FA2's forward layout), reads K and V once from L2 too, but needs a second warp layout in the
-//! kernel; at R ≤ 32, the shapes of ordinary and speculative decoding with GQA ≤ 8 × 4 tokens,
-//! both are the same one block.
+//! kernel; at R ≤ 32 (16 at `d = 256`), the shapes of ordinary and speculative decoding with
+//! GQA ≤ 8 × 4 tokens, both are the same one block.
 //!
 //! **Chunks.** Split `s` of sequence `b` owns keys `[s·chunk, min((s+1)·chunk, len_b))` with
 //! `chunk = ceil(len_b / splits)` rounded up to a multiple of [`BC`]: chunks follow each
@@ -102,9 +103,11 @@
 //! `f32`). A call gives the same bits every time, and the same as its strategy forced.
 //!
 //! **Head dimension 256.** The same kernels with `d = 256`: 16 rows per block (FlashDecoding) or 8
-//! (the flat GEMM), and three K/V stages of 64 keys are 192 KB of shared memory, so one block per
-//! SM, where `d ≤ 128` fits two; the split count counts one block per SM for a paged cache too
-//! ([`Workload::blocks_per_sm`]).
+//! (the flat GEMM), and 200 KB of shared memory on Hopper (the Q tile and three K/V stages of 64
+//! keys; 136 KB with the two stages of older GPUs), so one block per SM, where `d ≤ 128` fits two;
+//! the split count counts one block per SM for a paged cache too ([`Workload::blocks_per_sm`]).
+//! GPUs that allow a block 99 KB (sm_86, sm_89, sm_120) cannot run it: such a call is a
+//! [`KernelError::SharedMemory`] ([`head_dim_fits`] says beforehand).
 
 use std::sync::Arc;
 
@@ -157,8 +160,9 @@ pub const MAX_BATCH_PER_LAUNCH: usize = 256;
 pub const MAX_LENGTH: usize = i32::MAX as usize - 1024;
 /// K/V tiles in shared memory per block of the split kernel on architecture `arch`: a decoding
 /// block does little arithmetic per byte, so it wants many copies in flight. Hopper gets three
-/// stages (two copies in flight while one tile is read; two blocks of ≤ 104 KB fit its 228 KB);
-/// older GPUs two, so that two blocks still fit their 164 KB.
+/// stages (two copies in flight while one tile is read; up to d = 128 two blocks of ≤ 104 KB fit
+/// its 228 KB); older GPUs two, so that two such blocks still fit their 164 KB. (At d = 256 one
+/// block takes 200 or 136 KB: one per SM.)
 pub fn stages(arch: &str) -> usize {
     if arch.starts_with("sm_90") { 3 } else { 2 }
 }
@@ -487,6 +491,16 @@ pub struct DecodeStats {
     pub fallback_rows: Option<usize>,
 }
 
+/// Whether `gpu` gives a block enough shared memory for the decoding kernels at head dimension
+/// `d` (every `d` in [`HEAD_DIMS`] on sm_80 and sm_90; `d = 256` needs 136 KB with two K/V stages,
+/// 200 KB with Hopper's three, more than the 99 KB of sm_86, sm_89 and sm_120).
+pub fn head_dim_fits(gpu: &Gpu, d: usize) -> bool {
+    let stages = gpu.config().decode_stages_override().unwrap_or_else(|| stages(gpu.arch()));
+    let fd = split_shared_bytes(d, rows_per_block(d) / 16, stages);
+    let pp = pp::PpKernel::all(d).into_iter().map(|k| pp::shared_bytes(d, k, stages)).max();
+    fd.max(pp.unwrap_or(0)) <= gpu.max_shared_memory_per_block()
+}
+
 /// The most rows one block of the split kernel holds at head dimension `d`: every warp keeps the
 /// output of all of them in registers (`16 · d / 32` floats per lane and 16-row tile), so two
 /// 16-row tiles ([`ROWS_PER_BLOCK`] = 32) up to `d` = 128, one (16 rows) at `d` = 256.
@@ -519,7 +533,8 @@ pub fn default_splits(work: &Workload, sm_count: usize) -> usize {
 /// `batch_heads_kv` blocks per split (one per kv head and sequence, times [`row_blocks`]),
 /// `key_blocks` tiles of [`BC`] keys in the longest sequence. With enough blocks already (at least
 /// 80 % of a wave) it is 1. `slots` blocks make a wave: the SM count, or twice it where a paged
-/// cache needs two blocks per SM to keep the memory busy ([`split_count`]). Otherwise, for `s`
+/// cache needs two blocks per SM to keep the memory busy and two fit (d ≤ 128:
+/// [`Workload::blocks_per_sm`], [`split_count`]). Otherwise, for `s`
 /// in `1 ..= min(max_splits, key_blocks, 128)`, the last wave of `batch_heads_kv · s` blocks is
 /// `efficiency(s) = n / ceil(n)` full (`n = batch_heads_kv · s / slots` waves); the answer is
 /// the smallest `s` within [`SPLIT_EFFICIENCY`] of the best efficiency. As in FlashAttention, an
@@ -878,7 +893,7 @@ impl Shape {
 /// reference to one).
 ///
 /// `q` is `[batch, heads_q, n_new, d]` with `n_new` in `1 ..= 16`, fp16 or bf16, `d` 64, 128 or 256,
-/// `heads_q` a multiple of `heads_kv` (any group: past [`ROWS_PER_BLOCK`] rows per kv head the
+/// `heads_q` a multiple of `heads_kv` (any group: past [`rows_per_block`]`(d)` rows per kv head the
 /// rows are shared by several blocks). Returns `O` as `q` (`[batch, heads_q, n_new, d]`, `q`'s
 /// dtype) and `lse` `[batch, heads_q, n_new]` (`f32`, natural log).
 ///
@@ -1311,9 +1326,17 @@ mod tests {
         assert_eq!(split_shared_bytes(256, 1, 3), (16 + 384) * 256 * 2);
         for &d in HEAD_DIMS {
             for mt in 1..=rows_per_block(d) / 16 {
-                // Two blocks per SM fit on sm_80 (164 KB) and sm_90 (228 KB, 1 KB per block
-                // reserved) up to d = 128; one at d = 256 (Workload::blocks_per_sm).
-                let blocks = if d > 128 { 1 } else { 2 };
+                // As many blocks per SM as the paged heuristic counts (Workload::blocks_per_sm:
+                // two up to d = 128, one at d = 256) fit on sm_80 (164 KB) and sm_90 (228 KB,
+                // 1 KB per block reserved).
+                let work = Workload {
+                    rows_per_kv_head: 16 * mt,
+                    max_len: 1,
+                    batch_heads_kv: 1,
+                    head_dim: d,
+                    paged: true,
+                };
+                let blocks = work.blocks_per_sm();
                 assert!(blocks * split_shared_bytes(d, mt, stages("sm_80")) <= 164 * 1024);
                 assert!(
                     blocks * (split_shared_bytes(d, mt, stages("sm_90a")) + 1024) <= 228 * 1024

@@ -5,7 +5,8 @@
 //!
 //! - **TMA**: a producer warpgroup copies whole Q, K, V tiles with single instructions, described
 //!   by tensor maps built here on the host (`cuTensorMapEncodeTiled`); the copy engine fills rows
-//!   past a sequence's end with zeros.
+//!   past a sequence's end with zeros. Where O's tile fits in shared memory
+//!   ([`Fa3Tiles::o_in_shared`]) the consumers write O there and the copy engine stores it too.
 //! - **wgmma**: the consumer warpgroups (64 query rows each) multiply from shared memory
 //!   asynchronously: `S = Q Kᵀ` with both operands in shared memory, `O += P V` with `P` in
 //!   registers.
@@ -50,7 +51,7 @@ pub const MAX_SHARED_BYTES: usize = 227 * 1024;
 
 /// The longest problem (keys) that takes the short-problem tiles ([`Fa3Tiles::for_problem`]: d
 /// = 128 with or without the mask, d = 64 causal).
-pub const SHORT_CAUSAL_KEYS: usize = 2048;
+pub const SHORT_KEYS: usize = 2048;
 
 /// Tile configuration of the FA3 forward kernel: `64 · consumers` query rows per block, `bc`
 /// keys per K/V tile, `stages` K/V tiles in shared memory.
@@ -96,7 +97,7 @@ impl Fa3Tiles {
     }
 
     /// The tiles [`forward`] uses for a problem of head dimension `d`, the mask, and `n_kv` keys:
-    /// [`Fa3Tiles::for_head_dim`], except for short problems, at most [`SHORT_CAUSAL_KEYS`] keys
+    /// [`Fa3Tiles::for_head_dim`], except for short problems, at most [`SHORT_KEYS`] keys
     /// (H200, docs/perf-notes.md):
     ///
     /// - d = 128, causal: FA3's own 128 keys per tile instead of 176, which waste less on the
@@ -107,12 +108,8 @@ impl Fa3Tiles {
     ///   +2 % at n = 512, 1k, 2k; level at 4k).
     pub fn for_problem(d: usize, causal: bool, n_kv: usize) -> Result<Fa3Tiles> {
         match (d, causal) {
-            (128, _) if n_kv <= SHORT_CAUSAL_KEYS => {
-                Ok(Fa3Tiles { bc: 128, consumers: 2, stages: 2 })
-            }
-            (64, true) if n_kv <= SHORT_CAUSAL_KEYS => {
-                Ok(Fa3Tiles { bc: 128, consumers: 2, stages: 4 })
-            }
+            (128, _) if n_kv <= SHORT_KEYS => Ok(Fa3Tiles { bc: 128, consumers: 2, stages: 2 }),
+            (64, true) if n_kv <= SHORT_KEYS => Ok(Fa3Tiles { bc: 128, consumers: 2, stages: 4 }),
             _ => Fa3Tiles::for_head_dim(d, causal),
         }
     }
@@ -422,11 +419,7 @@ pub fn forward_with(
         tensor_map_16("k", k.shape(), k.dtype(), k_ptr, tiles.bc)?,
         tensor_map_16("v", v.shape(), v.dtype(), v_ptr, tiles.bc)?,
     ];
-    let kernel = Kernel {
-        variant: variant(p.d, p.dtype, p.causal, tiles, schedule, false),
-        entry: "fa3_forward",
-    };
-    launch(gpu, &p, &kernel, tiles, schedule, maps, Fp8Scales::default(), 2)
+    launch(gpu, &p, tiles, schedule, maps, Fp8Scales::default(), false)
 }
 
 /// K and V bytes the causal tile order keeps in L2 at a time (the kernel's `tile_at`), unless
@@ -461,21 +454,25 @@ fn section_heads(p: &Problem, br: usize, operand_bytes: usize, budget: usize) ->
     section.min(i32::MAX as usize) as i32
 }
 
-/// Launches the forward kernel on Q, K, V described by `maps` (16-bit or e4m3, as `kernel`'s
-/// variant expects) and returns O and lse.
-#[allow(clippy::too_many_arguments)]
+/// Launches the forward kernel on Q, K, V described by `maps` (16-bit, or e4m3 when `fp8`) and
+/// returns O and lse. The variant and its shared memory come from the same `fp8` flag, so that
+/// they agree on whether O's tile is in shared memory ([`Fa3Tiles::o_in_shared`]).
 pub(crate) fn launch(
     gpu: &Gpu,
     p: &Problem,
-    kernel: &Kernel,
     tiles: Fa3Tiles,
     schedule: Schedule,
     maps: [CUtensorMap; 3],
     scales: Fp8Scales,
-    operand_bytes: usize,
+    fp8: bool,
 ) -> Result<Output> {
+    let operand_bytes = if fp8 { 1 } else { 2 };
+    let kernel = Kernel {
+        variant: variant(p.d, p.dtype, p.causal, tiles, schedule, fp8),
+        entry: "fa3_forward",
+    };
     let smem = tiles.shared_bytes(p.d, operand_bytes);
-    gpu.prepare(kernel, smem)?;
+    gpu.prepare(&kernel, smem)?;
     let mut o = gpu.output(&p.o_shape(), p.dtype)?;
     let mut lse = gpu.output(&p.lse_shape(), DType::F32)?;
     {
@@ -518,7 +515,7 @@ pub(crate) fn launch(
             )));
         }
         let blocks = if schedule.persistent { work.min(gpu.sm_count() as usize) } else { work };
-        gpu.launch(kernel, grid(blocks, 1, 1)?, tiles.threads() as u32, smem, &params)?;
+        gpu.launch(&kernel, grid(blocks, 1, 1)?, tiles.threads() as u32, smem, &params)?;
     }
     Ok(Output { o, lse })
 }
@@ -542,7 +539,7 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
     }
     for &dtype in DTYPES {
         for (d, causal) in [(64, true), (128, true), (128, false)] {
-            let short = Fa3Tiles::for_problem(d, causal, SHORT_CAUSAL_KEYS).expect("d has tiles");
+            let short = Fa3Tiles::for_problem(d, causal, SHORT_KEYS).expect("d has tiles");
             all.push(variant(d, dtype, causal, short, Schedule::default(), false));
         }
     }
@@ -569,7 +566,11 @@ mod tests {
         for d in [64, 128, 256] {
             for causal in [false, true] {
                 let t = Fa3Tiles::for_head_dim(d, causal).unwrap();
-                assert!(t.shared_bytes(d, 2) <= 227 * 1024, "d = {d}: {}", t.shared_bytes(d, 2));
+                assert!(
+                    t.shared_bytes(d, 2) <= MAX_SHARED_BYTES,
+                    "d = {d}: {}",
+                    t.shared_bytes(d, 2)
+                );
             }
         }
         // d = 256: Q (128 × 256) and two stages of K and V (80 × 256), 16-bit; no room for O.
@@ -587,12 +588,12 @@ mod tests {
             Err(KernelError::UnsupportedHeadDim { d: 96, .. })
         ));
         // Short problems: 128-key tiles at d = 128 (both masks, O through shared memory), 128
-        // query rows at d = 64 causal, up to SHORT_CAUSAL_KEYS keys; longer ones, and the rest,
+        // query rows at d = 64 causal, up to SHORT_KEYS keys; longer ones, and the rest,
         // keep the head dim's tiles.
         let short = |d, causal, n| Fa3Tiles::for_problem(d, causal, n).unwrap();
-        assert_eq!(short(128, true, SHORT_CAUSAL_KEYS).bc, 128);
-        assert_eq!(short(128, false, SHORT_CAUSAL_KEYS).bc, 128);
-        assert_eq!(short(64, true, SHORT_CAUSAL_KEYS).br(), 128);
+        assert_eq!(short(128, true, SHORT_KEYS).bc, 128);
+        assert_eq!(short(128, false, SHORT_KEYS).bc, 128);
+        assert_eq!(short(64, true, SHORT_KEYS).br(), 128);
         assert_eq!(short(64, true, 512).shared_bytes(64, 2), (128 + 8 * 128) * 128 + 144 + 1024);
         let t = short(128, false, 512);
         assert!(t.o_in_shared(128, 2));
@@ -600,7 +601,7 @@ mod tests {
         for d in [64, 128, 256] {
             for causal in [false, true] {
                 assert_eq!(
-                    short(d, causal, SHORT_CAUSAL_KEYS + 1),
+                    short(d, causal, SHORT_KEYS + 1),
                     Fa3Tiles::for_head_dim(d, causal).unwrap()
                 );
                 assert!(short(d, causal, 512).shared_bytes(d, 2) <= MAX_SHARED_BYTES);

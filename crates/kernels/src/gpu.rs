@@ -168,7 +168,9 @@ impl GpuConfig {
 
     /// K/V stages of the decoding kernels' shared-memory pipeline, instead of
     /// [`crate::decode::stages`] (for tuning experiments; a count whose shared memory does not fit
-    /// the device is an error at the call).
+    /// the device is an error at the call). The split heuristic still assumes the default's
+    /// occupancy (two blocks per SM for a paged cache up to d = 128), which four stages or more
+    /// no longer give.
     pub fn decode_stages(mut self, stages: usize) -> GpuConfig {
         self.decode_stages = Some(stages);
         self
@@ -355,6 +357,12 @@ impl Gpu {
     /// The NVRTC target the kernels are compiled for, e.g. `sm_90a`.
     pub fn arch(&self) -> &str {
         &self.arch
+    }
+
+    /// The most dynamic shared memory one block may opt in to, in bytes (227 KiB on Hopper, 163 KiB
+    /// on the A100, 99 KiB on sm_86, sm_89 and sm_120).
+    pub fn max_shared_memory_per_block(&self) -> usize {
+        self.max_smem_per_block
     }
 
     /// Number of streaming multiprocessors.

@@ -103,8 +103,9 @@ impl FromStr for Strategy {
 /// GEMV: one row, where even the flat GEMM's 8-row tile is 7/8 padding.
 pub const GEMV_MAX_ROWS: usize = 1;
 /// Rows per kv head up to which the automatic choice is the flat GEMM (two 8-row tiles per
-/// block); past it FlashDecoding's 16-row tiles are full and its 32-row blocks read the cache
-/// once per 32 rows.
+/// block; one at d = 256, where 16 rows take two flat blocks that each read the cache); past it
+/// FlashDecoding's 16-row tiles are full and its 32-row blocks (16 at d = 256) read the cache
+/// once per block.
 pub const FLAT_GEMM_MAX_ROWS: usize = 16;
 /// Cache entries per call (longest length × batch × kv heads) below which the automatic choice is
 /// FlashDecoding whatever the rows: such a call moves a few MB in a few microseconds, and
@@ -139,8 +140,9 @@ pub struct Workload {
 
 impl Workload {
     /// Blocks per SM the split count fills ([`split_count`]): [`PAGED_BLOCKS_PER_SM`] for a
-    /// paged cache where that many blocks fit on an SM (`head_dim` ≤ 128: a block of
-    /// `head_dim` = 256 takes 200 KB of shared memory), otherwise one.
+    /// paged cache where that many blocks fit on an SM (`head_dim` ≤ 128 with the default K/V
+    /// stages: a block of `head_dim` = 256 takes 200 KB of shared memory, the Q tile and three
+    /// 64-key stages), otherwise one.
     pub fn blocks_per_sm(&self) -> usize {
         if self.paged && self.head_dim <= 128 { PAGED_BLOCKS_PER_SM } else { 1 }
     }
@@ -268,8 +270,8 @@ pub fn split_count(
 /// cache gains nothing from the second block (docs/perf-notes.md, FlashDecoding v4).
 pub const PAGED_BLOCKS_PER_SM: usize = 2;
 
-/// The fewest tiles of [`BC`] keys a split keeps when [`split_count`] fills two blocks per SM
-/// for a paged cache: shorter splits pay more in their fixed costs (first loads, partials, the
+/// The fewest tiles of [`BC`] keys a split keeps when [`split_count`] fills more than one block
+/// per SM for a paged cache: shorter splits pay more in their fixed costs (first loads, partials, the
 /// combine) than the second block gains. At batch 1, 32/8 heads, 8k keys (128 tiles), 16 splits
 /// read pages of 16 at 2.27 TB/s and 32 splits (4 tiles each) at 2.15; at 32/32 heads, 4 splits
 /// read 3.09 and 8 (16 tiles each) 3.53.

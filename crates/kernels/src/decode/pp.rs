@@ -27,7 +27,6 @@ impl PpKernel {
     }
 
     /// Every GEMM shape at head dimension `d` (two 8-row tiles only up to `d` = 128).
-    #[cfg(test)]
     pub(crate) fn all(d: usize) -> Vec<PpKernel> {
         let flat_tiles = flat_rows_per_block(usize::MAX, d) / 8;
         let flat = (1..=flat_tiles).map(|n_tiles| PpKernel::Flat { n_tiles });
@@ -207,8 +206,16 @@ mod tests {
         // d = 64, two stages, 16 rows: the tiles (33 KB) outweigh the merge (4·16·71·4 = 18 KB).
         assert_eq!(shared_bytes(64, PpKernel::Flat { n_tiles: 2 }, 2), (16 + 256) * 64 * 2);
         for &d in super::super::HEAD_DIMS {
-            // Two blocks per SM up to d = 128, one at d = 256 (as FlashDecoding's split kernel).
-            let blocks = if d > 128 { 1 } else { 2 };
+            // As many blocks per SM as the paged heuristic counts (two up to d = 128, one at
+            // d = 256), as for FlashDecoding's split kernel.
+            let work = super::super::Workload {
+                rows_per_kv_head: 1,
+                max_len: 1,
+                batch_heads_kv: 1,
+                head_dim: d,
+                paged: true,
+            };
+            let blocks = work.blocks_per_sm();
             for kernel in PpKernel::all(d) {
                 assert!(blocks * shared_bytes(d, kernel, 2) <= 164 * 1024);
                 assert!(blocks * (shared_bytes(d, kernel, 3) + 1024) <= 228 * 1024);

@@ -164,11 +164,6 @@ fn quantize_variant(d: usize, dtype: DType, bc: usize, hadamard: bool) -> Varian
     }
 }
 
-/// The attention kernel's FP8 variant.
-fn forward_variant(p: &Problem, tiles: Fa3Tiles, schedule: Schedule) -> Variant {
-    super::variant(p.d, p.dtype, p.causal, tiles, schedule, true)
-}
-
 fn alloc<T: cudarc::driver::DeviceRepr>(gpu: &Gpu, len: usize) -> Result<CudaSlice<T>> {
     let bytes = len.saturating_mul(size_of::<T>());
     // SAFETY: every buffer allocated here is written in full by the quantisation kernels before
@@ -340,9 +335,8 @@ pub fn forward_quantized_with(gpu: &Gpu, inputs: &Fp8Inputs, schedule: Schedule)
             rows: p.d,
         })?,
     ];
-    let kernel = Kernel { variant: forward_variant(p, tiles, schedule), entry: "fa3_forward" };
     let scales = Fp8Scales { q: qs, k: ks, p: ps, o: os };
-    launch(gpu, p, &kernel, tiles, schedule, maps, scales, 1)
+    launch(gpu, p, tiles, schedule, maps, scales, true)
 }
 
 /// `softmax(scale · Q Kᵀ + mask) V` with e4m3 operands: [`quantize`], then
@@ -371,19 +365,8 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
     for &dtype in DTYPES {
         for &d in HEAD_DIMS {
             let t = tiles_for_head_dim(d).expect("FP8 head dim");
-            let shape = Problem {
-                batch: 1,
-                heads_q: 1,
-                heads_kv: 1,
-                n_q: 1,
-                n_kv: 1,
-                d,
-                dtype,
-                scale: 1.0,
-                causal: false,
-            };
             for causal in [false, true] {
-                all.push(forward_variant(&Problem { causal, ..shape }, t, Schedule::default()));
+                all.push(super::variant(d, dtype, causal, t, Schedule::default(), true));
             }
             for hadamard in [false, true] {
                 all.push(quantize_variant(d, dtype, t.bc, hadamard));
@@ -428,7 +411,7 @@ mod tests {
         for d in HEAD_DIMS {
             let t = tiles_for_head_dim(*d).unwrap();
             assert_eq!(t.bc % 128, 0);
-            assert!(t.shared_bytes(*d, 1) <= 227 * 1024);
+            assert!(t.shared_bytes(*d, 1) <= crate::fa3::MAX_SHARED_BYTES);
         }
         assert!(matches!(tiles_for_head_dim(64), Err(KernelError::UnsupportedHeadDim { .. })));
     }
