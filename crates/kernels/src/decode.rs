@@ -166,6 +166,12 @@ pub const MAX_LENGTH: usize = i32::MAX as usize - 1024;
 pub fn stages(arch: &str) -> usize {
     if arch.starts_with("sm_90") { 3 } else { 2 }
 }
+/// The K/V stages the kernels use on `gpu`: [`stages`] of its architecture, or the count its
+/// configuration sets ([`crate::GpuConfig::decode_stages`]).
+fn stages_on(gpu: &Gpu) -> usize {
+    gpu.config().decode_stages_override().unwrap_or_else(|| stages(gpu.arch()))
+}
+
 /// Output rows per block of FlashDecoding++'s combine kernel (one warp each).
 const COMBINE_ROWS_PER_BLOCK: usize = 4;
 
@@ -495,7 +501,7 @@ pub struct DecodeStats {
 /// `d` (every `d` in [`HEAD_DIMS`] on sm_80 and sm_90; `d = 256` needs 136 KB with two K/V stages,
 /// 200 KB with Hopper's three, more than the 99 KB of sm_86, sm_89 and sm_120).
 pub fn head_dim_fits(gpu: &Gpu, d: usize) -> bool {
-    let stages = gpu.config().decode_stages_override().unwrap_or_else(|| stages(gpu.arch()));
+    let stages = stages_on(gpu);
     let fd = split_shared_bytes(d, rows_per_block(d) / 16, stages);
     let pp = pp::PpKernel::all(d).into_iter().map(|k| pp::shared_bytes(d, k, stages)).max();
     fd.max(pp.unwrap_or(0)) <= gpu.max_shared_memory_per_block()
@@ -1095,7 +1101,7 @@ fn launch(
     let splits = plan.splits;
     let too_many = || KernelError::Config(format!("flash_decoding: {splits} splits is too many"));
     let splits_i = i32::try_from(splits).map_err(|_| too_many())?;
-    let stages = gpu.config().decode_stages_override().unwrap_or_else(|| stages(gpu.arch()));
+    let stages = stages_on(gpu);
     if !(2..=16).contains(&stages) {
         return Err(KernelError::Config(format!(
             "flash_decoding: {stages} K/V stages; expected 2 to 16"

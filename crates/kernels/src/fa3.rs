@@ -231,6 +231,11 @@ impl std::str::FromStr for Schedule {
     }
 }
 
+/// Bytes per element of Q, K and V in the kernel: 1 for e4m3 (`fp8`), else 2.
+fn operand_bytes(fp8: bool) -> usize {
+    if fp8 { 1 } else { 2 }
+}
+
 /// The kernel variant for head dimension `d`, element type, masking, tiles and schedule, with
 /// 16-bit or (`fp8`) e4m3 operands.
 pub(crate) fn variant(
@@ -241,7 +246,7 @@ pub(crate) fn variant(
     s: Schedule,
     fp8: bool,
 ) -> Variant {
-    let operand_bytes = if fp8 { 1 } else { 2 };
+    let operand_bytes = operand_bytes(fp8);
     Variant {
         file: "fa3_forward",
         source: SRC,
@@ -466,7 +471,7 @@ pub(crate) fn launch(
     scales: Fp8Scales,
     fp8: bool,
 ) -> Result<Output> {
-    let operand_bytes = if fp8 { 1 } else { 2 };
+    let operand_bytes = operand_bytes(fp8);
     let kernel = Kernel {
         variant: variant(p.d, p.dtype, p.causal, tiles, schedule, fp8),
         entry: "fa3_forward",

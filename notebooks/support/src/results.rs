@@ -1167,18 +1167,14 @@ mod tests {
     #[test]
     fn the_committed_sweeps_parse() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/results");
-        let split =
-            parse_sweep(&std::fs::read_to_string(dir.join("h200-decode/split-sweep.txt")).unwrap())
-                .unwrap();
+        let sweep = |file: &str| parse_sweep(&std::fs::read_to_string(dir.join(file)).unwrap());
+        let split = sweep("h200-decode/split-sweep.txt").unwrap();
         assert_eq!(split.len(), 25);
         let first = &split[0];
         assert_eq!((first.batch, first.heads_q, first.heads_kv, first.len), (1, 32, 32, 8192));
         assert!(first.auto && first.splits.is_none() && first.strategy.is_none());
         assert_eq!((split[1].splits, split[1].ms, split[1].tbps), (Some(1), 0.0854, 1.57));
-        let strategy = parse_sweep(
-            &std::fs::read_to_string(dir.join("h200-decode-pp/strategy-sweep.txt")).unwrap(),
-        )
-        .unwrap();
+        let strategy = sweep("h200-decode-pp/strategy-sweep.txt").unwrap();
         assert_eq!(strategy.len(), 100);
         assert_eq!(strategy[0].strategy.as_deref(), Some("flash-decoding"));
         assert!(strategy[0].auto && strategy[0].splits == Some(4));
@@ -1191,10 +1187,7 @@ mod tests {
         assert_eq!(dispatched[3].ran.as_deref(), Some("flat-gemm"));
         assert_eq!(dispatched[3].splits, Some(15));
         // decode_bandwidth's later format: host and GPU times beside the events' (v4: PDL on).
-        let v4 = parse_sweep(
-            &std::fs::read_to_string(dir.join("h200-decode-v4/bandwidth-sweep.txt")).unwrap(),
-        )
-        .unwrap();
+        let v4 = sweep("h200-decode-v4/bandwidth-sweep.txt").unwrap();
         assert_eq!(v4.len(), 35);
         assert_eq!(v4[0].strategy.as_deref(), Some("flash-decoding"));
         assert!(v4[0].auto && v4[0].splits == Some(4));
