@@ -78,8 +78,7 @@ pub fn main(args: &BenchArgs) -> ExitCode {
 fn impl_name(gpu: &Gpu, rung: GpuRung) -> String {
     let mut name = rung.name().to_string();
     if matches!(rung, GpuRung::Fa3 | GpuRung::Fa3Fp8) {
-        let schedule = gpu.config().fa3_schedule_or_default();
-        if schedule != ladder_kernels::fa3::Schedule::default() {
+        if let Some(schedule) = gpu.config().fa3_schedule_override() {
             name = format!("{name}-{}", schedule.label().replace(',', "+"));
         }
         if let Some(t) = gpu.config().fa3_tiles_override() {

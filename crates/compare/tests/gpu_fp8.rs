@@ -46,7 +46,7 @@ fn upload(gpu: &Gpu, a: &Array4<f64>, dtype: DType) -> Tensor {
 fn cpu_config(case: &Case, fp8: Fp8Options) -> RungConfig {
     RungConfig {
         attention: case.attention(),
-        tiles: gpu_check::fp8_cpu_tiles(case.shape.d).expect("an FP8 head dim"),
+        tiles: gpu_check::fp8_cpu_tiles(case.shape.d, case.shape.n_kv).expect("an FP8 head dim"),
         fp8,
         ..RungConfig::default()
     }
@@ -142,14 +142,16 @@ fn gpu_fp8_quantisation_is_the_cpu_rungs_bit_for_bit() {
     let decode = |b: &[u8]| -> Vec<f32> {
         b.iter().map(|&x| float8::F8E4M3::from_bits(x).to_f32()).collect()
     };
-    for (dtype, d, incoherent) in [
-        (DType::F16, 128, None),
-        (DType::F16, 128, Some(3)),
-        (DType::BF16, 256, Some(9)),
-        (DType::BF16, 128, None),
+    // n_kv past fp8::SHORT_KEYS at d = 128: 192-key tiles (V's transposed stage in two blocks).
+    for (dtype, d, incoherent, n_kv) in [
+        (DType::F16, 128, None, 270),
+        (DType::F16, 128, Some(3), 270),
+        (DType::BF16, 256, Some(9), 270),
+        (DType::BF16, 128, None, 270),
+        (DType::F16, 128, Some(5), fp8::SHORT_KEYS + 77),
     ] {
         let case = Case {
-            shape: AttentionShape::new(2, 4, 2, 333, 270, d).unwrap(),
+            shape: AttentionShape::new(2, 4, 2, 333, n_kv, d).unwrap(),
             causal: false,
             logit_std: 1.0,
             tiles: TileSizes::new(128, 128).unwrap(),
@@ -174,12 +176,12 @@ fn gpu_fp8_quantisation_is_the_cpu_rungs_bit_for_bit() {
             }
             None => (x32.q.clone(), x32.k.clone()),
         };
-        let br = inputs.tiles().br();
+        let (br, bc) = (inputs.tiles().br(), inputs.tiles().bc);
         let what = format!("{dtype}, d = {d}, incoherent {incoherent:?}");
         for (name, gpu_values, gpu_scales, cpu) in [
             ("q", gq, sq, Fp8Tensor::quantize(q32.view(), br, Fp8Scaling::PerBlock)),
-            ("k", gk, sk, Fp8Tensor::quantize(k32.view(), 128, Fp8Scaling::PerBlock)),
-            ("v", gv, sv, Fp8Tensor::quantize(x32.v.view(), 128, Fp8Scaling::PerBlock)),
+            ("k", gk, sk, Fp8Tensor::quantize(k32.view(), bc, Fp8Scaling::PerBlock)),
+            ("v", gv, sv, Fp8Tensor::quantize(x32.v.view(), bc, Fp8Scaling::PerBlock)),
         ] {
             let cpu_scales: Vec<f32> = cpu.scales.iter().copied().collect();
             assert_eq!(gpu_scales, cpu_scales, "{name} scales, {what}");

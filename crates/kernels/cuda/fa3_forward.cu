@@ -8,12 +8,14 @@
 //   ------------------------------         ------------------------------------------------------
 //   TMA: Q tile              -> q_full      wait q_full;  S_0 = Q·K_0ᵀ, softmax -> P_0
 //   for each K/V tile j:                   for each K/V tile j ≥ 1:
-//     wait k_empty[stage]                    wait k_full, v_full
-//     TMA: K_j               -> k_full       S_j = Q·K_jᵀ                         (wgmma, async)
-//     wait v_empty[stage]                    O *= alpha_{j-1}                     (under S_j)
-//     TMA: V_j               -> v_full       O += P_{j-1}·V_{j-1}                 (wgmma, async)
+//     wait k_empty[stage]                    P_{j-2}·V_{j-2} has landed: release V_{j-2},
+//     TMA: K_j               -> k_full         round P_{j-1} into P's registers
+//     wait v_empty[stage]                    wait k_full, v_full
+//     TMA: V_j               -> v_full       S_j = Q·K_jᵀ                         (wgmma, async)
+//                                            O *= alpha_{j-1}                     (under S_j)
+//                                            O += P_{j-1}·V_{j-1}                 (wgmma, async)
 //                                            softmax of S_j -> P_j, alpha_j       (under P·V)
-//                                            release K_j, V_{j-1}
+//                                            release K_j
 //                                          O += P_last·V_last; O / l; write O and lse
 //
 // O is written through shared memory where it fits (FA3_O_SMEM): each consumer warpgroup puts
@@ -37,8 +39,9 @@
 //
 // Switches (compile time; the ablation of the FA3 paper, §4.2):
 //   FA3_OVERLAP   1: intra-warpgroup overlap (Algorithm 2): the softmax of S_j runs while the
-//                 tensor cores compute P_{j-1}·V_{j-1}. 0: the warpgroup waits for both products
-//                 before its softmax (the same loop, one wait count different).
+//                 tensor cores compute P_{j-1}·V_{j-1}, which is waited for at the top of the
+//                 next round. 0: the warpgroup waits for both products before its softmax and
+//                 packs P at the end of the round (a sequential round).
 //   FA3_PINGPONG  1: consumer warpgroups take turns issuing their products (named barriers), so
 //                 one's softmax runs under the other's products. 0: no ordering between them.
 //
@@ -107,10 +110,15 @@ static_assert(D % 64 == 0 && BC % 16 == 0 && BC <= 256, "tile shapes wgmma and T
 #if FA3_FP8
 typedef u8 op_t;                // e4m3
 typedef u32 PRegs[BC / 32][4];  // four e4m3 per register (fp8.cuh: pack_p_fp8)
-static_assert(BC % 128 == 0 && D >= 128, "FP8 tiles: whole 128-byte rows of V's keys and Q's d");
+static_assert(BC % 32 == 0 && D >= 128, "FP8 tiles: whole k-steps of keys, 128-byte rows of d");
+// Vᵀ's stage holds whole 128-key column blocks (one swizzle span each); with BC = 192 the last
+// block's second half is the next tile's first keys, loaded and not read.
+constexpr int VT_KEYS = (BC + 127) / 128 * 128;
+constexpr int V_STAGE = D * VT_KEYS;
 #else
 typedef u16 op_t;          // fp16 or bf16
 typedef u32 PRegs[NT][2];  // two 16-bit values per register (softmax.cuh: pack_p)
+constexpr int V_STAGE = BC * D;
 #endif
 
 // Registers per thread after the hand-over: 24 for the producer, the rest for the consumers
@@ -162,7 +170,7 @@ static_assert(BR * D * 2 % 1024 == 0, "the tiles after O stay 1024-byte aligned"
 struct SharedTiles : OTile<o_smem> {
     op_t q[BR * D];             // 128-byte column blocks of [BR rows × 128 bytes]
     op_t k[STAGES][BC * D];     // the same for BC rows, per stage
-    op_t v[STAGES][BC * D];     // the same (FP8: V transposed, D rows × BC keys)
+    op_t v[STAGES][V_STAGE];    // the same (FP8: V transposed, D rows × VT_KEYS keys)
     u64 q_full;                 // Q has landed
     u64 q_empty;                // every consumer warp is done with Q (its last S = Q·Kᵀ)
     u64 k_full[STAGES];         // K tile has landed
@@ -258,7 +266,8 @@ __device__ void producer(const Fa3ForwardParams& p, SharedTiles& t) {
             mbar_wait(&t.v_empty[stage], free);
             mbar_expect_tx(&t.v_full[stage], sizeof(t.v[0]));
 #if FA3_FP8  // Vᵀ: keys are the columns
-            tma_load_tile<D, BC>(t.v[stage], &p.v, &t.v_full[stage], j * BC, 0, kv_head, tile.batch);
+            tma_load_tile<D, VT_KEYS>(t.v[stage], &p.v, &t.v_full[stage], j * BC, 0, kv_head,
+                                      tile.batch);
 #else
             tma_load_tile<BC, D>(t.v[stage], &p.v, &t.v_full[stage], 0, j * BC, kv_head, tile.batch);
 #endif
@@ -304,11 +313,12 @@ __device__ __forceinline__ void issue_pv(float (&o)[DT][4], const PRegs& pk, con
 #endif
 }
 
-// Where one head's scales start (FP8): Q's of this query block, K's and V's of tile 0.
+// Where one head's scales are (FP8): the softmax scale times Q's for this query block, and where
+// its K/V tiles' scales start in k_scale and p_lift (one index, not two pointers: registers are
+// short in the consumers).
 struct Scales {
     float q = 1.f;
-    const float* k = nullptr;
-    const float* p = nullptr;
+    int kv_tile0 = 0;
     float o = 1.f;
 };
 __device__ __forceinline__ Scales scales_of(const Fa3ForwardParams& p, const Tile& tile,
@@ -316,20 +326,22 @@ __device__ __forceinline__ Scales scales_of(const Fa3ForwardParams& p, const Til
     Scales sc;
     if (FA3_FP8) {
         const int k_tiles = (p.n_kv + BC - 1) / BC;
-        const size_t kv = (size_t)tile.batch * p.heads_kv + kv_head;
-        sc.q = p.q_scale[((size_t)tile.batch * p.heads_q + tile.head) * q_blocks(p) + tile.q0 / BR];
-        sc.k = p.k_scale + kv * k_tiles;
-        sc.p = p.p_lift + kv * k_tiles;
+        const int kv = tile.batch * p.heads_kv + kv_head;
+        sc.q = p.scale_log2 *
+               p.q_scale[((size_t)tile.batch * p.heads_q + tile.head) * q_blocks(p) + tile.q0 / BR];
+        sc.kv_tile0 = kv * k_tiles;
         sc.o = p.o_scale[kv];
     }
     return sc;
 }
 // The softmax scale of tile j (base 2), with the e4m3 scales of its Q and K tiles.
 __device__ __forceinline__ float score_scale(const Fa3ForwardParams& p, const Scales& sc, int j) {
-    return FA3_FP8 ? p.scale_log2 * sc.q * sc.k[j] : p.scale_log2;
+    return FA3_FP8 ? sc.q * p.k_scale[sc.kv_tile0 + j] : p.scale_log2;
 }
 // log2 of what P_j is lifted by before it is rounded to e4m3 (FP8), 0 otherwise.
-__device__ __forceinline__ float p_lift(const Scales& sc, int j) { return FA3_FP8 ? sc.p[j] : 0.f; }
+__device__ __forceinline__ float p_lift(const Fa3ForwardParams& p, const Scales& sc, int j) {
+    return FA3_FP8 ? p.p_lift[sc.kv_tile0 + j] : 0.f;
+}
 __device__ __forceinline__ void pack(const float (&s)[NT][4], PRegs& pk) {
 #if FA3_FP8
     pack_p_fp8(s, pk);
@@ -425,13 +437,13 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
     const Scales sc = scales_of(p, tile, tile.head / (p.heads_q / p.heads_kv));
 
     // Algorithm 2. Prologue: S_0 and its softmax (O is still zero: nothing to rescale).
-    PRegs pk;
+    float s[NT][4];  // S_j, then P_j in f32 until it is packed (overlap: at the next round's top)
+    PRegs pk;        // P_{j-1}, the A operand of P_{j-1}·V_{j-1}
     float alpha[2];
     bool moved = false;  // whether the last softmax moved a row's max: O needs alpha
     PipelineState v_read = kv;  // V lags K by one tile
     if (n_tiles > 0) {
-        float s[NT][4];
-        const float scale_0 = score_scale(p, sc, 0), lift_0 = p_lift(sc, 0);
+        const float scale_0 = score_scale(p, sc, 0), lift_0 = p_lift(p, sc, 0);
         wait_turn(wg);
         mbar_wait(&t.k_full[kv.stage()], kv.parity());
         wgmma_fence();
@@ -443,19 +455,30 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
         release(&t.k_empty[kv.stage()]);
         ++kv.count;
         softmax_step(s, alpha, st, p, scale_0, lift_0, row0, 0);
-        pack(s, pk);
+        if constexpr (!overlap) pack(s, pk);
     }
     for (int j = 1; j < n_tiles; ++j, ++kv.count, ++v_read.count) {
-        float s[NT][4];
         // FP8: tile j's scales are read from global memory here, before the waits and the
         // products, so that their latency hides under them (after the waits' memory clobbers the
         // compiler could not hoist the loads, and the softmax would stall on them).
-        const float scale_j = score_scale(p, sc, j), lift_j = p_lift(sc, j);
-        wait_turn(wg);
+        const float scale_j = score_scale(p, sc, j), lift_j = p_lift(p, sc, j);
+        if constexpr (overlap) {
+            // P_{j-2}·V_{j-2} ran under the last softmax and has landed: P's registers are free
+            // for P_{j-1}. The wait sits here, at the top of the round, and not at the end of the
+            // last one: there ptxas hoisted it above the softmax (SASS: the WARPGROUP.DEPBAR ahead
+            // of every MUFU.EX2), which then no longer overlapped the product; it does not move a
+            // wait across the loop's back edge.
+            wgmma_wait<0>();
+            wgmma_hold(o);
+            wgmma_hold(pk);
+            if (j >= 2) release(&t.v_empty[PipelineState{v_read.count - 1}.stage()]);  // V_{j-2}
+            pack(s, pk);
+        }
         // Both tiles are waited for before the products are issued: ptxas serialises every
         // wgmma of a kernel that waits (branches) between the issues of one batch.
         mbar_wait(&t.k_full[kv.stage()], kv.parity());
         mbar_wait(&t.v_full[v_read.stage()], v_read.parity());
+        wait_turn(wg);
         wgmma_fence();
         issue_qk(s, t, q_row0, kv.stage());  // S_j
         wgmma_commit();
@@ -470,16 +493,24 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
         wgmma_wait<overlap ? 1 : 0>();
         wgmma_hold(s);
         release(&t.k_empty[kv.stage()]);
+        if constexpr (!overlap) {
+            wgmma_hold(o);
+            wgmma_hold(pk);
+            release(&t.v_empty[v_read.stage()]);  // V_{j-1}
+        }
         moved = softmax_step(s, alpha, st, p, scale_j, lift_j, row0, j * BC);
-        wgmma_wait<0>();  // P_{j-1}·V_{j-1} has landed: O and P's registers are free
-        wgmma_hold(o);
-        wgmma_hold(pk);
-        release(&t.v_empty[v_read.stage()]);
-        pack(s, pk);
+        if constexpr (!overlap) pack(s, pk);
     }
     // Every S = Q·Kᵀ of the tile is done: the producer may load the next tile's Q.
     release(&t.q_empty);
     if (n_tiles > 0) {
+        if constexpr (overlap) {
+            wgmma_wait<0>();
+            wgmma_hold(o);
+            wgmma_hold(pk);
+            if (n_tiles >= 2) release(&t.v_empty[PipelineState{v_read.count - 1}.stage()]);
+            pack(s, pk);
+        }
         if (__any_sync(0xffffffff, moved)) rescale(o, alpha);
         mbar_wait(&t.v_full[v_read.stage()], v_read.parity());
         wgmma_fence();

@@ -297,16 +297,115 @@ mod tests {
         assert!(ResourceReport::parse("no report here").is_empty());
     }
 
+    /// The instructions of `cubin` as nvdisasm prints them (opcode and operands, one per
+    /// instruction), with the nvdisasm at `LADDER_NVDISASM`; `None` when it is not set.
+    fn sass(cubin: &[u8], name: &str) -> Option<Vec<String>> {
+        let nvdisasm = std::env::var_os("LADDER_NVDISASM")?;
+        let path =
+            std::env::temp_dir().join(format!("ladder-sass-{}-{name}.cubin", std::process::id()));
+        std::fs::write(&path, cubin).expect("write the cubin");
+        let out = std::process::Command::new(nvdisasm).arg("-c").arg(&path).output();
+        let _ = std::fs::remove_file(&path);
+        let out = out.expect("run nvdisasm (LADDER_NVDISASM)");
+        assert!(out.status.success(), "nvdisasm: {}", String::from_utf8_lossy(&out.stderr));
+        // Lines such as `/*0a70*/  @!P0 BRA `(.L_x_12) ;`: the text between the address and `;`.
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        Some(
+            text.lines()
+                .filter_map(|l| l.trim().strip_prefix("/*")?.split_once("*/"))
+                .filter(|(addr, _)| addr.chars().all(|c| c.is_ascii_hexdigit()))
+                .map(|(_, rest)| rest.split(';').next().unwrap_or("").trim().to_string())
+                .filter(|i| !i.is_empty())
+                .collect(),
+        )
+    }
+
+    /// What the FA3 kernel is made of, checked in its machine code (NVRTC and nvdisasm, no GPU;
+    /// `.ci/kernels` installs both): TMA loads (UTMALDG) and, where O goes through shared memory,
+    /// TMA stores (UTMASTG); warpgroup products (HGMMA, or QGMMA in FP8); and, where the schedule
+    /// overlaps the softmax with P·V (Algorithm 2), every exponential of the softmax between the
+    /// wait for S = Q·Kᵀ and the wait for P·V. ptxas moves a wait within its basic block: written
+    /// after the softmax, the wait for P·V once went ahead of it in every variant, and the overlap
+    /// was lost without a test noticing (docs/perf-notes.md, FA3 v9).
+    #[test]
+    fn fa3_machine_code_overlaps_the_softmax_with_its_product() {
+        let settings = CompileSettings {
+            extra_options: Vec::new(),
+            cache_dir: std::env::var_os("LADDER_KERNEL_CACHE").map(PathBuf::from),
+        };
+        let variants: Vec<Variant> =
+            crate::variants("sm_90a").into_iter().filter(|v| v.file == "fa3_forward").collect();
+        let define = |v: &Variant, name: &str| -> usize {
+            v.defines
+                .iter()
+                .find(|(k, _)| *k == name)
+                .and_then(|(_, x)| x.parse().ok())
+                .unwrap_or(0)
+        };
+        let required = std::env::var("LADDER_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+        let mut checked = 0;
+        for v in &variants {
+            let compiled = match compile(v, "sm_90a", &settings) {
+                Ok(c) => c,
+                Err(e) if !required => {
+                    eprintln!("skipped: {e}");
+                    return;
+                }
+                Err(e) => panic!("LADDER_REQUIRE_NVRTC=1 but {e}"),
+            };
+            let Some(code) = sass(&compiled.cubin, &format!("{checked}")) else {
+                assert!(!required, "LADDER_REQUIRE_NVRTC=1 needs LADDER_NVDISASM (an nvdisasm)");
+                eprintln!("skipped: LADDER_NVDISASM is not set");
+                return;
+            };
+            let label = v.label();
+            let has = |op: &str| code.iter().any(|i| i.contains(op));
+            let product = if define(v, "FA3_FP8") == 1 { "QGMMA" } else { "HGMMA" };
+            assert!(has(product), "{label}: no {product}");
+            assert!(has("UTMALDG"), "{label}: no TMA load (UTMALDG)");
+            if define(v, "FA3_O_SMEM") == 1 {
+                assert!(has("UTMASTG"), "{label}: O through shared memory but no TMA store");
+            }
+            if define(v, "FA3_OVERLAP") == 1 {
+                let waits_for_s = code.iter().filter(|i| i.contains("DEPBAR.LE gsb0, 0x1")).count();
+                assert_eq!(waits_for_s, 1, "{label}: expected one wait for S alone (the loop's)");
+                let s_landed = code.iter().position(|i| i.contains("DEPBAR.LE gsb0, 0x1"));
+                let s_landed = s_landed.unwrap_or_else(|| panic!("{label}: no wait for S alone"));
+                let pv_landed = code[s_landed..]
+                    .iter()
+                    .position(|i| i.contains("DEPBAR.LE gsb0, 0x0"))
+                    .map_or(code.len(), |k| s_landed + k);
+                let under = code[s_landed..pv_landed].iter().filter(|i| i.contains("MUFU.EX2"));
+                // One exponential per score of the thread (64 rows × BC keys over 128 threads),
+                // and alpha's, one per row.
+                let scores = define(v, "FA3_BC") / 2 + 2;
+                let under = under.count();
+                assert!(
+                    under >= scores,
+                    "{label}: {under} exponentials between the waits for S and for P·V, expected \
+                     the softmax's {scores} (ptxas moved the wait for P·V ahead of the softmax?)"
+                );
+            }
+            checked += 1;
+        }
+        assert!(checked > 0, "no FA3 variant");
+        println!("{checked} FA3 variants: TMA, wgmma and the softmax under P·V in their SASS");
+    }
+
     /// Every kernel variant compiles with NVRTC for Hopper (sm_90a) and Ampere (sm_80), and
     /// ptxas's report is printed; the tensor-core (FA2, FlashDecoding) kernels must not spill. Needs libnvrtc,
     /// no GPU: skipped without it unless `LADDER_REQUIRE_NVRTC=1` (as `.ci/kernels` sets).
     /// `LADDER_COMPILE_FILTER=fa2_forward` narrows it to matching variants; `LADDER_KERNEL_CACHE`
-    /// names the cache folder (`.ci/kernels` gives it an empty one, so everything compiles).
+    /// names the cache folder (`.ci/kernels` gives it an empty one, so everything compiles);
+    /// `LADDER_NVRTC_OPTIONS` adds options, split at whitespace.
     #[test]
     fn every_kernel_compiles_without_spills() {
         let filter = std::env::var("LADDER_COMPILE_FILTER").unwrap_or_default();
         let settings = CompileSettings {
-            extra_options: Vec::new(),
+            // As on the GPU (ladder_compare::gpu_check): `-DFA3_EXP2_POLY=4` and the like.
+            extra_options: std::env::var("LADDER_NVRTC_OPTIONS")
+                .map(|s| s.split_whitespace().map(String::from).collect())
+                .unwrap_or_default(),
             cache_dir: std::env::var_os("LADDER_KERNEL_CACHE").map(PathBuf::from),
         };
         let variants = |arch: &str| -> Vec<Variant> {

@@ -143,9 +143,11 @@ impl Fa3Tiles {
         d >= 128 && self.pipeline_bytes(d, operand_bytes) + self.o_bytes(d) <= MAX_SHARED_BYTES
     }
 
-    /// The Q tile, the K/V stages, the mbarriers and the alignment slack.
+    /// The Q tile, the K/V stages, the mbarriers and the alignment slack. In e4m3, V's stage is
+    /// transposed and holds whole 128-key column blocks (the kernel's `VT_KEYS`).
     fn pipeline_bytes(&self, d: usize, operand_bytes: usize) -> usize {
-        (self.br() + 2 * self.stages * self.bc) * d * operand_bytes
+        let v_keys = if operand_bytes == 1 { self.bc.next_multiple_of(128) } else { self.bc };
+        (self.br() + self.stages * (self.bc + v_keys)) * d * operand_bytes
             + 8 * (2 + 4 * self.stages)
             + 1024
     }
@@ -170,9 +172,9 @@ impl std::str::FromStr for Fa3Tiles {
     }
 }
 
-/// Which of FA3's scheduling ideas the kernel uses (all on by default): switching one off runs a
-/// variant without it, for the paper's ablation (§4.2). Every variant computes the same result,
-/// bit for bit.
+/// Which of FA3's scheduling ideas the kernel uses ([`Schedule::default`]: all on; what
+/// [`forward`] uses: [`Schedule::for_head_dim`]): switching one off runs a variant without it,
+/// for the paper's ablation (§4.2). Every variant computes the same result, bit for bit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Schedule {
     /// Consumer warpgroups take turns issuing their products (named barriers).
@@ -192,6 +194,17 @@ impl Default for Schedule {
 }
 
 impl Schedule {
+    /// The schedule [`forward`] and [`fp8::forward`] use for head dimension `d` (e4m3 operands
+    /// when `fp8`): every idea on, except the intra-warpgroup overlap at d = 128 in 16 bits.
+    /// Measured on the H200 (docs/perf-notes.md, FA3 v9), against the sequential round: FP8
+    /// d = 128 +9–18 % (its exponentials take as long as its products), FP8 d = 256 level,
+    /// 16-bit d = 256 +2–7 % (−4 % causal at n = 512), d = 64 +2 %, 16-bit d = 128 −2 % on
+    /// average (ping-pong already hides its softmax; P in flight beside S and O costs the
+    /// scheduler registers).
+    pub fn for_head_dim(d: usize, fp8: bool) -> Schedule {
+        Schedule { overlap: fp8 || d != 128, ..Schedule::default() }
+    }
+
     /// `full`, or the ideas switched off joined by commas (`no-pingpong,no-overlap`): the form
     /// [`std::str::FromStr`] reads.
     pub fn label(&self) -> String {
@@ -380,11 +393,13 @@ fn tensor_map_16(
 
 /// `softmax(scale · Q Kᵀ + mask) V` and its log-sum-exp, as [`crate::fa2::forward`] computes
 /// them (fp16 or bf16; head dim 64, 128 or 256; any lengths, `n_q != n_kv` with bottom-right
-/// causal, GQA), on a Hopper GPU, with the schedule of the `Gpu`'s configuration (all of FA3's
-/// ideas by default; [`crate::GpuConfig::fa3_schedule`]). Other GPUs get
-/// [`KernelError::UnsupportedArch`]. FP8: [`fp8::forward`].
+/// causal, GQA), on a Hopper GPU, with [`Schedule::for_head_dim`] (or the `Gpu` configuration's,
+/// [`crate::GpuConfig::fa3_schedule`]). Other GPUs get [`KernelError::UnsupportedArch`]. FP8:
+/// [`fp8::forward`].
 pub fn forward(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) -> Result<Output> {
-    forward_with(gpu, q, k, v, opts, gpu.config().fa3_schedule_or_default())
+    let d = q.shape().last().copied().unwrap_or(0);
+    let schedule = gpu.config().fa3_schedule_override().unwrap_or(Schedule::for_head_dim(d, false));
+    forward_with(gpu, q, k, v, opts, schedule)
 }
 
 /// Fails with [`KernelError::UnsupportedArch`] unless `gpu` is a Hopper GPU.
@@ -526,7 +541,7 @@ pub(crate) fn launch(
 }
 
 /// Every variant of this rung for `arch` (none before Hopper), for the compile check: each head
-/// dimension, dtype and mask with the full schedule, and the ablation variants at d = 128.
+/// dimension, dtype and mask with its default schedule, and the ablation variants at d = 128.
 #[cfg(test)]
 pub(crate) fn variants(arch: &str) -> Vec<Variant> {
     let mut all = Vec::new();
@@ -537,7 +552,7 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
         for &d in HEAD_DIMS {
             for causal in [false, true] {
                 if let Ok(t) = Fa3Tiles::for_head_dim(d, causal) {
-                    all.push(variant(d, dtype, causal, t, Schedule::default(), false));
+                    all.push(variant(d, dtype, causal, t, Schedule::for_head_dim(d, false), false));
                 }
             }
         }
@@ -545,13 +560,16 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
     for &dtype in DTYPES {
         for (d, causal) in [(64, true), (128, true), (128, false)] {
             let short = Fa3Tiles::for_problem(d, causal, SHORT_KEYS).expect("d has tiles");
-            all.push(variant(d, dtype, causal, short, Schedule::default(), false));
+            all.push(variant(d, dtype, causal, short, Schedule::for_head_dim(d, false), false));
         }
     }
-    for (pingpong, overlap) in [(false, true), (true, false), (false, false)] {
+    for (pingpong, overlap) in [(true, true), (false, true), (true, false), (false, false)] {
+        let schedule = Schedule { pingpong, overlap, persistent: true };
+        if schedule == Schedule::for_head_dim(128, false) {
+            continue; // compiled above
+        }
         for causal in [false, true] {
             let t = Fa3Tiles::for_head_dim(128, causal).expect("d = 128 has tiles");
-            let schedule = Schedule { pingpong, overlap, persistent: true };
             all.push(variant(128, DType::F16, causal, t, schedule, false));
         }
     }

@@ -133,7 +133,8 @@ impl GpuConfig {
         self
     }
 
-    /// The schedule of [`crate::fa3::forward`] (the ablation of FA3's ideas; all on by default).
+    /// The schedule of [`crate::fa3::forward`] and [`crate::fa3::fp8::forward`] (the ablation of
+    /// FA3's ideas), instead of [`Schedule::for_head_dim`]'s.
     pub fn fa3_schedule(mut self, schedule: Schedule) -> GpuConfig {
         self.fa3_schedule = Some(schedule);
         self
@@ -191,9 +192,9 @@ impl GpuConfig {
         self.fa3_tiles
     }
 
-    /// The FA3 schedule set with [`GpuConfig::fa3_schedule`], or the full one.
-    pub fn fa3_schedule_or_default(&self) -> Schedule {
-        self.fa3_schedule.unwrap_or_default()
+    /// The FA3 schedule set with [`GpuConfig::fa3_schedule`], if any.
+    pub fn fa3_schedule_override(&self) -> Option<Schedule> {
+        self.fa3_schedule
     }
 }
 

@@ -50,15 +50,25 @@ pub fn hadamard_signs(d: usize, seed: u64) -> Vec<f32> {
     (0..d).map(|_| if rng.random::<bool>() { 1.0 } else { -1.0 }).collect()
 }
 
-/// The FP8 kernel's tiles for head dim `d`: 128 query rows (two consumer warpgroups), K/V tiles
-/// of 128 keys (V's transposed rows are then one 128-byte swizzle line), two stages.
-pub fn tiles_for_head_dim(d: usize) -> Result<Fa3Tiles> {
-    if HEAD_DIMS.contains(&d) {
-        Ok(Fa3Tiles { bc: 128, consumers: 2, stages: 2 })
-    } else {
-        Err(KernelError::UnsupportedHeadDim { rung: "fa3-fp8", d, supported: HEAD_DIMS })
+/// The FP8 kernel's tiles for head dim `d` and `n_kv` keys: 128 query rows (two consumer
+/// warpgroups), two stages, and K/V tiles of 128 keys, or 192 at d = 128 past [`SHORT_KEYS`]
+/// keys. Measured on the H200 (docs/perf-notes.md, FA3 v9), d = 128: 192 keys beat 128 by 16 %
+/// at n = 2k without the mask and by 14–15 % from 8k on (5–9 % causal; a third fewer rounds of
+/// per-tile work per score, where the softmax is as long as the products), and 224 by a few
+/// percent; at n = 512 128 keys win by 10 %, and at 1k by 16 % under the mask (less of the last
+/// tile wasted). At d = 256 S's registers beside O's 128 leave no room for more than 128. With
+/// 192 keys V's transposed tile spans two 128-key column blocks, of which the second's first
+/// half is used (its second half, the next tile's first keys, is loaded and not read).
+pub fn tiles_for_problem(d: usize, n_kv: usize) -> Result<Fa3Tiles> {
+    match d {
+        128 if n_kv > SHORT_KEYS => Ok(Fa3Tiles { bc: 192, consumers: 2, stages: 2 }),
+        128 | 256 => Ok(Fa3Tiles { bc: 128, consumers: 2, stages: 2 }),
+        _ => Err(KernelError::UnsupportedHeadDim { rung: "fa3-fp8", d, supported: HEAD_DIMS }),
     }
 }
+
+/// The longest problem (keys) that takes 128-key tiles at d = 128 ([`tiles_for_problem`]).
+pub const SHORT_KEYS: usize = 1024;
 
 /// Q, K and V in e4m3 on the GPU with their block scales: what [`quantize`] makes and
 /// [`forward_quantized`] reads. The problem (shape, mask, softmax scale) and the tiles are fixed
@@ -174,11 +184,12 @@ fn alloc<T: cudarc::driver::DeviceRepr>(gpu: &Gpu, len: usize) -> Result<CudaSli
 /// The tiles for `p`: the configuration's override when it suits FP8, else the defaults.
 fn tiles_for(gpu: &Gpu, p: &Problem) -> Result<Fa3Tiles> {
     match gpu.config().fa3_tiles_override() {
-        Some(t) if t.bc % 128 == 0 && t.consumers >= 2 => Ok(t),
+        Some(t) if t.bc % 32 == 0 && t.bc >= 64 && t.consumers >= 2 => Ok(t),
         Some(t) => Err(KernelError::Config(format!(
-            "FA3 tiles {t:?} do not suit FP8: it needs bc a multiple of 128 and 2 or 3 consumers"
+            "FA3 tiles {t:?} do not suit FP8: it needs bc a multiple of 32 (the e4m3 k-step) from \
+             64 and 2 or 3 consumers"
         ))),
-        None => tiles_for_head_dim(p.d),
+        None => tiles_for_problem(p.d, p.n_kv),
     }
 }
 
@@ -292,7 +303,9 @@ pub fn quantize(
 /// The FP8 attention on inputs [`quantize`] made, with the `Gpu`'s FA3 schedule: O in the
 /// inputs' dtype, lse in f32 (natural log).
 pub fn forward_quantized(gpu: &Gpu, inputs: &Fp8Inputs) -> Result<Output> {
-    forward_quantized_with(gpu, inputs, gpu.config().fa3_schedule_or_default())
+    let d = inputs.problem.d;
+    let schedule = gpu.config().fa3_schedule_override().unwrap_or(Schedule::for_head_dim(d, true));
+    forward_quantized_with(gpu, inputs, schedule)
 }
 
 /// [`forward_quantized`] with some of FA3's scheduling ideas switched off (the ablation).
@@ -364,12 +377,19 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
     }
     for &dtype in DTYPES {
         for &d in HEAD_DIMS {
-            let t = tiles_for_head_dim(d).expect("FP8 head dim");
-            for causal in [false, true] {
-                all.push(super::variant(d, dtype, causal, t, Schedule::default(), true));
-            }
-            for hadamard in [false, true] {
-                all.push(quantize_variant(d, dtype, t.bc, hadamard));
+            let mut tiles: Vec<Fa3Tiles> = [SHORT_KEYS, SHORT_KEYS + 1]
+                .iter()
+                .map(|&n_kv| tiles_for_problem(d, n_kv).expect("FP8 head dim"))
+                .collect();
+            tiles.dedup();
+            for t in tiles {
+                let schedule = Schedule::for_head_dim(d, true);
+                for causal in [false, true] {
+                    all.push(super::variant(d, dtype, causal, t, schedule, true));
+                }
+                for hadamard in [false, true] {
+                    all.push(quantize_variant(d, dtype, t.bc, hadamard));
+                }
             }
         }
     }
@@ -409,11 +429,16 @@ mod tests {
     #[test]
     fn fp8_tiles_cover_the_supported_head_dims() {
         for d in HEAD_DIMS {
-            let t = tiles_for_head_dim(*d).unwrap();
-            assert_eq!(t.bc % 128, 0);
-            assert!(t.shared_bytes(*d, 1) <= crate::fa3::MAX_SHARED_BYTES);
+            for n_kv in [1, SHORT_KEYS, SHORT_KEYS + 1, 1 << 20] {
+                let t = tiles_for_problem(*d, n_kv).unwrap();
+                assert_eq!(t.bc % 32, 0);
+                assert!(t.shared_bytes(*d, 1) <= crate::fa3::MAX_SHARED_BYTES);
+            }
         }
-        assert!(matches!(tiles_for_head_dim(64), Err(KernelError::UnsupportedHeadDim { .. })));
+        assert_eq!(tiles_for_problem(128, SHORT_KEYS + 1).unwrap().bc, 192);
+        assert_eq!(tiles_for_problem(256, SHORT_KEYS + 1).unwrap().bc, 128);
+        let unsupported = tiles_for_problem(64, 1);
+        assert!(matches!(unsupported, Err(KernelError::UnsupportedHeadDim { .. })));
     }
 
     #[test]
