@@ -297,6 +297,18 @@ mod tests {
         assert!(ResourceReport::parse("no report here").is_empty());
     }
 
+    /// How the checks below compile: the disk cache at `LADDER_KERNEL_CACHE`, and the options in
+    /// `LADDER_NVRTC_OPTIONS` (split at whitespace), as on the GPU (ladder_compare::gpu_check),
+    /// e.g. `-DFA3_O_SMEM=0`.
+    fn settings_from_env() -> CompileSettings {
+        CompileSettings {
+            extra_options: std::env::var("LADDER_NVRTC_OPTIONS")
+                .map(|s| s.split_whitespace().map(String::from).collect())
+                .unwrap_or_default(),
+            cache_dir: std::env::var_os("LADDER_KERNEL_CACHE").map(PathBuf::from),
+        }
+    }
+
     /// The instructions of `cubin` as nvdisasm prints them (opcode and operands, one per
     /// instruction), with the nvdisasm at `LADDER_NVDISASM`; `None` when it is not set.
     fn sass(cubin: &[u8], name: &str) -> Option<Vec<String>> {
@@ -329,10 +341,7 @@ mod tests {
     /// was lost without a test noticing (docs/perf-notes.md, FA3 v9).
     #[test]
     fn fa3_machine_code_overlaps_the_softmax_with_its_product() {
-        let settings = CompileSettings {
-            extra_options: Vec::new(),
-            cache_dir: std::env::var_os("LADDER_KERNEL_CACHE").map(PathBuf::from),
-        };
+        let settings = settings_from_env();
         let variants: Vec<Variant> =
             crate::variants("sm_90a").into_iter().filter(|v| v.file == "fa3_forward").collect();
         let define = |v: &Variant, name: &str| -> usize {
@@ -367,10 +376,14 @@ mod tests {
                 assert!(has("UTMASTG"), "{label}: O through shared memory but no TMA store");
             }
             if define(v, "FA3_OVERLAP") == 1 {
-                let waits_for_s = code.iter().filter(|i| i.contains("DEPBAR.LE gsb0, 0x1")).count();
-                assert_eq!(waits_for_s, 1, "{label}: expected one wait for S alone (the loop's)");
-                let s_landed = code.iter().position(|i| i.contains("DEPBAR.LE gsb0, 0x1"));
-                let s_landed = s_landed.unwrap_or_else(|| panic!("{label}: no wait for S alone"));
+                let waits_for_s: Vec<usize> =
+                    (0..code.len()).filter(|&k| code[k].contains("DEPBAR.LE gsb0, 0x1")).collect();
+                assert_eq!(
+                    waits_for_s.len(),
+                    1,
+                    "{label}: expected one wait for S alone (the loop's)"
+                );
+                let s_landed = waits_for_s[0];
                 let pv_landed = code[s_landed..]
                     .iter()
                     .position(|i| i.contains("DEPBAR.LE gsb0, 0x0"))
@@ -401,13 +414,7 @@ mod tests {
     #[test]
     fn every_kernel_compiles_without_spills() {
         let filter = std::env::var("LADDER_COMPILE_FILTER").unwrap_or_default();
-        let settings = CompileSettings {
-            // As on the GPU (ladder_compare::gpu_check): `-DFA3_EXP2_POLY=4` and the like.
-            extra_options: std::env::var("LADDER_NVRTC_OPTIONS")
-                .map(|s| s.split_whitespace().map(String::from).collect())
-                .unwrap_or_default(),
-            cache_dir: std::env::var_os("LADDER_KERNEL_CACHE").map(PathBuf::from),
-        };
+        let settings = settings_from_env();
         let variants = |arch: &str| -> Vec<Variant> {
             crate::variants(arch).into_iter().filter(|v| v.label().contains(&filter)).collect()
         };
