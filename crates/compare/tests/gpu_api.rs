@@ -104,6 +104,37 @@ fn mismatched_and_empty_shapes_are_errors() {
     assert!(matches!(Tensor::from_cuda_slice(buf, &[1, 1, 3, 4]), Err(KernelError::Shape(_))));
 }
 
+/// The kernels take the row max on the raw scores (softmax.cuh, scaled_row_max): only a positive
+/// scale keeps it, and a masked score times 0 or a negative scale is NaN or +inf. Such a scale,
+/// or one that is not finite, is an error from every forward and backward, never a NaN output.
+#[test]
+fn scales_not_positive_and_finite_are_errors() {
+    let Some(gpu) = gpu() else { return };
+    let x = tensor(gpu, &[1, 2, 40, 64], DType::F16, 7);
+    for scale in [0.0, -0.125, -0.0, f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let opts = Options::causal().with_scale(scale);
+        for (name, forward) in forwards(gpu) {
+            let r = forward(gpu, &x, &x, &x, &opts);
+            assert!(matches!(r, Err(KernelError::Shape(_))), "{name}, scale {scale}: {r:?}");
+        }
+        let r = fa1::forward(gpu, &x, &x, &x, &opts);
+        assert!(matches!(r, Err(KernelError::Shape(_))), "fa1, scale {scale}: {r:?}");
+        if GpuRung::Fa3.available_on(gpu) {
+            let y = tensor(gpu, &[1, 2, 40, 128], DType::F16, 8);
+            let r = fa3::fp8::forward(gpu, &y, &y, &y, &opts, &Default::default());
+            assert!(matches!(r, Err(KernelError::Shape(_))), "fa3 fp8, scale {scale}: {r:?}");
+        }
+        let out = fa2::forward(gpu, &x, &x, &x, &Options::causal()).expect("forward");
+        let r = fa2::backward(gpu, &x, &x, &x, &out, &x, &opts);
+        assert!(matches!(r, Err(KernelError::Shape(_))), "backward, scale {scale}: {r:?}");
+    }
+    // The smallest positive scale runs.
+    let opts = Options::causal().with_scale(f32::MIN_POSITIVE);
+    for (name, forward) in forwards(gpu) {
+        assert!(forward(gpu, &x, &x, &x, &opts).is_ok(), "{name}, the smallest positive scale");
+    }
+}
+
 #[test]
 fn unsupported_head_dims_are_errors() {
     let Some(gpu) = gpu() else { return };

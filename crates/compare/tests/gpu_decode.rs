@@ -844,6 +844,17 @@ fn gpu_decode_bad_input_is_an_error_not_a_panic() {
     let (q32, kv32) = (t(&[2, 8, 1, 64], DType::F32), t(&[2, 2, 50, 64], DType::F32));
     let r = run(&q32, &kv32, &kv32, &[50, 3], None);
     assert!(matches!(r, Err(KernelError::UnsupportedDtype { .. })), "{r:?}");
+    // A scale that is not positive and finite (the row max is taken on the raw scores).
+    for scale in [0.0, -0.5, f32::NAN, f32::INFINITY] {
+        let cache = KvCache { k: &kv, v: &kv, lengths: &[50, 3] };
+        let r = decode::forward(
+            gpu,
+            &q,
+            cache,
+            &DecodeOptions { scale: Some(scale), ..DecodeOptions::default() },
+        );
+        assert!(matches!(r, Err(KernelError::Shape(_))), "scale {scale}: {r:?}");
+    }
     // Head dimension without a kernel.
     let (q96, kv96) = (t(&[2, 8, 1, 96], f16), t(&[2, 2, 50, 96], f16));
     let r = run(&q96, &kv96, &kv96, &[50, 3], None);

@@ -40,6 +40,19 @@ __device__ __forceinline__ float warp_max(float x) {
     return x;
 }
 
+// The largest score of row half h (accumulator entries 2h, 2h + 1) across the quad, times
+// scale_log2: the max is taken on the raw scores and scaled once per row, one instruction per
+// score instead of a max and a multiply per pair. For scale_log2 > 0 (the rungs accept only
+// positive softmax scales) it is exactly the max of the scaled scores, since rounding x·c is
+// monotone in x; a masked score (−inf) stays −inf.
+template <int NT>
+__device__ __forceinline__ float scaled_row_max(const float (&s)[NT][4], int h, float scale_log2) {
+    float mx = LADDER_NEG_INF;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
+    return quad_max(mx) * scale_log2;
+}
+
 // The online-softmax step for one row half h (accumulator entries 2h, 2h + 1: row acc_row(2h))
 // of a score tile s, in base 2 (scale_log2 = softmax scale · log2 e):
 //   m_new = max(m, rowmax(s)·scale_log2),  P = 2^(s·scale_log2 − m_new),  l = alpha·l + rowsum P
@@ -51,11 +64,7 @@ __device__ __forceinline__ float warp_max(float x) {
 template <int NT>
 __device__ __forceinline__ float online_softmax(const float (&s)[NT][4], int h, float scale_log2,
                                                 float& m, float& l, u32 (&p)[NT][2]) {
-    float mx = m;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-        mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]) * scale_log2);
-    mx = quad_max(mx);
+    const float mx = fmaxf(m, scaled_row_max(s, h, scale_log2));
     // A row that has seen only masked keys keeps max −inf; subtract 0 instead so that its
     // probabilities are exp2(−inf) = 0 rather than NaN.
     const float m_use = mx == LADDER_NEG_INF ? 0.f : mx;
@@ -82,11 +91,7 @@ template <int NT>
 __device__ __forceinline__ float online_softmax_in_place(float (&s)[NT][4], int h,
                                                          float scale_log2, float& m, float& l,
                                                          float lift = 0.f) {
-    float mx = m;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-        mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]) * scale_log2);
-    mx = quad_max(mx);
+    const float mx = fmaxf(m, scaled_row_max(s, h, scale_log2));
     const float m_use = mx == LADDER_NEG_INF ? 0.f : mx;  // as in online_softmax
     const float alpha = m == mx ? 1.f : fast_exp2(m - m_use);
     m = mx;

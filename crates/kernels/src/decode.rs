@@ -454,7 +454,8 @@ pub const DEFAULT_PHI: f32 = 0.0;
 /// Options of [`forward`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DecodeOptions {
-    /// Softmax scale; `None` means `1/sqrt(head_dim)`.
+    /// Softmax scale, positive and finite (another is an error: the kernels find each row's max
+    /// on the raw scores, which only a positive scale keeps); `None` means `1/sqrt(head_dim)`.
     pub scale: Option<f32>,
     /// Number of chunks the keys of each sequence are split into (1 to [`MAX_SPLITS`]); `None` lets
     /// [`plan`] choose from the shape, the kernel and the device ([`default_splits`] for
@@ -848,9 +849,7 @@ impl Shape {
             return Err(KernelError::Shape(format!("q {:?} too large", q.shape)));
         }
         let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
-        if !scale.is_finite() {
-            return Err(KernelError::Shape(format!("scale {scale} is not finite")));
-        }
+        crate::problem::check_scale(scale)?;
         let window = Window::new(opts.phi, opts.safe_range, dtype)?;
         Ok(Shape { batch, heads_q, heads_kv, n_new, d, dtype, scale, layout, window })
     }

@@ -30,7 +30,8 @@ pub struct Options {
     /// Causal mask, aligned to the bottom-right corner when `n_q != n_kv`: query `i` sees keys
     /// `j <= i + n_kv - n_q` (the FlashAttention 2.1+ and KV-cache convention).
     pub causal: bool,
-    /// Softmax scale; `None` means `1/sqrt(head_dim)`.
+    /// Softmax scale, positive and finite (another is an error: the kernels find each row's max
+    /// on the raw scores, which only a positive scale keeps); `None` means `1/sqrt(head_dim)`.
     pub scale: Option<f32>,
     /// Backward pass only: compute dQ without atomics, so that the gradients are bitwise
     /// identical from run to run (a separate dQ pass over the key tiles; slower). The forward
@@ -57,6 +58,19 @@ impl Options {
     /// These options with softmax scale `scale`.
     pub fn with_scale(self, scale: f32) -> Options {
         Options { scale: Some(scale), ..self }
+    }
+}
+
+/// The softmax scales the GPU kernels take: positive and finite. Every kernel finds a row's max
+/// on the raw scores and scales it once (softmax.cuh, `scaled_row_max`), which is the max of the
+/// scaled scores only for a positive scale, and a masked score (−inf) times a scale of 0 or less
+/// would be NaN or +inf: such a scale is an error rather than a wrong answer. (The CPU rungs take
+/// any finite scale.)
+pub(crate) fn check_scale(scale: f32) -> Result<()> {
+    if scale > 0.0 && scale.is_finite() {
+        Ok(())
+    } else {
+        Err(KernelError::Shape(format!("scale {scale}: expected a positive, finite number")))
     }
 }
 
@@ -144,9 +158,7 @@ impl Problem {
             )));
         }
         let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
-        if !scale.is_finite() {
-            return Err(KernelError::Shape(format!("scale {scale} is not finite")));
-        }
+        check_scale(scale)?;
         Ok(Problem {
             batch,
             heads_q,
