@@ -43,10 +43,11 @@ fn upload(gpu: &Gpu, a: &Array4<f64>, dtype: DType) -> Tensor {
 }
 
 /// The CPU rung's configuration matching the kernel's blocks (so both quantise the same tiles).
-fn cpu_config(case: &Case, fp8: Fp8Options) -> RungConfig {
+fn cpu_config(gpu: &Gpu, case: &Case, fp8: Fp8Options) -> RungConfig {
     RungConfig {
         attention: case.attention(),
-        tiles: gpu_check::fp8_cpu_tiles(case.shape.d, case.shape.n_kv).expect("an FP8 head dim"),
+        tiles: gpu_check::fp8_cpu_tiles(gpu, case.shape.d, case.shape.n_kv)
+            .expect("an FP8 head dim"),
         fp8,
         ..RungConfig::default()
     }
@@ -70,7 +71,7 @@ fn check_fp8(case: &Case, x: &Inputs<f64>, dtype: DType, fp8: Fp8Options) -> Res
     let oracle = Oracle::new(x, &attention).map_err(|e| e.to_string())?;
     let x32 = narrow(x);
     let expected = Expected::fp8_from_oracle(&oracle, &x32, &fp8).map_err(|e| e.to_string())?;
-    let config = RungConfig { attention, ..cpu_config(case, fp8) };
+    let config = RungConfig { attention, ..cpu_config(gpu, case, fp8) };
     let cpu_out = ladder_compare::Rung::Fa3Fp8
         .forward(x32.q.view(), x32.k.view(), x32.v.view(), &config)
         .map_err(|e| e.to_string())?;
@@ -216,7 +217,7 @@ fn gpu_fp8_incoherent_processing_lowers_the_error_on_outliers() {
             let fp8 = with_seed(incoherent);
             let (got, _) =
                 gpu_check::forward_fp8(gpu, GpuRung::Fa3Fp8, &x, &opts, DType::F16, &fp8).unwrap();
-            let config = RungConfig { attention, ..cpu_config(&case, fp8) };
+            let config = RungConfig { attention, ..cpu_config(gpu, &case, fp8) };
             let cpu = ladder_compare::Rung::Fa3Fp8
                 .forward(x32.q.view(), x32.k.view(), x32.v.view(), &config)
                 .unwrap();

@@ -425,6 +425,22 @@ __device__ void epilogue(const Fa3ForwardParams& p, SharedTiles& t, const Tile& 
     }
 }
 
+// With the overlap, at the top of round j (and once more after the last): P_{j-2}·V_{j-2} ran under
+// the last softmax; wait for it to land, free V_{j-2}'s stage (where there was a V_{j-2}), and
+// round P_{j-1} into the operand registers P_{j-2} held. The wait sits here, at the top of the
+// round, and not at the end of the last one: there ptxas hoisted it above the softmax (SASS: the
+// WARPGROUP.DEPBAR ahead of every MUFU.EX2), which then no longer overlapped the product; it does
+// not move a wait across the loop's back edge.
+__device__ __forceinline__ void land_product(float (&o)[DT][4], PRegs& pk, const float (&s)[NT][4],
+                                             SharedTiles& t, const PipelineState& v_read,
+                                             bool had_v_before) {
+    wgmma_wait<0>();
+    wgmma_hold(o);
+    wgmma_hold(pk);
+    if (had_v_before) release(&t.v_empty[PipelineState{v_read.count - 1}.stage()]);
+    pack(s, pk);
+}
+
 // One consumer warpgroup's walk over the K/V tiles of one tile, for its 64 query rows (from
 // row0); `kv` is the pipeline position, shared in lockstep by every consumer and the producer.
 __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t, const Tile& tile,
@@ -462,18 +478,7 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
         // products, so that their latency hides under them (after the waits' memory clobbers the
         // compiler could not hoist the loads, and the softmax would stall on them).
         const float scale_j = score_scale(p, sc, j), lift_j = p_lift(p, sc, j);
-        if constexpr (overlap) {
-            // P_{j-2}·V_{j-2} ran under the last softmax and has landed: P's registers are free
-            // for P_{j-1}. The wait sits here, at the top of the round, and not at the end of the
-            // last one: there ptxas hoisted it above the softmax (SASS: the WARPGROUP.DEPBAR ahead
-            // of every MUFU.EX2), which then no longer overlapped the product; it does not move a
-            // wait across the loop's back edge.
-            wgmma_wait<0>();
-            wgmma_hold(o);
-            wgmma_hold(pk);
-            if (j >= 2) release(&t.v_empty[PipelineState{v_read.count - 1}.stage()]);  // V_{j-2}
-            pack(s, pk);
-        }
+        if constexpr (overlap) land_product(o, pk, s, t, v_read, j >= 2);
         // Both tiles are waited for before the products are issued: ptxas serialises every
         // wgmma of a kernel that waits (branches) between the issues of one batch.
         mbar_wait(&t.k_full[kv.stage()], kv.parity());
@@ -504,13 +509,7 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
     // Every S = Q·Kᵀ of the tile is done: the producer may load the next tile's Q.
     release(&t.q_empty);
     if (n_tiles > 0) {
-        if constexpr (overlap) {
-            wgmma_wait<0>();
-            wgmma_hold(o);
-            wgmma_hold(pk);
-            if (n_tiles >= 2) release(&t.v_empty[PipelineState{v_read.count - 1}.stage()]);
-            pack(s, pk);
-        }
+        if constexpr (overlap) land_product(o, pk, s, t, v_read, n_tiles >= 2);
         if (__any_sync(0xffffffff, moved)) rescale(o, alpha);
         mbar_wait(&t.v_full[v_read.stage()], v_read.parity());
         wgmma_fence();

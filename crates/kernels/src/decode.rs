@@ -1049,6 +1049,12 @@ fn check_call(gpu: &Gpu, q: &Tensor, cache: &Cache<'_>, opts: &DecodeOptions) ->
     if let Some(table) = table {
         gpu.check_stream(table.stream(), "page_table")?;
     }
+    let stages = stages_on(gpu);
+    if !(2..=16).contains(&stages) {
+        return Err(KernelError::Config(format!(
+            "flash_decoding: {stages} K/V stages; expected 2 to 16"
+        )));
+    }
     let shape = Shape::check(Desc::of(q), &CacheDesc::of(cache), opts)?;
     let work = Workload {
         rows_per_kv_head: shape.rows_per_kv_head(),
@@ -1100,12 +1106,7 @@ fn launch(
     let splits = plan.splits;
     let too_many = || KernelError::Config(format!("flash_decoding: {splits} splits is too many"));
     let splits_i = i32::try_from(splits).map_err(|_| too_many())?;
-    let stages = stages_on(gpu);
-    if !(2..=16).contains(&stages) {
-        return Err(KernelError::Config(format!(
-            "flash_decoding: {stages} K/V stages; expected 2 to 16"
-        )));
-    }
+    let stages = stages_on(gpu); // 2 to 16 (check_call)
     let paged = table.is_some();
 
     // FlashDecoding's kernels: the whole call, or FlashDecoding++'s fallback.

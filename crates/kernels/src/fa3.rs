@@ -205,6 +205,13 @@ impl Schedule {
         Schedule { overlap: fp8 || d != 128, ..Schedule::default() }
     }
 
+    /// The schedule `gpu` runs at head dimension `d` (e4m3 operands when `fp8`): its
+    /// configuration's ([`crate::GpuConfig::fa3_schedule`]) where one is set, otherwise
+    /// [`Schedule::for_head_dim`].
+    pub fn on(gpu: &Gpu, d: usize, fp8: bool) -> Schedule {
+        gpu.config().fa3_schedule_override().unwrap_or(Schedule::for_head_dim(d, fp8))
+    }
+
     /// `full`, or the ideas switched off joined by commas (`no-pingpong,no-overlap`): the form
     /// [`std::str::FromStr`] reads.
     pub fn label(&self) -> String {
@@ -398,8 +405,7 @@ fn tensor_map_16(
 /// [`fp8::forward`].
 pub fn forward(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) -> Result<Output> {
     let d = q.shape().last().copied().unwrap_or(0);
-    let schedule = gpu.config().fa3_schedule_override().unwrap_or(Schedule::for_head_dim(d, false));
-    forward_with(gpu, q, k, v, opts, schedule)
+    forward_with(gpu, q, k, v, opts, Schedule::on(gpu, d, false))
 }
 
 /// Fails with [`KernelError::UnsupportedArch`] unless `gpu` is a Hopper GPU.

@@ -181,15 +181,17 @@ fn alloc<T: cudarc::driver::DeviceRepr>(gpu: &Gpu, len: usize) -> Result<CudaSli
     unsafe { gpu.stream().alloc::<T>(len) }.map_err(KernelError::alloc(bytes))
 }
 
-/// The tiles for `p`: the configuration's override when it suits FP8, else the defaults.
-fn tiles_for(gpu: &Gpu, p: &Problem) -> Result<Fa3Tiles> {
+/// The tiles the FP8 path takes on `gpu` at head dim `d` with `n_kv` keys (its block scales' blocks
+/// too): the configuration's ([`crate::GpuConfig::fa3_tiles`]) where it suits FP8 (an error where
+/// it does not), otherwise [`tiles_for_problem`].
+pub fn tiles_on(gpu: &Gpu, d: usize, n_kv: usize) -> Result<Fa3Tiles> {
     match gpu.config().fa3_tiles_override() {
         Some(t) if t.bc % 32 == 0 && t.bc >= 64 && t.consumers >= 2 => Ok(t),
         Some(t) => Err(KernelError::Config(format!(
             "FA3 tiles {t:?} do not suit FP8: it needs bc a multiple of 32 (the e4m3 k-step) from \
              64 and 2 or 3 consumers"
         ))),
-        None => tiles_for_problem(p.d, p.n_kv),
+        None => tiles_for_problem(d, n_kv),
     }
 }
 
@@ -206,7 +208,7 @@ pub fn quantize(
     let p = Problem::new(gpu, q, k, v, opts)?;
     require_hopper(gpu, "fa3-fp8")?;
     p.require_dtype("fa3-fp8", DTYPES, "fp16, bf16")?;
-    let tiles = tiles_for(gpu, &p)?;
+    let tiles = tiles_on(gpu, p.d, p.n_kv)?;
     let (br, bc) = (tiles.br(), tiles.bc);
     let (q_tiles, k_tiles) = (p.n_q.div_ceil(br), p.n_kv.div_ceil(bc));
     let n_pad = k_tiles * bc;
@@ -304,8 +306,7 @@ pub fn quantize(
 /// inputs' dtype, lse in f32 (natural log).
 pub fn forward_quantized(gpu: &Gpu, inputs: &Fp8Inputs) -> Result<Output> {
     let d = inputs.problem.d;
-    let schedule = gpu.config().fa3_schedule_override().unwrap_or(Schedule::for_head_dim(d, true));
-    forward_quantized_with(gpu, inputs, schedule)
+    forward_quantized_with(gpu, inputs, Schedule::on(gpu, d, true))
 }
 
 /// [`forward_quantized`] with some of FA3's scheduling ideas switched off (the ablation).
