@@ -105,13 +105,26 @@ fn mismatched_and_empty_shapes_are_errors() {
 }
 
 /// The kernels take the row max on the raw scores (softmax.cuh, scaled_row_max): only a positive
-/// scale keeps it, and a masked score times 0 or a negative scale is NaN or +inf. Such a scale,
-/// or one that is not finite, is an error from every forward and backward, never a NaN output.
+/// scale keeps it, and a masked score times 0 or a negative scale is NaN or +inf. They also flush
+/// subnormal numbers to 0 and multiply by scale · log2 e. Such a scale (0, negative, subnormal,
+/// past f32::MAX / log2 e, or not finite) is an error from every forward and backward, never a NaN
+/// output; the smallest normal scale gives finite outputs under the causal mask.
 #[test]
 fn scales_not_positive_and_finite_are_errors() {
     let Some(gpu) = gpu() else { return };
     let x = tensor(gpu, &[1, 2, 40, 64], DType::F16, 7);
-    for scale in [0.0, -0.125, -0.0, f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+    let rejected = [
+        0.0,
+        -0.125,
+        -0.0,
+        1e-40,
+        f32::from_bits(1),
+        f32::MAX,
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+    ];
+    for scale in rejected {
         let opts = Options::causal().with_scale(scale);
         for (name, forward) in forwards(gpu) {
             let r = forward(gpu, &x, &x, &x, &opts);
@@ -128,10 +141,12 @@ fn scales_not_positive_and_finite_are_errors() {
         let r = fa2::backward(gpu, &x, &x, &x, &out, &x, &opts);
         assert!(matches!(r, Err(KernelError::Shape(_))), "backward, scale {scale}: {r:?}");
     }
-    // The smallest positive scale runs.
+    // The smallest normal scale runs, and every output is finite.
     let opts = Options::causal().with_scale(f32::MIN_POSITIVE);
     for (name, forward) in forwards(gpu) {
-        assert!(forward(gpu, &x, &x, &x, &opts).is_ok(), "{name}, the smallest positive scale");
+        let out = forward(gpu, &x, &x, &x, &opts).expect("the smallest normal scale runs");
+        let finite = |t: &Tensor| t.to_f32_vec().expect("copy").iter().all(|v| v.is_finite());
+        assert!(finite(&out.o) && finite(&out.lse), "{name}: non-finite output at scale 2^-126");
     }
 }
 

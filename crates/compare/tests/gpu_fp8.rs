@@ -274,6 +274,52 @@ fn gpu_fp8_schedules_give_the_same_bits() {
     }
 }
 
+/// Q and K so small (bf16 holds 1e-20) that a tile's score scale, the softmax scale times Q's
+/// and K's block scales (~1e-23 each), falls below f32's range: the kernel held it at 0, and a
+/// masked score (−inf) times 0 was NaN in every row but the last. It is now held at the smallest
+/// normal float, where the scores are ~0 as they should be: the softmax is uniform over the keys
+/// a row sees, `O` their mean and `lse` the log of their count. Two e4m3 roundings, each within
+/// 2⁻⁴ relative, separate `O` from that mean: V's, and P's once it is lifted by its tile's share
+/// of V's scale (a common factor within a tile, not a power of two): `|O − mean| ≤ 2⁻³ max|V|`.
+#[test]
+fn gpu_fp8_tiny_queries_and_keys_attend_uniformly() {
+    let Some(gpu) = gpu() else { return };
+    let (heads, n, d) = (2, 300, 128);
+    let len = heads * n * d;
+    let bf16 = |x: f32| half::bf16::from_f32(x).to_f32();
+    let values = |seed: u64, scale: f32| -> Vec<f32> {
+        ladder_compare::cases::pseudo_random(seed, len).iter().map(|&x| bf16(x * scale)).collect()
+    };
+    let (q, k, v) = (values(1, 1e-20), values(2, 1e-20), values(3, 1.0));
+    let up = |x: &[f32]| gpu.upload(x, &[1, heads, n, d], DType::BF16).expect("upload");
+    let opts = ladder_kernels::Options::causal();
+    let out = fp8::forward(gpu, &up(&q), &up(&k), &up(&v), &opts, &fp8::Fp8Options::default())
+        .expect("FP8 forward");
+    let (o, lse) = (out.o.to_f32_vec().unwrap(), out.lse.to_f32_vec().unwrap());
+    let v_max = v.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
+    for h in 0..heads {
+        let mut sum = vec![0f64; d];
+        for i in 0..n {
+            // Causal with n_q = n_kv: row i sees keys 0 ..= i.
+            for (c, s) in sum.iter_mut().enumerate() {
+                *s += f64::from(v[(h * n + i) * d + c]);
+            }
+            let row = h * n + i;
+            let count = (i + 1) as f64;
+            let lse_err = (f64::from(lse[row]) - count.ln()).abs();
+            assert!(lse_err <= 1e-3, "head {h}, row {i}: lse {} against ln {count}", lse[row]);
+            for (c, s) in sum.iter().enumerate() {
+                let got = f64::from(o[row * d + c]);
+                assert!(
+                    (got - s / count).abs() <= v_max / 8.0,
+                    "head {h}, row {i}, column {c}: O {got} against the mean {}",
+                    s / count
+                );
+            }
+        }
+    }
+}
+
 /// Bad input is an error, not a panic: head dims without an FP8 kernel, f32 inputs.
 #[test]
 fn gpu_fp8_rejects_what_it_cannot_run() {

@@ -334,9 +334,15 @@ __device__ __forceinline__ Scales scales_of(const Fa3ForwardParams& p, const Til
     }
     return sc;
 }
-// The softmax scale of tile j (base 2), with the e4m3 scales of its Q and K tiles.
+// The softmax scale of tile j (base 2), with the e4m3 scales of its Q and K tiles (FP8). The
+// product is held at the smallest normal float: with tiny Q and K (bf16 holds 1e-20, whose block
+// scales are ~1e-23) it falls below f32's range and flushes to 0, and a masked score (−inf) times
+// 0 is NaN; the scores it scales are ~0 either way. A NaN scale (a NaN input) stays NaN.
 __device__ __forceinline__ float score_scale(const Fa3ForwardParams& p, const Scales& sc, int j) {
-    return FA3_FP8 ? sc.q * p.k_scale[sc.kv_tile0 + j] : p.scale_log2;
+    if (!FA3_FP8) return p.scale_log2;
+    constexpr float SMALLEST_NORMAL = 1.17549435e-38f;
+    const float c = sc.q * p.k_scale[sc.kv_tile0 + j];
+    return c < SMALLEST_NORMAL ? SMALLEST_NORMAL : c;
 }
 // log2 of what P_j is lifted by before it is rounded to e4m3 (FP8), 0 otherwise.
 __device__ __forceinline__ float p_lift(const Fa3ForwardParams& p, const Scales& sc, int j) {

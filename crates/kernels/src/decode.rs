@@ -454,8 +454,9 @@ pub const DEFAULT_PHI: f32 = 0.0;
 /// Options of [`forward`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DecodeOptions {
-    /// Softmax scale, positive and finite (another is an error: the kernels find each row's max
-    /// on the raw scores, which only a positive scale keeps); `None` means `1/sqrt(head_dim)`.
+    /// Softmax scale, positive, with `scale · log2 e` a normal f32 (another is an error: the
+    /// kernels find each row's max on the raw scores, which only a positive scale keeps, and flush
+    /// subnormal numbers); `None` means `1/sqrt(head_dim)`.
     pub scale: Option<f32>,
     /// Number of chunks the keys of each sequence are split into (1 to [`MAX_SPLITS`]); `None` lets
     /// [`plan`] choose from the shape, the kernel and the device ([`default_splits`] for

@@ -30,8 +30,9 @@ pub struct Options {
     /// Causal mask, aligned to the bottom-right corner when `n_q != n_kv`: query `i` sees keys
     /// `j <= i + n_kv - n_q` (the FlashAttention 2.1+ and KV-cache convention).
     pub causal: bool,
-    /// Softmax scale, positive and finite (another is an error: the kernels find each row's max
-    /// on the raw scores, which only a positive scale keeps); `None` means `1/sqrt(head_dim)`.
+    /// Softmax scale, positive, with `scale · log2 e` a normal f32 (another is an error: the
+    /// kernels find each row's max on the raw scores, which only a positive scale keeps, and flush
+    /// subnormal numbers); `None` means `1/sqrt(head_dim)`.
     pub scale: Option<f32>,
     /// Backward pass only: compute dQ without atomics, so that the gradients are bitwise
     /// identical from run to run (a separate dQ pass over the key tiles; slower). The forward
@@ -61,16 +62,20 @@ impl Options {
     }
 }
 
-/// The softmax scales the GPU kernels take: positive and finite. Every kernel finds a row's max
-/// on the raw scores and scales it once (softmax.cuh, `scaled_row_max`), which is the max of the
-/// scaled scores only for a positive scale, and a masked score (−inf) times a scale of 0 or less
-/// would be NaN or +inf: such a scale is an error rather than a wrong answer. (The CPU rungs take
-/// any finite scale.)
+/// The softmax scales the GPU rungs take: positive, with `scale · log2 e` a normal f32. FA2, FA3
+/// and FlashDecoding find a row's max on the raw scores and scale it once (softmax.cuh,
+/// `scaled_row_max`), which is the max of the scaled scores only for a positive scale, and a
+/// masked score (−inf) times a scale of 0 or less is NaN or +inf; the kernels flush subnormal
+/// numbers to 0 (fast math), and scale them by `scale · log2 e`, so a subnormal one is 0 there and
+/// one past `f32::MAX / log2 e` is +inf. Every GPU rung takes the same scales: another is an error
+/// rather than a wrong answer. (The CPU rungs take any finite scale.)
 pub(crate) fn check_scale(scale: f32) -> Result<()> {
-    if scale > 0.0 && scale.is_finite() {
+    if scale > 0.0 && (scale * std::f32::consts::LOG2_E).is_normal() {
         Ok(())
     } else {
-        Err(KernelError::Shape(format!("scale {scale}: expected a positive, finite number")))
+        Err(KernelError::Shape(format!(
+            "scale {scale}: expected a positive number with scale · log2(e) a normal f32"
+        )))
     }
 }
 
