@@ -114,6 +114,16 @@ impl Fa3Tiles {
         }
     }
 
+    /// The tiles [`forward`] takes on `gpu` for a problem of head dimension `d`, the mask and
+    /// `n_kv` keys: the configuration's ([`crate::GpuConfig::fa3_tiles`]) where one is set,
+    /// otherwise [`Fa3Tiles::for_problem`]. (The FP8 path's: [`fp8::tiles_on`].)
+    pub fn on(gpu: &Gpu, d: usize, causal: bool, n_kv: usize) -> Result<Fa3Tiles> {
+        match gpu.config().fa3_tiles_override() {
+            Some(t) => Ok(t),
+            None => Fa3Tiles::for_problem(d, causal, n_kv),
+        }
+    }
+
     /// Query rows per block.
     pub fn br(&self) -> usize {
         64 * self.consumers
@@ -432,10 +442,7 @@ pub fn forward_with(
     if !HEAD_DIMS.contains(&p.d) {
         return Err(KernelError::UnsupportedHeadDim { rung: "fa3", d: p.d, supported: HEAD_DIMS });
     }
-    let tiles = match gpu.config().fa3_tiles_override() {
-        Some(t) => t,
-        None => Fa3Tiles::for_problem(p.d, p.causal, p.n_kv)?,
-    };
+    let tiles = Fa3Tiles::on(gpu, p.d, p.causal, p.n_kv)?;
     let s = gpu.stream();
     let (q_ptr, _g0) = q.read_ptr(s);
     let (k_ptr, _g1) = k.read_ptr(s);
