@@ -1038,6 +1038,8 @@ pub fn forward_with_stats<'a>(
 struct Call {
     shape: Shape,
     plan: Plan,
+    /// K/V stages of the kernels' pipeline on this `Gpu` (2 to 16).
+    stages: usize,
 }
 
 /// A call's checks, before anything is allocated or launched: the inputs on this `Gpu`'s stream,
@@ -1065,7 +1067,7 @@ fn check_call(gpu: &Gpu, q: &Tensor, cache: &Cache<'_>, opts: &DecodeOptions) ->
         paged: table.is_some(),
     };
     let plan = plan(opts.strategy, opts.splits, &work, gpu.sm_count() as usize)?;
-    Ok(Call { shape, plan })
+    Ok(Call { shape, plan, stages })
 }
 
 impl Call {
@@ -1094,7 +1096,7 @@ fn launch(
     gpu: &Gpu,
     q: &Tensor,
     cache: Cache<'_>,
-    Call { shape: p, plan }: &Call,
+    Call { shape: p, plan, stages }: &Call,
     out: &mut Output,
 ) -> Result<Option<CudaSlice<i32>>> {
     for (name, t) in [("o", &out.o), ("lse", &out.lse)] {
@@ -1107,7 +1109,7 @@ fn launch(
     let splits = plan.splits;
     let too_many = || KernelError::Config(format!("flash_decoding: {splits} splits is too many"));
     let splits_i = i32::try_from(splits).map_err(|_| too_many())?;
-    let stages = stages_on(gpu); // 2 to 16 (check_call)
+    let stages = *stages;
     let paged = table.is_some();
 
     // FlashDecoding's kernels: the whole call, or FlashDecoding++'s fallback.
