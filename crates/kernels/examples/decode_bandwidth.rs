@@ -5,13 +5,17 @@
 //! crossovers (`decode::GEMV_MAX_ROWS`, `FLAT_GEMM_MAX_ROWS`, `PP_MIN_KEYS`) are to be set from.
 //!
 //! ```sh
-//! cargo run --release -p ladder-kernels --example decode_bandwidth [-- --new N --page P --fd-only --no-pdl --stages S]
+//! cargo run --release -p ladder-kernels --example decode_bandwidth [-- --new N --page P --fd-only --no-pdl --stages S
+//!     --shape B,HQ,HKV,L --splits auto,16 --nvrtc -DNAME=VALUE]
 //! ```
 //! `--new N`: N new tokens per sequence (default 1); `--page P`: the cache in pages of P tokens,
 //! scattered in a shuffled order as a serving cache's pages are (default: contiguous);
 //! `--fd-only`: FlashDecoding alone; `--no-pdl`: ordinary launches instead of programmatic ones
 //! (`GpuConfig::programmatic_launch`); `--stages S`: S K/V stages instead of the default
-//! (`GpuConfig::decode_stages`).
+//! (`GpuConfig::decode_stages`); `--shape B,HQ,HKV,L` (repeatable): these shapes instead of the
+//! five of the benchmarks; `--splits auto,16`: these split counts instead of the sweep (`auto`,
+//! 1, 4, 8, 16, 32, 64); `--nvrtc OPTION` (repeatable): an extra NVRTC option for every kernel,
+//! e.g. a `-D` for an experiment (`GpuConfig::nvrtc_options`).
 //! Without a GPU it says so and exits with status 1. Each figure is 20 calls into outputs
 //! allocated once (`decode::forward_into`, as a serving loop calls it), after 3 warm-up calls,
 //! rotating among copies of the cache that together are several times the L2, so that it is read
@@ -81,35 +85,77 @@ fn time_calls(
     Ok((per_call(issued), host_s / CALLS as f64 * 1e6, per_call(queued)))
 }
 
+/// The reference decode shapes: batch, query heads, kv heads, cache length.
+const SHAPES: [(usize, usize, usize, usize); 5] = [
+    (1, 32, 32, 8192),
+    (1, 32, 32, 131072),
+    (16, 32, 32, 32768),
+    (1, 32, 8, 8192),
+    (16, 32, 8, 32768),
+];
+
 /// The command line: new tokens, page size (0: contiguous), FlashDecoding only, no programmatic
-/// launches.
+/// launches, K/V stages (0: default), shapes, split counts (`None`: the heuristic's), NVRTC
+/// options.
 struct Args {
     new: usize,
     page: usize,
     fd_only: bool,
     no_pdl: bool,
     stages: usize,
+    shapes: Vec<(usize, usize, usize, usize)>,
+    splits: Vec<Option<usize>>,
+    nvrtc: Vec<String>,
+}
+
+/// `text` as comma-separated numbers.
+fn numbers(flag: &str, text: &str) -> Result<Vec<usize>, String> {
+    text.split(',').map(|v| v.trim().parse().map_err(|e| format!("{flag} {text}: {e}"))).collect()
 }
 
 fn args() -> Result<Args, Box<dyn std::error::Error>> {
-    let mut a = Args { new: 1, page: 0, fd_only: false, no_pdl: false, stages: 0 };
+    let mut a = Args {
+        new: 1,
+        page: 0,
+        fd_only: false,
+        no_pdl: false,
+        stages: 0,
+        shapes: Vec::new(),
+        splits: vec![None, Some(1), Some(4), Some(8), Some(16), Some(32), Some(64)],
+        nvrtc: Vec::new(),
+    };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
-        let mut value = || -> Result<usize, Box<dyn std::error::Error>> {
-            let v = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
-            Ok(v.parse().map_err(|e| format!("{flag} {v}: {e}"))?)
-        };
+        let mut text = || it.next().ok_or_else(|| format!("{flag} needs a value"));
         match flag.as_str() {
-            "--new" => a.new = value()?,
-            "--page" => a.page = value()?,
+            "--new" => a.new = numbers(&flag, &text()?)?[0],
+            "--page" => a.page = numbers(&flag, &text()?)?[0],
             "--fd-only" => a.fd_only = true,
             "--no-pdl" => a.no_pdl = true,
-            "--stages" => a.stages = value()?,
+            "--stages" => a.stages = numbers(&flag, &text()?)?[0],
+            "--shape" => match numbers(&flag, &text()?)?[..] {
+                [b, hq, hkv, len] => a.shapes.push((b, hq, hkv, len)),
+                _ => return Err(format!("{flag} takes B,HQ,HKV,L").into()),
+            },
+            "--splits" => {
+                a.splits = text()?
+                    .split(',')
+                    .map(|v| match v.trim() {
+                        "auto" => Ok(None),
+                        n => n.parse().map(Some).map_err(|e| format!("{flag} {n}: {e}")),
+                    })
+                    .collect::<Result<_, _>>()?
+            }
+            "--nvrtc" => a.nvrtc.push(text()?),
             _ => {
-                let known = "--new N, --page P, --fd-only, --no-pdl, --stages S";
+                let known = "--new N, --page P, --fd-only, --no-pdl, --stages S, \
+                             --shape B,HQ,HKV,L, --splits auto,N,..., --nvrtc OPTION";
                 return Err(format!("unknown argument {flag} ({known})").into());
             }
         }
+    }
+    if a.shapes.is_empty() {
+        a.shapes = SHAPES.to_vec();
     }
     Ok(a)
 }
@@ -123,7 +169,8 @@ struct CacheCopy {
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args = args()?;
-    let mut config = GpuConfig::new().programmatic_launch(!args.no_pdl);
+    let mut config =
+        GpuConfig::new().programmatic_launch(!args.no_pdl).nvrtc_options(args.nvrtc.clone());
     if args.stages > 0 {
         config = config.decode_stages(args.stages);
     }
@@ -140,6 +187,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         s => format!("{s} K/V stages"),
     };
     println!("{} new token(s), cache {layout}, {launch} launches, {stages}", args.new);
+    if !args.nvrtc.is_empty() {
+        println!("NVRTC options: {}", args.nvrtc.join(" "));
+    }
     let spin =
         gpu.context().load_module(cudarc::nvrtc::compile_ptx(SPIN)?)?.load_function("spin")?;
     println!(
@@ -157,13 +207,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         "gpu TB/s"
     );
     let d = 128;
-    for (b, hq, hkv, len) in [
-        (1, 32, 32, 8192),
-        (1, 32, 32, 131072),
-        (16, 32, 32, 32768),
-        (1, 32, 8, 8192),
-        (16, 32, 8, 32768),
-    ] {
+    for &(b, hq, hkv, len) in &args.shapes {
         let new = args.new;
         let q = gpu.upload(&vec![0.01; b * hq * new * d], &[b, hq, new, d], DType::F16)?;
         let kv_len = b * hkv * len * d;
@@ -214,7 +258,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             [Strategy::FlashDecoding, Strategy::Gemv, Strategy::FlatGemm, Strategy::Auto];
         let strategies = if args.fd_only { &strategies[..1] } else { &strategies[..] };
         for &strategy in strategies {
-            for splits in [None, Some(1), Some(4), Some(8), Some(16), Some(32), Some(64)] {
+            for &splits in &args.splits {
                 let opts = DecodeOptions { splits, strategy, ..DecodeOptions::default() };
                 let (ms, host_us, gpu_ms) = time_calls(&gpu, &spin, |i| {
                     decode::forward_into(&gpu, &q, cache(i), &opts, &mut out)
