@@ -134,8 +134,13 @@ fn args() -> Result<Args, Box<dyn std::error::Error>> {
             "--no-pdl" => a.no_pdl = true,
             "--stages" => a.stages = numbers(&flag, &text()?)?[0],
             "--shape" => match numbers(&flag, &text()?)?[..] {
-                [b, hq, hkv, len] => a.shapes.push((b, hq, hkv, len)),
-                _ => return Err(format!("{flag} takes B,HQ,HKV,L").into()),
+                [b, hq, hkv, len] if b > 0 && hkv > 0 && len > 0 && hq % hkv == 0 && hq > 0 => {
+                    a.shapes.push((b, hq, hkv, len))
+                }
+                _ => {
+                    let rule = "positive, with HQ a multiple of HKV";
+                    return Err(format!("{flag} takes B,HQ,HKV,L, {rule}").into());
+                }
             },
             "--splits" => {
                 a.splits = text()?
@@ -156,6 +161,9 @@ fn args() -> Result<Args, Box<dyn std::error::Error>> {
     }
     if a.shapes.is_empty() {
         a.shapes = SHAPES.to_vec();
+    }
+    if let Some(&(_, _, _, len)) = a.shapes.iter().find(|s| a.page > 0 && s.3 % a.page != 0) {
+        return Err(format!("--page {}: a cache of {len} tokens is not whole pages", a.page).into());
     }
     Ok(a)
 }
