@@ -6,7 +6,7 @@ by reason and listed per SASS instruction.
     ncu -i rep.ncu-rep --page source --csv --print-source sass > source.csv
     python3 scripts/ncu-stalls.py source.csv [N]
 
-prints the total samples by stall reason, then the N (default 40) instructions with the most
+prints the total samples and the 12 largest stall reasons, then the N (default 40) instructions with the most
 samples and their three largest reasons (docs/perf-notes.md reads these listings).
 """
 import collections

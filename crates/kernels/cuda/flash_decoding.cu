@@ -202,8 +202,8 @@ __device__ __forceinline__ void store_output(const FdParams& p, size_t row, int 
 // block's partials, stored before the __syncthreads that precedes the call, are published with
 // the count (PTX release patterns are cumulative: the barrier orders the other threads' stores
 // before it), and what the other splits published with theirs is visible after it. One thread's
-// atomic instead of every thread's __threadfence (fence.sc) then a relaxed atomic: 0.2–0.3 µs
-// less per call (docs/perf-notes.md, eighth session).
+// atomic instead of every thread's __threadfence (fence.sc) then a relaxed atomic: a shorter wait
+// at the end of every call (docs/perf-notes.md, eighth session).
 __device__ __forceinline__ unsigned count_in(unsigned* counter) {
     unsigned old;
     asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"

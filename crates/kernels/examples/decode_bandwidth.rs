@@ -113,6 +113,11 @@ fn numbers(flag: &str, text: &str) -> Result<Vec<usize>, String> {
     text.split(',').map(|v| v.trim().parse().map_err(|e| format!("{flag} {text}: {e}"))).collect()
 }
 
+/// `text` as one number.
+fn number(flag: &str, text: &str) -> Result<usize, String> {
+    text.trim().parse().map_err(|e| format!("{flag} {text}: {e}"))
+}
+
 fn args() -> Result<Args, Box<dyn std::error::Error>> {
     let mut a = Args {
         new: 1,
@@ -128,11 +133,11 @@ fn args() -> Result<Args, Box<dyn std::error::Error>> {
     while let Some(flag) = it.next() {
         let mut text = || it.next().ok_or_else(|| format!("{flag} needs a value"));
         match flag.as_str() {
-            "--new" => a.new = numbers(&flag, &text()?)?[0],
-            "--page" => a.page = numbers(&flag, &text()?)?[0],
+            "--new" => a.new = number(&flag, &text()?)?,
+            "--page" => a.page = number(&flag, &text()?)?,
             "--fd-only" => a.fd_only = true,
             "--no-pdl" => a.no_pdl = true,
-            "--stages" => a.stages = numbers(&flag, &text()?)?[0],
+            "--stages" => a.stages = number(&flag, &text()?)?,
             "--shape" => match numbers(&flag, &text()?)?[..] {
                 [b, hq, hkv, len] if b > 0 && hkv > 0 && len > 0 && hq % hkv == 0 && hq > 0 => {
                     a.shapes.push((b, hq, hkv, len))
@@ -162,8 +167,11 @@ fn args() -> Result<Args, Box<dyn std::error::Error>> {
     if a.shapes.is_empty() {
         a.shapes = SHAPES.to_vec();
     }
-    if let Some(&(_, _, _, len)) = a.shapes.iter().find(|s| a.page > 0 && s.3 % a.page != 0) {
-        return Err(format!("--page {}: a cache of {len} tokens is not whole pages", a.page).into());
+    if a.page > 0 {
+        if let Some(&(_, _, _, len)) = a.shapes.iter().find(|s| s.3 % a.page != 0) {
+            let page = a.page;
+            return Err(format!("--page {page}: a cache of {len} tokens is not whole pages").into());
+        }
     }
     Ok(a)
 }
