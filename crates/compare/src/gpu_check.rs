@@ -158,8 +158,55 @@ pub fn narrow(x: &Inputs<f64>) -> Inputs<f32> {
 }
 
 fn upload(gpu: &Gpu, x: &Array4<f64>, dtype: DType) -> Result<Tensor, KernelError> {
-    let values: Vec<f32> = x.iter().map(|&v| v as f32).collect();
-    gpu.upload(&values, x.shape(), dtype)
+    upload_in(gpu, x, dtype, Layout::Bhsd)
+}
+
+/// How the checks lay a `[batch, heads, seq, d]` input out in device memory: the kernel sees the
+/// same logical tensor through its strides.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// `[batch, heads, seq, d]`, row-major: contiguous.
+    Bhsd,
+    /// `[batch, seq, heads, d]` in memory (what a projection produces), seen through
+    /// `Tensor::transpose(1, 2)`.
+    Bshd,
+    /// Slot 0 of a `[batch, seq, 3, heads, d]` buffer (a packed QKV projection) whose other slots
+    /// hold NaN: rows with gaps between them, where a read outside the view poisons the result.
+    Packed,
+}
+
+impl Layout {
+    /// Every layout the checks draw from.
+    pub const ALL: [Layout; 3] = [Layout::Bhsd, Layout::Bshd, Layout::Packed];
+}
+
+/// Uploads `x` (`[batch, heads, seq, d]`) as `dtype` in `layout`.
+pub fn upload_in(
+    gpu: &Gpu,
+    x: &Array4<f64>,
+    dtype: DType,
+    layout: Layout,
+) -> Result<Tensor, KernelError> {
+    let (b, h, s, d) = x.dim();
+    match layout {
+        Layout::Bhsd => {
+            let values: Vec<f32> = x.iter().map(|&v| v as f32).collect();
+            gpu.upload(&values, x.shape(), dtype)
+        }
+        Layout::Bshd => {
+            let bshd = x.view().permuted_axes([0, 2, 1, 3]);
+            let values: Vec<f32> = bshd.iter().map(|&v| v as f32).collect();
+            gpu.upload(&values, &[b, s, h, d], dtype)?.transpose(1, 2)
+        }
+        Layout::Packed => {
+            let mut values = vec![f32::NAN; b * s * 3 * h * d];
+            for ((bi, hi, si, c), &v) in x.indexed_iter() {
+                values[(((bi * s + si) * 3) * h + hi) * d + c] = v as f32;
+            }
+            let strides = [s * 3 * h * d, d, 3 * h * d, 1];
+            gpu.upload(&values, &[values.len()], dtype)?.as_strided(&[b, h, s, d], &strides)
+        }
+    }
 }
 
 fn download4(t: &Tensor, dims: [usize; 4]) -> anyhow::Result<Array4<f32>> {
@@ -206,8 +253,21 @@ pub fn forward_fp8(
     dtype: DType,
     fp8: &Fp8Options,
 ) -> anyhow::Result<(AttentionOutput<f32>, Duration)> {
-    let (q, k, v) =
-        (upload(gpu, &x.q, dtype)?, upload(gpu, &x.k, dtype)?, upload(gpu, &x.v, dtype)?);
+    forward_in(gpu, rung, x, opts, dtype, fp8, Layout::Bhsd)
+}
+
+/// [`forward_fp8`] with Q, K and V in `layout`.
+pub fn forward_in(
+    gpu: &Gpu,
+    rung: GpuRung,
+    x: &Inputs<f64>,
+    opts: &Options,
+    dtype: DType,
+    fp8: &Fp8Options,
+    layout: Layout,
+) -> anyhow::Result<(AttentionOutput<f32>, Duration)> {
+    let [q, k, v] = [&x.q, &x.k, &x.v].map(|t| upload_in(gpu, t, dtype, layout));
+    let (q, k, v) = (q?, k?, v?);
     let mut out = None;
     let ms = gpu.time_ms(|| {
         out = Some(match rung.kernels() {
@@ -296,10 +356,22 @@ pub fn backward(
     opts: &Options,
     dtype: DType,
 ) -> anyhow::Result<(Gradients<f32>, Duration)> {
+    backward_in(gpu, rung, x, opts, dtype, Layout::Bhsd)
+}
+
+/// [`backward`] with Q, K, V and dO in `layout`.
+pub fn backward_in(
+    gpu: &Gpu,
+    rung: GpuRung,
+    x: &Inputs<f64>,
+    opts: &Options,
+    dtype: DType,
+    layout: Layout,
+) -> anyhow::Result<(Gradients<f32>, Duration)> {
     let Kernels::Backward { forward, backward, deterministic } = rung.kernels() else {
         bail!("{rung} is not a backward rung");
     };
-    let [q, k, v, d_o] = [&x.q, &x.k, &x.v, &x.d_o].map(|t| upload(gpu, t, dtype));
+    let [q, k, v, d_o] = [&x.q, &x.k, &x.v, &x.d_o].map(|t| upload_in(gpu, t, dtype, layout));
     let (q, k, v, d_o) = (q?, k?, v?, d_o?);
     let opts = &Options { deterministic, ..*opts };
     let out = forward(gpu, &q, &k, &v, opts)?;

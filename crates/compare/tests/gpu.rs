@@ -11,7 +11,7 @@
 //! bundle) a missing GPU fails them.
 
 use ladder_compare::gpu_check::shared_gpu;
-use ladder_compare::gpu_check::{self, device_inputs, narrow, options};
+use ladder_compare::gpu_check::{self, Layout, device_inputs, narrow, options};
 use ladder_compare::oracle::{Expected, GradientOracle, Oracle, check};
 use ladder_compare::{Case, CaseSpace, GpuRung, RungConfig, cases};
 use ladder_kernels::{DType, Gpu, KernelError, Options, fa1, fa2, fa3};
@@ -44,8 +44,23 @@ fn space(head_dims: &[usize]) -> CaseSpace {
     }
 }
 
+/// The layouts of Q, K, V (and dO) the rungs that take strides are drawn in.
+fn layouts() -> impl Strategy<Value = Layout> {
+    prop::sample::select(Layout::ALL.to_vec())
+}
+
 /// Runs a GPU forward rung on `case` and checks it against the oracle and its CPU rung (in f32).
 fn check_forward(rung: GpuRung, case: &Case, dtype: DType) -> Result<(), TestCaseError> {
+    check_forward_in(rung, case, dtype, Layout::Bhsd)
+}
+
+/// [`check_forward`] with the inputs in `layout`.
+fn check_forward_in(
+    rung: GpuRung,
+    case: &Case,
+    dtype: DType,
+    layout: Layout,
+) -> Result<(), TestCaseError> {
     let Some(gpu) = gpu() else { return Ok(()) };
     if !rung.available_on(gpu) {
         eprintln!("{rung} skipped: {} is {}, not {}", gpu.name(), gpu.arch(), fa3::ARCH);
@@ -53,7 +68,9 @@ fn check_forward(rung: GpuRung, case: &Case, dtype: DType) -> Result<(), TestCas
     }
     let x = device_inputs(case, dtype);
     let (attention, opts) = options(&case.attention(), case.shape.d);
-    let (got, _) = gpu_check::forward(gpu, rung, &x, &opts, dtype).map_err(fail)?;
+    let fp8 = RungConfig::default().fp8;
+    let (got, _) =
+        gpu_check::forward_in(gpu, rung, &x, &opts, dtype, &fp8, layout).map_err(fail)?;
     let oracle = Oracle::new(&x, &attention).map_err(fail)?;
     let expected = gpu_check::expected_forward(&oracle, &x, dtype).map_err(fail)?;
     let x32 = narrow(&x);
@@ -61,25 +78,31 @@ fn check_forward(rung: GpuRung, case: &Case, dtype: DType) -> Result<(), TestCas
     let cpu_out = rung.cpu().forward(x32.q.view(), x32.k.view(), x32.v.view(), &config);
     let cpu_out = cpu_out.map_err(fail)?;
     let cpu_expected = Expected::from_oracle(&oracle, &x32).map_err(fail)?;
-    let label = format!("{} ({dtype})", rung.label());
+    let label = format!("{} ({dtype}, {layout:?})", rung.label());
     let cpu_label = format!("{} (CPU)", rung.cpu_label());
     check(&label, &got, &expected, Some((&cpu_label, &cpu_out, &cpu_expected))).map_err(fail)
 }
 
 /// Runs the GPU FA2 forward and backward on `case` and checks `dQ, dK, dV` against the float64
 /// oracle (within twice the 16-bit naive backward's error) and against the CPU FA2 backward.
-fn check_backward(rung: GpuRung, case: &Case, dtype: DType) -> Result<(), TestCaseError> {
+/// The inputs are in `layout`, the gradients come back in their inputs' layouts.
+fn check_backward(
+    rung: GpuRung,
+    case: &Case,
+    dtype: DType,
+    layout: Layout,
+) -> Result<(), TestCaseError> {
     let Some(gpu) = gpu() else { return Ok(()) };
     let x = device_inputs(case, dtype);
     let (attention, opts) = options(&case.attention(), case.shape.d);
-    let (got, _) = gpu_check::backward(gpu, rung, &x, &opts, dtype).map_err(fail)?;
+    let (got, _) = gpu_check::backward_in(gpu, rung, &x, &opts, dtype, layout).map_err(fail)?;
     let oracle = GradientOracle::new(&x, &attention).map_err(fail)?;
     let expected = gpu_check::expected_backward(&oracle, &x, dtype).map_err(fail)?;
     let (errs, pass) = expected.judge(&got);
     let [tq, tk, tv] = expected.tolerances;
     if !pass {
         return Err(fail(format!(
-            "{rung} ({dtype}) vs oracle: dQ {} dK {} dV {} (tol {tq} / {tk} / {tv})",
+            "{rung} ({dtype}, {layout:?}) vs oracle: dQ {} dK {} dV {} (tol {tq} / {tk} / {tv})",
             errs[0], errs[1], errs[2]
         )));
     }
@@ -99,23 +122,23 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(cases_per_property()))]
 
     #[test]
-    fn gpu_fa2_backward_fp16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa2Backward.head_dims()))) {
-        check_backward(GpuRung::Fa2Backward, &case, DType::F16)?;
+    fn gpu_fa2_backward_fp16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa2Backward.head_dims())), layout in layouts()) {
+        check_backward(GpuRung::Fa2Backward, &case, DType::F16, layout)?;
     }
 
     #[test]
-    fn gpu_fa2_deterministic_backward_fp16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa2BackwardDeterministic.head_dims()))) {
-        check_backward(GpuRung::Fa2BackwardDeterministic, &case, DType::F16)?;
+    fn gpu_fa2_deterministic_backward_fp16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa2BackwardDeterministic.head_dims())), layout in layouts()) {
+        check_backward(GpuRung::Fa2BackwardDeterministic, &case, DType::F16, layout)?;
     }
 
     #[test]
-    fn gpu_fa2_deterministic_backward_bf16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa2BackwardDeterministic.head_dims()))) {
-        check_backward(GpuRung::Fa2BackwardDeterministic, &case, DType::BF16)?;
+    fn gpu_fa2_deterministic_backward_bf16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa2BackwardDeterministic.head_dims())), layout in layouts()) {
+        check_backward(GpuRung::Fa2BackwardDeterministic, &case, DType::BF16, layout)?;
     }
 
     #[test]
-    fn gpu_fa2_backward_bf16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa2Backward.head_dims()))) {
-        check_backward(GpuRung::Fa2Backward, &case, DType::BF16)?;
+    fn gpu_fa2_backward_bf16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa2Backward.head_dims())), layout in layouts()) {
+        check_backward(GpuRung::Fa2Backward, &case, DType::BF16, layout)?;
     }
 
     #[test]
@@ -129,8 +152,8 @@ proptest! {
     }
 
     #[test]
-    fn gpu_fa2_fp16_matches_cpu_fa2_and_the_oracle(case in cases(space(GpuRung::Fa2.head_dims()))) {
-        check_forward(GpuRung::Fa2, &case, DType::F16)?;
+    fn gpu_fa2_fp16_matches_cpu_fa2_and_the_oracle(case in cases(space(GpuRung::Fa2.head_dims())), layout in layouts()) {
+        check_forward_in(GpuRung::Fa2, &case, DType::F16, layout)?;
     }
 
     #[test]
@@ -144,15 +167,25 @@ proptest! {
     }
 
     #[test]
-    fn gpu_fa2_bf16_matches_cpu_fa2_and_the_oracle(case in cases(space(GpuRung::Fa2.head_dims()))) {
-        check_forward(GpuRung::Fa2, &case, DType::BF16)?;
+    fn gpu_fa2_bf16_matches_cpu_fa2_and_the_oracle(case in cases(space(GpuRung::Fa2.head_dims())), layout in layouts()) {
+        check_forward_in(GpuRung::Fa2, &case, DType::BF16, layout)?;
     }
 }
 
-/// One larger problem per head dimension: many tiles, GQA, causal with n_q < n_kv (a KV cache).
+/// One larger problem per head dimension: many tiles, GQA, causal with n_q < n_kv (a KV cache);
+/// head dims off the tuned ones (padded to the 16-wide k-step, to 64-element shared rows), in
+/// the layouts that take strides.
 #[test]
 fn gpu_fa2_long_sequences() {
-    for (d, causal) in [(64, true), (128, false), (128, true), (256, true)] {
+    for (d, causal, layout) in [
+        (64, true, Layout::Bhsd),
+        (128, false, Layout::Bhsd),
+        (128, true, Layout::Bhsd),
+        (256, true, Layout::Bhsd),
+        (96, true, Layout::Bshd),
+        (40, false, Layout::Packed),
+        (160, true, Layout::Packed),
+    ] {
         let case = Case {
             shape: ladder_reference::AttentionShape::new(1, 4, 2, 700, 1500, d).unwrap(),
             causal,
@@ -161,8 +194,8 @@ fn gpu_fa2_long_sequences() {
             splits: 1,
             seed: 1000 + d as u64,
         };
-        check_forward(GpuRung::Fa2, &case, DType::F16)
-            .unwrap_or_else(|e| panic!("d = {d}, causal = {causal}: {e}"));
+        check_forward_in(GpuRung::Fa2, &case, DType::F16, layout)
+            .unwrap_or_else(|e| panic!("d = {d}, causal = {causal}, {layout:?}: {e}"));
     }
 }
 
@@ -336,7 +369,13 @@ fn gpu_fa3_causal_tile_order_does_not_change_the_bits() {
 /// Backward on a longer problem: many K/V and query tiles, GQA, causal with n_q < n_kv.
 #[test]
 fn gpu_fa2_backward_long_sequences() {
-    for (d, causal) in [(64, true), (128, false), (128, true)] {
+    for (d, causal, layout) in [
+        (64, true, Layout::Bhsd),
+        (128, false, Layout::Bhsd),
+        (128, true, Layout::Bhsd),
+        (96, true, Layout::Bshd),
+        (72, false, Layout::Packed),
+    ] {
         let case = Case {
             shape: ladder_reference::AttentionShape::new(1, 4, 2, 300, 700, d).unwrap(),
             causal,
@@ -346,8 +385,8 @@ fn gpu_fa2_backward_long_sequences() {
             seed: 2000 + d as u64,
         };
         for rung in [GpuRung::Fa2Backward, GpuRung::Fa2BackwardDeterministic] {
-            check_backward(rung, &case, DType::F16)
-                .unwrap_or_else(|e| panic!("{rung}, d = {d}, causal = {causal}: {e}"));
+            check_backward(rung, &case, DType::F16, layout)
+                .unwrap_or_else(|e| panic!("{rung}, d = {d}, causal = {causal}, {layout:?}: {e}"));
         }
     }
 }
@@ -360,9 +399,24 @@ fn gpu_rungs_reject_bad_input() {
         let n: usize = shape.iter().product();
         gpu.upload(&vec![0.5; n], shape, dtype).unwrap()
     };
-    let q = t(&[1, 2, 8, 96], DType::F16);
-    let err = fa2::forward(gpu, &q, &q, &q, &Options::full()).unwrap_err();
-    assert!(matches!(err, KernelError::UnsupportedHeadDim { d: 96, .. }), "{err}");
+    for d in [100, 264] {
+        let q = t(&[1, 2, 8, d], DType::F16);
+        let err = fa2::forward(gpu, &q, &q, &q, &Options::full()).unwrap_err();
+        assert!(matches!(err, KernelError::UnsupportedHeadDim { d: e, .. } if e == d), "{err}");
+        assert!(err.to_string().contains("multiples of 8 from 8 to 256"), "{err}");
+    }
+    // Strides: the head dim must be contiguous, the other strides whole 16-byte chunks, and the
+    // rungs that take no strides say so.
+    let q = t(&[1, 8, 2, 64], DType::F16).transpose(1, 2).unwrap();
+    let err = fa1::forward(gpu, &q, &q, &q, &Options::full()).unwrap_err();
+    assert!(err.to_string().contains("contiguous"), "{err}");
+    let k = t(&[1, 2, 8, 64], DType::F16);
+    let cols = t(&[1, 2, 64, 8], DType::F16).transpose(2, 3).unwrap();
+    let err = fa2::forward(gpu, &cols, &k, &k, &Options::full()).unwrap_err();
+    assert!(err.to_string().contains("must be contiguous (stride 1)"), "{err}");
+    let odd = t(&[2 * 8 * 68], DType::F16).as_strided(&[1, 2, 8, 64], &[0, 8 * 68, 68, 1]);
+    let err = fa2::forward(gpu, &odd.unwrap(), &k, &k, &Options::full()).unwrap_err();
+    assert!(err.to_string().contains("multiples of 8 elements"), "{err}");
     let q32 = t(&[1, 2, 8, 64], DType::F32);
     let err = fa2::forward(gpu, &q32, &q32, &q32, &Options::full()).unwrap_err();
     assert!(matches!(err, KernelError::UnsupportedDtype { .. }), "{err}");
@@ -372,10 +426,10 @@ fn gpu_rungs_reject_bad_input() {
     let v = t(&[1, 2, 9, 64], DType::F16);
     let err = fa1::forward(gpu, &k, &k, &v, &Options::causal()).unwrap_err();
     assert!(matches!(err, KernelError::Shape(_)), "{err}");
-    let q = t(&[1, 2, 8, 256], DType::F16);
+    let q = t(&[1, 2, 8, 136], DType::F16);
     let out = fa2::forward(gpu, &q, &q, &q, &Options::full()).unwrap();
     let err = fa2::backward(gpu, &q, &q, &q, &out, &q, &Options::full()).unwrap_err();
-    assert!(matches!(err, KernelError::UnsupportedHeadDim { d: 256, .. }), "{err}");
+    assert!(matches!(err, KernelError::UnsupportedHeadDim { d: 136, .. }), "{err}");
     let err = gpu.upload(&[1.0; 3], &[2, 2], DType::F16).unwrap_err();
     assert!(matches!(err, KernelError::Shape(_)), "{err}");
 }

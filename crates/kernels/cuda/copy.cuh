@@ -30,22 +30,47 @@ __device__ __forceinline__ int swz(int row, int col) {
     return row * COLS + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
 }
 
-// Copy rows [row0, row0 + ROWS) of a [n, D] matrix into a swizzled shared tile; rows at or past `n`
-// become zeros. All THREADS threads of the block take part, each copying 16-byte chunks at one
-// column, STEP rows apart: one base pointer per thread plus compile-time offsets, so the compiler
-// needs no register per chunk. Rows past `n` are never read (cp.async with zero source bytes).
+// Copy rows [row0, row0 + ROWS) of a [n, D] matrix whose rows are `ld` elements apart into a
+// swizzled shared tile of COLS columns, columns [0, DK): rows at or past `n` and columns at or past
+// D (the zero padding of a head dimension, layout.cuh) become zeros and are never read from
+// memory (cp.async with zero source bytes); columns DK … COLS are left alone. All THREADS threads
+// of the block take part. Where every row has as many chunks as a whole number of threads covers,
+// each thread copies 16-byte chunks at one column, STEP rows apart: one base pointer per thread
+// plus compile-time offsets, so the compiler needs no register per chunk. Otherwise (a head
+// dimension of 40 or 80, say) the threads walk the tile's chunks in order.
+template <int ROWS, int COLS, int DK, int D, int THREADS>
+__device__ __forceinline__ void load_tile(u16* smem, const u16* gmem, long long ld, int row0,
+                                          int n) {
+    static_assert(D <= DK && DK <= COLS && D % 8 == 0 && DK % 8 == 0, "columns of the tile");
+    constexpr int CHUNKS_PER_ROW = DK / 8;
+    if constexpr (THREADS % CHUNKS_PER_ROW == 0 && ROWS % (THREADS / CHUNKS_PER_ROW) == 0) {
+        constexpr int STEP = THREADS / CHUNKS_PER_ROW;
+        const int r = threadIdx.x / CHUNKS_PER_ROW;
+        const int col = (threadIdx.x % CHUNKS_PER_ROW) * 8;
+        const bool col_in = DK == D || col < D;
+        const u16* src = gmem + (row0 + r) * ld + (col_in ? col : 0);
+#pragma unroll
+        for (int i = 0; i < ROWS / STEP; ++i, src += STEP * ld)
+            cp_async_16(smem + swz<COLS>(r + i * STEP, col), src, col_in && row0 + r + i * STEP < n);
+    } else {
+        constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
+#pragma unroll
+        for (int i = 0; i < (CHUNKS + THREADS - 1) / THREADS; ++i) {
+            const int chunk = threadIdx.x + i * THREADS;
+            const int r = chunk / CHUNKS_PER_ROW, col = (chunk % CHUNKS_PER_ROW) * 8;
+            if (CHUNKS % THREADS == 0 || chunk < CHUNKS) {
+                const bool valid = col < D && row0 + r < n;
+                cp_async_16(smem + swz<COLS>(r, col), gmem + (valid ? (row0 + r) * ld + col : 0),
+                            valid);
+            }
+        }
+    }
+}
+
+// The square case: a [n, D] matrix stored densely into a tile of D columns.
 template <int ROWS, int D, int THREADS>
 __device__ __forceinline__ void load_tile(u16* smem, const u16* gmem, int row0, int n) {
-    constexpr int CHUNKS_PER_ROW = D / 8;
-    static_assert(THREADS % CHUNKS_PER_ROW == 0, "a thread keeps one column");
-    constexpr int STEP = THREADS / CHUNKS_PER_ROW;
-    static_assert(ROWS % STEP == 0, "whole tile");
-    const int r = threadIdx.x / CHUNKS_PER_ROW;
-    const int col = (threadIdx.x % CHUNKS_PER_ROW) * 8;
-    const u16* src = gmem + (long long)(row0 + r) * D + col;
-#pragma unroll
-    for (int i = 0; i < ROWS / STEP; ++i)
-        cp_async_16(smem + swz<D>(r + i * STEP, col), src + i * STEP * D, row0 + r + i * STEP < n);
+    load_tile<ROWS, D, D, D, THREADS>(smem, gmem, D, row0, n);
 }
 
 // N consecutive floats (N = 2 or a multiple of 4, the address aligned to 4·min(N, 4) bytes), in

@@ -43,7 +43,7 @@
 //                    np  pair of nt (one B load)  h   row half of an accumulator tile (mma.cuh)
 //
 // Compile-time constants, set by the host for each variant:
-//   FA2_D              head dimension (64, 128)
+//   FA2_D              head dimension (any multiple of 8 up to 128; layout.cuh pads it)
 //   FA2_BR             query rows per step of fa2_backward
 //   FA2_WARPS          warps of fa2_backward (BC = 16·FA2_WARPS keys per block)
 //   FA2_CAUSAL         1 for the causal variant
@@ -52,6 +52,7 @@
 //                      K/V tile (BR_DQ = 16·FA2_DQ_MT·FA2_DQ_WARPS query rows per block)
 
 #include "copy.cuh"
+#include "layout.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
 #include "softmax.cuh"
@@ -74,6 +75,8 @@
 #endif
 
 constexpr int D = FA2_D;
+constexpr int DK = HeadDim<D>::DK;      // columns of the products (D rounded up to 16)
+constexpr int COLS = HeadDim<D>::COLS;  // columns of a shared tile (D rounded up to 64)
 constexpr int BR = FA2_BR;
 constexpr int WARPS = FA2_WARPS;
 constexpr int THREADS = WARPS * 32;
@@ -81,10 +84,11 @@ constexpr int BC = WARPS * 16;
 constexpr bool causal = FA2_CAUSAL;
 constexpr bool deterministic = FA2_DETERMINISTIC;
 constexpr int NQ = BR / 8;  // 8-column accumulator tiles across the queries of a tile
-constexpr int DT = D / 8;   // 8-column accumulator tiles across d
+constexpr int DT = DK / 8;  // 8-column accumulator tiles across d
 
 // One parameter block for every entry point. Q, O, dO, dQ are [batch, heads_q, n_q, D]; K, V,
-// dK, dV are [batch, heads_kv, n_kv, D]; 16-bit elements.
+// dK, dV are [batch, heads_kv, n_kv, D]; 16-bit elements, any strides but the last (layout.cuh).
+// The f32 accumulators are the kernels' own, contiguous.
 struct Fa2BackwardParams {
     const u16* q;
     const u16* k;
@@ -108,6 +112,14 @@ struct Fa2BackwardParams {
     int n_q_pad;  // n_q rounded up to a multiple of BR
     float scale;
     float scale_log2;  // scale · log2(e)
+    Strides q_strides;
+    Strides k_strides;
+    Strides v_strides;
+    Strides o_strides;
+    Strides d_o_strides;
+    Strides dq_strides;
+    Strides dk_strides;
+    Strides dv_strides;
 };
 
 // ---- prep: D = rowsum(dO ∘ O), lse·log2(e), dQ accumulator = 0 ----------------------------------
@@ -125,10 +137,13 @@ extern "C" __global__ void fa2_backward_prep(const __grid_constant__ Fa2Backward
     const int bh = warp / p.n_q_pad, row = warp % p.n_q_pad;
     float acc = 0.f;
     if (row < p.n_q) {
-        const size_t base = ((size_t)bh * p.n_q + row) * D;
+        const int b = bh / p.heads_q, h = bh % p.heads_q;
+        const u16* o_row = head_base(o, p.o_strides, b, h) + row * p.o_strides.row;
+        const u16* d_o_row = head_base(d_o, p.d_o_strides, b, h) + row * p.d_o_strides.row;
+        const size_t acc_row = ((size_t)bh * p.n_q + row) * D;
         for (int c = lane; c < D; c += 32) {
-            acc += to_f32(o[base + c]) * to_f32(d_o[base + c]);
-            if (!deterministic) dq_acc[base + c] = 0.f;  // fa2_backward_dq writes every element
+            acc += to_f32(o_row[c]) * to_f32(d_o_row[c]);
+            if (!deterministic) dq_acc[acc_row + c] = 0.f;  // fa2_backward_dq writes every element
         }
     }
     acc = warp_sum(acc);
@@ -152,17 +167,17 @@ __device__ __forceinline__ void red_add2(float* addr, float x, float y) {
 // ---- main kernel: dK_j, dV_j (and, atomic mode, dQ) ---------------------------------------------
 // Launch: grid (ceil(n_kv / BC), heads_q, batch), block (THREADS = 32·WARPS, 1, 1), dynamic shared
 // memory
-//   atomic mode:        (2·BC + 4·BR)·D·2 + BC·BR·2 + 4·BR·4 bytes
-//   deterministic mode: (2·BC + 4·BR)·D·2 + 4·BR·4 bytes
+//   atomic mode:        (2·BC + 4·BR)·COLS·2 + BC·BR·2 + 4·BR·4 bytes
+//   deterministic mode: (2·BC + 4·BR)·COLS·2 + 4·BR·4 bytes
 // (K_j, V_j; two stages of Q_i and dO_i; atomic mode: dSᵀ; two stages of lse2 and D).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 fa2_backward(const __grid_constant__ Fa2BackwardParams p) {
     extern __shared__ __align__(128) u16 smem[];
-    u16* sK = smem;              // [BC][D]
-    u16* sV = sK + BC * D;       // [BC][D]
-    u16* sQ = sV + BC * D;       // [2][BR][D]
-    u16* sdO = sQ + 2 * BR * D;  // [2][BR][D]
-    u16* sdS = sdO + 2 * BR * D;  // [BC][BR]: dSᵀ, keys on rows (atomic mode only)
+    u16* sK = smem;                 // [BC][COLS]
+    u16* sV = sK + BC * COLS;       // [BC][COLS]
+    u16* sQ = sV + BC * COLS;       // [2][BR][COLS]
+    u16* sdO = sQ + 2 * BR * COLS;  // [2][BR][COLS]
+    u16* sdS = sdO + 2 * BR * COLS;  // [BC][BR]: dSᵀ, keys on rows (atomic mode only)
     float* sL = reinterpret_cast<float*>(sdS + (deterministic ? 0 : BC * BR));  // [2][BR] lse2
     float* sDelta = sL + 2 * BR;                                                  // [2][BR] D
 
@@ -174,10 +189,10 @@ fa2_backward(const __grid_constant__ Fa2BackwardParams p) {
     const int n_q = p.n_q, n_kv = p.n_kv;
     const float scale_log2 = p.scale_log2;
 
-    const u16* gQ = p.q + bh * n_q * D;
-    const u16* gdO = p.d_o + bh * n_q * D;
-    const u16* gK = p.k + ((size_t)batch * p.heads_kv + kv_head) * n_kv * D;
-    const u16* gV = p.v + ((size_t)batch * p.heads_kv + kv_head) * n_kv * D;
+    const u16* gQ = head_base(p.q, p.q_strides, batch, head);
+    const u16* gdO = head_base(p.d_o, p.d_o_strides, batch, head);
+    const u16* gK = head_base(p.k, p.k_strides, batch, kv_head);
+    const u16* gV = head_base(p.v, p.v_strides, batch, kv_head);
     const float* gL = p.lse2 + bh * p.n_q_pad;
     const float* gDelta = p.delta + bh * p.n_q_pad;
 
@@ -189,8 +204,9 @@ fa2_backward(const __grid_constant__ Fa2BackwardParams p) {
     if (causal) t_begin = max(0, (k0 - shift) / BR);
 
     auto load_query_tile = [&](int t, int stage) {
-        load_tile<BR, D, THREADS>(sQ + stage * BR * D, gQ, t * BR, n_q);
-        load_tile<BR, D, THREADS>(sdO + stage * BR * D, gdO, t * BR, n_q);
+        const long long q_ld = p.q_strides.row, d_o_ld = p.d_o_strides.row;
+        load_tile<BR, COLS, DK, D, THREADS>(sQ + stage * BR * COLS, gQ, q_ld, t * BR, n_q);
+        load_tile<BR, COLS, DK, D, THREADS>(sdO + stage * BR * COLS, gdO, d_o_ld, t * BR, n_q);
         // BR floats of lse2 and of D: 16-byte chunks from the padded arrays.
         if (threadIdx.x < BR / 4)
             cp_async_16(sL + stage * BR + threadIdx.x * 4, gL + t * BR + threadIdx.x * 4, true);
@@ -199,8 +215,8 @@ fa2_backward(const __grid_constant__ Fa2BackwardParams p) {
                         gDelta + t * BR + (threadIdx.x - BR / 4) * 4, true);
     };
 
-    load_tile<BC, D, THREADS>(sK, gK, k0, n_kv);
-    load_tile<BC, D, THREADS>(sV, gV, k0, n_kv);
+    load_tile<BC, COLS, DK, D, THREADS>(sK, gK, p.k_strides.row, k0, n_kv);
+    load_tile<BC, COLS, DK, D, THREADS>(sV, gV, p.v_strides.row, k0, n_kv);
     if (t_begin < t_end) load_query_tile(t_begin, 0);
     cp_async_commit();
 
@@ -210,12 +226,12 @@ fa2_backward(const __grid_constant__ Fa2BackwardParams p) {
 
     // The warp's 16 keys are rows warp·16 … of the K/V tile: the A operand of the products whose
     // rows are keys. Q and dO tiles are B operands, as Qᵀ (rows = queries = n) or Q (rows = k).
-    const auto kA = a_operand<D>(sK, warp * 16);  // Sᵀ = K Qᵀ
-    const auto vA = a_operand<D>(sV, warp * 16);  // dPᵀ = V dOᵀ
-    const auto qB = b_operand<D>(sQ);             // Sᵀ = K Qᵀ
-    const auto dOB = b_operand<D>(sdO);           // dPᵀ = V dOᵀ
-    const auto qBt = b_operand_trans<D>(sQ);      // dK += dSᵀ Q
-    const auto dOBt = b_operand_trans<D>(sdO);    // dV += Pᵀ dO
+    const auto kA = a_operand<COLS>(sK, warp * 16);  // Sᵀ = K Qᵀ
+    const auto vA = a_operand<COLS>(sV, warp * 16);  // dPᵀ = V dOᵀ
+    const auto qB = b_operand<COLS>(sQ);             // Sᵀ = K Qᵀ
+    const auto dOB = b_operand<COLS>(sdO);           // dPᵀ = V dOᵀ
+    const auto qBt = b_operand_trans<COLS>(sQ);      // dK += dSᵀ Q
+    const auto dOBt = b_operand_trans<COLS>(sdO);    // dV += Pᵀ dO
 
     // First key of the warp; a thread's accumulator rows (keys) are warp_key0 + acc_row(e).
     const int warp_key0 = k0 + warp * 16;
@@ -238,7 +254,7 @@ fa2_backward(const __grid_constant__ Fa2BackwardParams p) {
         float pt[NQ][4];
         zero(pt);
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
+        for (int kk = 0; kk < DK / 16; ++kk) {
             u32 a[4];
             kA.load(a, kk, 0);
 #pragma unroll
@@ -281,7 +297,7 @@ fa2_backward(const __grid_constant__ Fa2BackwardParams p) {
             float dpt[NQ][4];
             zero(dpt);
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
+            for (int kk = 0; kk < DK / 16; ++kk) {
                 u32 a[4];
                 vA.load(a, kk, 0);
 #pragma unroll
@@ -308,15 +324,17 @@ fa2_backward(const __grid_constant__ Fa2BackwardParams p) {
         if constexpr (!deterministic) {
             __syncthreads();
             // ---- dQ_i += dS K_j: warp w takes the 16 queries of slab w mod SLABS and a 1/DSPLIT
-            // share of d, 32 columns at a time (the partial product stays at 16 registers). -------
-            constexpr int SLABS = BR / 16, DSPLIT = WARPS / SLABS, DW = D / DSPLIT;
+            // share of the tile's COLS columns, 32 at a time (the partial product stays at 16
+            // registers); 16-column halves past DK are padding, skipped. -----------------------------
+            constexpr int SLABS = BR / 16, DSPLIT = WARPS / SLABS, DW = COLS / DSPLIT;
             static_assert(SLABS * DSPLIT == WARPS && DW % 32 == 0, "warps tile dQ exactly");
-            const auto dSA = a_operand_trans<BR>(sdS);  // dS, from dSᵀ stored keys × queries
-            const auto kBt = b_operand_trans<D>(sK);    // K (rows = keys = k)
+            const auto dSA = a_operand_trans<BR>(sdS);   // dS, from dSᵀ stored keys × queries
+            const auto kBt = b_operand_trans<COLS>(sK);  // K (rows = keys = k)
             const int slab = warp % SLABS, d_begin = (warp / SLABS) * DW;
             float* gdQ = p.dq_acc + bh * n_q * D;
 #pragma unroll
             for (int d0 = 0; d0 < DW; d0 += 32) {
+                if (d_begin + d0 >= DK) break;  // uniform across the warp
                 float dq[4][4];
                 zero(dq);
 #pragma unroll
@@ -325,8 +343,9 @@ fa2_backward(const __grid_constant__ Fa2BackwardParams p) {
                     dSA.load(a, slab, ks * 16);
 #pragma unroll
                     for (int dp = 0; dp < 2; ++dp)
-                        mma_k16(dq[2 * dp], dq[2 * dp + 1], a, kBt, (d_begin + d0) / 16 + dp,
-                                ks * 16);
+                        if (d_begin + d0 + dp * 16 < DK)
+                            mma_k16(dq[2 * dp], dq[2 * dp + 1], a, kBt, (d_begin + d0) / 16 + dp,
+                                    ks * 16);
                 }
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt)
@@ -334,7 +353,7 @@ fa2_backward(const __grid_constant__ Fa2BackwardParams p) {
                     for (int h = 0; h < 2; ++h) {
                         const int row = i0 + slab * 16 + acc_row(2 * h);
                         const int col = d_begin + d0 + acc_col(nt, 0);
-                        if (row < n_q)
+                        if (row < n_q && col < D)
                             red_add2(gdQ + (size_t)row * D + col, dq[nt][2 * h], dq[nt][2 * h + 1]);
                     }
             }
@@ -351,6 +370,7 @@ fa2_backward(const __grid_constant__ Fa2BackwardParams p) {
         if (key >= n_kv) continue;
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt) {
+            if (dt * 8 >= D) break;  // padding columns
             const int col = acc_col(dt, 0);
             float* pk = gdK + (size_t)key * D + col;
             float* pv = gdV + (size_t)key * D + col;
@@ -386,16 +406,16 @@ constexpr int BC_DQ = FA2_DQ_BC;
 constexpr int NT_DQ = BC_DQ / 8;  // 8-column accumulator tiles across the keys of a tile
 
 // Launch: grid (ceil(n_q / BR_DQ), heads_q, batch), block (THREADS_DQ = 32·WARPS_DQ, 1, 1),
-// dynamic shared memory (2·BR_DQ + 4·BC_DQ)·D·2 bytes (Q and dO tiles, then two stages of K and
-// two of V). Reads q, k, v, d_o, lse2, delta (prep's padded arrays); writes every element of the
+// dynamic shared memory (2·BR_DQ + 4·BC_DQ)·COLS·2 bytes (Q and dO tiles, then two stages of K
+// and two of V). Reads q, k, v, d_o, lse2, delta (prep's padded arrays); writes every element of the
 // rows < n_q of dq_acc (plain stores, unscaled). Run after prep, before finish.
 extern "C" __global__ void __launch_bounds__(THREADS_DQ, 1)
 fa2_backward_dq(const __grid_constant__ Fa2BackwardParams p) {
     extern __shared__ __align__(128) u16 smem[];
-    u16* sQ = smem;                   // [BR_DQ][D]
-    u16* sdO = sQ + BR_DQ * D;        // [BR_DQ][D]
-    u16* sK = sdO + BR_DQ * D;        // [2][BC_DQ][D]
-    u16* sV = sK + 2 * BC_DQ * D;     // [2][BC_DQ][D]
+    u16* sQ = smem;                   // [BR_DQ][COLS]
+    u16* sdO = sQ + BR_DQ * COLS;     // [BR_DQ][COLS]
+    u16* sK = sdO + BR_DQ * COLS;     // [2][BC_DQ][COLS]
+    u16* sV = sK + 2 * BC_DQ * COLS;  // [2][BC_DQ][COLS]
 
     // Causal blocks near the end of the sequence have the most tiles: launch them first.
     const int q_block = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
@@ -405,19 +425,21 @@ fa2_backward_dq(const __grid_constant__ Fa2BackwardParams p) {
     const size_t bh = (size_t)batch * p.heads_q + head;
 
     // K and V of this block's kv head; recomputed inside the loop (see block_y) rather than kept.
-    auto kv_offset = [&]() {
-        return ((size_t)block_z() * p.heads_kv + block_y() / (p.heads_q / p.heads_kv)) * p.n_kv * D;
-    };
+    auto kv_head = [&]() { return block_y() / (p.heads_q / p.heads_kv); };
+    auto gK = [&]() { return head_base(p.k, p.k_strides, block_z(), kv_head()); };
+    auto gV = [&]() { return head_base(p.v, p.v_strides, block_z(), kv_head()); };
 
     const int shift = p.n_kv - p.n_q;  // bottom-right causal alignment (mask.cuh)
     const int n_tiles = key_tiles<causal, BC_DQ>(q0 + BR_DQ - 1, p.n_kv, shift);
 
-    load_tile<BR_DQ, D, THREADS_DQ>(sQ, p.q + bh * p.n_q * D, q0, p.n_q);
-    load_tile<BR_DQ, D, THREADS_DQ>(sdO, p.d_o + bh * p.n_q * D, q0, p.n_q);
+    load_tile<BR_DQ, COLS, DK, D, THREADS_DQ>(sQ, head_base(p.q, p.q_strides, batch, head),
+                                              p.q_strides.row, q0, p.n_q);
+    load_tile<BR_DQ, COLS, DK, D, THREADS_DQ>(sdO, head_base(p.d_o, p.d_o_strides, batch, head),
+                                              p.d_o_strides.row, q0, p.n_q);
     if (n_tiles > 0) {
         const int n_kv = p.n_kv;
-        load_tile<BC_DQ, D, THREADS_DQ>(sK, p.k + kv_offset(), 0, n_kv);
-        load_tile<BC_DQ, D, THREADS_DQ>(sV, p.v + kv_offset(), 0, n_kv);
+        load_tile<BC_DQ, COLS, DK, D, THREADS_DQ>(sK, gK(), p.k_strides.row, 0, n_kv);
+        load_tile<BC_DQ, COLS, DK, D, THREADS_DQ>(sV, gV(), p.v_strides.row, 0, n_kv);
     }
     cp_async_commit();
 
@@ -440,19 +462,20 @@ fa2_backward_dq(const __grid_constant__ Fa2BackwardParams p) {
     float dq[MT_DQ][DT][4];
     zero(dq);
 
-    const auto qA = a_operand<D>(sQ, warp_row0);    // Q: A of S = Q·Kᵀ
-    const auto dOA = a_operand<D>(sdO, warp_row0);  // dO: A of dP = dO·Vᵀ
-    const auto kB = b_operand<D>(sK);               // K: B of S = Q·Kᵀ (rows = keys = n)
-    const auto vB = b_operand<D>(sV);               // V: B of dP = dO·Vᵀ (rows = keys = n)
-    const auto kBt = b_operand_trans<D>(sK);        // K: B of dQ += dS·K (rows = keys = k)
+    const auto qA = a_operand<COLS>(sQ, warp_row0);    // Q: A of S = Q·Kᵀ
+    const auto dOA = a_operand<COLS>(sdO, warp_row0);  // dO: A of dP = dO·Vᵀ
+    const auto kB = b_operand<COLS>(sK);               // K: B of S = Q·Kᵀ (rows = keys = n)
+    const auto vB = b_operand<COLS>(sV);               // V: B of dP = dO·Vᵀ (rows = keys = n)
+    const auto kBt = b_operand_trans<COLS>(sK);        // K: B of dQ += dS·K (rows = keys = k)
 
     for (int j = 0; j < n_tiles; ++j) {
         const int stage = j & 1;
         if (j + 1 < n_tiles) {
-            const size_t off = kv_offset();
             const int n_kv = p.n_kv, next = (j + 1) * BC_DQ;
-            load_tile<BC_DQ, D, THREADS_DQ>(sK + (stage ^ 1) * BC_DQ * D, p.k + off, next, n_kv);
-            load_tile<BC_DQ, D, THREADS_DQ>(sV + (stage ^ 1) * BC_DQ * D, p.v + off, next, n_kv);
+            u16* k_stage = sK + (stage ^ 1) * BC_DQ * COLS;
+            u16* v_stage = sV + (stage ^ 1) * BC_DQ * COLS;
+            load_tile<BC_DQ, COLS, DK, D, THREADS_DQ>(k_stage, gK(), p.k_strides.row, next, n_kv);
+            load_tile<BC_DQ, COLS, DK, D, THREADS_DQ>(v_stage, gV(), p.v_strides.row, next, n_kv);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -465,7 +488,7 @@ fa2_backward_dq(const __grid_constant__ Fa2BackwardParams p) {
         // ---- S = Q·Kᵀ -------------------------------------------------------------------------
         float s[MT_DQ][NT_DQ][4];
         zero(s);
-        mma_abt<D>(s, qA, kB, stage_rows);
+        mma_abt<DK>(s, qA, kB, stage_rows);
 
         // ---- P = 2^(S·scale_log2 − lse2), 0 for keys past the end or right of the diagonal ------
         // (set after the exponential: a row that sees no key has lse2 = −inf)
@@ -490,7 +513,7 @@ fa2_backward_dq(const __grid_constant__ Fa2BackwardParams p) {
         {
             float dP[MT_DQ][NT_DQ][4];
             zero(dP);
-            mma_abt<D>(dP, dOA, vB, stage_rows);
+            mma_abt<DK>(dP, dOA, vB, stage_rows);
 #pragma unroll
             for (int mt = 0; mt < MT_DQ; ++mt)
 #pragma unroll
@@ -532,6 +555,7 @@ fa2_backward_dq(const __grid_constant__ Fa2BackwardParams p) {
             if (row >= p.n_q) continue;
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt) {
+                if (dt * 8 >= D) break;  // padding columns
                 float* out = gdQ + (size_t)row * D + acc_col(dt, 0);
                 out[0] = dq[mt][dt][2 * h];
                 out[1] = dq[mt][dt][2 * h + 1];
@@ -541,6 +565,8 @@ fa2_backward_dq(const __grid_constant__ Fa2BackwardParams p) {
 #endif  // FA2_DETERMINISTIC
 
 // ---- finish: dQ = scale·dQ_acc; dK = scale·Σ_group dK_acc; dV = Σ_group dV_acc; to 16 bits ------
+// Reads the contiguous accumulators in order and writes each element where its output's strides
+// put it.
 // Launch: grid (min(ceil(max(dq_len, dkv_len) / 256), 16·SM count), 1, 1), block (256, 1, 1), no
 // shared memory; dq_len = batch·heads_q·n_q·D, dkv_len = batch·heads_kv·n_kv·D (grid-stride loops,
 // so any grid size is correct).
@@ -557,8 +583,13 @@ extern "C" __global__ void fa2_backward_finish(const __grid_constant__ Fa2Backwa
     const long long head_len = (long long)p.n_kv * D;
 
     const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < dq_len; i += stride)
-        dq[i] = from_f32(dq_acc[i] * p.scale);
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < dq_len; i += stride) {
+        const long long r = i / D, bh = r / p.n_q;
+        const int b = bh / p.heads_q, h = bh % p.heads_q;
+        const long long at = b * p.dq_strides.batch + h * p.dq_strides.head +
+                             (r % p.n_q) * p.dq_strides.row + i % D;
+        dq[at] = from_f32(dq_acc[i] * p.scale);
+    }
     // dK/dV element i belongs to kv head bk = i / head_len, whose query heads are
     // bk·group … bk·group + group − 1 (batch-major, so the flat index works across batches).
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < dkv_len; i += stride) {
@@ -569,7 +600,11 @@ extern "C" __global__ void fa2_backward_finish(const __grid_constant__ Fa2Backwa
             sk += dk_acc[src];
             sv += dv_acc[src];
         }
-        dk[i] = from_f32(sk * p.scale);
-        dv[i] = from_f32(sv);
+        const int b = bk / p.heads_kv, h = bk % p.heads_kv;
+        const long long key = off / D, col = off % D;
+        dk[b * p.dk_strides.batch + h * p.dk_strides.head + key * p.dk_strides.row + col] =
+            from_f32(sk * p.scale);
+        dv[b * p.dv_strides.batch + h * p.dv_strides.head + key * p.dv_strides.row + col] =
+            from_f32(sv);
     }
 }

@@ -20,14 +20,23 @@
 //   h   row half of an accumulator tile (entries 2h, 2h+1; see mma.cuh)
 //
 // Compile-time constants, set by the host for each variant:
-//   FA2_D      head dimension (64, 128, 256)
+//   FA2_D      head dimension (any multiple of 8 up to 256; layout.cuh pads it to the products'
+//              16-wide k-steps in registers and to 64-element rows in shared memory)
 //   FA2_MT     16-row mma tiles per warp (2 halves shared-memory traffic per FLOP; 1 for d = 256)
 //   FA2_BC     keys per K/V tile
 //   FA2_WARPS  warps per block
 //   FA2_CAUSAL 1 for the causal variant (a separate compile: the unmasked kernel carries no
 //              diagonal logic and keeps those registers free)
+//   FA2_Q_ROW, FA2_K_ROW, FA2_V_ROW, FA2_O_ROW
+//              elements between rows of Q, K, V, O (D when contiguous, heads·D for [b, s, h, d]):
+//              compiled in, so that the copies address a tile's rows with immediate offsets; a
+//              stride in a register costs the d = 64 causal kernel a spill. The batch and head
+//              strides are the parameters' (layout.cuh), used once per tile.
+//   FA2_V_STRIDES 1 when V's batch and head strides differ from K's (V's offset is computed on its
+//              own; 0: K's serves both, which the tightest variants need to stay out of spills)
 
 #include "copy.cuh"
+#include "layout.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
 #include "softmax.cuh"
@@ -50,6 +59,18 @@
 #endif
 
 constexpr int D = FA2_D;
+#ifndef FA2_Q_ROW
+#define FA2_Q_ROW FA2_D
+#define FA2_K_ROW FA2_D
+#define FA2_V_ROW FA2_D
+#define FA2_O_ROW FA2_D
+#endif
+constexpr long long Q_ROW = FA2_Q_ROW, K_ROW = FA2_K_ROW, V_ROW = FA2_V_ROW, O_ROW = FA2_O_ROW;
+#ifndef FA2_V_STRIDES
+#define FA2_V_STRIDES 0
+#endif
+constexpr int DK = HeadDim<D>::DK;      // columns of the products (D rounded up to 16)
+constexpr int COLS = HeadDim<D>::COLS;  // columns of a shared tile (D rounded up to 64)
 constexpr int MT = FA2_MT;
 constexpr int BC = FA2_BC;
 constexpr int WARPS = FA2_WARPS;
@@ -57,16 +78,21 @@ constexpr bool causal = FA2_CAUSAL;
 constexpr int THREADS = WARPS * 32;
 constexpr int BR = WARPS * MT * 16;
 constexpr int NT = BC / 8;  // 8-column accumulator tiles across one row of S
-constexpr int DT = D / 8;   // 8-column accumulator tiles across one row of O
+constexpr int DT = DK / 8;  // 8-column accumulator tiles across one row of O
 
-// Q, K, V, O are [batch, heads, n, D] (heads_q for Q and O, heads_kv for K and V); lse is
-// [batch, heads_q, n_q], natural log.
+// Q, K, V, O are [batch, heads, n, D] (heads_q for Q and O, heads_kv for K and V) with any
+// strides but the last (layout.cuh; the row strides are also FA2_*_ROW, which the kernel uses);
+// lse is [batch, heads_q, n_q], contiguous, natural log.
 struct Fa2ForwardParams {
     const u16* q;
     const u16* k;
     const u16* v;
     u16* o;
     float* lse;
+    Strides q_strides;
+    Strides k_strides;
+    Strides v_strides;
+    Strides o_strides;
     int heads_q;
     int heads_kv;
     int n_q;
@@ -75,13 +101,13 @@ struct Fa2ForwardParams {
 };
 
 // Launch: grid (ceil(n_q / BR), heads_q, batch), block (THREADS = 32·WARPS, 1, 1),
-// dynamic shared memory (BR + 4·BC)·D·2 bytes (Q tile, then two stages of K and two of V).
+// dynamic shared memory (BR + 4·BC)·COLS·2 bytes (Q tile, then two stages of K and two of V).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
     extern __shared__ __align__(128) u16 smem[];
-    u16* sQ = smem;             // [BR][D]
-    u16* sK = sQ + BR * D;      // [2][BC][D]
-    u16* sV = sK + 2 * BC * D;  // [2][BC][D]
+    u16* sQ = smem;                // [BR][COLS]
+    u16* sK = sQ + BR * COLS;      // [2][BC][COLS]
+    u16* sV = sK + 2 * BC * COLS;  // [2][BC][COLS]
 
     // ---- which rows: one block per query tile, the longest causal blocks first ------------------
     // Causal blocks near the end of the sequence have the most tiles: launch them first so that
@@ -91,10 +117,10 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
     const int q0 = q_block * BR;
     const int warp = warp_id();
 
-    const u16* gQ = p.q + ((size_t)batch * p.heads_q + head) * p.n_q * D;
+    const u16* gQ = head_base(p.q, p.q_strides, batch, head);
     // K and V of this block's kv head; recomputed inside the loop (see block_y) rather than kept.
-    auto kv_offset = [&]() {
-        return ((size_t)block_z() * p.heads_kv + block_y() / (p.heads_q / p.heads_kv)) * p.n_kv * D;
+    auto kv_offset = [&](const Strides& s) {
+        return head_offset<u16>(s, block_z(), block_y() / (p.heads_q / p.heads_kv));
     };
 
     const int shift = p.n_kv - p.n_q;  // bottom-right causal alignment (mask.cuh)
@@ -111,29 +137,34 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
     }
 
     // ---- prologue: Q once, and the first K/V tile into stage 0 ----------------------------------
-    load_tile<BR, D, THREADS>(sQ, gQ, q0, p.n_q);
+    load_tile<BR, COLS, DK, D, THREADS>(sQ, gQ, Q_ROW, q0, p.n_q);
     if (n_tiles > 0) {
         const int n_kv = p.n_kv;
-        load_tile<BC, D, THREADS>(sK, p.k + kv_offset(), 0, n_kv);
-        load_tile<BC, D, THREADS>(sV, p.v + kv_offset(), 0, n_kv);
+        const long long k_off = kv_offset(p.k_strides);
+        const long long v_off = FA2_V_STRIDES ? kv_offset(p.v_strides) : k_off;
+        load_tile<BC, COLS, DK, D, THREADS>(sK, p.k + k_off, K_ROW, 0, n_kv);
+        load_tile<BC, COLS, DK, D, THREADS>(sV, p.v + v_off, V_ROW, 0, n_kv);
     }
     cp_async_commit();
 
     // First row of the warp's tiles; a thread's accumulator rows are
     // warp_row0 + mt·16 + acc_row(e).
     const int warp_row0 = warp * MT * 16;
-    const auto qA = a_operand<D>(sQ, warp_row0);  // Q: A of S = Q·Kᵀ
-    const auto kB = b_operand<D>(sK);             // K: B of S = Q·Kᵀ (rows = keys = n)
-    const auto vB = b_operand_trans<D>(sV);       // V: B of O = P·V (rows = keys = k)
+    const auto qA = a_operand<COLS>(sQ, warp_row0);  // Q: A of S = Q·Kᵀ
+    const auto kB = b_operand<COLS>(sK);             // K: B of S = Q·Kᵀ (rows = keys = n)
+    const auto vB = b_operand_trans<COLS>(sV);       // V: B of O = P·V (rows = keys = k)
 
     // ---- the K/V walk: copy tile j + 1 into the other stage while tile j is computed ------------
     for (int j = 0; j < n_tiles; ++j) {
         const int stage = j & 1;
         if (j + 1 < n_tiles) {
-            const size_t off = kv_offset();
-            const int n_kv = p.n_kv;
-            load_tile<BC, D, THREADS>(sK + (stage ^ 1) * BC * D, p.k + off, (j + 1) * BC, n_kv);
-            load_tile<BC, D, THREADS>(sV + (stage ^ 1) * BC * D, p.v + off, (j + 1) * BC, n_kv);
+            const int n_kv = p.n_kv, next = (j + 1) * BC;
+            u16* k_stage = sK + (stage ^ 1) * BC * COLS;
+            u16* v_stage = sV + (stage ^ 1) * BC * COLS;
+            const long long k_off = kv_offset(p.k_strides);
+            const long long v_off = FA2_V_STRIDES ? kv_offset(p.v_strides) : k_off;
+            load_tile<BC, COLS, DK, D, THREADS>(k_stage, p.k + k_off, K_ROW, next, n_kv);
+            load_tile<BC, COLS, DK, D, THREADS>(v_stage, p.v + v_off, V_ROW, next, n_kv);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -149,7 +180,7 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
         float s[MT][NT][4];
         zero(s);
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
+        for (int kk = 0; kk < DK / 16; ++kk) {
             u32 a[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) qA.load(a[mt], kk, mt * 16);
@@ -226,7 +257,7 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
 
     // ---- epilogue: O = acc / l, lse = m·ln2 + ln l; rows that saw no key (l = 0) get O = 0 and
     // lse = −inf, rows that met a NaN (l = NaN) get NaN in both ------------------------------------
-    u16* gO = p.o + ((size_t)batch * p.heads_q + head) * p.n_q * D;
+    u16* gO = head_base(p.o, p.o_strides, batch, head);
     float* gL = p.lse + ((size_t)batch * p.heads_q + head) * p.n_q;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -238,8 +269,9 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
             if (row < p.n_q) {
 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt)
-                    *reinterpret_cast<u32*>(gO + (size_t)row * D + acc_col(dt, 0)) =
-                        pack2(acc[mt][dt][2 * h] * inv, acc[mt][dt][2 * h + 1] * inv);
+                    if (dt * 8 < D)  // the padding columns D … DK stay in registers
+                        *reinterpret_cast<u32*>(gO + row * O_ROW + acc_col(dt, 0)) =
+                            pack2(acc[mt][dt][2 * h] * inv, acc[mt][dt][2 * h + 1] * inv);
                 if (lane_id() % 4 == 0)
                     gL[row] = l == 0.f ? LADDER_NEG_INF : row_max[mt][h] * LADDER_LN2 + logf(l);
             }

@@ -21,6 +21,7 @@ use crate::error::{KernelError, Result};
 pub const HEADERS: &[(&str, &str)] = &[
     ("types.cuh", include_str!("../cuda/types.cuh")),
     ("copy.cuh", include_str!("../cuda/copy.cuh")),
+    ("layout.cuh", include_str!("../cuda/layout.cuh")),
     ("mma.cuh", include_str!("../cuda/mma.cuh")),
     ("softmax.cuh", include_str!("../cuda/softmax.cuh")),
     ("mask.cuh", include_str!("../cuda/mask.cuh")),

@@ -889,6 +889,11 @@ impl Shape {
                 self.dtype
             )));
         }
+        if !out.o.is_contiguous() || !out.lse.is_contiguous() {
+            return Err(KernelError::Shape(
+                "decode: the outputs O and lse must be contiguous tensors".into(),
+            ));
+        }
         Ok(())
     }
 }
@@ -1048,6 +1053,12 @@ fn check_call(gpu: &Gpu, q: &Tensor, cache: &Cache<'_>, opts: &DecodeOptions) ->
     let (k, v, table) = cache.buffers();
     for (name, t) in [("q", q), ("k", k), ("v", v)] {
         gpu.check_context(t, name)?;
+        if !t.is_contiguous() {
+            return Err(KernelError::Shape(format!(
+                "{name} has strides {:?}: the decoding kernels take contiguous tensors only",
+                t.strides()
+            )));
+        }
     }
     if let Some(table) = table {
         gpu.check_stream(table.stream(), "page_table")?;

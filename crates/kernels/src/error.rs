@@ -41,7 +41,7 @@ pub enum KernelError {
         log: String,
     },
     /// The rung has no kernel for this head dimension.
-    #[error("{rung}: unsupported head dimension {d} (supported: {supported:?})")]
+    #[error("{rung}: unsupported head dimension {d} (supported: {})", describe_dims(.supported))]
     UnsupportedHeadDim {
         /// Rung name.
         rung: &'static str,
@@ -122,5 +122,15 @@ impl KernelError {
                 KernelError::Driver { context: format!("allocating {bytes} bytes"), source }
             }
         }
+    }
+}
+
+/// A list of head dimensions as a reader wants it: "multiples of 8 from 8 to 256" for a run of
+/// them, the numbers otherwise.
+fn describe_dims(dims: &[usize]) -> String {
+    let run = dims.len() > 2 && dims.iter().enumerate().all(|(i, &d)| d == 8 * (i + 1));
+    match dims.last() {
+        Some(last) if run => format!("multiples of 8 from 8 to {last}"),
+        _ => format!("{dims:?}"),
     }
 }

@@ -11,23 +11,32 @@
 //! accumulates `dK, dV` in registers while walking the query tiles. `dQ` is added with atomics by
 //! those blocks, or, with [`Options::deterministic`], computed by a separate pass with one block
 //! per query tile that walks the key tiles (bitwise reproducible). Kernels: `cuda/fa2_backward.cu`.
+//!
+//! **Any head dimension, any layout.** A kernel is compiled for the head dimension it is given,
+//! any multiple of 8 up to 256 (backward: 128). Its products run over the head dimension rounded
+//! up to the instruction's 16-wide k-step, its shared tiles are padded to whole 64-element rows
+//! (the swizzle's span); the copies zero-fill the padding columns and never read or write them in
+//! memory (`cuda/layout.cuh`). Q, K, V, O and dO take any batch, head and sequence strides with
+//! the head dimension contiguous ([`Tensor::transpose`], [`Tensor::from_cuda_slice_strided`]), and
+//! the outputs are laid out in the order of their inputs' axes.
 
 use cudarc::driver::DeviceRepr;
 
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, Kernel, parse_counts};
-use crate::problem::{Gradients, Options, Output, Problem, grid};
+use crate::problem::{Gradients, Options, Output, Problem, Strides, grid, multiples_of_8};
 use crate::tensor::{DType, Tensor};
 
 const FORWARD_SRC: &str = include_str!("../cuda/fa2_forward.cu");
 const BACKWARD_SRC: &str = include_str!("../cuda/fa2_backward.cu");
 
-/// Head dimensions with an FA2 forward kernel.
-pub const HEAD_DIMS: &[usize] = &[64, 128, 256];
-/// Head dimensions with an FA2 backward kernel (at d = 256 the dK and dV accumulators of a warp's
-/// 16 keys alone would take all 255 registers).
-pub const BACKWARD_HEAD_DIMS: &[usize] = &[64, 128];
+/// Head dimensions of the FA2 forward kernel: every multiple of 8 from 8 to 256.
+pub const HEAD_DIMS: &[usize] = &multiples_of_8::<32>();
+/// Head dimensions of the FA2 backward kernels: every multiple of 8 from 8 to 128. Past 128 the
+/// dK and dV accumulators of a warp's 16 keys (d / 2 registers each per thread) and the two score
+/// tiles no longer fit in 255 registers: d = 256 would take all of them for dK and dV alone.
+pub const BACKWARD_HEAD_DIMS: &[usize] = &multiples_of_8::<16>();
 /// Element types of the FA2 kernels.
 pub const DTYPES: &[DType] = &[DType::F16, DType::BF16];
 
@@ -60,19 +69,27 @@ impl ForwardTiles {
         Ok(ForwardTiles { m_tiles, bc, warps })
     }
 
-    /// The tuned tiles for head dimension `d` on architecture `arch` (`sm_90a`, `sm_80`, ...).
-    /// Each warp owns 32 query rows (two mma tiles) where the registers allow, which halves the
-    /// shared-memory reads per FLOP.
+    /// The tuned tiles for head dimension `d` on architecture `arch` (`sm_90a`, `sm_80`, ...),
+    /// one row per range of head dimensions: what limits a tile is the registers of the output
+    /// accumulator (d / 2 per thread and mma tile) beside the score tile (`bc` / 2), so a head
+    /// dimension takes the tiles of the largest one of its range. Each warp owns 32 query rows
+    /// (two mma tiles) where the registers allow, which halves the shared-memory reads per FLOP.
+    ///
+    /// | d | m_tiles | bc | warps | why |
+    /// |---|---|---|---|---|
+    /// | 8 … 64 | 2 | 128 (sm_80: 64) | 4 | d = 64's: 128 keys fit Hopper's register allocation without spilling; sm_80's spills there |
+    /// | 72 … 128 | 2 | 64 | 4 | d = 128's: the accumulator takes 128 registers |
+    /// | 136 … 256 | 1 | 64 | 4 | d = 256's: one mma tile per warp, or the accumulator alone would fill the registers |
     pub fn for_head_dim(d: usize, arch: &str) -> Result<ForwardTiles> {
-        let hopper = arch.starts_with("sm_90");
-        match d {
-            // At d = 64, 128 keys per tile fit Hopper's register allocation without spilling;
-            // sm_80's allocation spills there, so it gets 64.
-            64 => Ok(ForwardTiles { m_tiles: 2, bc: if hopper { 128 } else { 64 }, warps: 4 }),
-            128 => Ok(ForwardTiles { m_tiles: 2, bc: 64, warps: 4 }),
-            256 => Ok(ForwardTiles { m_tiles: 1, bc: 64, warps: 4 }),
-            _ => Err(KernelError::UnsupportedHeadDim { rung: "fa2", d, supported: HEAD_DIMS }),
+        if !HEAD_DIMS.contains(&d) {
+            return Err(KernelError::UnsupportedHeadDim { rung: "fa2", d, supported: HEAD_DIMS });
         }
+        let hopper = arch.starts_with("sm_90");
+        Ok(match d {
+            ..=64 => ForwardTiles { m_tiles: 2, bc: if hopper { 128 } else { 64 }, warps: 4 },
+            65..=128 => ForwardTiles { m_tiles: 2, bc: 64, warps: 4 },
+            _ => ForwardTiles { m_tiles: 1, bc: 64, warps: 4 },
+        })
     }
 
     /// Query rows per block.
@@ -85,9 +102,10 @@ impl ForwardTiles {
         32 * self.warps
     }
 
-    /// Dynamic shared memory in bytes: the Q tile plus two stages of K and V, 16-bit elements.
+    /// Dynamic shared memory in bytes for head dimension `d`: the Q tile plus two stages of K and
+    /// V, 16-bit elements, rows of [`tile_cols`]`(d)`.
     pub fn shared_bytes(&self, d: usize) -> usize {
-        (self.br() + 4 * self.bc) * d * 2
+        (self.br() + 4 * self.bc) * tile_cols(d) * 2
     }
 }
 
@@ -103,6 +121,12 @@ impl std::str::FromStr for ForwardTiles {
             ))),
         }
     }
+}
+
+/// The row length of the kernels' shared tiles for head dimension `d`: `d` rounded up to 64
+/// elements, the span of their swizzle (`HeadDim::COLS` in `cuda/layout.cuh`).
+pub fn tile_cols(d: usize) -> usize {
+    d.next_multiple_of(64)
 }
 
 /// Tile configuration of the backward kernels (fixed per head dimension: tuned on the H200, see
@@ -122,9 +146,9 @@ pub struct BackwardTiles {
 }
 
 impl BackwardTiles {
-    /// The tiles for head dimension `d` (64 or 128). At d = 64 the dQ pass's warps take 32 rows
-    /// each (two mma tiles; half the shared-memory reads per FLOP); at d = 128 the registers
-    /// allow 16.
+    /// The tiles for head dimension `d` ([`BACKWARD_HEAD_DIMS`]). Up to d = 64 the dQ pass's
+    /// warps take 32 rows each (two mma tiles; half the shared-memory reads per FLOP); past it the
+    /// registers allow 16.
     pub fn for_head_dim(d: usize) -> Result<BackwardTiles> {
         if !BACKWARD_HEAD_DIMS.contains(&d) {
             return Err(KernelError::UnsupportedHeadDim {
@@ -136,7 +160,7 @@ impl BackwardTiles {
         Ok(BackwardTiles {
             br: 64,
             warps: 8,
-            dq_m_tiles: if d == 64 { 2 } else { 1 },
+            dq_m_tiles: if d <= 64 { 2 } else { 1 },
             dq_warps: 4,
             dq_bc: 64,
         })
@@ -158,30 +182,44 @@ impl BackwardTiles {
     pub fn shared_bytes(&self, d: usize, deterministic: bool) -> usize {
         let (br, bc) = (self.br, self.bc());
         let ds = if deterministic { 0 } else { bc * br * 2 };
-        (2 * bc + 4 * br) * d * 2 + ds + 4 * br * 4
+        (2 * bc + 4 * br) * tile_cols(d) * 2 + ds + 4 * br * 4
     }
 
     /// Dynamic shared memory of the deterministic dQ pass in bytes: the block's Q and dO tiles and
     /// two stages of K and V (16-bit).
     pub fn dq_shared_bytes(&self, d: usize) -> usize {
-        (2 * self.dq_br() + 4 * self.dq_bc) * d * 2
+        (2 * self.dq_br() + 4 * self.dq_bc) * tile_cols(d) * 2
     }
 }
 
-/// The forward kernel variant for head dimension `d`, element type `dtype`, masking and tiles.
-pub(crate) fn forward_variant(d: usize, dtype: DType, causal: bool, t: ForwardTiles) -> Variant {
-    Variant {
-        file: "fa2_forward",
-        source: FORWARD_SRC,
-        defines: vec![
-            ("LADDER_DTYPE", dtype.code().to_string()),
-            ("FA2_D", d.to_string()),
-            ("FA2_MT", t.m_tiles.to_string()),
-            ("FA2_BC", t.bc.to_string()),
-            ("FA2_WARPS", t.warps.to_string()),
-            ("FA2_CAUSAL", (causal as u32).to_string()),
-        ],
+/// The forward kernel variant for head dimension `d`, element type `dtype`, masking and tiles,
+/// and the layout: the row strides of Q, K, V and O (`None`: all contiguous, `d` apart) and
+/// whether V's batch and head strides differ from K's. The kernel compiles these in
+/// (`cuda/fa2_forward.cu` says why), so each layout is a variant of its own.
+pub(crate) fn forward_variant(
+    d: usize,
+    dtype: DType,
+    causal: bool,
+    t: ForwardTiles,
+    rows: Option<[i64; 4]>,
+    v_strides_differ: bool,
+) -> Variant {
+    let mut defines = vec![
+        ("LADDER_DTYPE", dtype.code().to_string()),
+        ("FA2_D", d.to_string()),
+        ("FA2_MT", t.m_tiles.to_string()),
+        ("FA2_BC", t.bc.to_string()),
+        ("FA2_WARPS", t.warps.to_string()),
+        ("FA2_CAUSAL", (causal as u32).to_string()),
+    ];
+    if let Some(rows) = rows.filter(|r| r.iter().any(|&x| x != d as i64)) {
+        let names = ["FA2_Q_ROW", "FA2_K_ROW", "FA2_V_ROW", "FA2_O_ROW"];
+        defines.extend(names.into_iter().zip(rows.map(|x| x.to_string())));
     }
+    if v_strides_differ {
+        defines.push(("FA2_V_STRIDES", "1".into()));
+    }
+    Variant { file: "fa2_forward", source: FORWARD_SRC, defines }
 }
 
 /// The backward kernels' variant (the entry points live in one module).
@@ -217,6 +255,10 @@ struct ForwardParams {
     v: u64,
     o: u64,
     lse: u64,
+    q_strides: Strides,
+    k_strides: Strides,
+    v_strides: Strides,
+    o_strides: Strides,
     heads_q: i32,
     heads_kv: i32,
     n_q: i32,
@@ -227,24 +269,28 @@ struct ForwardParams {
 // SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror.
 unsafe impl DeviceRepr for ForwardParams {}
 
-/// `softmax(scale · Q Kᵀ + mask) V` and its log-sum-exp. fp16 or bf16; head dim 64, 128 or 256;
-/// any lengths, `n_q != n_kv` (bottom-right causal), grouped-query attention.
+/// `softmax(scale · Q Kᵀ + mask) V` and its log-sum-exp. fp16 or bf16; any head dim in
+/// [`HEAD_DIMS`]; any strides with the head dim contiguous (O is laid out like Q); any lengths,
+/// `n_q != n_kv` (bottom-right causal), grouped-query attention.
 pub fn forward(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) -> Result<Output> {
     let p = Problem::new(gpu, q, k, v, opts)?;
     p.require_dtype("fa2", DTYPES, "fp16, bf16")?;
+    if !HEAD_DIMS.contains(&p.d) {
+        return Err(KernelError::UnsupportedHeadDim { rung: "fa2", d: p.d, supported: HEAD_DIMS });
+    }
     let tiles = match gpu.fa2_forward_tiles() {
         Some(t) => t,
         None => ForwardTiles::for_head_dim(p.d, gpu.arch())?,
     };
-    if !HEAD_DIMS.contains(&p.d) {
-        return Err(KernelError::UnsupportedHeadDim { rung: "fa2", d: p.d, supported: HEAD_DIMS });
-    }
-    let kernel =
-        Kernel { variant: forward_variant(p.d, p.dtype, p.causal, tiles), entry: "fa2_forward" };
+    let mut o = gpu.output_like(q, p.dtype)?;
+    let o_strides = Strides::of(&o, "o")?;
+    let [qs, ks, vs] = p.strides;
+    let rows = Some([qs.row, ks.row, vs.row, o_strides.row]);
+    let v_strides_differ = (vs.batch, vs.head) != (ks.batch, ks.head);
+    let variant = forward_variant(p.d, p.dtype, p.causal, tiles, rows, v_strides_differ);
+    let kernel = Kernel { variant, entry: "fa2_forward" };
     let smem = tiles.shared_bytes(p.d);
     gpu.prepare(&kernel, smem)?;
-
-    let mut o = gpu.output(&p.o_shape(), p.dtype)?;
     let mut lse = gpu.output(&p.lse_shape(), DType::F32)?;
     {
         let s = gpu.stream();
@@ -260,6 +306,10 @@ pub fn forward(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) ->
             v: v_ptr,
             o: o_ptr,
             lse: lse_ptr,
+            q_strides: p.strides[0],
+            k_strides: p.strides[1],
+            v_strides: p.strides[2],
+            o_strides,
             heads_q: hq,
             heads_kv: hkv,
             n_q: nq,
@@ -298,6 +348,14 @@ struct BackwardParams {
     n_q_pad: i32,
     scale: f32,
     scale_log2: f32,
+    q_strides: Strides,
+    k_strides: Strides,
+    v_strides: Strides,
+    o_strides: Strides,
+    d_o_strides: Strides,
+    dq_strides: Strides,
+    dk_strides: Strides,
+    dv_strides: Strides,
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror.
@@ -305,7 +363,9 @@ unsafe impl DeviceRepr for BackwardParams {}
 
 /// Gradients of [`forward`]: given the forward's [`Output`] (`O` and `lse`) and the upstream
 /// gradient `dO`, returns `dQ, dK, dV` (with GQA, `dK, dV` summed over each group's query heads).
-/// fp16 or bf16, head dim 64 or 128, the same tensors and options as the forward.
+/// fp16 or bf16, any head dim in [`BACKWARD_HEAD_DIMS`], the same tensors and options as the
+/// forward; `out.o` and `d_o` in any strides (the head dim contiguous), the gradients laid out like
+/// their inputs.
 /// `opts.deterministic` makes the result bitwise reproducible (see the module docs).
 pub fn backward(
     gpu: &Gpu,
@@ -354,9 +414,12 @@ pub fn backward(
     let kv_per_q_head = [p.batch, p.heads_q, p.n_kv, p.d];
     let mut dk_acc = gpu.output(&kv_per_q_head, DType::F32)?;
     let mut dv_acc = gpu.output(&kv_per_q_head, DType::F32)?;
-    let mut dq = gpu.output(&p.o_shape(), p.dtype)?;
-    let mut dk = gpu.output(&p.kv_shape(), p.dtype)?;
-    let mut dv = gpu.output(&p.kv_shape(), p.dtype)?;
+    let mut dq = gpu.output_like(q, p.dtype)?;
+    let mut dk = gpu.output_like(k, p.dtype)?;
+    let mut dv = gpu.output_like(v, p.dtype)?;
+    let [o_strides, d_o_strides] = [Strides::of(&out.o, "out.o")?, Strides::of(d_o, "d_o")?];
+    let [dq_strides, dk_strides, dv_strides] =
+        [Strides::of(&dq, "dq")?, Strides::of(&dk, "dk")?, Strides::of(&dv, "dv")?];
     {
         let s = gpu.stream();
         let (q_ptr, _g0) = q.read_ptr(s);
@@ -397,6 +460,14 @@ pub fn backward(
             n_q_pad: n_q_pad_i,
             scale: p.scale,
             scale_log2: p.scale_log2(),
+            q_strides: p.strides[0],
+            k_strides: p.strides[1],
+            v_strides: p.strides[2],
+            o_strides,
+            d_o_strides,
+            dq_strides,
+            dk_strides,
+            dv_strides,
         };
 
         // 1. D = rowsum(dO ∘ O), lse in base 2, dQ accumulator zeroed: one warp per padded row,
@@ -425,12 +496,25 @@ pub fn backward(
 /// Every variant of this rung for `arch`, for the compile check.
 #[cfg(test)]
 pub(crate) fn variants(arch: &str) -> Vec<Variant> {
+    // Every head dimension would be 256 variants per architecture: the compile check takes the
+    // three the tiles were tuned for in both types, and in fp16 the ends of each row of the tile
+    // table and head dims whose rows need the copy's general path (not a whole number of 16-byte
+    // chunks per thread) and the padding to 16 and to 64 columns.
+    let dims = |dtype| match dtype {
+        DType::F16 => &[8, 40, 64, 72, 96, 128, 136, 200, 256][..],
+        _ => &[64, 128, 256][..],
+    };
     let mut all = Vec::new();
     for &dtype in DTYPES {
-        for &d in HEAD_DIMS {
+        for &d in dims(dtype) {
             for causal in [false, true] {
                 if let Ok(tiles) = ForwardTiles::for_head_dim(d, arch) {
-                    all.push(forward_variant(d, dtype, causal, tiles));
+                    all.push(forward_variant(d, dtype, causal, tiles, None, false));
+                    if d == 128 {
+                        // [b, s, h, d] with 8 query and 2 kv heads
+                        let rows = Some([8 * 128, 2 * 128, 2 * 128, 8 * 128]);
+                        all.push(forward_variant(d, dtype, causal, tiles, rows, false));
+                    }
                 }
                 for deterministic in [false, true] {
                     all.extend(backward_variant(d, dtype, causal, deterministic));
@@ -456,10 +540,24 @@ mod tests {
                 "{bad:?} should be rejected"
             );
         }
-        assert!(matches!(
-            ForwardTiles::for_head_dim(96, "sm_90a"),
-            Err(KernelError::UnsupportedHeadDim { d: 96, .. })
-        ));
+        for bad in [0, 4, 100, 264] {
+            assert!(matches!(
+                ForwardTiles::for_head_dim(bad, "sm_90a"),
+                Err(KernelError::UnsupportedHeadDim { d, .. }) if d == bad
+            ));
+        }
+        // A head dim takes the tiles of the largest one of its range, and its shared tiles are
+        // padded to whole 64-element rows.
+        let tiles = |d| ForwardTiles::for_head_dim(d, "sm_90a").unwrap();
+        assert_eq!((tiles(40), tiles(96), tiles(160)), (tiles(64), tiles(128), tiles(256)));
+        assert_eq!(
+            (tile_cols(8), tile_cols(64), tile_cols(72), tile_cols(256)),
+            (64, 64, 128, 256)
+        );
+        assert_eq!(tiles(96).shared_bytes(96), tiles(128).shared_bytes(128));
+        let err = ForwardTiles::for_head_dim(100, "sm_90a").unwrap_err().to_string();
+        assert!(err.contains("multiples of 8 from 8 to 256"), "{err}");
+        assert_eq!((HEAD_DIMS.len(), BACKWARD_HEAD_DIMS.last()), (32, Some(&128)));
     }
 
     #[test]
@@ -473,8 +571,12 @@ mod tests {
         assert_eq!(t.shared_bytes(128, false) - t.shared_bytes(128, true), 128 * 64 * 2);
         assert!(t.shared_bytes(128, false) <= 227 * 1024);
         assert!(matches!(
-            backward_variant(256, DType::F16, false, false),
-            Err(KernelError::UnsupportedHeadDim { d: 256, .. })
+            backward_variant(136, DType::F16, false, false),
+            Err(KernelError::UnsupportedHeadDim { d: 136, .. })
         ));
+        assert_eq!(
+            BackwardTiles::for_head_dim(40).unwrap(),
+            BackwardTiles::for_head_dim(64).unwrap()
+        );
     }
 }

@@ -437,6 +437,7 @@ pub fn forward_with(
     schedule: Schedule,
 ) -> Result<Output> {
     let p = Problem::new(gpu, q, k, v, opts)?;
+    p.require_contiguous("fa3")?;
     require_hopper(gpu, "fa3")?;
     p.require_dtype("fa3", DTYPES, "fp16, bf16")?;
     if !HEAD_DIMS.contains(&p.d) {
@@ -682,6 +683,8 @@ mod tests {
             dtype: DType::F16,
             scale: 1.0,
             causal: true,
+            strides: Default::default(),
+            contiguous: true,
         };
         let budget = L2_SECTION_BYTES;
         // n = 512, d = 128: 256 KB of K and V per head, 48 of 512 heads per section.

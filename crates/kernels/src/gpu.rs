@@ -488,15 +488,32 @@ impl Gpu {
         Ok(t)
     }
 
-    /// Set every byte of `t` to `byte` (0xff makes every element NaN).
+    /// A tensor of `like`'s shape for a kernel to overwrite ([`Gpu::output`]), its axes in the
+    /// order of `like`'s strides with no gaps: the output of a `[batch, seq, heads, d]` input is
+    /// `[batch, seq, heads, d]` in memory too.
+    pub(crate) fn output_like(&self, like: &Tensor, dtype: DType) -> Result<Tensor> {
+        // Axes from the largest stride down (ties in axis order): the memory order of `like`.
+        let mut order: Vec<usize> = (0..like.shape().len()).collect();
+        order.sort_by_key(|&a| std::cmp::Reverse(like.strides()[a]));
+        let in_memory: Vec<usize> = order.iter().map(|&a| like.shape()[a]).collect();
+        let mut t = self.output(&in_memory, dtype)?;
+        let dense = t.strides.clone();
+        for (position, &axis) in order.iter().enumerate() {
+            t.shape[axis] = in_memory[position];
+            t.strides[axis] = dense[position];
+        }
+        Ok(t)
+    }
+
+    /// Set every byte of `t`'s buffer to `byte` (0xff makes every element NaN).
     pub fn fill_bytes(&self, t: &mut Tensor, byte: u8) -> Result<()> {
         self.check_context(t, "fill_bytes")?;
-        if t.is_empty() {
+        if t.buffer_len() == 0 {
             return Ok(());
         }
-        let bytes = t.bytes();
+        let bytes = t.buffer_len() * t.dtype().size();
         let (ptr, _guard) = t.write_ptr(&self.stream);
-        // SAFETY: ptr addresses t.bytes() bytes owned by `t`, on this stream.
+        // SAFETY: ptr addresses the `bytes` bytes of the buffer owned by `t`, on this stream.
         unsafe {
             cudarc::driver::result::memset_d8_async(ptr, byte, bytes, self.stream.cu_stream())
         }

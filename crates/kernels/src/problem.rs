@@ -1,5 +1,7 @@
 //! The shape of one attention call, checked once for every rung.
 
+use cudarc::driver::DeviceRepr;
+
 use crate::error::{KernelError, Result};
 use crate::gpu::Gpu;
 use crate::tensor::{DType, Tensor};
@@ -7,13 +9,15 @@ use crate::tensor::{DType, Tensor};
 /// Forward output of every GPU rung: `O` in the inputs' dtype and `lse` (natural log) in `f32`.
 #[derive(Debug)]
 pub struct Output {
-    /// `[batch, heads_q, n_q, d]`.
+    /// `[batch, heads_q, n_q, d]`, its axes in memory in the order of Q's (the rungs that take
+    /// strided inputs: [`crate::fa2`]).
     pub o: Tensor,
     /// `[batch, heads_q, n_q]`; `-inf` for rows that see no key.
     pub lse: Tensor,
 }
 
-/// Gradients of a backward pass, each in the dtype and shape of its input.
+/// Gradients of a backward pass, each in the dtype and shape of its input (and its axes in memory
+/// in the order of the input's).
 #[derive(Debug)]
 pub struct Gradients {
     /// `[batch, heads_q, n_q, d]`.
@@ -79,6 +83,53 @@ pub(crate) fn check_scale(scale: f32) -> Result<()> {
     }
 }
 
+/// Mirror of `Strides` in `cuda/layout.cuh`: where the rows of a `[batch, heads, rows, d]` tensor
+/// lie, in elements (the head dimension is contiguous).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Strides {
+    pub(crate) batch: i64,
+    pub(crate) head: i64,
+    pub(crate) row: i64,
+}
+
+// SAFETY: a plain #[repr(C)] struct of integers, laid out as its CUDA mirror.
+unsafe impl DeviceRepr for Strides {}
+
+impl Strides {
+    /// The strides of `t`, a rank-4 tensor, as the kernels take them: the last axis contiguous
+    /// and, for 16-bit elements, every other stride a multiple of 8 elements, since the kernels
+    /// copy rows in 16-byte chunks. Axes of length 1 are never stepped along: they take their
+    /// row-major stride, whatever the tensor's (so that FA2's compiled-in row strides are the
+    /// contiguous ones for a contiguous tensor).
+    pub(crate) fn of(t: &Tensor, name: &str) -> Result<Strides> {
+        let (shape, strides) = (t.shape(), t.strides());
+        let dense = crate::tensor::row_major(shape);
+        let step = |axis: usize| if shape[axis] == 1 { dense[axis] } else { strides[axis] };
+        if step(3) > 1 {
+            return Err(KernelError::Shape(format!(
+                "{name} has strides {strides:?}: its last axis (the head dimension) must be \
+                 contiguous (stride 1)"
+            )));
+        }
+        let chunk = (16 / t.dtype().size()).max(1);
+        if (0..3).any(|axis| step(axis) % chunk != 0) {
+            return Err(KernelError::Shape(format!(
+                "{name} has strides {strides:?}: the kernels read rows in 16-byte chunks, so the \
+                 batch, head and sequence strides must be multiples of {chunk} elements"
+            )));
+        }
+        if (0..3).any(|axis| step(axis) / chunk > u32::MAX as usize) {
+            return Err(KernelError::Shape(format!(
+                "{name} has strides {strides:?}: the kernels take strides below 2^32 chunks of 16 \
+                 bytes"
+            )));
+        }
+        let [batch, head, row] = [0, 1, 2].map(|axis| step(axis) as i64);
+        Ok(Strides { batch, head, row })
+    }
+}
+
 /// The dimensions of `softmax(scale · Q Kᵀ) V` with `Q: [batch, heads_q, n_q, d]` and
 /// `K, V: [batch, heads_kv, n_kv, d]`.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -101,6 +152,10 @@ pub struct Problem {
     pub scale: f32,
     /// Causal mask.
     pub causal: bool,
+    /// Where the rows of Q, K and V lie ([`Strides::of`]; checked by [`Problem::new`]).
+    pub(crate) strides: [Strides; 3],
+    /// Whether Q, K and V are all row-major with no gaps.
+    pub(crate) contiguous: bool,
 }
 
 impl Problem {
@@ -164,6 +219,13 @@ impl Problem {
         }
         let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
         check_scale(scale)?;
+        // Every GPU rung's head dims are multiples of 8; another is reported by the rung as an
+        // unsupported head dim, not as the strides of 16-byte chunks it cannot have.
+        let strides = if d % 8 == 0 {
+            [Strides::of(q, "q")?, Strides::of(k, "k")?, Strides::of(v, "v")?]
+        } else {
+            [Strides::default(); 3]
+        };
         Ok(Problem {
             batch,
             heads_q,
@@ -174,7 +236,22 @@ impl Problem {
             dtype: q.dtype(),
             scale,
             causal: opts.causal,
+            strides,
+            contiguous: [q, k, v].iter().all(|t| t.is_contiguous()),
         })
+    }
+
+    /// Fails unless Q, K and V are row-major with no gaps, for the rungs that take no strides
+    /// yet (`rung` names the one that refuses, and the error says which one takes strides).
+    pub(crate) fn require_contiguous(&self, rung: &str) -> Result<()> {
+        if self.contiguous {
+            Ok(())
+        } else {
+            Err(KernelError::Shape(format!(
+                "{rung} takes contiguous [batch, heads, seq, head_dim] tensors only; fa2 takes \
+                 strided ones (e.g. [batch, seq, heads, head_dim] through Tensor::transpose(1, 2))"
+            )))
+        }
     }
 
     /// `[heads_q, heads_kv, n_q, n_kv]` as the kernels' `int`s (in range: checked by `new`).
@@ -253,4 +330,15 @@ pub(crate) fn grid(blocks: usize, heads: usize, batch: usize) -> Result<(u32, u3
         fit(heads, 65_535, "heads")?,
         fit(batch, 65_535, "batch")?,
     ))
+}
+
+/// `[8, 16, …, 8·N]`: the head dimensions of a kernel compiled for whatever it is given.
+pub(crate) const fn multiples_of_8<const N: usize>() -> [usize; N] {
+    let mut dims = [0; N];
+    let mut i = 0;
+    while i < N {
+        dims[i] = 8 * (i + 1);
+        i += 1;
+    }
+    dims
 }

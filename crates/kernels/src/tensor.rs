@@ -1,8 +1,15 @@
-//! Device tensors: a typed buffer on the GPU with a shape.
+//! Device tensors: a typed buffer on the GPU with a shape and strides.
 //!
 //! A [`Tensor`] owns a cudarc [`CudaSlice`] of `f16`, `bf16` or `f32` elements. Tensors made by
 //! [`crate::Gpu`] and tensors wrapped around a caller's own buffers ([`Tensor::from_cuda_slice`])
 //! are the same thing, and [`Tensor::into_cuda_slice`] hands the buffer back: no copies either way.
+//!
+//! A tensor's strides say where each element lies in its buffer, so one buffer can be seen in
+//! another order without a copy: a projection's `[batch, seq, heads, d]` output is the
+//! `[batch, heads, seq, d]` tensor the attention rungs take after [`Tensor::transpose`]`(1, 2)`,
+//! and [`Tensor::from_cuda_slice_strided`] takes any strides that keep every element inside the
+//! buffer and at an address of its own (rows with gaps between them, one of three slots of a
+//! packed QKV projection).
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 use half::{bf16, f16};
@@ -176,11 +183,14 @@ impl Storage {
 pub struct Tensor {
     pub(crate) storage: Storage,
     pub(crate) shape: Vec<usize>,
+    /// Elements between neighbours along each axis (row-major: `[.., shape[n-1], 1]`).
+    pub(crate) strides: Vec<usize>,
 }
 
 impl Tensor {
-    /// Wrap an existing device buffer (no copy). Its length must be the product of `shape`; its
-    /// stream's context must be the one of the [`crate::Gpu`] it is used with (checked at launch).
+    /// Wrap an existing device buffer (no copy), row-major. Its length must be the product of
+    /// `shape`; its stream's context must be the one of the [`crate::Gpu`] it is used with
+    /// (checked at launch).
     pub fn from_cuda_slice<T: Element>(slice: CudaSlice<T>, shape: &[usize]) -> Result<Tensor> {
         let len = elements(shape)?;
         if slice.len() != len {
@@ -189,7 +199,66 @@ impl Tensor {
                 slice.len()
             )));
         }
-        Ok(Tensor { storage: T::wrap(slice), shape: shape.to_vec() })
+        Ok(Tensor { storage: T::wrap(slice), shape: shape.to_vec(), strides: row_major(shape) })
+    }
+
+    /// Wrap an existing device buffer (no copy) whose element `[i0, i1, ..]` lies at
+    /// `i0·strides[0] + i1·strides[1] + ..` (in elements). Every element must lie inside the
+    /// buffer, and no two at the same address (a tensor the kernels write must not alias itself).
+    ///
+    /// ```no_run
+    /// # use ladder_kernels::{Gpu, Tensor};
+    /// # let gpu = Gpu::new()?;
+    /// // Q of a packed QKV projection [batch, seq, 3, heads, d]: slot 0 of each token, as
+    /// // [batch, heads, seq, d].
+    /// let (b, s, h, d) = (2, 512, 8, 64);
+    /// let qkv = gpu.stream().alloc_zeros::<half::f16>(b * s * 3 * h * d).expect("alloc");
+    /// let q = Tensor::from_cuda_slice_strided(qkv, &[b, h, s, d], &[s * 3 * h * d, d, 3 * h * d, 1])?;
+    /// # Ok::<(), ladder_kernels::KernelError>(())
+    /// ```
+    pub fn from_cuda_slice_strided<T: Element>(
+        slice: CudaSlice<T>,
+        shape: &[usize],
+        strides: &[usize],
+    ) -> Result<Tensor> {
+        check_strides(shape, strides, slice.len())?;
+        Ok(Tensor { storage: T::wrap(slice), shape: shape.to_vec(), strides: strides.to_vec() })
+    }
+
+    /// The same buffer seen with another shape and strides (no copy), checked as
+    /// [`Tensor::from_cuda_slice_strided`] checks them.
+    pub fn as_strided(mut self, shape: &[usize], strides: &[usize]) -> Result<Tensor> {
+        check_strides(shape, strides, self.buffer_len())?;
+        self.shape = shape.to_vec();
+        self.strides = strides.to_vec();
+        Ok(self)
+    }
+
+    /// The same buffer with axes `a` and `b` swapped (no copy): a `[batch, seq, heads, d]`
+    /// tensor's `transpose(1, 2)` is the `[batch, heads, seq, d]` one the attention rungs take.
+    pub fn transpose(mut self, a: usize, b: usize) -> Result<Tensor> {
+        let rank = self.shape.len();
+        if a >= rank || b >= rank {
+            return Err(KernelError::Shape(format!(
+                "transpose({a}, {b}) of a tensor of rank {rank}"
+            )));
+        }
+        self.shape.swap(a, b);
+        self.strides.swap(a, b);
+        Ok(self)
+    }
+
+    /// Elements between neighbours along each axis.
+    pub fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+
+    /// Whether the elements are in row-major order with no gaps (what [`Tensor::from_cuda_slice`]
+    /// makes). Axes of length 1 may have any stride.
+    pub fn is_contiguous(&self) -> bool {
+        let dense = row_major(&self.shape);
+        self.shape.iter().zip(&self.strides).zip(&dense).all(|((&n, &s), &r)| n == 1 || s == r)
+            && self.storage.len() == self.len()
     }
 
     /// Hand the buffer back (no copy). Fails, returning nothing, if `T` is not the tensor's dtype.
@@ -215,8 +284,14 @@ impl Tensor {
         self.storage.dtype()
     }
 
-    /// Number of elements.
+    /// Number of elements (of the shape; the buffer may hold more, see
+    /// [`Tensor::from_cuda_slice_strided`]).
     pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Number of elements of the buffer behind the tensor.
+    pub(crate) fn buffer_len(&self) -> usize {
         self.storage.len()
     }
 
@@ -225,7 +300,7 @@ impl Tensor {
         self.len() == 0
     }
 
-    /// Size in bytes.
+    /// Size in bytes of the tensor's elements.
     pub fn bytes(&self) -> usize {
         self.len() * self.dtype().size()
     }
@@ -246,21 +321,100 @@ impl Tensor {
         each_storage!(&mut self.storage, s => s.device_ptr_mut(stream))
     }
 
-    /// Copy to the host, widened to `f32` (waits for the work queued before).
+    /// Copy to the host in row-major order of the shape, widened to `f32` (waits for the work
+    /// queued before).
     pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
         Ok(each_storage!(&self.storage, s => {
-            download(s)?.into_iter().map(Element::to_f32).collect()
+            let all = download(s)?;
+            self.offsets().map(|i| all[i].to_f32()).collect()
         }))
     }
 
-    /// Copy to the host as raw little-endian bytes, for bitwise comparisons.
+    /// Copy to the host as raw little-endian bytes in row-major order of the shape, for bitwise
+    /// comparisons.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         let mut out = Vec::with_capacity(self.bytes());
         each_storage!(&self.storage, s => {
-            download(s)?.into_iter().for_each(|x| x.append_le_bytes(&mut out))
+            let all = download(s)?;
+            self.offsets().for_each(|i| all[i].append_le_bytes(&mut out))
         });
         Ok(out)
     }
+
+    /// The buffer offset of every element, in row-major order of the shape.
+    fn offsets(&self) -> impl Iterator<Item = usize> + '_ {
+        let mut index = vec![0usize; self.shape.len()];
+        let mut left = self.len();
+        std::iter::from_fn(move || {
+            if left == 0 {
+                return None;
+            }
+            left -= 1;
+            let at = index.iter().zip(&self.strides).map(|(i, s)| i * s).sum();
+            for axis in (0..index.len()).rev() {
+                index[axis] += 1;
+                if index[axis] < self.shape[axis] {
+                    break;
+                }
+                index[axis] = 0;
+            }
+            Some(at)
+        })
+    }
+}
+
+/// Row-major strides of `shape`.
+pub(crate) fn row_major(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1; shape.len()];
+    for axis in (0..shape.len().saturating_sub(1)).rev() {
+        strides[axis] = strides[axis + 1] * shape[axis + 1];
+    }
+    strides
+}
+
+/// Strides that give every element of `shape` its own address inside a buffer of `len`
+/// elements, or an error that says which rule they break.
+fn check_strides(shape: &[usize], strides: &[usize], len: usize) -> Result<()> {
+    if strides.len() != shape.len() {
+        return Err(KernelError::Shape(format!(
+            "shape {shape:?} has {} axes but {} strides were given ({strides:?})",
+            shape.len(),
+            strides.len()
+        )));
+    }
+    elements(shape)?;
+    if shape.contains(&0) {
+        return Ok(());
+    }
+    // The last element's offset, checked for overflow: it must lie inside the buffer.
+    let last = shape
+        .iter()
+        .zip(strides)
+        .try_fold(0usize, |acc, (&n, &s)| (n - 1).checked_mul(s).and_then(|x| acc.checked_add(x)));
+    match last {
+        Some(last) if last < len => {}
+        _ => {
+            return Err(KernelError::Shape(format!(
+                "strides {strides:?} of shape {shape:?} reach past the buffer of {len} elements"
+            )));
+        }
+    }
+    // No two elements share an address when, taking the axes from the smallest stride up, each
+    // stride is larger than the span of the axes before it (the sufficient rule frameworks use).
+    let mut axes: Vec<usize> = (0..shape.len()).filter(|&a| shape[a] > 1).collect();
+    axes.sort_by_key(|&a| strides[a]);
+    let mut span = 0usize;
+    for &a in &axes {
+        if strides[a] <= span {
+            return Err(KernelError::Shape(format!(
+                "strides {strides:?} of shape {shape:?} overlap: axis {a} (stride {}) steps onto \
+                 elements of the axes with smaller strides",
+                strides[a]
+            )));
+        }
+        span += (shape[a] - 1) * strides[a];
+    }
+    Ok(())
 }
 
 /// The number of elements of `shape`, or an error if it does not fit in `usize`.
@@ -283,6 +437,28 @@ pub fn round_to(values: &[f32], dtype: DType) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn strides_must_stay_inside_the_buffer_and_not_overlap() {
+        assert_eq!(row_major(&[2, 3, 4]), vec![12, 4, 1]);
+        // [b, s, h, d] seen as [b, h, s, d], and slot 0 of a packed QKV buffer.
+        assert!(
+            check_strides(&[2, 8, 5, 64], &[5 * 8 * 64, 64, 8 * 64, 1], 2 * 5 * 8 * 64).is_ok()
+        );
+        let packed = [5 * 3 * 8 * 64, 64, 3 * 8 * 64, 1];
+        assert!(check_strides(&[2, 8, 5, 64], &packed, 2 * 5 * 3 * 8 * 64).is_ok());
+        let err = |shape: &[usize], strides: &[usize], len| {
+            check_strides(shape, strides, len).unwrap_err().to_string()
+        };
+        assert!(err(&[2, 4], &[4, 1], 7).contains("past the buffer"), "one element short");
+        assert!(err(&[2, 4], &[2, 1], 8).contains("overlap"), "rows overlap");
+        assert!(err(&[2, 4], &[0, 1], 8).contains("overlap"), "broadcast rows");
+        assert!(err(&[2, 4], &[4], 8).contains("2 axes"));
+        assert!(err(&[usize::MAX, 4], &[1, 1], 8).contains("too many elements"));
+        // Axes of length 1 take any stride; empty tensors any strides.
+        assert!(check_strides(&[1, 4], &[0, 1], 4).is_ok());
+        assert!(check_strides(&[0, 4], &[99, 1], 0).is_ok());
+    }
 
     #[test]
     fn rounds_like_the_device() {

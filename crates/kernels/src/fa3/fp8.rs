@@ -206,6 +206,7 @@ pub fn quantize(
     fp8: &Fp8Options,
 ) -> Result<Fp8Inputs> {
     let p = Problem::new(gpu, q, k, v, opts)?;
+    p.require_contiguous("fa3 fp8")?;
     require_hopper(gpu, "fa3-fp8")?;
     p.require_dtype("fa3-fp8", DTYPES, "fp16, bf16")?;
     let tiles = tiles_on(gpu, p.d, p.n_kv)?;
