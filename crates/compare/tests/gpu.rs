@@ -186,14 +186,7 @@ fn gpu_fa2_long_sequences() {
         (40, false, Layout::Packed),
         (160, true, Layout::Packed),
     ] {
-        let case = Case {
-            shape: ladder_reference::AttentionShape::new(1, 4, 2, 700, 1500, d).unwrap(),
-            causal,
-            logit_std: 1.0,
-            tiles: ladder_reference::TileSizes::new(64, 64).unwrap(),
-            splits: 1,
-            seed: 1000 + d as u64,
-        };
+        let case = long_case((1, 4, 2, 700, 1500, d), causal, 64, 1000 + d as u64);
         check_forward_in(GpuRung::Fa2, &case, DType::F16, layout)
             .unwrap_or_else(|e| panic!("d = {d}, causal = {causal}, {layout:?}: {e}"));
     }
@@ -221,14 +214,7 @@ fn gpu_fa3_long_sequences() {
         (1, 4, 2, 300, 2100, 128, true),
         (1, 4, 2, 300, 2100, 64, true),
     ] {
-        let case = Case {
-            shape: ladder_reference::AttentionShape::new(b, hq, hkv, n_q, n_kv, d).unwrap(),
-            causal,
-            logit_std: 1.0,
-            tiles: ladder_reference::TileSizes::new(128, 128).unwrap(),
-            splits: 1,
-            seed: 3000 + d as u64,
-        };
+        let case = long_case((b, hq, hkv, n_q, n_kv, d), causal, 128, 3000 + d as u64);
         check_forward(GpuRung::Fa3, &case, DType::F16).unwrap_or_else(|e| {
             panic!("[{b}, {hq}/{hkv}, {n_q}x{n_kv}, {d}], causal = {causal}: {e}")
         });
@@ -245,17 +231,28 @@ fn hopper() -> Option<&'static Gpu> {
     Some(gpu)
 }
 
-/// The problem of the FA3 schedule and tile-order tests: `batch` sequences × 4 query heads (2 kv
-/// heads), 517 queries against 1029 keys (5 query blocks of 128 rows, ragged tails), d = 128.
-fn fa3_case(batch: usize, causal: bool, seed: u64) -> Case {
+/// A fixed problem of `(batch, heads_q, heads_kv, n_q, n_kv, d)` with the CPU rung's tiles
+/// `tile × tile`, its tensors drawn from `seed`: the longer cases of these tests.
+fn long_case(
+    (b, hq, hkv, n_q, n_kv, d): (usize, usize, usize, usize, usize, usize),
+    causal: bool,
+    tile: usize,
+    seed: u64,
+) -> Case {
     Case {
-        shape: ladder_reference::AttentionShape::new(batch, 4, 2, 517, 1029, 128).unwrap(),
+        shape: ladder_reference::AttentionShape::new(b, hq, hkv, n_q, n_kv, d).unwrap(),
         causal,
         logit_std: 1.0,
-        tiles: ladder_reference::TileSizes::new(128, 128).unwrap(),
+        tiles: ladder_reference::TileSizes::new(tile, tile).unwrap(),
         splits: 1,
         seed,
     }
+}
+
+/// The problem of the FA3 schedule and tile-order tests: `batch` sequences × 4 query heads (2 kv
+/// heads), 517 queries against 1029 keys (5 query blocks of 128 rows, ragged tails), d = 128.
+fn fa3_case(batch: usize, causal: bool, seed: u64) -> Case {
+    long_case((batch, 4, 2, 517, 1029, 128), causal, 128, seed)
 }
 
 /// `a` in fp16 on `gpu`.
@@ -376,14 +373,7 @@ fn gpu_fa2_backward_long_sequences() {
         (96, true, Layout::Bshd),
         (72, false, Layout::Packed),
     ] {
-        let case = Case {
-            shape: ladder_reference::AttentionShape::new(1, 4, 2, 300, 700, d).unwrap(),
-            causal,
-            logit_std: 1.0,
-            tiles: ladder_reference::TileSizes::new(64, 64).unwrap(),
-            splits: 1,
-            seed: 2000 + d as u64,
-        };
+        let case = long_case((1, 4, 2, 300, 700, d), causal, 64, 2000 + d as u64);
         for rung in [GpuRung::Fa2Backward, GpuRung::Fa2BackwardDeterministic] {
             check_backward(rung, &case, DType::F16, layout)
                 .unwrap_or_else(|e| panic!("{rung}, d = {d}, causal = {causal}, {layout:?}: {e}"));

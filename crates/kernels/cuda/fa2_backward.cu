@@ -565,46 +565,48 @@ fa2_backward_dq(const __grid_constant__ Fa2BackwardParams p) {
 #endif  // FA2_DETERMINISTIC
 
 // ---- finish: dQ = scale·dQ_acc; dK = scale·Σ_group dK_acc; dV = Σ_group dV_acc; to 16 bits ------
-// Reads the contiguous accumulators in order and writes each element where its output's strides
-// put it.
-// Launch: grid (min(ceil(max(dq_len, dkv_len) / 256), 16·SM count), 1, 1), block (256, 1, 1), no
-// shared memory; dq_len = batch·heads_q·n_q·D, dkv_len = batch·heads_kv·n_kv·D (grid-stride loops,
+// One warp per row of an output (grid-stride over the rows), its lanes two adjacent columns each:
+// a row's place in the strided output is worked out once per row, not per element, and the
+// contiguous accumulators are read in order.
+// Launch: grid (min(ceil(max(dq_rows, dkv_rows) / 8), 16·SM count), 1, 1), block (256, 1, 1), no
+// shared memory; dq_rows = batch·heads_q·n_q, dkv_rows = batch·heads_kv·n_kv (grid-stride loops,
 // so any grid size is correct).
 extern "C" __global__ void fa2_backward_finish(const __grid_constant__ Fa2BackwardParams p) {
     const float* __restrict__ dq_acc = p.dq_acc;
     const float* __restrict__ dk_acc = p.dk_acc;
     const float* __restrict__ dv_acc = p.dv_acc;
-    u16* __restrict__ dq = p.dq;
-    u16* __restrict__ dk = p.dk;
-    u16* __restrict__ dv = p.dv;
-    const long long dq_len = (long long)p.batch * p.heads_q * p.n_q * D;
-    const long long dkv_len = (long long)p.batch * p.heads_kv * p.n_kv * D;
+    const long long dq_rows = (long long)p.batch * p.heads_q * p.n_q;
+    const long long dkv_rows = (long long)p.batch * p.heads_kv * p.n_kv;
     const int group = p.heads_q / p.heads_kv;
-    const long long head_len = (long long)p.n_kv * D;
+    const long long head_len = (long long)p.n_kv * D;  // elements of one query head's dK_acc
+    const int lane = lane_id();
+    const long long warps = (long long)gridDim.x * blockDim.x / 32;
+    const long long first = (blockIdx.x * (long long)blockDim.x + threadIdx.x) / 32;
 
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < dq_len; i += stride) {
-        const long long r = i / D, bh = r / p.n_q;
+    for (long long r = first; r < dq_rows; r += warps) {
+        const long long bh = r / p.n_q;
         const int b = bh / p.heads_q, h = bh % p.heads_q;
-        const long long at = b * p.dq_strides.batch + h * p.dq_strides.head +
-                             (r % p.n_q) * p.dq_strides.row + i % D;
-        dq[at] = from_f32(dq_acc[i] * p.scale);
+        u16* out = head_base(p.dq, p.dq_strides, b, h) + (r % p.n_q) * p.dq_strides.row;
+        const float* acc = dq_acc + r * D;
+        for (int c = 2 * lane; c < D; c += 64)
+            *reinterpret_cast<u32*>(out + c) = pack2(acc[c] * p.scale, acc[c + 1] * p.scale);
     }
-    // dK/dV element i belongs to kv head bk = i / head_len, whose query heads are
+    // dK/dV row r is key r % n_kv of kv head bk = r / n_kv, whose query heads are
     // bk·group … bk·group + group − 1 (batch-major, so the flat index works across batches).
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < dkv_len; i += stride) {
-        const long long bk = i / head_len, off = i % head_len;
-        float sk = 0.f, sv = 0.f;
-        for (int g = 0; g < group; ++g) {
-            const long long src = (bk * group + g) * head_len + off;
-            sk += dk_acc[src];
-            sv += dv_acc[src];
-        }
+    for (long long r = first; r < dkv_rows; r += warps) {
+        const long long bk = r / p.n_kv, key = r % p.n_kv;
         const int b = bk / p.heads_kv, h = bk % p.heads_kv;
-        const long long key = off / D, col = off % D;
-        dk[b * p.dk_strides.batch + h * p.dk_strides.head + key * p.dk_strides.row + col] =
-            from_f32(sk * p.scale);
-        dv[b * p.dv_strides.batch + h * p.dv_strides.head + key * p.dv_strides.row + col] =
-            from_f32(sv);
+        u16* out_k = head_base(p.dk, p.dk_strides, b, h) + key * p.dk_strides.row;
+        u16* out_v = head_base(p.dv, p.dv_strides, b, h) + key * p.dv_strides.row;
+        for (int c = 2 * lane; c < D; c += 64) {
+            float sk[2] = {0.f, 0.f}, sv[2] = {0.f, 0.f};
+            for (int g = 0; g < group; ++g) {
+                const long long src = (bk * group + g) * head_len + key * D + c;
+                sk[0] += dk_acc[src], sk[1] += dk_acc[src + 1];
+                sv[0] += dv_acc[src], sv[1] += dv_acc[src + 1];
+            }
+            *reinterpret_cast<u32*>(out_k + c) = pack2(sk[0] * p.scale, sk[1] * p.scale);
+            *reinterpret_cast<u32*>(out_v + c) = pack2(sv[0], sv[1]);
+        }
     }
 }

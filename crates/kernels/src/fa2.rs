@@ -193,15 +193,15 @@ impl BackwardTiles {
 }
 
 /// The forward kernel variant for head dimension `d`, element type `dtype`, masking and tiles,
-/// and the layout: the row strides of Q, K, V and O (`None`: all contiguous, `d` apart) and
-/// whether V's batch and head strides differ from K's. The kernel compiles these in
+/// and the layout: the row strides of Q, K, V and O (all `d` when contiguous) and whether V's
+/// batch and head strides differ from K's. The kernel compiles these in
 /// (`cuda/fa2_forward.cu` says why), so each layout is a variant of its own.
 pub(crate) fn forward_variant(
     d: usize,
     dtype: DType,
     causal: bool,
     t: ForwardTiles,
-    rows: Option<[i64; 4]>,
+    rows: [i64; 4],
     v_strides_differ: bool,
 ) -> Variant {
     let mut defines = vec![
@@ -212,7 +212,7 @@ pub(crate) fn forward_variant(
         ("FA2_WARPS", t.warps.to_string()),
         ("FA2_CAUSAL", (causal as u32).to_string()),
     ];
-    if let Some(rows) = rows.filter(|r| r.iter().any(|&x| x != d as i64)) {
+    if rows.iter().any(|&x| x != d as i64) {
         let names = ["FA2_Q_ROW", "FA2_K_ROW", "FA2_V_ROW", "FA2_O_ROW"];
         defines.extend(names.into_iter().zip(rows.map(|x| x.to_string())));
     }
@@ -285,7 +285,7 @@ pub fn forward(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) ->
     let mut o = gpu.output_like(q, p.dtype)?;
     let o_strides = Strides::of(&o, "o")?;
     let [qs, ks, vs] = p.strides;
-    let rows = Some([qs.row, ks.row, vs.row, o_strides.row]);
+    let rows = [qs.row, ks.row, vs.row, o_strides.row];
     let v_strides_differ = (vs.batch, vs.head) != (ks.batch, ks.head);
     let variant = forward_variant(p.d, p.dtype, p.causal, tiles, rows, v_strides_differ);
     let kernel = Kernel { variant, entry: "fa2_forward" };
@@ -485,9 +485,10 @@ pub fn backward(
             gpu.launch(&dq_pass, dq_grid, 32 * t.dq_warps as u32, dq_smem, &params)?;
         }
 
-        // 3. Scale, sum the GQA groups, convert: a grid-stride loop over the larger of dQ and dK.
-        let elements = (heads * p.n_q * p.d).max(p.batch * p.heads_kv * p.n_kv * p.d);
-        let blocks = elements.div_ceil(256).min(gpu.sm_count() as usize * 16);
+        // 3. Scale, sum the GQA groups, convert: a warp per row, grid-stride over the rows of the
+        //    larger of dQ and dK.
+        let finish_rows = (heads * p.n_q).max(p.batch * p.heads_kv * p.n_kv);
+        let blocks = finish_rows.div_ceil(8).min(gpu.sm_count() as usize * 16);
         gpu.launch(&finish, grid(blocks, 1, 1)?, 256, 0, &params)?;
     }
     Ok(Gradients { dq, dk, dv })
@@ -509,10 +510,10 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
         for &d in dims(dtype) {
             for causal in [false, true] {
                 if let Ok(tiles) = ForwardTiles::for_head_dim(d, arch) {
-                    all.push(forward_variant(d, dtype, causal, tiles, None, false));
+                    all.push(forward_variant(d, dtype, causal, tiles, [d as i64; 4], false));
                     if d == 128 {
                         // [b, s, h, d] with 8 query and 2 kv heads
-                        let rows = Some([8 * 128, 2 * 128, 2 * 128, 8 * 128]);
+                        let rows = [8 * 128, 2 * 128, 2 * 128, 8 * 128];
                         all.push(forward_variant(d, dtype, causal, tiles, rows, false));
                     }
                 }

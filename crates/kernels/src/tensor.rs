@@ -325,8 +325,7 @@ impl Tensor {
     /// queued before).
     pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
         Ok(each_storage!(&self.storage, s => {
-            let all = download(s)?;
-            self.offsets().map(|i| all[i].to_f32()).collect()
+            self.in_order(download(s)?).into_iter().map(Element::to_f32).collect()
         }))
     }
 
@@ -335,22 +334,21 @@ impl Tensor {
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         let mut out = Vec::with_capacity(self.bytes());
         each_storage!(&self.storage, s => {
-            let all = download(s)?;
-            self.offsets().for_each(|i| all[i].append_le_bytes(&mut out))
+            self.in_order(download(s)?).into_iter().for_each(|x| x.append_le_bytes(&mut out))
         });
         Ok(out)
     }
 
-    /// The buffer offset of every element, in row-major order of the shape.
-    fn offsets(&self) -> impl Iterator<Item = usize> + '_ {
+    /// The tensor's elements in row-major order of the shape, from a copy of its whole buffer:
+    /// the buffer itself when the tensor is contiguous, else gathered through the strides.
+    fn in_order<T: Copy>(&self, buffer: Vec<T>) -> Vec<T> {
+        if self.is_contiguous() {
+            return buffer;
+        }
+        let mut out = Vec::with_capacity(self.len());
         let mut index = vec![0usize; self.shape.len()];
-        let mut left = self.len();
-        std::iter::from_fn(move || {
-            if left == 0 {
-                return None;
-            }
-            left -= 1;
-            let at = index.iter().zip(&self.strides).map(|(i, s)| i * s).sum();
+        for _ in 0..self.len() {
+            out.push(buffer[index.iter().zip(&self.strides).map(|(i, s)| i * s).sum::<usize>()]);
             for axis in (0..index.len()).rev() {
                 index[axis] += 1;
                 if index[axis] < self.shape[axis] {
@@ -358,8 +356,8 @@ impl Tensor {
                 }
                 index[axis] = 0;
             }
-            Some(at)
-        })
+        }
+        out
     }
 }
 
