@@ -12,8 +12,9 @@ header it writes is committed, and `.ci/kernels` checks that it is up to date.
 import pathlib
 import sys
 
-# Accumulator widths N (keys per tile for S = Q·Kᵀ, head dims for O += P·V).
-WIDTHS = list(range(64, 257, 16))
+# Accumulator widths N: keys per tile for S = Q·Kᵀ (multiples of 16), head dims for O += P·V
+# (any multiple of 8: the instruction's N takes every one from 8 to 256).
+WIDTHS = list(range(8, 257, 8))
 OUT = pathlib.Path(__file__).resolve().parent.parent / "crates/kernels/cuda/wgmma_ops.cuh"
 
 HEAD = """\

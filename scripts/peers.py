@@ -54,7 +54,8 @@ import warnings
 # The columns of ladder_compare::results::COLUMNS (crates/compare/src/results.rs), which reads this
 # file by column name: keep the two in step.
 HEADER = ["impl", "direction", "dtype", "causal", "batch", "heads_q", "heads_kv",
-          "n_q", "n_kv", "d", "ms", "tflops", "tbps", "page_size"]  # page_size: empty (no paged peers)
+          "n_q", "n_kv", "d", "ms", "tflops", "tbps", "page_size",  # page_size: empty (no paged peers)
+          "layout"]  # empty for [b, h, s, d]; bshd: [b, s, h, d] in memory, a transposed view
 IMPLS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "triton", "triton-fp8", "flashinfer"]
 L2_BYTES = 50 << 20  # H100/H200 L2: inputs smaller than this rotate among several sets
 SAMPLE_MS = 1.0      # a timed sample spans at least this long
@@ -101,6 +102,9 @@ def parse_args(argv=None):
                    help="lengths [512..16384; 1024,4096 with --quick]; decode: KV cache lengths L")
     p.add_argument("--batch", type=csv_list(int), help="decode only: batch sizes [1,4,16,64]")
     p.add_argument("--heads-kv", type=csv_list(int), help="decode only: kv heads for 32 query heads [32,8]")
+    p.add_argument("--layout", type=csv_list(str, ["bhsd", "bshd"]), default=["bhsd"],
+                   help="prefill: memory layouts of q, k, v: bhsd, bshd ([b, s, h, d] handed over "
+                        "as a transposed view, as `ladder bench --layout`) [bhsd]")
     p.add_argument("--causal", choices=["both", "true", "false"], default="both",
                    help="masks [both; false with --quick]")
     p.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
@@ -179,11 +183,12 @@ def sets_for(bytes_per_set):
     return min(32, max(2, -(-2 * L2_BYTES // max(1, bytes_per_set))))
 
 
-def csv_row(impl, direction, dtype, causal, batch, heads, n, d, ms):
+def csv_row(impl, direction, dtype, causal, batch, heads, n, d, ms, layout="bhsd"):
     tflops = flops(direction, batch, heads, n, n, d, causal) / (ms * 1e-3) / 1e12
     return {"impl": impl, "direction": direction, "dtype": dtype, "causal": str(causal).lower(),
             "batch": batch, "heads_q": heads, "heads_kv": heads, "n_q": n, "n_kv": n, "d": d,
-            "ms": f"{ms:.6f}", "tflops": f"{tflops:.3f}", "tbps": ""}
+            "ms": f"{ms:.6f}", "tflops": f"{tflops:.3f}", "tbps": "",
+            "layout": "" if layout == "bhsd" else layout}
 
 
 def decode_row(impl, dtype, batch, heads_q, heads_kv, n_q, n_kv, d, ms, elem_bytes=2):
@@ -542,40 +547,50 @@ def main(argv=None):
     decode_impls = [i for i in args.impl if i in DECODE_IMPLS]
     if args.decode and len(decode_impls) < len(args.impl):
         print("note: decode leaves out the Triton tutorial (a prefill kernel)", file=sys.stderr)
-    total = (len(args.d) * len(args.n) * len(args.causals) * len(prefill) * len(args.impl)
+    total = (len(args.layout) * len(args.d) * len(args.n) * len(args.causals) * len(prefill)
+             * len(args.impl)
              + len(args.decode_d) * len(args.decode) * len(decode_impls))
     done, rows, results = 0, [], []
-    for d in args.d if prefill else []:
-        for n in args.n:
-            batch, heads = dims(args, d, n)
-            shape = (batch, heads, n, d)
-            # Q, K, V and (for backward) dO per set; uniform in [-1, 1) like `ladder bench`.
-            tensors = 4 if "bwd" in prefill else 3
-            nsets = sets_for(tensors * math.prod(shape) * 2)
-            sets = []
-            for _ in range(nsets):
-                ts = [torch.empty(shape, device="cuda", dtype=dtype).uniform_(-1, 1) for _ in range(tensors)]
-                sets.append(tuple(ts) if tensors == 4 else (*ts, None))
-            for causal in args.causals:
-                for direction in prefill:
-                    for impl in args.impl:
-                        done += 1
-                        key = (impl, direction, args.dtype, d, n, causal)
-                        label = (f"[{done:>3}/{total}] {impl:<15} {direction} {args.dtype} d={d:<3} "
-                                 f"n={n:<5} {'causal' if causal else 'full':<6} b={batch} h={heads}")
-                        try:
-                            ms = time_case(torch, backends.get(impl), impl, sets, causal, direction, d, args)
-                        except Skip as e:
-                            results.append((key, str(e)))
-                            print(f"{label}  skipped: {e}", file=sys.stderr)
-                            continue
-                        row = csv_row(impl, direction, args.dtype, causal, batch, heads, n, d, ms)
-                        rows.append(row)
-                        results.append((key, (ms, float(row["tflops"]))))
-                        print(f"{label}  {ms:>9.4f} ms  {float(row['tflops']):>7.1f} TFLOP/s", file=sys.stderr)
-                        write_csv(csv_path, rows)  # after every case: a cut-short run keeps its rows
-            del sets
-            torch.cuda.empty_cache()
+    shapes = [(layout, d, n) for layout in args.layout for d in args.d for n in args.n]
+    for layout, d, n in shapes if prefill else []:
+        batch, heads = dims(args, d, n)
+        shape = (batch, heads, n, d)
+        # Q, K, V and (for backward) dO per set; uniform in [-1, 1) like `ladder bench`; for
+        # bshd laid out [b, s, h, d] and handed over as [b, h, s, d] views.
+        tensors = 4 if "bwd" in prefill else 3
+        nsets = sets_for(tensors * math.prod(shape) * 2)
+        sets = []
+        for _ in range(nsets):
+            if layout == "bshd":
+                ts = [torch.empty((batch, n, heads, d), device="cuda", dtype=dtype)
+                      .uniform_(-1, 1).transpose(1, 2) for _ in range(tensors)]
+            else:
+                ts = [torch.empty(shape, device="cuda", dtype=dtype).uniform_(-1, 1)
+                      for _ in range(tensors)]
+            sets.append(tuple(ts) if tensors == 4 else (*ts, None))
+        for causal in args.causals:
+            for direction in prefill:
+                for impl in args.impl:
+                    done += 1
+                    name = impl if layout == "bhsd" else f"{impl}/{layout}"
+                    key = (name, direction, args.dtype, d, n, causal)
+                    label = (f"[{done:>3}/{total}] {name:<15} {direction} {args.dtype} d={d:<3} "
+                             f"n={n:<5} {'causal' if causal else 'full':<6} b={batch} h={heads}")
+                    try:
+                        if layout != "bhsd" and impl.startswith("triton"):
+                            raise Skip("the Triton tutorial kernel takes contiguous [b, h, s, d]")
+                        ms = time_case(torch, backends.get(impl), impl, sets, causal, direction, d, args)
+                    except Skip as e:
+                        results.append((key, str(e)))
+                        print(f"{label}  skipped: {e}", file=sys.stderr)
+                        continue
+                    row = csv_row(impl, direction, args.dtype, causal, batch, heads, n, d, ms, layout)
+                    rows.append(row)
+                    results.append((key, (ms, float(row["tflops"]))))
+                    print(f"{label}  {ms:>9.4f} ms  {float(row['tflops']):>7.1f} TFLOP/s", file=sys.stderr)
+                    write_csv(csv_path, rows)  # after every case: a cut-short run keeps its rows
+        del sets
+        torch.cuda.empty_cache()
     elem = 2  # fp16 and bf16
     for d in args.decode_d if decode_impls else []:
         for batch, heads_q, heads_kv, n in args.decode:

@@ -41,7 +41,7 @@ use ladder_kernels::{Gpu, KernelError, Options};
 use serde_json::{Map, Value, json};
 
 pub use plan::BenchArgs;
-use plan::{CacheLayout, DecodeShape, Plan};
+use plan::{CacheLayout, DecodeShape, LayoutArg, Plan};
 use timing::{DecodeSet, InputSet, Timing};
 
 /// Run `ladder bench`; exit status 2 without a GPU or on a bad flag or file, 1 if a case failed.
@@ -133,45 +133,52 @@ fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
     let mut pool = timing::HostPool::default();
     let mut done = 0;
     let started = Instant::now();
-    for &d in &plan.ds {
-        for &n in &plan.ns {
-            let rungs = plan.rungs_at(d, n);
-            if rungs.is_empty() {
-                continue;
-            }
-            let (batch, heads) = plan.dims(d, n);
-            let case_of = |rung: GpuRung, causal: bool| {
-                let dtype = plan.dtype.name();
-                let imp = impl_name(gpu, rung);
-                Case::square(&imp, rung.direction(), dtype, causal, batch, heads, n, d)
-            };
-            let with_d_o = rungs.iter().any(|r| r.direction() == Direction::Bwd);
-            let prepared = Instant::now();
-            let sets = timing::upload_sets(gpu, &mut pool, plan, d, n, with_d_o);
-            if let Ok(sets) = &sets {
-                eprintln!(
-                    "inputs d={d} n={n}: {} set(s) of {} tensors [{batch}, {heads}, {n}, {d}] \
-                     ready in {:.1} s",
-                    sets.len(),
-                    if with_d_o { 4 } else { 3 },
-                    prepared.elapsed().as_secs_f64()
-                );
-            }
-            for &causal in &plan.causals {
-                for &rung in &rungs {
-                    done += 1;
-                    let case = case_of(rung, causal);
-                    let (row, extra) = run_case(gpu, plan, rung, case, &sets);
-                    print_progress(done, total, plan.repeats_of(rung), &row, &extra);
-                    rows.push(row);
-                    extras.push(extra);
-                    // Rewrite the CSV after every case: a run cut short keeps what it measured.
-                    write_file(&out.join("bench.csv"), &results::to_csv(&rows))?;
-                }
-            }
-            drop(sets);
-            gpu.synchronize().ok();
+    for (&layout, &d, &n) in plan
+        .input_layouts
+        .iter()
+        .flat_map(|l| plan.ds.iter().flat_map(move |d| plan.ns.iter().map(move |n| (l, d, n))))
+    {
+        let rungs = plan.rungs_in(layout, d, n);
+        if rungs.is_empty() {
+            continue;
         }
+        let (batch, heads) = plan.dims(d, n);
+        let case_of = |rung: GpuRung, causal: bool| {
+            let dtype = plan.dtype.name();
+            let imp = impl_name(gpu, rung);
+            Case::square(&imp, rung.direction(), dtype, causal, batch, heads, n, d)
+                .in_layout(layout.label())
+        };
+        let with_d_o = rungs.iter().any(|r| r.direction() == Direction::Bwd);
+        let prepared = Instant::now();
+        let sets = timing::upload_sets(gpu, &mut pool, plan, (d, n), layout, with_d_o);
+        if let Ok(sets) = &sets {
+            let order = match layout {
+                LayoutArg::Bhsd => String::new(),
+                LayoutArg::Bshd => format!(" (in memory [{batch}, {n}, {heads}, {d}])"),
+            };
+            eprintln!(
+                "inputs d={d} n={n}: {} set(s) of {} tensors [{batch}, {heads}, {n}, {d}]\
+                 {order} ready in {:.1} s",
+                sets.len(),
+                if with_d_o { 4 } else { 3 },
+                prepared.elapsed().as_secs_f64()
+            );
+        }
+        for &causal in &plan.causals {
+            for &rung in &rungs {
+                done += 1;
+                let case = case_of(rung, causal);
+                let (row, extra) = run_case(gpu, plan, rung, case, &sets);
+                print_progress(done, total, plan.repeats_of(rung), &row, &extra);
+                rows.push(row);
+                extras.push(extra);
+                // Rewrite the CSV after every case: a run cut short keeps what it measured.
+                write_file(&out.join("bench.csv"), &results::to_csv(&rows))?;
+            }
+        }
+        drop(sets);
+        gpu.synchronize().ok();
     }
     let decode_rungs = plan.decode_rungs();
     for &d in plan.decode_ds.iter().filter(|_| !decode_rungs.is_empty()) {

@@ -303,6 +303,16 @@ impl GpuRung {
         self.head_dims().contains(&d)
     }
 
+    /// Whether the kernel takes Q, K, V (and dO) in any batch, head and sequence strides, e.g. as
+    /// `[batch, seq, heads, d]` views (FA2 forward and backward, FA3 in 16 bits); the others
+    /// take contiguous `[batch, heads, seq, d]` tensors only.
+    pub fn takes_strides(self) -> bool {
+        matches!(
+            self,
+            GpuRung::Fa2 | GpuRung::Fa3 | GpuRung::Fa2Backward | GpuRung::Fa2BackwardDeterministic
+        )
+    }
+
     /// Whether the kernel runs on `gpu` (FA3 needs Hopper, `sm_90a`; the others sm_80+).
     pub fn available_on(self, gpu: &Gpu) -> bool {
         !matches!(self, GpuRung::Fa3 | GpuRung::Fa3Fp8) || gpu.arch() == fa3::ARCH

@@ -19,8 +19,8 @@ use serde_json::{Map, Value, json};
 
 /// The CSV columns, in the order they are written. `scripts/peers.py` writes the same schema;
 /// other tools read it by column name, so columns are only ever added at the end, and a reader
-/// takes a column added later (`page_size`) as empty when a file has none.
-pub const COLUMNS: [&str; 14] = [
+/// takes a column added later (`page_size`, `layout`) as empty when a file has none.
+pub const COLUMNS: [&str; 15] = [
     "impl",
     "direction",
     "dtype",
@@ -35,14 +35,15 @@ pub const COLUMNS: [&str; 14] = [
     "tflops",
     "tbps",
     "page_size",
+    "layout",
 ];
 
 /// [`COLUMNS`] as the CSV header line.
 pub const CSV_HEADER: &str =
-    "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps,page_size";
+    "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps,page_size,layout";
 
 /// The columns a file may lack (added to the schema later): read as empty.
-pub const OPTIONAL_COLUMNS: [&str; 1] = ["page_size"];
+pub const OPTIONAL_COLUMNS: [&str; 2] = ["page_size", "layout"];
 
 /// The keys of `meta.json` (both `ladder bench` and `scripts/peers.py` fill it).
 pub const META_KEYS: [&str; 6] = ["card", "driver", "cuda", "date", "torch", "note"];
@@ -131,6 +132,10 @@ pub struct Case {
     /// Decode only: tokens per page of a paged KV cache; `None` for a contiguous cache (and for
     /// the other directions).
     pub page_size: Option<usize>,
+    /// Prefill only: the memory order of Q, K, V (and O, dO) when it is not `[batch, heads, seq,
+    /// d]`: `bshd` for `[batch, seq, heads, d]`, a projection's output, taken as a strided view
+    /// without a copy. `None` for `[batch, heads, seq, d]` (and for decoding).
+    pub layout: Option<String>,
 }
 
 impl Case {
@@ -158,7 +163,14 @@ impl Case {
             n_kv: n,
             d,
             page_size: None,
+            layout: None,
         }
+    }
+
+    /// This case with its inputs in `layout` (`None`: `[batch, heads, seq, d]`; see
+    /// [`Case::layout`]).
+    pub fn in_layout(self, layout: Option<&str>) -> Case {
+        Case { layout: layout.map(str::to_string), ..self }
     }
 
     /// A decoding case: `n_q` new tokens of `batch` sequences against `len` cached keys and
@@ -187,12 +199,22 @@ impl Case {
             n_kv: len,
             d,
             page_size: None,
+            layout: None,
         }
     }
 
     /// This case with its KV cache in pages of `page_size` tokens (`None`: contiguous).
     pub fn paged(self, page_size: Option<usize>) -> Case {
         Case { page_size, ..self }
+    }
+
+    /// The implementation, with the input layout when it is not `[batch, heads, seq, d]`
+    /// (`fa3/bshd`): the name of its column in tables and its series in charts.
+    pub fn series(&self) -> String {
+        match &self.layout {
+            None => self.imp.clone(),
+            Some(l) => format!("{}/{l}", self.imp),
+        }
     }
 
     /// Whether this is a decoding case (direction `decode`).
@@ -237,14 +259,15 @@ impl Case {
             );
         }
         format!(
-            "{:<4} {} d={:<3} n={:<5} {:<8} b={} h={}",
+            "{:<4} {} d={:<3} n={:<5} {:<8} b={} h={}{}",
             self.direction,
             self.dtype,
             self.d,
             self.n_q,
             if self.causal { "causal" } else { "full" },
             self.batch,
-            self.heads_q
+            self.heads_q,
+            self.layout.as_ref().map_or(String::new(), |l| format!(" {l}"))
         )
     }
 }
@@ -312,7 +335,7 @@ pub fn to_csv(rows: &[Row]) -> String {
         let c = &row.case;
         let _ = writeln!(
             s,
-            "{},{},{},{},{},{},{},{},{},{},{ms:.6},{tflops:.3},{},{}",
+            "{},{},{},{},{},{},{},{},{},{},{ms:.6},{tflops:.3},{},{},{}",
             c.imp,
             c.direction,
             c.dtype,
@@ -324,7 +347,8 @@ pub fn to_csv(rows: &[Row]) -> String {
             c.n_kv,
             c.d,
             tbps.map_or(String::new(), |t| format!("{t:.4}")),
-            c.page_size.map_or(String::new(), |p| p.to_string())
+            c.page_size.map_or(String::new(), |p| p.to_string()),
+            c.layout.as_deref().unwrap_or("")
         );
     }
     s
@@ -383,6 +407,10 @@ pub fn parse_csv(text: &str) -> anyhow::Result<Vec<Row>> {
                     "" => None,
                     _ => Some(int(13)?),
                 },
+                layout: match get(14) {
+                    "" => None,
+                    l => Some(l.to_string()),
+                },
             };
             Ok(Some(Row { case, outcome: Outcome::Measured { ms, tflops, tbps: float(12)? } }))
         };
@@ -406,7 +434,7 @@ pub fn row_json(row: &Row, extra: &Map<String, Value>) -> Value {
     let mut obj = json!({
         "impl": c.imp, "direction": c.direction, "dtype": c.dtype, "causal": c.causal,
         "batch": c.batch, "heads_q": c.heads_q, "heads_kv": c.heads_kv,
-        "n_q": c.n_q, "n_kv": c.n_kv, "d": c.d, "page_size": c.page_size,
+        "n_q": c.n_q, "n_kv": c.n_kv, "d": c.d, "page_size": c.page_size, "layout": c.layout,
     });
     let map = obj.as_object_mut().expect("an object literal");
     match &row.outcome {
@@ -521,7 +549,7 @@ mod tests {
                 .unwrap()
                 .starts_with("fa2,fwd,fp16,false,32,16,16,512,512,128,0.250000,")
         );
-        assert!(text.lines().nth(1).unwrap().ends_with(','), "tbps is empty");
+        assert!(text.lines().nth(1).unwrap().ends_with(",,"), "tbps, page and layout are empty");
         let back = parse_csv(&text).unwrap();
         assert_eq!(back.len(), 2);
         for (a, b) in back.iter().zip(&rows) {
@@ -529,6 +557,23 @@ mod tests {
             let ((ma, ta), (mb, tb)) = (a.timing().unwrap(), b.timing().unwrap());
             assert!((ma - mb).abs() < 1e-6 && (ta - tb).abs() < 1e-3, "{ma} {mb} {ta} {tb}");
         }
+    }
+
+    #[test]
+    fn a_layout_other_than_bhsd_is_a_column_and_a_series_of_its_own() {
+        let bshd = case("fa3", "fwd", true, 4096).in_layout(Some("bshd"));
+        assert_eq!(
+            (bshd.series(), case("fa3", "fwd", true, 4096).series()),
+            ("fa3/bshd".into(), "fa3".into())
+        );
+        let text = to_csv(&[Row::measured(bshd.clone(), 1.0)]);
+        assert!(text.lines().nth(1).unwrap().ends_with(",,bshd"), "{text}");
+        assert_eq!(parse_csv(&text).unwrap()[0].case, bshd);
+        // A file written before the column existed reads as [b, h, s, d].
+        let old = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps\n\
+                   fa3,fwd,fp16,true,4,16,16,4096,4096,128,1.0,500.0,\n";
+        assert_eq!(parse_csv(old).unwrap()[0].case.layout, None);
+        assert!(bshd.label().ends_with(" bshd"));
     }
 
     #[test]
@@ -551,7 +596,7 @@ mod tests {
             line.starts_with("flash-decoding,decode,fp16,false,1,32,8,1,8192,128,0.010000,"),
             "{line}"
         );
-        assert!(line.ends_with(",3.3554,"), "{line}");
+        assert!(line.ends_with(",3.3554,,"), "{line}");
         let back = parse_csv(&text).unwrap();
         assert_eq!(back.len(), 1);
         assert_eq!(back[0].case, case);
@@ -562,7 +607,7 @@ mod tests {
         assert!(paged.causal && paged.label().ends_with("new=4 page=16"), "{}", paged.label());
         assert_eq!(paged.kv_bytes(), case.kv_bytes());
         let text = to_csv(&[Row::measured(paged.clone(), 0.01)]);
-        assert!(text.lines().nth(1).unwrap().ends_with(",16"), "{text}");
+        assert!(text.lines().nth(1).unwrap().ends_with(",16,"), "{text}");
         assert_eq!(parse_csv(&text).unwrap()[0].case, paged);
         assert_eq!(row_json(&Row::measured(paged, 0.01), &Map::new())["page_size"], 16);
         // Prefill rows have no TB/s.

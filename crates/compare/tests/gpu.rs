@@ -157,13 +157,13 @@ proptest! {
     }
 
     #[test]
-    fn gpu_fa3_fp16_matches_cpu_fa3_and_the_oracle(case in cases(space(GpuRung::Fa3.head_dims()))) {
-        check_forward(GpuRung::Fa3, &case, DType::F16)?;
+    fn gpu_fa3_fp16_matches_cpu_fa3_and_the_oracle(case in cases(space(GpuRung::Fa3.head_dims())), layout in layouts()) {
+        check_forward_in(GpuRung::Fa3, &case, DType::F16, layout)?;
     }
 
     #[test]
-    fn gpu_fa3_bf16_matches_cpu_fa3_and_the_oracle(case in cases(space(GpuRung::Fa3.head_dims()))) {
-        check_forward(GpuRung::Fa3, &case, DType::BF16)?;
+    fn gpu_fa3_bf16_matches_cpu_fa3_and_the_oracle(case in cases(space(GpuRung::Fa3.head_dims())), layout in layouts()) {
+        check_forward_in(GpuRung::Fa3, &case, DType::BF16, layout)?;
     }
 
     #[test]
@@ -193,30 +193,44 @@ fn gpu_fa2_long_sequences() {
 }
 
 /// FA3 on longer problems: many K/V tiles (and pipeline rounds), GQA, causal with n_q < n_kv and
-/// n_q > n_kv (top rows that see no key), every head dimension; and problems of several hundred
-/// query tiles, so that each persistent block walks several tiles (the pipeline's stages and
-/// phases carry over from one tile to the next).
+/// n_q > n_kv (top rows that see no key), one head dim of every tile row and off the 64-element
+/// blocks, in each layout; and problems of several hundred query tiles, so that each persistent
+/// block walks several tiles (the pipeline's stages and phases carry over from one tile to the
+/// next).
 #[test]
 fn gpu_fa3_long_sequences() {
-    for (b, hq, hkv, n_q, n_kv, d, causal) in [
-        (1, 4, 2, 700, 1500, 64, true),
-        (1, 4, 2, 700, 1500, 128, false),
-        (1, 4, 2, 700, 1500, 128, true),
-        (1, 4, 2, 1500, 700, 128, true),
-        (1, 4, 2, 700, 1500, 256, false),
-        (1, 4, 2, 700, 1500, 256, true),
-        (3, 24, 8, 600, 900, 128, false),
-        (3, 24, 8, 900, 600, 64, true),
-        (2, 16, 16, 1000, 1000, 128, true),
-        // Past 2k keys: d = 128's 176-key tiles, with O written from registers, and d = 64
-        // causal's 192 query rows (fa3::SHORT_KEYS).
-        (1, 4, 2, 300, 2100, 128, false),
-        (1, 4, 2, 300, 2100, 128, true),
-        (1, 4, 2, 300, 2100, 64, true),
-    ] {
+    for (b, hq, hkv, n_q, n_kv, d, causal, layout) in [
+        (1, 4, 2, 700, 1500, 40, true, Layout::Bshd),
+        (1, 4, 2, 700, 1500, 96, false, Layout::Packed),
+        (1, 4, 2, 1500, 700, 96, true, Layout::Bshd),
+        (1, 4, 2, 700, 1500, 160, true, Layout::Bhsd),
+        (1, 4, 2, 700, 1500, 192, false, Layout::Bshd),
+        (1, 4, 2, 300, 2100, 224, true, Layout::Packed),
+        (2, 8, 8, 300, 2100, 96, false, Layout::Bshd),
+    ]
+    .into_iter()
+    .chain(
+        [
+            (1, 4, 2, 700, 1500, 64, true),
+            (1, 4, 2, 700, 1500, 128, false),
+            (1, 4, 2, 700, 1500, 128, true),
+            (1, 4, 2, 1500, 700, 128, true),
+            (1, 4, 2, 700, 1500, 256, false),
+            (1, 4, 2, 700, 1500, 256, true),
+            (3, 24, 8, 600, 900, 128, false),
+            (3, 24, 8, 900, 600, 64, true),
+            (2, 16, 16, 1000, 1000, 128, true),
+            // Past 2k keys: d = 128's 176-key tiles, with O written from registers, and d = 64
+            // causal's 192 query rows (fa3::SHORT_KEYS).
+            (1, 4, 2, 300, 2100, 128, false),
+            (1, 4, 2, 300, 2100, 128, true),
+            (1, 4, 2, 300, 2100, 64, true),
+        ]
+        .map(|(b, hq, hkv, n_q, n_kv, d, causal)| (b, hq, hkv, n_q, n_kv, d, causal, Layout::Bhsd)),
+    ) {
         let case = long_case((b, hq, hkv, n_q, n_kv, d), causal, 128, 3000 + d as u64);
-        check_forward(GpuRung::Fa3, &case, DType::F16).unwrap_or_else(|e| {
-            panic!("[{b}, {hq}/{hkv}, {n_q}x{n_kv}, {d}], causal = {causal}: {e}")
+        check_forward_in(GpuRung::Fa3, &case, DType::F16, layout).unwrap_or_else(|e| {
+            panic!("[{b}, {hq}/{hkv}, {n_q}x{n_kv}, {d}], causal = {causal}, {layout:?}: {e}")
         });
     }
 }
@@ -407,6 +421,20 @@ fn gpu_rungs_reject_bad_input() {
     let odd = t(&[2 * 8 * 68], DType::F16).as_strided(&[1, 2, 8, 64], &[0, 8 * 68, 68, 1]);
     let err = fa2::forward(gpu, &odd.unwrap(), &k, &k, &Options::full()).unwrap_err();
     assert!(err.to_string().contains("multiples of 8 elements"), "{err}");
+    if GpuRung::Fa3.available_on(gpu) {
+        for d in [100, 264] {
+            let q = t(&[1, 2, 8, d], DType::F16);
+            let err = fa3::forward(gpu, &q, &q, &q, &Options::full()).unwrap_err();
+            assert!(matches!(err, KernelError::UnsupportedHeadDim { d: e, .. } if e == d), "{err}");
+            assert!(err.to_string().contains("multiples of 8 from 8 to 256"), "{err}");
+        }
+        let err = fa3::forward(gpu, &cols, &k, &k, &Options::full()).unwrap_err();
+        assert!(err.to_string().contains("must be contiguous (stride 1)"), "{err}");
+        let bshd = t(&[1, 8, 2, 128], DType::F16).transpose(1, 2).unwrap();
+        let fp8 = fa3::fp8::Fp8Options::default();
+        let err = fa3::fp8::forward(gpu, &bshd, &bshd, &bshd, &Options::full(), &fp8).unwrap_err();
+        assert!(err.to_string().contains("contiguous"), "{err}");
+    }
     let q32 = t(&[1, 2, 8, 64], DType::F32);
     let err = fa2::forward(gpu, &q32, &q32, &q32, &Options::full()).unwrap_err();
     assert!(matches!(err, KernelError::UnsupportedDtype { .. }), "{err}");

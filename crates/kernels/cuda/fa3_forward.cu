@@ -53,10 +53,12 @@
 //
 // Compile-time constants, set by the host for each variant:
 //   FA3_D, FA3_BC, FA3_CONSUMERS, FA3_STAGES, FA3_CAUSAL, FA3_OVERLAP, FA3_PINGPONG, FA3_FP8,
-//   FA3_O_SMEM (1: O through shared memory and a TMA store; 0: from registers to global memory)
+//   FA3_O_SMEM (1: O through shared memory and a TMA store; 0: from registers to global memory),
+//   FA3_HOST_SHARED_BYTES, FA3_HOST_PARAMS_BYTES (the host's sizes, checked below)
 
 #include "barrier.cuh"
 #include "fp8.cuh"
+#include "layout.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
 #include "softmax.cuh"
@@ -103,14 +105,19 @@ constexpr bool o_smem = FA3_O_SMEM;
 constexpr int BR = 64 * CONSUMERS;
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int NT = BC / 8;  // 8-column accumulator tiles across one row of S
-constexpr int DT = D / 8;   // 8-column accumulator tiles across one row of O
-static_assert(D % 64 == 0 && BC % 16 == 0 && BC <= 256, "tile shapes wgmma and TMA accept");
+constexpr int DT = D / 8;   // 8-column accumulator tiles across one row of O (wgmma's N = D)
+static_assert(D % 8 == 0 && D <= 256 && BC % 16 == 0 && BC <= 256,
+              "tile shapes wgmma and TMA accept");
 
 // The operands of the two products, and P as the second one's A operand in registers.
 #if FA3_FP8
 typedef u8 op_t;                // e4m3
 typedef u32 PRegs[BC / 32][4];  // four e4m3 per register (fp8.cuh: pack_p_fp8)
-static_assert(BC % 32 == 0 && D >= 128, "FP8 tiles: whole k-steps of keys, 128-byte rows of d");
+static_assert(BC % 32 == 0, "FP8 tiles: whole k-steps of keys");
+// The head dim as the products and tiles see it (layout.cuh's HeadDim, for e4m3): 32-wide
+// k-steps, shared rows of whole 128-element (128-byte) column blocks.
+constexpr int DK = round_up(D, 32);
+constexpr int COLS = round_up(D, 128);
 // Vᵀ's stage holds whole 128-key column blocks (one swizzle span each); with BC = 192 the last
 // block's second half is the next tile's first keys, loaded and not read.
 constexpr int VT_KEYS = (BC + 127) / 128 * 128;
@@ -118,8 +125,15 @@ constexpr int V_STAGE = D * VT_KEYS;
 #else
 typedef u16 op_t;          // fp16 or bf16
 typedef u32 PRegs[NT][2];  // two 16-bit values per register (softmax.cuh: pack_p)
-constexpr int V_STAGE = BC * D;
+constexpr int DK = HeadDim<D>::DK;
+constexpr int COLS = HeadDim<D>::COLS;
+constexpr int V_STAGE = BC * COLS;
 #endif
+// The shared tiles hold COLS columns, the copy engine zero-fills those past D (they lie outside
+// the tensor map's extent: nothing is read from memory), and S = Q·Kᵀ runs over DK of them.
+// O's tile (16-bit, FA3_O_SMEM) has rows of O_COLS, whole 64-element blocks; the copy engine
+// stores only its first D columns.
+constexpr int O_COLS = round_up(D, 64);
 
 // Registers per thread after the hand-over: 24 for the producer, the rest for the consumers
 // (65536 per SM; one block per SM).
@@ -131,8 +145,8 @@ constexpr int CONSUMER_REGS = CONSUMERS == 3 ? 160 : 240;
 constexpr int SCHEDULE_BARRIER = 1;
 constexpr int O_BARRIER = SCHEDULE_BARRIER + CONSUMERS;
 
-// Q, K, V are described by tensor maps (tma.cuh); O is [batch, heads_q, n_q, D] and lse is
-// [batch, heads_q, n_q], natural log.
+// Q, K, V are described by tensor maps (tma.cuh), with their strides; O is [batch, heads_q,
+// n_q, D] at o_strides and lse is [batch, heads_q, n_q] (contiguous), natural log.
 struct Fa3ForwardParams {
     TensorMap q;
     TensorMap k;
@@ -152,6 +166,7 @@ struct Fa3ForwardParams {
     int n_kv;
     float scale_log2;  // softmax scale · log2(e)
     int section_heads;  // causal tile order: (head, batch) pairs walked together (see below)
+    Strides o_strides;  // O's rows, where the epilogue stores them from registers
 };
 
 // Shared memory (dynamic, 1024-byte aligned for the swizzle), in this order: with FA3_O_SMEM,
@@ -159,17 +174,17 @@ struct Fa3ForwardParams {
 // 128-byte swizzle, the swizzle the Q tile arrives in), then the rest.
 template <bool STAGED>
 struct OTile {
-    u16 o[BR * D];
+    u16 o[BR * O_COLS];
 };
 template <>
 struct OTile<false> {};  // O from registers to global memory (Fa3Tiles::o_in_shared): no space
 __device__ __forceinline__ u16* o_tile(OTile<true>& t) { return t.o; }
 __device__ __forceinline__ u16* o_tile(OTile<false>&) { return nullptr; }
-static_assert(BR * D * 2 % 1024 == 0, "the tiles after O stay 1024-byte aligned");
+static_assert(BR * O_COLS * 2 % 1024 == 0, "the tiles after O stay 1024-byte aligned");
 
 struct SharedTiles : OTile<o_smem> {
-    op_t q[BR * D];             // 128-byte column blocks of [BR rows × 128 bytes]
-    op_t k[STAGES][BC * D];     // the same for BC rows, per stage
+    op_t q[BR * COLS];          // 128-byte column blocks of [BR rows × 128 bytes]
+    op_t k[STAGES][BC * COLS];  // the same for BC rows, per stage
     op_t v[STAGES][V_STAGE];    // the same (FP8: V transposed, D rows × VT_KEYS keys)
     u64 q_full;                 // Q has landed
     u64 q_empty;                // every consumer warp is done with Q (its last S = Q·Kᵀ)
@@ -178,6 +193,17 @@ struct SharedTiles : OTile<o_smem> {
     u64 k_empty[STAGES];        // every consumer warp is done with the stage's K
     u64 v_empty[STAGES];
 };
+
+// The host sizes the launch from its own copy of these layouts (Fa3Tiles::shared_bytes and
+// ForwardParams in src/fa3.rs) and passes its figures in, so that the two cannot drift apart.
+#ifdef FA3_HOST_SHARED_BYTES
+static_assert(sizeof(SharedTiles) + 1024 == FA3_HOST_SHARED_BYTES,
+              "Fa3Tiles::shared_bytes (host) is the shared tiles' size plus the alignment slack");
+#endif
+#ifdef FA3_HOST_PARAMS_BYTES
+static_assert(sizeof(Fa3ForwardParams) == FA3_HOST_PARAMS_BYTES,
+              "ForwardParams (host) mirrors Fa3ForwardParams");
+#endif
 
 // ---- the work: persistent blocks over (query block, head, batch) tiles -------------------------
 
@@ -257,19 +283,21 @@ __device__ void producer(const Fa3ForwardParams& p, SharedTiles& t) {
         const int kv_head = tile.head / (p.heads_q / p.heads_kv);
         mbar_wait(&t.q_empty, (tiles_done & 1) ^ 1);
         mbar_expect_tx(&t.q_full, sizeof(t.q));
-        tma_load_tile<BR, D>(t.q, &p.q, &t.q_full, 0, tile.q0, tile.head, tile.batch);
+        tma_load_tile<BR, COLS>(t.q, &p.q, &t.q_full, 0, tile.q0, tile.head, tile.batch);
         for (int j = 0; j < tile.n_tiles; ++j, ++kv.count) {
             const int stage = kv.stage(), free = kv.parity() ^ 1;
             mbar_wait(&t.k_empty[stage], free);
             mbar_expect_tx(&t.k_full[stage], sizeof(t.k[0]));
-            tma_load_tile<BC, D>(t.k[stage], &p.k, &t.k_full[stage], 0, j * BC, kv_head, tile.batch);
+            tma_load_tile<BC, COLS>(t.k[stage], &p.k, &t.k_full[stage], 0, j * BC, kv_head,
+                                    tile.batch);
             mbar_wait(&t.v_empty[stage], free);
             mbar_expect_tx(&t.v_full[stage], sizeof(t.v[0]));
 #if FA3_FP8  // Vᵀ: keys are the columns
             tma_load_tile<D, VT_KEYS>(t.v[stage], &p.v, &t.v_full[stage], j * BC, 0, kv_head,
                                       tile.batch);
 #else
-            tma_load_tile<BC, D>(t.v[stage], &p.v, &t.v_full[stage], 0, j * BC, kv_head, tile.batch);
+            tma_load_tile<BC, COLS>(t.v[stage], &p.v, &t.v_full[stage], 0, j * BC, kv_head,
+                                    tile.batch);
 #endif
         }
     }
@@ -299,9 +327,9 @@ struct RowState {
 __device__ __forceinline__ void issue_qk(float (&s)[NT][4], const SharedTiles& t, int q_row0,
                                          int stage) {
 #if FA3_FP8
-    wgmma_qk_fp8<BR, BC, D>(s, t.q, q_row0, t.k[stage]);
+    wgmma_qk_fp8<BR, BC, DK>(s, t.q, q_row0, t.k[stage]);
 #else
-    wgmma_qk<BR, BC, D>(s, t.q, q_row0, t.k[stage]);
+    wgmma_qk<BR, BC, DK>(s, t.q, q_row0, t.k[stage]);
 #endif
 }
 __device__ __forceinline__ void issue_pv(float (&o)[DT][4], const PRegs& pk, const SharedTiles& t,
@@ -388,7 +416,7 @@ __device__ __forceinline__ void rescale(float (&o)[DT][4], const float (&alpha)[
 // memory and a TMA store (FA3_O_SMEM) or straight from registers.
 __device__ void epilogue(const Fa3ForwardParams& p, SharedTiles& t, const Tile& tile, int wg,
                          const float (&o)[DT][4], const RowState& st, float o_scale, int row0) {
-    u16* gO = p.o + ((size_t)tile.batch * p.heads_q + tile.head) * p.n_q * D;
+    u16* gO = head_base(p.o, p.o_strides, tile.batch, tile.head);
     float* gL = p.lse + ((size_t)tile.batch * p.heads_q + tile.head) * p.n_q;
     const bool issuer = threadIdx.x % 128 == 0;  // the warpgroup's thread that stores its O tile
     if constexpr (o_smem) {
@@ -404,7 +432,7 @@ __device__ void epilogue(const Fa3ForwardParams& p, SharedTiles& t, const Tile& 
         const float inv = l > 0.f ? o_scale / l : 0.f;
         if constexpr (o_smem) {
             // [64 × 64] column blocks with the copy engine's 128-byte swizzle (tma.cuh).
-            u16* sO = o_tile(t) + wg * 64 * D;
+            u16* sO = o_tile(t) + wg * 64 * O_COLS;
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt) {
                 const int c = acc_col(dt, 0);
@@ -412,9 +440,10 @@ __device__ void epilogue(const Fa3ForwardParams& p, SharedTiles& t, const Tile& 
                     pack2(o[dt][2 * h] * inv, o[dt][2 * h + 1] * inv);
             }
         } else if (row < p.n_q) {
+            u16* gRow = gO + row_offset<u16>(p.o_strides, row);
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt)
-                *reinterpret_cast<u32*>(gO + (size_t)row * D + acc_col(dt, 0)) =
+                *reinterpret_cast<u32*>(gRow + acc_col(dt, 0)) =
                     pack2(o[dt][2 * h] * inv, o[dt][2 * h + 1] * inv);
         }
         if (row < p.n_q && lane_id() % 4 == 0)
@@ -424,8 +453,8 @@ __device__ void epilogue(const Fa3ForwardParams& p, SharedTiles& t, const Tile& 
         tma_store_fence();
         named_sync(O_BARRIER + wg, 128);
         if (issuer) {
-            tma_store_tile<64, D>(&p.o_map, o_tile(t) + wg * 64 * D, 0, row0, tile.head,
-                                  tile.batch);
+            tma_store_tile<64, O_COLS>(&p.o_map, o_tile(t) + wg * 64 * O_COLS, 0, row0,
+                                       tile.head, tile.batch);
             tma_store_commit();
         }
     }

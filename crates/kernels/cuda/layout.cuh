@@ -24,6 +24,13 @@ __device__ __forceinline__ long long head_offset(const Strides& s, int b, int h)
                                (u64)(u32)h * (u32)(s.head / CHUNK));
 }
 
+// The offset of row r within a head, in elements of T (the same product of chunk counts).
+template <typename T>
+__device__ __forceinline__ long long row_offset(const Strides& s, int r) {
+    constexpr int CHUNK = 16 / sizeof(T);
+    return CHUNK * (long long)((u64)(u32)r * (u32)(s.row / CHUNK));
+}
+
 // The first element of head h of batch b.
 template <typename T>
 __device__ __forceinline__ T* head_base(T* base, const Strides& s, int b, int h) {

@@ -3,12 +3,15 @@
 //
 // The host describes each tensor once with cuTensorMapEncodeTiled (crates/kernels/src/fa3.rs):
 // Q, K, V of shape [batch, heads, n, d] become 4-d maps with dimensions (d, n, heads, batch),
-// innermost first, boxes of 128 bytes × ROWS rows (64 16-bit columns, or 128 e4m3 ones), and the
-// 128-byte swizzle. A box is then one 128-byte row per tile row, so a [ROWS × d] tile lands in
-// shared memory as column blocks of [ROWS × 128 bytes], each swizzled exactly as wgmma's
-// 128-byte-swizzle layout expects (wgmma.cuh). Rows past the end of a sequence are filled with
-// zeros by the copy engine. (FP8's transposed V, [batch, heads, d, keys], is read the same way
-// with keys as columns.)
+// innermost first, the tensor's own row, head and batch strides (any layout with d contiguous),
+// boxes of 128 bytes × ROWS rows (64 16-bit columns, or 128 e4m3 ones), and the 128-byte
+// swizzle. A box is then one 128-byte row per tile row, so a [ROWS × d] tile lands in shared
+// memory as column blocks of [ROWS × 128 bytes], each swizzled exactly as wgmma's
+// 128-byte-swizzle layout expects (wgmma.cuh). What lies outside the tensor is filled with zeros
+// by the copy engine and never read: rows past the end of a sequence, and columns past d when d
+// is not a whole number of blocks (d = 96 lands as two blocks, the second half zeros). The
+// bytes a box brings to its mbarrier are the whole box's either way. (FP8's transposed V,
+// [batch, heads, d, keys], is read the same way with keys as columns.)
 #ifndef LADDER_TMA_CUH
 #define LADDER_TMA_CUH
 

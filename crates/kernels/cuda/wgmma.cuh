@@ -100,18 +100,20 @@ __device__ __forceinline__ void warpgroup_reg_alloc() {
 // ---- products -------------------------------------------------------------------------------------
 
 // S = Q·Kᵀ for the warpgroup's 64 query rows (Q rows from q_row0 of a BR-row tile) against the
-// BC keys of a K tile: D/16 k-steps, both operands K-major in shared memory. Issued, not waited.
-template <int BR, int BC, int D>
+// BC keys of a K tile: DK/16 k-steps (DK: the head dim rounded up to the k-step, layout.cuh),
+// both operands K-major in shared memory. Issued, not waited.
+template <int BR, int BC, int DK>
 __device__ __forceinline__ void wgmma_qk(float (&s)[BC / 8][4], const u16* sQ, int q_row0,
                                          const u16* sK) {
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
+    for (int kk = 0; kk < DK / 16; ++kk)
         Wgmma<BC / 8, 0>::ss(s, desc_k_major<BR>(sQ, q_row0, kk), desc_k_major<BC>(sK, 0, kk),
                              kk > 0);
 }
 
 // O += P·V: P (64 × BC, 16-bit, registers: p[nt][h] as online_softmax packs it) times the BC × D
-// V tile, N-major in shared memory. Issued, not waited.
+// V tile, N-major in shared memory (any D that is a multiple of 8: the instruction's N reads the
+// first D columns of the tile's 64-column blocks). Issued, not waited.
 template <int BC, int D>
 __device__ __forceinline__ void wgmma_pv(float (&o)[D / 8][4], const u32 (&p)[BC / 8][2],
                                          const u16* sV) {
@@ -122,14 +124,14 @@ __device__ __forceinline__ void wgmma_pv(float (&o)[D / 8][4], const u32 (&p)[BC
     }
 }
 
-// The same two products with e4m3 operands (m64nNk32, FP8): S = Q·Kᵀ takes D/32 k-steps; O += P·V
+// The same two products with e4m3 operands (m64nNk32, FP8): S = Q·Kᵀ takes DK/32 k-steps; O += P·V
 // takes P as pack_p_fp8 packs it (fp8.cuh) and V transposed ([D × BC], keys contiguous, in
 // fp8_key_slot order), because e4m3 wgmma reads both operands K-major only.
-template <int BR, int BC, int D>
+template <int BR, int BC, int DK>
 __device__ __forceinline__ void wgmma_qk_fp8(float (&s)[BC / 8][4], const unsigned char* sQ,
                                              int q_row0, const unsigned char* sK) {
 #pragma unroll
-    for (int kk = 0; kk < D / 32; ++kk)
+    for (int kk = 0; kk < DK / 32; ++kk)
         Wgmma8<BC / 8>::ss(s, desc_k_major<BR>(sQ, q_row0, kk), desc_k_major<BC>(sK, 0, kk),
                            kk > 0);
 }

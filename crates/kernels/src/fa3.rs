@@ -20,8 +20,18 @@
 //!
 //! The CPU rung `ladder_reference::fa3` runs the loop of Algorithm 2 in the same order, and
 //! `ladder_reference::fa3_schedule` simulates the schedules that [`Schedule`] switches between.
+//!
+//! **Any head dim, any layout.** The kernel is compiled for the head dim it is given (every
+//! multiple of 8 up to 256): its shared tiles are rows of whole 128-byte blocks, the copy engine
+//! fills the columns past `d` with zeros (they lie outside the tensor map, so nothing is read for
+//! them), `S = Q Kᵀ` runs over `d` rounded up to the 16-wide k-step and `O += P V` is exactly
+//! `d` wide (wgmma's N takes every multiple of 8). The tensor maps carry Q's, K's, V's and O's
+//! own strides, so `[b, s, h, d]` or views into a packed QKV buffer need no copy.
+//! [`Fa3Tiles::for_head_dim`] is the table of tiles per head dim, with the reason for each row.
 
+use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::DeviceRepr;
 use cudarc::driver::sys::{
@@ -32,15 +42,16 @@ use cudarc::driver::sys::{
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, Kernel, parse_counts};
-use crate::problem::{Options, Output, Problem, grid};
+use crate::problem::{Options, Output, Problem, Strides, grid, multiples_of_8};
 use crate::tensor::{DType, Tensor};
 
 pub mod fp8;
 
 const SRC: &str = include_str!("../cuda/fa3_forward.cu");
 
-/// Head dimensions with an FA3 kernel.
-pub const HEAD_DIMS: &[usize] = &[64, 128, 256];
+/// Head dimensions with an FA3 kernel: every multiple of 8 from 8 to 256 (the kernel is compiled
+/// for the one it is given).
+pub const HEAD_DIMS: &[usize] = &multiples_of_8::<32>();
 /// Element types of the FA3 kernels.
 pub const DTYPES: &[DType] = &[DType::F16, DType::BF16];
 /// The architecture the kernels need (wgmma and setmaxnreg exist only in `sm_90a`).
@@ -83,35 +94,48 @@ impl Fa3Tiles {
         Ok(Fa3Tiles { bc, consumers, stages })
     }
 
-    /// FA3's own choices (paper §4.1: d = 64: 192 × 128; d = 128: 128 × 128 causal and 128 × 176
-    /// without the mask; d = 256: 128 × 80), tuned on the H200 (docs/perf-notes.md): d = 128
-    /// takes 176 keys under the causal mask too (625 against 542 TFLOP/s at n = 16k), and d = 64
-    /// four stages (the causal n = 4k case gains 9 %).
-    pub fn for_head_dim(d: usize, causal: bool) -> Result<Fa3Tiles> {
-        match (d, causal) {
-            (64, _) => Ok(Fa3Tiles { bc: 128, consumers: 3, stages: 4 }),
-            (128, _) => Ok(Fa3Tiles { bc: 176, consumers: 2, stages: 2 }),
-            (256, _) => Ok(Fa3Tiles { bc: 80, consumers: 2, stages: 2 }),
-            _ => Err(KernelError::UnsupportedHeadDim { rung: "fa3", d, supported: HEAD_DIMS }),
+    /// The tiles for head dim `d` (any of [`HEAD_DIMS`]), by the width of its shared rows
+    /// ([`tile_cols`]: `d` rounded up to 64), which sets what fits in shared memory. FA3's own
+    /// choices (paper §4.1, `hopper/tile_size.h`) tuned on the H200 (docs/perf-notes.md):
+    ///
+    /// | d | tiles (br × bc, stages) | why |
+    /// |---|---|---|
+    /// | 8 … 64 | 192 × 128, 4 | three consumer warpgroups: at 160 registers each S, P and a narrow O fit; four stages (d = 64 causal n = 4k +9 %) |
+    /// | 72 … 128 | 128 × 176, 2 | two warpgroups at 240 registers; 176 keys beat FA3's 128 under the mask too (625 against 542 TFLOP/s at d = 128, n = 16k) |
+    /// | 136 … 192 | 128 × 112, 2 | 192-element rows: two stages of 112 keys are what fits beside Q (222 KB of 227) |
+    /// | 200 … 256 | 128 × 80, 2 | 256-element rows: 80 keys fit |
+    /// The mask does not change them (short problems do: [`Fa3Tiles::for_problem`]).
+    pub fn for_head_dim(d: usize, _causal: bool) -> Result<Fa3Tiles> {
+        if !HEAD_DIMS.contains(&d) {
+            return Err(KernelError::UnsupportedHeadDim { rung: "fa3", d, supported: HEAD_DIMS });
         }
+        Ok(match tile_cols(d) {
+            64 => Fa3Tiles { bc: 128, consumers: 3, stages: 4 },
+            128 => Fa3Tiles { bc: 176, consumers: 2, stages: 2 },
+            192 => Fa3Tiles { bc: 112, consumers: 2, stages: 2 },
+            _ => Fa3Tiles { bc: 80, consumers: 2, stages: 2 },
+        })
     }
 
     /// The tiles [`forward`] uses for a problem of head dimension `d`, the mask, and `n_kv` keys:
     /// [`Fa3Tiles::for_head_dim`], except for short problems, at most [`SHORT_KEYS`] keys
     /// (H200, docs/perf-notes.md):
     ///
-    /// - d = 128, causal: FA3's own 128 keys per tile instead of 176, which waste less on the
+    /// - d = 72 … 128, causal: FA3's own 128 keys per tile instead of 176, which waste less on the
     ///   diagonal's masked scores (+12 %, +9 %, +3 % at n = 512, 1k, 2k; level at 4k; −7 % at
     ///   16k); without the mask too, where 128-key tiles leave room for O's tile in shared memory
     ///   ([`Fa3Tiles::o_in_shared`]; +11 %, +5 % at n = 512, 1k, level at 2k and 4k);
-    /// - d = 64, causal: 128 query rows (two consumer warpgroups) instead of 192 (+10 %, +16 %,
-    ///   +2 % at n = 512, 1k, 2k; level at 4k).
+    /// - d = 8 … 64, causal: 128 query rows (two consumer warpgroups) instead of 192 (+10 %,
+    ///   +16 %, +2 % at n = 512, 1k, 2k; level at 4k).
+    ///
+    /// (Measured at d = 64 and 128; the head dims that share their shared rows take the same.)
     pub fn for_problem(d: usize, causal: bool, n_kv: usize) -> Result<Fa3Tiles> {
-        match (d, causal) {
-            (128, _) if n_kv <= SHORT_KEYS => Ok(Fa3Tiles { bc: 128, consumers: 2, stages: 2 }),
-            (64, true) if n_kv <= SHORT_KEYS => Ok(Fa3Tiles { bc: 128, consumers: 2, stages: 4 }),
-            _ => Fa3Tiles::for_head_dim(d, causal),
-        }
+        let tiles = Fa3Tiles::for_head_dim(d, causal)?;
+        Ok(match (tile_cols(d), causal) {
+            (128, _) if n_kv <= SHORT_KEYS => Fa3Tiles { bc: 128, consumers: 2, stages: 2 },
+            (64, true) if n_kv <= SHORT_KEYS => Fa3Tiles { bc: 128, consumers: 2, stages: 4 },
+            _ => tiles,
+        })
     }
 
     /// The tiles [`forward`] takes on `gpu` for a problem of head dimension `d`, the mask and
@@ -144,28 +168,42 @@ impl Fa3Tiles {
     }
 
     /// Whether the kernel writes O through shared memory with a TMA store instead of from
-    /// registers (`FA3_O_SMEM`): where O's tile fits beside the pipeline's and `d` ≥ 128, that is
-    /// d = 128 with 128-key tiles and FP8; not d = 128 with 176-key tiles or d = 256 in 16 bits
-    /// (no room). Measured on the H200 (docs/perf-notes.md, FA3 v8): +9–12 % at d = 128 causal,
-    /// n = 512 … 2k, up to +13 % in FP8; at d = 64, where a warpgroup's O is 16 stores per thread
-    /// from registers, −5 % and −7 % causal at n = 1k and 2k, +2 % unmasked, so not there.
+    /// registers (`FA3_O_SMEM`): where O's tile fits beside the pipeline's and `d` > 64, that is
+    /// d = 72 … 128 with 128-key tiles and FP8; not d = 128 with 176-key tiles or past 128 in 16
+    /// bits (no room). Measured on the H200 (docs/perf-notes.md, FA3 v8): +9–12 % at d = 128
+    /// causal, n = 512 … 2k, up to +13 % in FP8; at d = 64, where a warpgroup's O is 16 stores
+    /// per thread from registers, −5 % and −7 % causal at n = 1k and 2k, +2 % unmasked, so not
+    /// there.
     pub fn o_in_shared(&self, d: usize, operand_bytes: usize) -> bool {
-        d >= 128 && self.pipeline_bytes(d, operand_bytes) + self.o_bytes(d) <= MAX_SHARED_BYTES
+        d > 64 && self.pipeline_bytes(d, operand_bytes) + self.o_bytes(d) <= MAX_SHARED_BYTES
     }
 
-    /// The Q tile, the K/V stages, the mbarriers and the alignment slack. In e4m3, V's stage is
-    /// transposed and holds whole 128-key column blocks (the kernel's `VT_KEYS`).
+    /// The Q tile, the K/V stages, the mbarriers and the alignment slack. Rows of Q and K are
+    /// whole 128-byte blocks (the kernel's `COLS`); so are V's in 16 bits, while e4m3's
+    /// transposed V has `d` rows of whole 128-key column blocks (the kernel's `VT_KEYS`).
     fn pipeline_bytes(&self, d: usize, operand_bytes: usize) -> usize {
-        let v_keys = if operand_bytes == 1 { self.bc.next_multiple_of(128) } else { self.bc };
-        (self.br() + self.stages * (self.bc + v_keys)) * d * operand_bytes
+        let cols = d.next_multiple_of(128 / operand_bytes);
+        let v_stage = if operand_bytes == 1 {
+            d * self.bc.next_multiple_of(128)
+        } else {
+            self.bc * cols * operand_bytes
+        };
+        (self.br() + self.stages * self.bc) * cols * operand_bytes
+            + self.stages * v_stage
             + 8 * (2 + 4 * self.stages)
             + 1024
     }
 
-    /// O's tile, `br × d`, 16-bit.
+    /// O's tile, `br` rows of [`tile_cols`]`(d)` 16-bit elements.
     fn o_bytes(&self, d: usize) -> usize {
-        self.br() * d * 2
+        self.br() * tile_cols(d) * 2
     }
+}
+
+/// The row length of the 16-bit kernel's shared tiles for head dim `d`: `d` rounded up to whole
+/// 128-byte blocks of 64 elements (the swizzle's span, and the copy engine's box).
+pub fn tile_cols(d: usize) -> usize {
+    d.next_multiple_of(64)
 }
 
 impl std::str::FromStr for Fa3Tiles {
@@ -205,14 +243,15 @@ impl Default for Schedule {
 
 impl Schedule {
     /// The schedule [`forward`] and [`fp8::forward`] use for head dimension `d` (e4m3 operands
-    /// when `fp8`): every idea on, except the intra-warpgroup overlap at d = 128 in 16 bits.
+    /// when `fp8`): every idea on, except the intra-warpgroup overlap at d = 72 … 128 in 16 bits
+    /// (the head dims with d = 128's tiles).
     /// Measured on the H200 (docs/perf-notes.md, FA3 v9), against the sequential round: FP8
     /// d = 128 +9–18 % (its exponentials take as long as its products), FP8 d = 256 level,
     /// 16-bit d = 256 +2–7 % (−4 % causal at n = 512), d = 64 +2 %, 16-bit d = 128 −2 % on
     /// average (ping-pong already hides its softmax; P in flight beside S and O costs the
     /// scheduler registers).
     pub fn for_head_dim(d: usize, fp8: bool) -> Schedule {
-        Schedule { overlap: fp8 || d != 128, ..Schedule::default() }
+        Schedule { overlap: fp8 || tile_cols(d) != 128, ..Schedule::default() }
     }
 
     /// The schedule `gpu` runs at head dimension `d` (e4m3 operands when `fp8`): its
@@ -291,6 +330,9 @@ pub(crate) fn variant(
             ("FA3_PINGPONG", (s.pingpong as u32).to_string()),
             ("FA3_FP8", (fp8 as u32).to_string()),
             ("FA3_O_SMEM", (t.o_in_shared(d, operand_bytes) as u32).to_string()),
+            // Checked against the kernel's own sizes when it compiles.
+            ("FA3_HOST_SHARED_BYTES", t.shared_bytes(d, operand_bytes).to_string()),
+            ("FA3_HOST_PARAMS_BYTES", std::mem::size_of::<ForwardParams>().to_string()),
         ],
     }
 }
@@ -314,6 +356,7 @@ struct ForwardParams {
     n_kv: i32,
     scale_log2: f32,
     section_heads: i32,
+    o_strides: Strides,
 }
 
 /// Device addresses of the FP8 path's scales (`q, k, p, o` in the kernel's order); zero on the
@@ -333,29 +376,37 @@ pub(crate) struct Fp8Scales {
 unsafe impl DeviceRepr for ForwardParams {}
 
 /// What a TMA tensor map describes: a 4-d tensor at device address `ptr` with dimensions `dims`
-/// (innermost first) of `elem` bytes each, read in boxes of 128 bytes × `rows` rows with the
-/// 128-byte swizzle.
+/// (innermost first, the first contiguous) of `elem` bytes each, the others `strides` elements
+/// apart, read in boxes of 128 bytes × `rows` rows with the 128-byte swizzle.
 pub(crate) struct MapSpec {
     pub(crate) name: &'static str,
     pub(crate) ptr: u64,
     pub(crate) dims: [usize; 4],
+    pub(crate) strides: [usize; 3],
     pub(crate) dtype: CUtensorMapDataType,
     pub(crate) elem: usize,
     pub(crate) rows: usize,
 }
 
+/// The strides of a row-major tensor of dimensions `dims` (innermost first), as [`MapSpec`]
+/// takes them.
+pub(crate) fn dense_strides(dims: [usize; 4]) -> [usize; 3] {
+    [dims[0], dims[0] * dims[1], dims[0] * dims[1] * dims[2]]
+}
+
 /// The TMA tensor map of `spec`.
 pub(crate) fn tensor_map(spec: &MapSpec) -> Result<CUtensorMap> {
-    let MapSpec { name, ptr, dims, dtype, elem, rows } = *spec;
+    let MapSpec { name, ptr, dims, strides, dtype, elem, rows } = *spec;
     if ptr % 16 != 0 {
         return Err(KernelError::Shape(format!(
             "{name} must start at a 16-byte aligned device address for TMA (got {ptr:#x})"
         )));
     }
     let elem = elem as u64;
-    let [d0, d1, d2, d3] = dims.map(|x| x as u64);
-    let sizes = [d0, d1, d2, d3];
-    let strides = [d0 * elem, d0 * d1 * elem, d0 * d1 * d2 * elem];
+    let sizes = dims.map(|x| x as u64);
+    // Strides::of keeps each a whole number of 16-byte chunks below 2^32 of them, inside the
+    // copy engine's limits (multiples of 16 bytes, below 2^40).
+    let strides = strides.map(|x| x as u64 * elem);
     let boxes = [(128 / elem) as u32, rows as u32, 1, 1];
     let element_strides = [1u32; 4];
     let mut map = std::mem::MaybeUninit::<CUtensorMap>::zeroed();
@@ -384,12 +435,12 @@ pub(crate) fn tensor_map(spec: &MapSpec) -> Result<CUtensorMap> {
     Ok(unsafe { map.assume_init() })
 }
 
-/// The map of a `[batch, heads, n, d]` 16-bit tensor (`shape`, `dtype`) at `ptr`, in tiles of
-/// `rows` rows.
+/// The map of a `[batch, heads, n, d]` 16-bit tensor (`shape`, `dtype`) at `ptr` whose rows lie
+/// at `strides` ([`Strides::of`] of it), in tiles of `rows` rows.
 fn tensor_map_16(
     name: &'static str,
-    shape: &[usize],
-    dtype: DType,
+    (shape, dtype): (&[usize], DType),
+    strides: Strides,
     ptr: u64,
     rows: usize,
 ) -> Result<CUtensorMap> {
@@ -405,11 +456,14 @@ fn tensor_map_16(
         }
     };
     let dims = [shape[3], shape[2], shape[1], shape[0]];
-    tensor_map(&MapSpec { name, ptr, dims, dtype, elem: 2, rows })
+    let Strides { batch, head, row } = strides;
+    let strides = [row, head, batch].map(|x| x as usize);
+    tensor_map(&MapSpec { name, ptr, dims, strides, dtype, elem: 2, rows })
 }
 
 /// `softmax(scale · Q Kᵀ + mask) V` and its log-sum-exp, as [`crate::fa2::forward`] computes
-/// them (fp16 or bf16; head dim 64, 128 or 256; any lengths, `n_q != n_kv` with bottom-right
+/// them (fp16 or bf16; any head dim in [`HEAD_DIMS`]; any batch, head and sequence strides with
+/// the head dim contiguous, O laid out like Q; any lengths, `n_q != n_kv` with bottom-right
 /// causal, GQA), on a Hopper GPU, with [`Schedule::for_head_dim`] (or the `Gpu` configuration's,
 /// [`crate::GpuConfig::fa3_schedule`]). Other GPUs get [`KernelError::UnsupportedArch`]. FP8:
 /// [`fp8::forward`].
@@ -437,23 +491,24 @@ pub fn forward_with(
     schedule: Schedule,
 ) -> Result<Output> {
     let p = Problem::new(gpu, q, k, v, opts)?;
-    p.require_contiguous("fa3")?;
     require_hopper(gpu, "fa3")?;
     p.require_dtype("fa3", DTYPES, "fp16, bf16")?;
     if !HEAD_DIMS.contains(&p.d) {
         return Err(KernelError::UnsupportedHeadDim { rung: "fa3", d: p.d, supported: HEAD_DIMS });
     }
     let tiles = Fa3Tiles::on(gpu, p.d, p.causal, p.n_kv)?;
+    let o = gpu.output_like(q, p.dtype)?;
     let s = gpu.stream();
     let (q_ptr, _g0) = q.read_ptr(s);
     let (k_ptr, _g1) = k.read_ptr(s);
     let (v_ptr, _g2) = v.read_ptr(s);
+    let [qs, ks, vs] = p.strides;
     let maps = [
-        tensor_map_16("q", q.shape(), q.dtype(), q_ptr, tiles.br())?,
-        tensor_map_16("k", k.shape(), k.dtype(), k_ptr, tiles.bc)?,
-        tensor_map_16("v", v.shape(), v.dtype(), v_ptr, tiles.bc)?,
+        tensor_map_16("q", (q.shape(), q.dtype()), qs, q_ptr, tiles.br())?,
+        tensor_map_16("k", (k.shape(), k.dtype()), ks, k_ptr, tiles.bc)?,
+        tensor_map_16("v", (v.shape(), v.dtype()), vs, v_ptr, tiles.bc)?,
     ];
-    launch(gpu, &p, tiles, schedule, maps, Fp8Scales::default(), false)
+    launch(gpu, &p, tiles, schedule, maps, None, o)
 }
 
 /// K and V bytes the causal tile order keeps in L2 at a time (the kernel's `tile_at`), unless
@@ -462,44 +517,139 @@ pub fn forward_with(
 /// n = 512 … 4k, by 9–21 % over one section of every head.
 pub const L2_SECTION_BYTES: usize = 12 << 20;
 
-/// Sections are used only for problems of at most this many query blocks per head, and of at
-/// least [`MIN_SECTION_HEADS`] heads; otherwise the order walks every head at once. A section's
-/// tiles are all the query blocks of its heads, longest first, and the blocks take them in a
-/// static (snake) order: with many query blocks, or few heads, the tiles of one wave vary in
-/// length too much for every block's share to come out even. Measured on the H200: −33 % at
-/// d = 64, n = 8k (43 query blocks of 192 rows, sections of 6 heads); at n = 16k, d = 128,
-/// −28 % with one head per section and −12 % with three.
+/// Sections are used only for problems of at most this many query blocks per head, and where at
+/// least [`MIN_SECTION_HEADS`] heads fit the L2 budget; otherwise the order walks every head at
+/// once. A section's tiles are all the query blocks of its heads,
+/// longest first, and the blocks take them in a static (snake) order: with many query blocks
+/// the tiles of one wave vary in length too much for every block's share to come out even.
+/// Measured on the H200: −33 % at d = 64, n = 8k (43 query blocks of 192 rows, sections of 6
+/// heads); at n = 16k, d = 128, −28 % with one head per section and −12 % with three.
 pub const MAX_SECTION_QUERY_BLOCKS: usize = 32;
-/// See [`MAX_SECTION_QUERY_BLOCKS`].
+/// See [`MAX_SECTION_QUERY_BLOCKS`] (d = 256 at n = 4k, 3 heads of 4 MB in 12 MB, walks every
+/// head at once, as tuned).
 pub const MIN_SECTION_HEADS: usize = 4;
 
-/// How many (head, batch) pairs the causal tile order walks together: as many as whose K and V
-/// fit in `budget` bytes (q heads of one GQA group share theirs), within the limits of
-/// [`MAX_SECTION_QUERY_BLOCKS`] and [`MIN_SECTION_HEADS`] (all of them otherwise), for query
-/// blocks of `br` rows. Without the mask the order ignores it.
-fn section_heads(p: &Problem, br: usize, operand_bytes: usize, budget: usize) -> i32 {
+/// How evenly a section size may share the work out and still be taken: within this of the most
+/// even one ([`section_heads`]).
+const BALANCE_SLACK: f64 = 0.02;
+
+/// How many (head, batch) pairs the causal tile order walks together, for query blocks of `br`
+/// rows, K/V tiles of `bc` keys and `grid` persistent blocks: at most as many as whose K and V
+/// fit in `budget` bytes (q heads of one GQA group share theirs), and of those the largest whose
+/// static share-out of the tiles comes out within [`BALANCE_SLACK`] of the most even one
+/// ([`TileOrder::balance`]). All of them past [`MAX_SECTION_QUERY_BLOCKS`] or when fewer than
+/// [`MIN_SECTION_HEADS`] fit.
+/// Without the mask the order ignores it.
+///
+/// The share-out matters as much as the L2: at d = 96, n = 4k, 64 heads, the 8 heads that fit
+/// in 12 MB leave the busiest block with 1.6 × the mean's work (balance 0.62), and the kernel ran
+/// at 315 TFLOP/s; 6 heads (balance 0.98) is what d = 128 takes (docs/perf-notes.md).
+fn section_heads(
+    p: &Problem,
+    (br, bc): (usize, usize),
+    grid: usize,
+    operand_bytes: usize,
+    budget: usize,
+) -> i32 {
     let group = (p.heads_q / p.heads_kv.max(1)).max(1);
     let kv_per_head = (2 * p.n_kv * p.d * operand_bytes).div_ceil(group).max(1);
     let heads = (p.heads_q * p.batch).max(1);
-    let fit = budget / kv_per_head;
-    let sections =
-        fit >= MIN_SECTION_HEADS && p.n_q.div_ceil(br.max(1)) <= MAX_SECTION_QUERY_BLOCKS;
-    let section = if sections { fit.min(heads) } else { heads };
+    let fit = (budget / kv_per_head).min(heads);
+    let q_blocks = p.n_q.div_ceil(br.max(1));
+    let section = if fit < MIN_SECTION_HEADS.min(heads) || q_blocks > MAX_SECTION_QUERY_BLOCKS {
+        heads
+    } else {
+        let order =
+            TileOrder { heads, q_blocks, br, bc: bc.max(1), n_q: p.n_q, n_kv: p.n_kv, grid };
+        most_even_section(order, fit)
+    };
     section.min(i32::MAX as usize) as i32
 }
 
-/// Launches the forward kernel on Q, K, V described by `maps` (16-bit, or e4m3 when `fp8`) and
-/// returns O and lse. The variant and its shared memory come from the same `fp8` flag, so that
-/// they agree on whether O's tile is in shared memory ([`Fa3Tiles::o_in_shared`]).
+/// The causal tile order of the kernel (`tile_at`, `next_tile` in `cuda/fa3_forward.cu`) for
+/// `heads` (head, batch) pairs of `q_blocks` query blocks each, walked by `grid` blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct TileOrder {
+    heads: usize,
+    q_blocks: usize,
+    br: usize,
+    bc: usize,
+    n_q: usize,
+    n_kv: usize,
+    grid: usize,
+}
+
+impl TileOrder {
+    /// K/V tiles of query block `q_block` under the causal mask (the kernel's `key_tiles`).
+    fn key_tiles(&self, q_block: usize) -> usize {
+        let last_key = (q_block * self.br + self.br - 1 + self.n_kv) as i64 - self.n_q as i64;
+        if last_key < 0 {
+            0
+        } else {
+            self.n_kv.div_ceil(self.bc).min(last_key as usize / self.bc + 1)
+        }
+    }
+
+    /// The mean over the busiest of the blocks' work, counted as K/V tiles plus one per query
+    /// tile (its Q load and epilogue), with sections of `section` pairs: 1 when every block gets
+    /// the same.
+    fn balance(&self, section: usize) -> f64 {
+        let (blocks, grid) = (self.q_blocks, self.grid.max(1));
+        let total = self.heads * blocks;
+        let work = |index: usize| {
+            let first = index / (section * blocks) * section;
+            let in_section = section.min(self.heads - first);
+            let r = index - first * blocks;
+            self.key_tiles(blocks - 1 - r / in_section) + 1
+        };
+        let mut loads = vec![0usize; grid];
+        for (round, start) in (0..total).step_by(grid).enumerate() {
+            for (lane, load) in loads.iter_mut().enumerate() {
+                let block = if round % 2 == 0 { lane } else { grid - 1 - lane };
+                if start + block < total {
+                    *load += work(start + block);
+                }
+            }
+        }
+        let max = loads.iter().copied().max().unwrap_or(0).max(1);
+        loads.iter().sum::<usize>() as f64 / grid as f64 / max as f64
+    }
+}
+
+/// The largest section of at most `fit` pairs whose [`TileOrder::balance`] is within
+/// [`BALANCE_SLACK`] of the best of them; remembered per order, since serving and training call
+/// the same shapes again and again.
+fn most_even_section(order: TileOrder, fit: usize) -> usize {
+    static CHOSEN: OnceLock<Mutex<HashMap<(TileOrder, usize), usize>>> = OnceLock::new();
+    let chosen = CHOSEN.get_or_init(Default::default);
+    if let Some(&section) = chosen.lock().ok().and_then(|m| m.get(&(order, fit)).copied()).as_ref()
+    {
+        return section;
+    }
+    let balances: Vec<f64> = (1..=fit).map(|section| order.balance(section)).collect();
+    let best = balances.iter().copied().fold(0.0, f64::max);
+    let section = (1..=fit).rev().find(|&s| balances[s - 1] >= best - BALANCE_SLACK).unwrap_or(fit);
+    if let Ok(mut m) = chosen.lock() {
+        m.insert((order, fit), section);
+    }
+    section
+}
+
+/// Launches the forward kernel on Q, K, V described by `maps` (16-bit, or e4m3 with their
+/// `fp8` scales) and returns O (written into `o`, `[batch, heads_q, n_q, d]` in any strides) and
+/// lse. The variant and its shared memory come from the same flag, so that they agree on
+/// whether O's tile is in shared memory ([`Fa3Tiles::o_in_shared`]).
 pub(crate) fn launch(
     gpu: &Gpu,
     p: &Problem,
     tiles: Fa3Tiles,
     schedule: Schedule,
     maps: [CUtensorMap; 3],
-    scales: Fp8Scales,
-    fp8: bool,
+    fp8: Option<Fp8Scales>,
+    mut o: Tensor,
 ) -> Result<Output> {
+    let scales = fp8.unwrap_or_default();
+    let fp8 = fp8.is_some();
     let operand_bytes = operand_bytes(fp8);
     let kernel = Kernel {
         variant: variant(p.d, p.dtype, p.causal, tiles, schedule, fp8),
@@ -507,7 +657,8 @@ pub(crate) fn launch(
     };
     let smem = tiles.shared_bytes(p.d, operand_bytes);
     gpu.prepare(&kernel, smem)?;
-    let mut o = gpu.output(&p.o_shape(), p.dtype)?;
+    let o_strides = Strides::of(&o, "o")?;
+    let o_layout = (o.shape().to_vec(), o.dtype());
     let mut lse = gpu.output(&p.lse_shape(), DType::F32)?;
     {
         let s = gpu.stream();
@@ -517,7 +668,17 @@ pub(crate) fn launch(
         let [q, k, v] = maps;
         // O in boxes of 64 rows, one consumer warpgroup's (used where O goes through shared
         // memory).
-        let o_map = tensor_map_16("o", &p.o_shape(), p.dtype, o_ptr, 64)?;
+        let o_map = tensor_map_16("o", (&o_layout.0, o_layout.1), o_strides, o_ptr, 64)?;
+        // Persistent blocks, one per SM, each walking the tiles (query block, head, batch); or one
+        // block per tile (the kernel's tile loop then runs once).
+        let work = p.n_q.div_ceil(tiles.br()) * p.heads_q * p.batch;
+        if work > i32::MAX as usize {
+            return Err(KernelError::Shape(format!(
+                "{work} query tiles of {} rows exceed the kernel's 32-bit tile index",
+                tiles.br()
+            )));
+        }
+        let blocks = if schedule.persistent { work.min(gpu.sm_count() as usize) } else { work };
         let params = ForwardParams {
             q,
             k,
@@ -534,47 +695,47 @@ pub(crate) fn launch(
             scale_log2: p.scale_log2(),
             section_heads: section_heads(
                 p,
-                tiles.br(),
+                (tiles.br(), tiles.bc),
+                blocks,
                 operand_bytes,
                 gpu.config().fa3_l2_section_override().unwrap_or(L2_SECTION_BYTES),
             ),
+            o_strides,
         };
-        // Persistent blocks, one per SM, each walking the tiles (query block, head, batch); or one
-        // block per tile (the kernel's tile loop then runs once).
-        let work = p.n_q.div_ceil(tiles.br()) * p.heads_q * p.batch;
-        if work > i32::MAX as usize {
-            return Err(KernelError::Shape(format!(
-                "{work} query tiles of {} rows exceed the kernel's 32-bit tile index",
-                tiles.br()
-            )));
-        }
-        let blocks = if schedule.persistent { work.min(gpu.sm_count() as usize) } else { work };
         gpu.launch(&kernel, grid(blocks, 1, 1)?, tiles.threads() as u32, smem, &params)?;
     }
     Ok(Output { o, lse })
 }
 
-/// Every variant of this rung for `arch` (none before Hopper), for the compile check: each head
-/// dimension, dtype and mask with its default schedule, and the ablation variants at d = 128.
+/// Every variant of this rung for `arch` (none before Hopper), for the compile check: the tuned
+/// head dims (64, 128, 256) in each dtype and mask with their default schedule, one head dim of
+/// every other tile row and off the 64-element blocks (8, 40, 96, 160, 192, 224), the short
+/// problems' tiles, and the ablation variants at d = 128.
 #[cfg(test)]
 pub(crate) fn variants(arch: &str) -> Vec<Variant> {
     let mut all = Vec::new();
     if arch != ARCH {
         return all;
     }
+    let mut push = |d, dtype, causal, t: Fa3Tiles| {
+        all.push(variant(d, dtype, causal, t, Schedule::for_head_dim(d, false), false))
+    };
     for &dtype in DTYPES {
-        for &d in HEAD_DIMS {
+        for d in [64, 128, 256] {
             for causal in [false, true] {
-                if let Ok(t) = Fa3Tiles::for_head_dim(d, causal) {
-                    all.push(variant(d, dtype, causal, t, Schedule::for_head_dim(d, false), false));
-                }
+                push(d, dtype, causal, Fa3Tiles::for_head_dim(d, causal).expect("d has tiles"));
             }
         }
     }
+    for (d, causal) in [(8, true), (40, false), (96, false), (96, true), (160, true), (192, false)]
+    {
+        push(d, DType::F16, causal, Fa3Tiles::for_head_dim(d, causal).expect("d has tiles"));
+    }
+    push(224, DType::BF16, true, Fa3Tiles::for_head_dim(224, true).expect("d has tiles"));
+    push(96, DType::F16, true, Fa3Tiles::for_problem(96, true, SHORT_KEYS).expect("d has tiles"));
     for &dtype in DTYPES {
         for (d, causal) in [(64, true), (128, true), (128, false)] {
-            let short = Fa3Tiles::for_problem(d, causal, SHORT_KEYS).expect("d has tiles");
-            all.push(variant(d, dtype, causal, short, Schedule::for_head_dim(d, false), false));
+            push(d, dtype, causal, Fa3Tiles::for_problem(d, causal, SHORT_KEYS).expect("tiles"));
         }
     }
     for (pingpong, overlap) in [(true, true), (false, true), (true, false), (false, false)] {
@@ -599,17 +760,34 @@ mod tests {
         let t = Fa3Tiles::for_head_dim(128, false).unwrap();
         assert_eq!((t.br(), t.bc, t.threads()), (128, 176, 384));
         assert_eq!(Fa3Tiles::for_head_dim(64, true).unwrap().br(), 192);
-        // The Hopper opt-in limit is 227 KiB per block.
-        for d in [64, 128, 256] {
+        // The Hopper opt-in limit is 227 KiB per block, for every head dim and short problem.
+        for &d in HEAD_DIMS {
             for causal in [false, true] {
-                let t = Fa3Tiles::for_head_dim(d, causal).unwrap();
-                assert!(
-                    t.shared_bytes(d, 2) <= MAX_SHARED_BYTES,
-                    "d = {d}: {}",
-                    t.shared_bytes(d, 2)
-                );
+                for n_kv in [512, SHORT_KEYS + 1] {
+                    let t = Fa3Tiles::for_problem(d, causal, n_kv).unwrap();
+                    assert!(
+                        t.shared_bytes(d, 2) <= MAX_SHARED_BYTES,
+                        "d = {d}: {}",
+                        t.shared_bytes(d, 2)
+                    );
+                }
             }
         }
+        // A head dim takes the tiles of its shared rows' width: d = 96 d = 128's, 160 and 192
+        // 112 keys, 224 d = 256's; the rows are whole 64-element blocks.
+        let tiles = |d| Fa3Tiles::for_head_dim(d, true).unwrap();
+        assert_eq!((tiles(96), tiles(8), tiles(224)), (tiles(128), tiles(64), tiles(256)));
+        assert_eq!(tiles(160).bc, 112);
+        assert_eq!(
+            (tile_cols(8), tile_cols(96), tile_cols(136), tile_cols(256)),
+            (64, 128, 192, 256)
+        );
+        // d = 192: Q (128 × 192) and two stages of K and V (112 × 192), 16-bit.
+        let t = Fa3Tiles::for_head_dim(192, false).unwrap();
+        assert_eq!(t.shared_bytes(192, 2), (128 + 4 * 112) * 384 + 80 + 1024);
+        // d = 96 pads its rows to 128 elements: the shared memory of d = 128.
+        let t = Fa3Tiles::for_head_dim(96, false).unwrap();
+        assert_eq!(t.shared_bytes(96, 2), t.shared_bytes(128, 2));
         // d = 256: Q (128 × 256) and two stages of K and V (80 × 256), 16-bit; no room for O.
         let t = Fa3Tiles::for_head_dim(256, false).unwrap();
         assert_eq!(t.shared_bytes(256, 2), (128 + 4 * 80) * 512 + 80 + 1024);
@@ -620,10 +798,12 @@ mod tests {
         let t = Fa3Tiles::for_head_dim(64, false).unwrap();
         assert_eq!(t.shared_bytes(64, 2), (192 + 8 * 128) * 128 + 144 + 1024);
         assert!(!t.o_in_shared(64, 2));
-        assert!(matches!(
-            Fa3Tiles::for_head_dim(96, false),
-            Err(KernelError::UnsupportedHeadDim { d: 96, .. })
-        ));
+        for d in [0, 4, 100, 264] {
+            assert!(matches!(
+                Fa3Tiles::for_head_dim(d, false),
+                Err(KernelError::UnsupportedHeadDim { .. })
+            ));
+        }
         // Short problems: 128-key tiles at d = 128 (both masks, O through shared memory), 128
         // query rows at d = 64 causal, up to SHORT_KEYS keys; longer ones, and the rest,
         // keep the head dim's tiles.
@@ -641,9 +821,11 @@ mod tests {
                     short(d, causal, SHORT_KEYS + 1),
                     Fa3Tiles::for_head_dim(d, causal).unwrap()
                 );
-                assert!(short(d, causal, 512).shared_bytes(d, 2) <= MAX_SHARED_BYTES);
             }
         }
+        // d = 96's short tiles are d = 128's, O through shared memory too.
+        assert_eq!(short(96, true, 512), short(128, true, 512));
+        assert!(short(96, true, 512).o_in_shared(96, 2));
         assert_eq!(short(64, false, 512), Fa3Tiles::for_head_dim(64, false).unwrap());
         assert_eq!(short(256, true, 512), Fa3Tiles::for_head_dim(256, true).unwrap());
     }
@@ -687,32 +869,55 @@ mod tests {
             contiguous: true,
         };
         let budget = L2_SECTION_BYTES;
+        let sections = |p: &Problem, tiles: (usize, usize), bytes| {
+            let work = p.n_q.div_ceil(tiles.0) * p.heads_q * p.batch;
+            section_heads(p, tiles, work.min(132), bytes, budget)
+        };
         // n = 512, d = 128: 256 KB of K and V per head, 48 of 512 heads per section.
-        assert_eq!(section_heads(&problem(32, 16, 16, 512, 128), 128, 2, budget), 48);
-        // GQA 4: four q heads share one kv head's K and V.
-        assert_eq!(section_heads(&problem(32, 16, 4, 512, 128), 128, 2, budget), 192);
+        assert_eq!(sections(&problem(32, 16, 16, 512, 128), (128, 128), 2), 48);
+        // GQA 4: four q heads share one kv head's K and V, so 192 fit; 178 share the work out
+        // more evenly (balance 0.97 against 0.92).
+        assert_eq!(sections(&problem(32, 16, 4, 512, 128), (128, 128), 2), 178);
         // Fewer heads than fit: one section.
-        assert_eq!(section_heads(&problem(1, 16, 16, 512, 128), 128, 2, budget), 16);
+        assert_eq!(sections(&problem(1, 16, 16, 512, 128), (128, 128), 2), 16);
         // n = 4k: 32 query blocks of 128 rows, 6 heads of 2 MB each.
-        assert_eq!(section_heads(&problem(4, 16, 16, 4096, 128), 128, 2, budget), 6);
-        // More query blocks than MAX_SECTION_QUERY_BLOCKS, or fewer heads per section than
+        assert_eq!(sections(&problem(4, 16, 16, 4096, 128), (128, 176), 2), 6);
+        // d = 96: 8 heads of 1.5 MB fit, but share the work out badly (0.62); 6 do not (0.98).
+        let d96 = problem(4, 16, 16, 4096, 96);
+        assert_eq!(sections(&d96, (128, 176), 2), 6);
+        let order = |heads, bc| TileOrder {
+            heads,
+            q_blocks: 32,
+            br: 128,
+            bc,
+            n_q: 4096,
+            n_kv: 4096,
+            grid: 132,
+        };
+        assert!(order(64, 176).balance(8) < 0.65 && order(64, 176).balance(6) > 0.97);
+        // d = 192: 4 heads of 3 MB fit; 3 share the work out evenly.
+        assert_eq!(sections(&problem(4, 16, 16, 4096, 192), (128, 112), 2), 3);
+        // Every block the same work: balance 1.
+        assert_eq!(order(132, 176).balance(132), 1.0);
+        // More query blocks than MAX_SECTION_QUERY_BLOCKS, or fewer heads fit than
         // MIN_SECTION_HEADS: every head at once.
-        assert_eq!(section_heads(&problem(2, 32, 32, 8192, 64), 192, 2, budget), 64);
-        assert_eq!(section_heads(&problem(1, 16, 16, 16384, 128), 128, 2, budget), 16);
-        assert_eq!(section_heads(&problem(2, 16, 16, 4096, 256), 128, 2, budget), 32);
-        // e4m3 operands take half the bytes: twice the heads.
-        assert_eq!(section_heads(&problem(32, 16, 16, 512, 128), 128, 1, budget), 96);
+        assert_eq!(sections(&problem(2, 32, 32, 8192, 64), (192, 128), 2), 64);
+        assert_eq!(sections(&problem(1, 16, 16, 16384, 128), (128, 176), 2), 16);
+        assert_eq!(sections(&problem(2, 16, 16, 4096, 256), (128, 80), 2), 32);
+        // e4m3 operands take half the bytes: twice the heads fit, 89 of them share out best.
+        assert_eq!(sections(&problem(32, 16, 16, 512, 128), (128, 128), 1), 89);
     }
 
     #[test]
     fn params_are_laid_out_as_the_kernel_expects() {
         // Four 128-byte maps (Q, K, V, O), then the pointers at byte 512: o, lse, four scales,
-        // the sizes.
+        // the sizes, O's strides.
         assert_eq!(std::mem::align_of::<ForwardParams>(), 128);
         assert_eq!(std::mem::offset_of!(ForwardParams, o_map), 384);
         assert_eq!(std::mem::offset_of!(ForwardParams, section_heads), 512 + 16 + 32 + 24);
         assert_eq!(std::mem::offset_of!(ForwardParams, o), 512);
         assert_eq!(std::mem::offset_of!(ForwardParams, scales), 512 + 16);
         assert_eq!(std::mem::offset_of!(ForwardParams, scale_log2), 512 + 16 + 32 + 20);
+        assert_eq!(std::mem::offset_of!(ForwardParams, o_strides), 512 + 16 + 32 + 32);
     }
 }

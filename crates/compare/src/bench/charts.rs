@@ -68,7 +68,7 @@ pub fn draw_all(dir: &Path, rows: &[Row], subtitle: &str) -> anyhow::Result<Vec<
         }
         let key = (u8::from(c.direction != "fwd"), c.dtype.clone(), c.d, c.causal);
         let chart = charts.entry(key).or_default();
-        chart.series.entry(impl_rank(&c.imp)).or_default().insert(c.n_q, tflops);
+        chart.series.entry(impl_rank(&c.series())).or_default().insert(c.n_q, tflops);
     }
     let mut written = Vec::new();
     for ((dir_rank, dtype, d, causal), chart) in &charts {

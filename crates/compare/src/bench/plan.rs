@@ -33,6 +33,27 @@ pub enum DtypeArg {
     Bf16,
 }
 
+/// How Q, K, V (and dO) of a prefill case lie in memory (`--layout`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LayoutArg {
+    /// `[batch, heads, seq, d]`, contiguous.
+    Bhsd,
+    /// `[batch, seq, heads, d]` in memory, what a QKV projection produces, handed to the rungs
+    /// as a transposed view without a copy (O and the gradients come back laid out the same
+    /// way); only the rungs that take strides run in it (FA2, FA3).
+    Bshd,
+}
+
+impl LayoutArg {
+    /// The CSV's `layout` field: none for `[batch, heads, seq, d]`, else the layout's name.
+    pub(super) fn label(self) -> Option<&'static str> {
+        match self {
+            LayoutArg::Bhsd => None,
+            LayoutArg::Bshd => Some("bshd"),
+        }
+    }
+}
+
 /// FlashDecoding++'s GEMM shape (`--pp-kernel`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum PpKernelArg {
@@ -124,6 +145,10 @@ pub struct BenchArgs {
     /// shapes, none on the sweep].
     #[arg(long, value_delimiter = ',')]
     pub(super) page_size: Vec<CacheLayout>,
+    /// Prefill only: memory layouts of Q, K, V, comma-separated: bhsd ([batch, heads, seq, d]),
+    /// bshd ([batch, seq, heads, d], as a strided view; FA2 and FA3 only) [default: bhsd].
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub(super) layout: Vec<LayoutArg>,
     /// Masks: both, true (causal only) or false.
     #[arg(long, value_enum, default_value_t = CausalArg::Both)]
     pub(super) causal: CausalArg,
@@ -218,6 +243,8 @@ pub(super) struct Plan {
     pub(super) ds: Vec<usize>,
     pub(super) ns: Vec<usize>,
     pub(super) causals: Vec<bool>,
+    /// `--layout` (default `[b, h, s, d]` only).
+    pub(super) input_layouts: Vec<LayoutArg>,
     pub(super) dtype: DType,
     pub(super) repeats: usize,
     pub(super) warmup: usize,
@@ -367,6 +394,11 @@ impl Plan {
             ds,
             ns,
             causals,
+            input_layouts: if a.layout.is_empty() {
+                vec![LayoutArg::Bhsd]
+            } else {
+                a.layout.clone()
+            },
             dtype,
             repeats: a.repeats.unwrap_or(if a.quick { 5 } else { 30 }).max(1),
             warmup: a.warmup.unwrap_or(if a.quick { 2 } else { 5 }).max(1),
@@ -437,6 +469,16 @@ impl Plan {
 
     /// The prefill (forward and backward) GPU rungs to run at length `n`, in order: by
     /// direction, then in table order.
+    /// [`Plan::rungs_at`] that take inputs in `layout` (every one in `[b, h, s, d]`; those
+    /// that take strides in the others).
+    pub(super) fn rungs_in(&self, layout: LayoutArg, d: usize, n: usize) -> Vec<GpuRung> {
+        let mut rungs = self.rungs_at(d, n);
+        if layout != LayoutArg::Bhsd {
+            rungs.retain(|r| r.takes_strides());
+        }
+        rungs
+    }
+
     pub(super) fn rungs_at(&self, d: usize, n: usize) -> Vec<GpuRung> {
         let mut out = Vec::new();
         for &direction in self.directions.iter().filter(|d| **d != Direction::Decode) {
@@ -466,10 +508,11 @@ impl Plan {
     pub(super) fn case_count(&self) -> usize {
         self.causals.len()
             * self
-                .ds
+                .input_layouts
                 .iter()
-                .flat_map(|&d| self.ns.iter().map(move |&n| (d, n)))
-                .map(|(d, n)| self.rungs_at(d, n).len())
+                .flat_map(|&l| self.ds.iter().map(move |&d| (l, d)))
+                .flat_map(|(l, d)| self.ns.iter().map(move |&n| (l, d, n)))
+                .map(|(l, d, n)| self.rungs_in(l, d, n).len())
                 .sum::<usize>()
             + self.decode_ds.len() * self.decode_cases() * self.decode_rungs().len()
     }
@@ -619,6 +662,12 @@ mod tests {
         );
         assert_eq!((p.causals.as_slice(), p.dtype, p.repeats), (&[true][..], DType::BF16, 7));
         assert_eq!(p.case_count(), 2);
+        // [b, s, h, d] inputs: only the rungs that take strides run in them.
+        let args = ["--rung", "fa1,fa2", "--direction", "fwd", "--d", "64", "--n", "512"];
+        let l = plan(&[&args[..], &["--layout", "bhsd,bshd"]].concat()).unwrap();
+        assert_eq!(l.rungs_in(LayoutArg::Bshd, 64, 512), [GpuRung::Fa2]);
+        assert_eq!(l.rungs_in(LayoutArg::Bhsd, 64, 512), [GpuRung::Fa1, GpuRung::Fa2]);
+        assert_eq!(l.case_count(), 2 * 3, "fa1, fa2 and fa2/bshd, with and without the mask");
         let q = plan(&["--quick"]).unwrap();
         assert_eq!(
             (q.ds.as_slice(), q.ns.as_slice(), q.causals.as_slice()),

@@ -53,12 +53,13 @@ pub fn render_rows(rows: &[Row]) -> String {
         "{:<15} {:<6} {:<5} {:>4} {:>8} {:<8} {:>5} {:>6} {:>4} {:>10} {:>9} {:>7}",
         "impl", "dir", "dtype", "d", "n", "mask", "batch", "heads", "page", "ms", "TFLOP/s", "TB/s"
     );
+    // An input layout other than [b, h, s, d] follows the name (`fa3/bshd`).
     for row in rows {
         let c = &row.case;
         let _ = write!(
             s,
             "{:<15} {:<6} {:<5} {:>4} {:>8} {:<8} {:>5} {:>6} {:>4} ",
-            c.imp,
+            c.series(),
             c.direction,
             c.dtype,
             c.d,
@@ -178,17 +179,25 @@ pub fn render_decode_side_by_side(rows: &[Row]) -> String {
 
 fn render_prefill_side_by_side(rows: &[Row]) -> String {
     type Key = (u8, String, usize, bool, usize, usize);
-    let mut imps: BTreeSet<(usize, String)> = BTreeSet::new();
+    // Columns: an implementation in one input layout (`fa3/bshd`, `Case::series`), each after
+    // the same implementation in [b, h, s, d].
+    let mut imps: BTreeSet<((usize, String), Option<String>)> = BTreeSet::new();
     let mut table: BTreeMap<Key, BTreeMap<String, f64>> = BTreeMap::new();
     for row in rows {
         let Some((_, tflops)) = row.timing() else { continue };
         let c = &row.case;
-        imps.insert(impl_rank(&c.imp));
+        imps.insert((impl_rank(&c.imp), c.layout.clone()));
         let dir_rank = u8::from(c.direction != "fwd");
         let key = (dir_rank, c.dtype.clone(), c.d, c.causal, c.n_q, c.n_kv);
-        table.entry(key).or_default().insert(c.imp.clone(), tflops);
+        table.entry(key).or_default().insert(c.series(), tflops);
     }
-    let imps: Vec<String> = imps.into_iter().map(|(_, n)| n).collect();
+    let imps: Vec<String> = imps
+        .into_iter()
+        .map(|((_, name), layout)| match layout {
+            None => name,
+            Some(l) => format!("{name}/{l}"),
+        })
+        .collect();
     let fa2 = GpuRung::Fa2.name();
     let ratio = imps.iter().any(|i| i == fa2) && imps.iter().any(|i| i == "sdpa-flash");
     let mut s = String::new();

@@ -13,7 +13,7 @@ use ladder_kernels::decode::{
 };
 use ladder_kernels::{DType, Gpu, KernelError, Options, Output, Tensor};
 
-use super::plan::{CacheLayout, DecodeShape, Plan};
+use super::plan::{CacheLayout, DecodeShape, LayoutArg, Plan};
 
 /// L2 cache of an H100/H200 (50 MB): inputs smaller than this are rotated.
 const L2_BYTES: usize = 50 << 20;
@@ -241,19 +241,28 @@ pub(super) fn upload_sets(
     gpu: &Gpu,
     pool: &mut HostPool,
     plan: &Plan,
-    d: usize,
-    n: usize,
+    (d, n): (usize, usize),
+    layout: LayoutArg,
     with_d_o: bool,
 ) -> ladder_kernels::Result<Vec<InputSet>> {
     let (batch, heads) = plan.dims(d, n);
-    let shape = [batch, heads, n, d];
+    // In memory as the layout says; the rungs get [batch, heads, n, d] views.
+    let shape = match layout {
+        LayoutArg::Bhsd => [batch, heads, n, d],
+        LayoutArg::Bshd => [batch, n, heads, d],
+    };
+    let view = |t: Tensor| match layout {
+        LayoutArg::Bhsd => Ok(t),
+        LayoutArg::Bshd => t.transpose(1, 2),
+    };
     let len = batch * heads * n * d;
     let tensors = if with_d_o { 4 } else { 3 };
     let sets = sets_for(tensors * len * plan.dtype.size());
     (0..sets)
         .map(|s| {
-            let mut up =
-                |role: usize| gpu.upload(pool.values(4 * s + role, len), &shape, plan.dtype);
+            let mut up = |role: usize| {
+                view(gpu.upload(pool.values(4 * s + role, len), &shape, plan.dtype)?)
+            };
             Ok(InputSet {
                 q: up(0)?,
                 k: up(1)?,

@@ -23,7 +23,10 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::{DTYPES, Fa3Tiles, Fp8Scales, MapSpec, Schedule, launch, require_hopper, tensor_map};
+use super::{
+    DTYPES, Fa3Tiles, Fp8Scales, MapSpec, Schedule, dense_strides, launch, require_hopper,
+    tensor_map,
+};
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, Kernel};
@@ -329,6 +332,7 @@ pub fn forward_quantized_with(gpu: &Gpu, inputs: &Fp8Inputs, schedule: Schedule)
             name: "q (e4m3)",
             ptr: q_ptr,
             dims: [p.d, p.n_q, p.heads_q, p.batch],
+            strides: dense_strides([p.d, p.n_q, p.heads_q, p.batch]),
             dtype: e4m3,
             elem: 1,
             rows: tiles.br(),
@@ -337,6 +341,7 @@ pub fn forward_quantized_with(gpu: &Gpu, inputs: &Fp8Inputs, schedule: Schedule)
             name: "k (e4m3)",
             ptr: k_ptr,
             dims: [p.d, p.n_kv, p.heads_kv, p.batch],
+            strides: dense_strides([p.d, p.n_kv, p.heads_kv, p.batch]),
             dtype: e4m3,
             elem: 1,
             rows: tiles.bc,
@@ -345,13 +350,15 @@ pub fn forward_quantized_with(gpu: &Gpu, inputs: &Fp8Inputs, schedule: Schedule)
             name: "vᵀ (e4m3)",
             ptr: vt_ptr,
             dims: [inputs.n_pad, p.d, p.heads_kv, p.batch],
+            strides: dense_strides([inputs.n_pad, p.d, p.heads_kv, p.batch]),
             dtype: e4m3,
             elem: 1,
             rows: p.d,
         })?,
     ];
     let scales = Fp8Scales { q: qs, k: ks, p: ps, o: os };
-    launch(gpu, p, tiles, schedule, maps, scales, true)
+    let o = gpu.output(&p.o_shape(), p.dtype)?;
+    launch(gpu, p, tiles, schedule, maps, Some(scales), o)
 }
 
 /// `softmax(scale · Q Kᵀ + mask) V` with e4m3 operands: [`quantize`], then
