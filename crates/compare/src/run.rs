@@ -30,8 +30,10 @@ Examples:
   ladder run --rung fa2 --device gpu --q q.npy --k k.npy --v v.npy --out o.npy --causal
   ladder run --rung fa2 --q q.npy --k k.npy --v v.npy --out o.npy --causal \\
              --backward --do do.npy --dq dq.npy --dk dk.npy --dv dv.npy
+  ladder run --rung fa3 --device gpu --layout bshd --q q.npy --k k.npy --v v.npy --out o.npy
 
-Rungs with a GPU kernel: fa1 (fp16, bf16, f32), fa2 (fp16, bf16). Rungs with a backward pass:
+Rungs with a GPU kernel: fa1 (fp16, bf16, f32), fa2 (fp16, bf16), and on Hopper fa3 and fa3-fp8
+(fp16, bf16). --layout bshd reads and writes [batch, seq, heads, d] files. Rungs with a backward pass:
 naive and fa2 on the CPU, fa2 on the GPU. --br, --bc, --splits, --phi and --no-incoherent tune the
 CPU rungs; the GPU kernels choose their own tiles. Exit status 2 for bad flags, 1 for any other
 error.";
@@ -42,18 +44,24 @@ pub struct RunArgs {
     /// The rung to run.
     #[arg(long, value_enum)]
     rung: Rung,
-    /// Queries, [batch, heads_q, n_q, d].
+    /// Queries, [batch, heads_q, n_q, d] (--layout bshd: [batch, n_q, heads_q, d]).
     #[arg(long)]
     q: PathBuf,
-    /// Keys, [batch, heads_kv, n_kv, d].
+    /// Keys, [batch, heads_kv, n_kv, d] (--layout bshd: [batch, n_kv, heads_kv, d]).
     #[arg(long)]
     k: PathBuf,
-    /// Values, [batch, heads_kv, n_kv, d].
+    /// Values, the shape of k.
     #[arg(long)]
     v: PathBuf,
-    /// Where to write O (in the dtype of q).
+    /// Where to write O (in the dtype of q, the layout of q).
     #[arg(long)]
     out: PathBuf,
+    /// The layout of q, k, v, dO and of what is written (O, dQ, dK, dV; lse is always [batch,
+    /// heads_q, n_q]): bhsd ([batch, heads, seq, d]) or bshd ([batch, seq, heads, d], what a
+    /// projection produces). On the GPU the kernels that take strides (fa2, fa3) read bshd in
+    /// place, as transposed views; the others get a [batch, heads, seq, d] copy.
+    #[arg(long, value_enum, default_value_t = FileLayout::Bhsd)]
+    layout: FileLayout,
     /// Where to write the log-sum-exp, [batch, heads_q, n_q], float32.
     #[arg(long)]
     lse: Option<PathBuf>,
@@ -92,6 +100,20 @@ pub struct RunArgs {
     // --scale applies on the GPU too; the tile and split sizes do not.
     #[command(flatten)]
     rung_args: RungArgs,
+}
+
+/// How the `.npy` files' axes are ordered (`--layout`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum FileLayout {
+    /// `[batch, heads, seq, d]`.
+    Bhsd,
+    /// `[batch, seq, heads, d]`.
+    Bshd,
+}
+
+/// Axes 1 and 2 swapped, as a standard-layout array: `[b, s, h, d]` ↔ `[b, h, s, d]`.
+fn swap_seq_and_heads(x: &Array4<f64>) -> Array4<f64> {
+    x.view().permuted_axes([0, 2, 1, 3]).as_standard_layout().into_owned()
 }
 
 /// Where `ladder run` runs the rung.
@@ -302,14 +324,31 @@ struct Results {
 fn run(args: &RunArgs) -> anyhow::Result<()> {
     let (plan, backward) = args.plan()?;
     let config = args.rung_args.config(args.causal).map_err(usage)?;
-    let [q, k, v] = [&args.q, &args.k, &args.v].map(|p| npy::read(p));
+    // Every tensor is held as [b, h, s, d] here; --layout bshd is undone on reading and redone on
+    // writing (on the GPU, the strided kernels get bshd buffers as they are).
+    let read = |path: &Path| -> anyhow::Result<NpyTensor> {
+        let mut t = npy::read(path)?;
+        if args.layout == FileLayout::Bshd {
+            t.data = swap_seq_and_heads(&t.data);
+        }
+        Ok(t)
+    };
+    let write = |path: &Path, x: &Array4<f64>, dtype: DType| match args.layout {
+        FileLayout::Bhsd => npy::write(path, x, dtype),
+        FileLayout::Bshd => npy::write(path, &swap_seq_and_heads(x), dtype),
+    };
+    let [q, k, v] = [&args.q, &args.k, &args.v].map(|p| read(p));
     let (q, k, v) = (q?, k?, v?);
     AttentionShape::of(&q.data.view(), &k.data.view(), &v.data.view()).with_context(|| {
-        format!("q {:?}, k {:?}, v {:?}", q.data.shape(), k.data.shape(), v.data.shape())
+        let as_read = match args.layout {
+            FileLayout::Bhsd => "",
+            FileLayout::Bshd => " (read from --layout bshd as [batch, heads, seq, d])",
+        };
+        format!("q {:?}, k {:?}, v {:?}{as_read}", q.data.shape(), k.data.shape(), v.data.shape())
     })?;
     let d_o = match &backward {
         Some(paths) => {
-            let d_o = npy::read(paths.d_o)?;
+            let d_o = read(paths.d_o)?;
             if d_o.data.shape() != q.data.shape() {
                 bail!(
                     "{}: dO is {:?} but q is {:?}; they must be equal",
@@ -338,18 +377,22 @@ fn run(args: &RunArgs) -> anyhow::Result<()> {
             gpu(rung, dtype, &tensors, args)?
         }
     };
-    npy::write(&args.out, &results.o, q.dtype)?;
+    write(&args.out, &results.o, q.dtype)?;
     if let Some(path) = &args.lse {
         npy::write(path, &results.lse, DType::F32)?;
     }
+    let o_file_shape = match args.layout {
+        FileLayout::Bhsd => results.o.shape().to_vec(),
+        FileLayout::Bshd => swap_seq_and_heads(&results.o).shape().to_vec(),
+    };
     let mut wrote =
-        format!("wrote {} {:?} to {}", dtype_label(q.dtype), results.o.shape(), args.out.display());
+        format!("wrote {} {:?} to {}", dtype_label(q.dtype), o_file_shape, args.out.display());
     if let Some(path) = &args.lse {
         wrote += &format!(", lse to {}", path.display());
     }
     if let (Some(grads), Some(paths)) = (&results.grads, &backward) {
         for ((grad, input), path) in grads.iter().zip([&q, &k, &v]).zip(paths.out) {
-            npy::write(path, grad, input.dtype)?;
+            write(path, grad, input.dtype)?;
         }
         wrote +=
             &format!(", dQ, dK, dV to {}", paths.out.map(|p| p.display().to_string()).join(", "));
@@ -439,9 +482,14 @@ fn gpu(rung: GpuRung, dtype: GpuDType, x: &Tensors, args: &RunArgs) -> anyhow::R
         KernelError::UnsupportedDtype { .. } | KernelError::UnsupportedHeadDim { .. } => anyhow!(e),
         e => anyhow!("{label} on the GPU: {e}"),
     };
+    // [b, s, h, d] buffers go to the kernels that take strides as they are, as transposed views;
+    // the others get [b, h, s, d].
+    let strided = args.layout == FileLayout::Bshd && rung.takes_strides();
     let upload = |t: &NpyTensor| {
-        let values: Vec<f32> = t.data.iter().map(|&v| v as f32).collect();
-        gpu.upload(&values, t.data.shape(), kind).map_err(kernel_error)
+        let data = if strided { swap_seq_and_heads(&t.data) } else { t.data.clone() };
+        let values: Vec<f32> = data.iter().map(|&v| v as f32).collect();
+        let up = gpu.upload(&values, data.shape(), kind);
+        up.and_then(|t| if strided { t.transpose(1, 2) } else { Ok(t) }).map_err(kernel_error)
     };
     let (q, k, v) = (upload(x.q)?, upload(x.k)?, upload(x.v)?);
     let opts = kernels::Options {

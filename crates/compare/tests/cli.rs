@@ -360,6 +360,78 @@ fn run_on_the_gpu_matches_the_cpu_rung_or_says_there_is_no_gpu() {
             }
         }
     }
+    // [b, s, h, d] files: fa2 (and fa3 on Hopper) read them in place, as strided views; fa1
+    // takes a [b, h, s, d] copy. Each meets the oracle as it does on [b, h, s, d] files.
+    let bshd = problem.in_bshd(dir.path(), DType::F32);
+    let hopper = ladder_kernels::Gpu::new().is_ok_and(|g| g.arch() == ladder_kernels::fa3::ARCH);
+    for rung in ["fa1", "fa2"].into_iter().chain(hopper.then_some("fa3")) {
+        let backward = rung == "fa2";
+        let mut args = bshd.args(dir.path(), rung, "gpu-bshd", backward);
+        args.extend(["--device", "gpu", "--layout", "bshd"].map(String::from));
+        let (out, grads) = Problem::run(dir.path(), "gpu-bshd", &args);
+        let out = AttentionOutput { o: swapped(&out.o), ..out };
+        let dtype = if rung == "fa1" { K::F32 } else { K::F16 };
+        let expected = gpu_check::expected_forward(&oracle, x, dtype).unwrap();
+        check(&format!("{rung} (GPU, bshd)"), &out, &expected, None)
+            .unwrap_or_else(|e| panic!("{e}"));
+        if let Some(g) = grads {
+            let g = Gradients { dq: swapped(&g.dq), dk: swapped(&g.dk), dv: swapped(&g.dv), ..g };
+            let expected = gpu_check::expected_backward(&grad_oracle, x, K::F16).unwrap();
+            let (errs, pass) = expected.judge(&g);
+            assert!(pass, "{rung} (GPU, bshd) backward: {errs:?} (tol {:?})", expected.tolerances);
+        }
+    }
+}
+
+/// `x` with axes 1 and 2 swapped: `[b, h, s, d]` ↔ `[b, s, h, d]`.
+fn swapped(x: &Array4<f64>) -> Array4<f64> {
+    x.view().permuted_axes([0, 2, 1, 3]).as_standard_layout().into_owned()
+}
+
+impl Problem {
+    /// The same problem written again as `[batch, seq, heads, d]` files (`bshd-q.npy`, ...),
+    /// and `self` with its paths pointing at them.
+    fn in_bshd(&self, dir: &Path, dtype: DType) -> Problem {
+        let x = &self.x;
+        let named = [("q", &x.q), ("k", &x.k), ("v", &x.v), ("do", &x.d_o)];
+        let paths = named.map(|(name, t)| {
+            let path = dir.join(format!("bshd-{name}.npy"));
+            npy::write(&path, &swapped(t), dtype).unwrap();
+            path.display().to_string()
+        });
+        Problem { x: x.clone(), paths }
+    }
+}
+
+/// `--layout bshd`: the files are `[batch, seq, heads, d]`, and so are O and the gradients written;
+/// the CPU rungs give what they give on the `[batch, heads, seq, d]` files, bit for bit.
+#[test]
+fn run_reads_and_writes_the_bshd_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let problem = Problem::write(dir.path(), DType::F32, (2, 4, 9, 8), 13);
+    let bshd = problem.in_bshd(dir.path(), DType::F32);
+    for rung in ["naive", "fa2"] {
+        let (out, grads) =
+            Problem::run(dir.path(), "bhsd", &problem.args(dir.path(), rung, "bhsd", true));
+        let mut args = bshd.args(dir.path(), rung, "bshd", true);
+        args.extend(["--layout", "bshd"].map(String::from));
+        let (out_t, grads_t) = Problem::run(dir.path(), "bshd", &args);
+        assert_eq!(out_t.o.shape(), &[2, 9, 4, 8], "{rung}: O is written [b, s, h, d]");
+        assert_eq!(swapped(&out_t.o), out.o, "{rung}: O");
+        assert_eq!(out_t.lse, out.lse, "{rung}: lse stays [b, h, s]");
+        let (g, g_t) = (grads.unwrap(), grads_t.unwrap());
+        assert_eq!(g_t.dk.shape(), &[2, 13, 2, 8]);
+        for (a, b) in grads_of(&g).into_iter().zip(grads_of(&g_t)) {
+            assert_eq!(&swapped(b), a, "{rung}: a gradient");
+        }
+    }
+    // A bshd file whose heads do not match says so in the [b, h, s, d] terms it was read as.
+    let mut args = bshd.args(dir.path(), "fa2", "bad", false);
+    args.extend(["--layout", "bshd"].map(String::from));
+    let k_at = args.iter().position(|a| a == "--k").unwrap() + 1;
+    args[k_at] = bshd.paths[0].clone(); // q as k: 4 heads of 9 rows for 2 of 13, and v 2 of 13
+    let run = ladder(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_one_line_error(&run, 1, "read from --layout bshd as [batch, heads, seq, d]");
 }
 
 #[test]
