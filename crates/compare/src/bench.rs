@@ -37,7 +37,7 @@ use anyhow::Context;
 use ladder_compare::results::{self, Case, Direction, Outcome, Row};
 use ladder_compare::{GpuRung, gpu_check};
 use ladder_kernels::decode::{self, DecodeOptions};
-use ladder_kernels::{Gpu, KernelError, Options};
+use ladder_kernels::{Gpu, KernelError, Options, fa3};
 use serde_json::{Map, Value, json};
 
 pub use plan::BenchArgs;
@@ -78,13 +78,13 @@ pub fn main(args: &BenchArgs) -> ExitCode {
 fn impl_name(gpu: &Gpu, rung: GpuRung) -> String {
     let mut name = rung.name().to_string();
     if matches!(rung, GpuRung::Fa3 | GpuRung::Fa3Fp8) {
-        if let Some(schedule) = gpu.config().fa3_schedule_override() {
+        if let Some(schedule) = gpu.config().tuned::<fa3::Schedule>() {
             name = format!("{name}-{}", schedule.label().replace(',', "+"));
         }
-        if let Some(t) = gpu.config().fa3_tiles_override() {
+        if let Some(t) = gpu.config().tuned::<fa3::Fa3Tiles>() {
             name = format!("{name}-bc{}c{}s{}", t.bc, t.consumers, t.stages);
         }
-        if let Some(bytes) = gpu.config().fa3_l2_section_override() {
+        if let Some(fa3::L2Section(bytes)) = gpu.config().tuned() {
             name = format!("{name}-l2s{}mb", bytes >> 20);
         }
     }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::bail;
 use ladder_kernels::decode::{self, DecodeOptions, DecodeStats, KvCache};
-use ladder_kernels::{DType, Gpu, GpuConfig, KernelCache, KernelError, Options, Tensor, fa3};
+use ladder_kernels::{DType, Gpu, GpuConfig, KernelCache, KernelError, Options, Tensor, fa2, fa3};
 use ladder_reference::{
     AttentionOptions, AttentionOutput, Fa2Options, Fp8Options, Gradients, TileSizes,
     fa2 as cpu_fa2, naive,
@@ -56,26 +56,30 @@ pub fn gpu_config_from_env() -> anyhow::Result<GpuConfig> {
         config = config.kernel_cache(cache);
     }
     if let Some(s) = var("LADDER_FA2_TILES") {
-        config = config
-            .fa2_forward_tiles(s.parse().map_err(|e| anyhow::anyhow!("LADDER_FA2_TILES: {e}"))?);
+        let tiles: fa2::ForwardTiles =
+            s.parse().map_err(|e| anyhow::anyhow!("LADDER_FA2_TILES: {e}"))?;
+        config = config.tune(tiles);
     }
     if let Some(s) = var("LADDER_FA3_TILES") {
-        config = config.fa3_tiles(s.parse().map_err(|e| anyhow::anyhow!("LADDER_FA3_TILES: {e}"))?);
+        let tiles: fa3::Fa3Tiles =
+            s.parse().map_err(|e| anyhow::anyhow!("LADDER_FA3_TILES: {e}"))?;
+        config = config.tune(tiles);
     }
     if let Some(s) = var("LADDER_FA3_SCHEDULE") {
-        config = config
-            .fa3_schedule(s.parse().map_err(|e| anyhow::anyhow!("LADDER_FA3_SCHEDULE: {e}"))?);
+        let schedule: fa3::Schedule =
+            s.parse().map_err(|e| anyhow::anyhow!("LADDER_FA3_SCHEDULE: {e}"))?;
+        config = config.tune(schedule);
     }
     if let Some(s) = var("LADDER_FA3_L2_SECTION_MB") {
         let mb: usize = s
             .parse()
             .map_err(|_| anyhow::anyhow!("LADDER_FA3_L2_SECTION_MB={s:?} is not a number"))?;
-        config = config.fa3_l2_section(mb.saturating_mul(1 << 20));
+        config = config.tune(fa3::L2Section(mb.saturating_mul(1 << 20)));
     }
     if let Some(s) = var("LADDER_DECODE_STAGES") {
         let n =
             s.parse().map_err(|_| anyhow::anyhow!("LADDER_DECODE_STAGES={s:?} is not a number"))?;
-        config = config.decode_stages(n);
+        config = config.tune(decode::Stages(n));
     }
     Ok(config)
 }

@@ -361,7 +361,7 @@ fn gpu_fa3_causal_tile_order_does_not_change_the_bits() {
     let run = |section: Option<usize>| {
         let config = gpu_check::gpu_config_from_env().unwrap().poison_outputs(true);
         let config = match section {
-            Some(bytes) => config.fa3_l2_section(bytes),
+            Some(bytes) => config.tune(fa3::L2Section(bytes)),
             None => config,
         };
         let gpu = Gpu::with_config(config).unwrap();

@@ -12,7 +12,7 @@
 //! scattered in a shuffled order as a serving cache's pages are (default: contiguous);
 //! `--fd-only`: FlashDecoding alone; `--no-pdl`: ordinary launches instead of programmatic ones
 //! (`GpuConfig::programmatic_launch`); `--stages S`: S K/V stages instead of the default
-//! (`GpuConfig::decode_stages`); `--shape B,HQ,HKV,L` (repeatable): these shapes instead of the
+//! (`decode::Stages`); `--shape B,HQ,HKV,L` (repeatable): these shapes instead of the
 //! five of the benchmarks; `--splits auto,16`: these split counts instead of the sweep (`auto`,
 //! 1, 4, 8, 16, 32, 64); `--nvrtc OPTION` (repeatable): an extra NVRTC option for every kernel,
 //! e.g. a `-D` for an experiment (`GpuConfig::nvrtc_options`).
@@ -188,7 +188,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let mut config =
         GpuConfig::new().programmatic_launch(!args.no_pdl).nvrtc_options(args.nvrtc.clone());
     if args.stages > 0 {
-        config = config.decode_stages(args.stages);
+        config = config.tune(ladder_kernels::decode::Stages(args.stages));
     }
     let gpu = Gpu::with_config(config)?;
     println!("{} ({}), {} SMs", gpu.name(), gpu.arch(), gpu.sm_count());

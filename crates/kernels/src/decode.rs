@@ -167,10 +167,20 @@ pub fn stages(arch: &str) -> usize {
     if arch.starts_with("sm_90") { 3 } else { 2 }
 }
 /// The K/V stages the kernels use on `gpu`: [`stages`] of its architecture, or the count its
-/// configuration sets ([`crate::GpuConfig::decode_stages`]).
+/// configuration sets ([`Stages`]).
 fn stages_on(gpu: &Gpu) -> usize {
-    gpu.config().decode_stages_override().unwrap_or_else(|| stages(gpu.arch()))
+    gpu.config().tuned::<Stages>().map_or_else(|| stages(gpu.arch()), |s| s.0)
 }
+
+/// K/V stages of the decoding kernels' shared-memory pipeline, instead of [`stages`] (set on a
+/// [`crate::GpuConfig`] with `.tune(Stages(n))`; for tuning experiments; a count whose shared
+/// memory does not fit the device is an error at the call). The split heuristic still assumes
+/// the default's occupancy (two blocks per SM for a paged cache up to d = 128), which four stages
+/// or more no longer give.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Stages(pub usize);
+
+impl crate::Tuning for Stages {}
 
 /// Output rows per block of FlashDecoding++'s combine kernel (one warp each).
 const COMBINE_ROWS_PER_BLOCK: usize = 4;

@@ -52,6 +52,10 @@ pub struct ForwardTiles {
     pub warps: usize,
 }
 
+/// Set on a [`crate::GpuConfig`] (`.tune(tiles)`), the tiles of the forward kernel for every head
+/// dimension, instead of [`ForwardTiles::for_head_dim`]'s (for tuning experiments).
+impl crate::Tuning for ForwardTiles {}
+
 impl ForwardTiles {
     /// Checked tiles: `m_tiles` 1 or 2, `bc` a positive multiple of 16 up to 256, 1 to 16 warps.
     pub fn new(m_tiles: usize, bc: usize, warps: usize) -> Result<ForwardTiles> {
@@ -278,7 +282,7 @@ pub fn forward(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) ->
     if !HEAD_DIMS.contains(&p.d) {
         return Err(KernelError::UnsupportedHeadDim { rung: "fa2", d: p.d, supported: HEAD_DIMS });
     }
-    let tiles = match gpu.fa2_forward_tiles() {
+    let tiles = match gpu.config().tuned::<ForwardTiles>() {
         Some(t) => t,
         None => ForwardTiles::for_head_dim(p.d, gpu.arch())?,
     };

@@ -139,10 +139,10 @@ impl Fa3Tiles {
     }
 
     /// The tiles [`forward`] takes on `gpu` for a problem of head dimension `d`, the mask and
-    /// `n_kv` keys: the configuration's ([`crate::GpuConfig::fa3_tiles`]) where one is set,
+    /// `n_kv` keys: the configuration's (`GpuConfig::tune(tiles)`) where one is set,
     /// otherwise [`Fa3Tiles::for_problem`]. (The FP8 path's: [`fp8::tiles_on`].)
     pub fn on(gpu: &Gpu, d: usize, causal: bool, n_kv: usize) -> Result<Fa3Tiles> {
-        match gpu.config().fa3_tiles_override() {
+        match gpu.config().tuned::<Fa3Tiles>() {
             Some(t) => Ok(t),
             None => Fa3Tiles::for_problem(d, causal, n_kv),
         }
@@ -206,6 +206,22 @@ pub fn tile_cols(d: usize) -> usize {
     d.next_multiple_of(64)
 }
 
+/// Set on a [`crate::GpuConfig`] (`.tune(tiles)`), the tiles for every head dimension and mask,
+/// instead of FA3's own choices (for tuning experiments; the FP8 path's too, where they suit it).
+impl crate::Tuning for Fa3Tiles {}
+
+/// Set on a [`crate::GpuConfig`] (`.tune(schedule)`), the schedule of [`forward`] and
+/// [`fp8::forward`] instead of [`Schedule::for_head_dim`]'s (the ablation of FA3's ideas).
+impl crate::Tuning for Schedule {}
+
+/// K and V bytes the causal tile order keeps in L2 at a time, instead of [`L2_SECTION_BYTES`]
+/// (set on a [`crate::GpuConfig`] with `.tune(L2Section(bytes))`; for tuning, and for tests of the
+/// order: the order never changes a result).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct L2Section(pub usize);
+
+impl crate::Tuning for L2Section {}
+
 impl std::str::FromStr for Fa3Tiles {
     type Err = KernelError;
 
@@ -255,10 +271,10 @@ impl Schedule {
     }
 
     /// The schedule `gpu` runs at head dimension `d` (e4m3 operands when `fp8`): its
-    /// configuration's ([`crate::GpuConfig::fa3_schedule`]) where one is set, otherwise
+    /// configuration's (`GpuConfig::tune(schedule)`, the ablation) where one is set, otherwise
     /// [`Schedule::for_head_dim`].
     pub fn on(gpu: &Gpu, d: usize, fp8: bool) -> Schedule {
-        gpu.config().fa3_schedule_override().unwrap_or(Schedule::for_head_dim(d, fp8))
+        gpu.config().tuned::<Schedule>().unwrap_or(Schedule::for_head_dim(d, fp8))
     }
 
     /// `full`, or the ideas switched off joined by commas (`no-pingpong,no-overlap`): the form
@@ -465,7 +481,7 @@ fn tensor_map_16(
 /// them (fp16 or bf16; any head dim in [`HEAD_DIMS`]; any batch, head and sequence strides with
 /// the head dim contiguous, O laid out like Q; any lengths, `n_q != n_kv` with bottom-right
 /// causal, GQA), on a Hopper GPU, with [`Schedule::for_head_dim`] (or the `Gpu` configuration's,
-/// [`crate::GpuConfig::fa3_schedule`]). Other GPUs get [`KernelError::UnsupportedArch`]. FP8:
+/// `GpuConfig::tune(schedule)`). Other GPUs get [`KernelError::UnsupportedArch`]. FP8:
 /// [`fp8::forward`].
 pub fn forward(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) -> Result<Output> {
     let d = q.shape().last().copied().unwrap_or(0);
@@ -512,7 +528,7 @@ pub fn forward_with(
 }
 
 /// K and V bytes the causal tile order keeps in L2 at a time (the kernel's `tile_at`), unless
-/// [`crate::GpuConfig::fa3_l2_section`] says otherwise. Measured on the H200 at d = 128
+/// the configuration sets an [`L2Section`]. Measured on the H200 at d = 128
 /// (docs/perf-notes.md, "FA3 causal tile order"): sections of 12 MB beat 24 and 48 MB at
 /// n = 512 … 4k, by 9–21 % over one section of every head.
 pub const L2_SECTION_BYTES: usize = 12 << 20;
@@ -698,7 +714,7 @@ pub(crate) fn launch(
                 (tiles.br(), tiles.bc),
                 blocks,
                 operand_bytes,
-                gpu.config().fa3_l2_section_override().unwrap_or(L2_SECTION_BYTES),
+                gpu.config().tuned::<L2Section>().map_or(L2_SECTION_BYTES, |s| s.0),
             ),
             o_strides,
         };

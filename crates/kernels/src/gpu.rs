@@ -1,7 +1,9 @@
 //! The device: one CUDA context and stream, the kernels compiled for it, and the one way kernels
 //! are launched (a parameter struct, checked, named).
 
+use std::any::Any;
 use std::collections::HashMap;
+use std::fmt::Debug;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -16,8 +18,6 @@ use cudarc::nvrtc::Ptx;
 
 use crate::compile::{self, CompileSettings, Compiled, Variant};
 use crate::error::{KernelError, Result};
-use crate::fa2::ForwardTiles;
-use crate::fa3::{Fa3Tiles, Schedule};
 use crate::tensor::{DType, Element, Tensor, elements};
 
 /// One entry point of one compiled variant.
@@ -65,23 +65,36 @@ impl KernelCache {
 ///         .device(0)
 ///         .sync_launches(true) // report asynchronous faults at the launch that caused them
 ///         .kernel_cache(KernelCache::Off)
-///         .fa2_forward_tiles(ForwardTiles::new(2, 64, 4)?),
+///         .tune(ForwardTiles::new(2, 64, 4)?), // the FA2 forward's tiles, for every head dim
 /// )?;
 /// # Ok::<(), ladder_kernels::KernelError>(())
 /// ```
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default)]
 pub struct GpuConfig {
     device: usize,
     sync_launches: bool,
     poison_outputs: bool,
     nvrtc_options: Vec<String>,
     kernel_cache: KernelCache,
-    fa2_forward_tiles: Option<ForwardTiles>,
-    fa3_schedule: Option<Schedule>,
-    fa3_tiles: Option<Fa3Tiles>,
-    fa3_l2_section: Option<usize>,
     no_programmatic_launch: bool,
-    decode_stages: Option<usize>,
+    /// The rungs' knobs ([`GpuConfig::tune`]), at most one of each type.
+    tuning: Vec<Arc<dyn AnyTuning>>,
+}
+
+/// A tuning knob of one rung, carried by a [`GpuConfig`] ([`GpuConfig::tune`]) and read back by
+/// that rung ([`GpuConfig::tuned`]) in place of its tuned default. The rungs define their own
+/// knob types, so the device knows none of them (and imports no rung).
+pub trait Tuning: Any + Copy + Debug + Send + Sync {}
+
+/// A [`Tuning`] of any type, so that one configuration holds the knobs of every rung.
+trait AnyTuning: Debug + Send + Sync {
+    fn as_any(&self) -> &dyn Any;
+}
+
+impl<T: Tuning> AnyTuning for T {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
 }
 
 impl GpuConfig {
@@ -126,33 +139,20 @@ impl GpuConfig {
         self
     }
 
-    /// Tiles of the FA2 forward kernel for every head dimension, instead of the tuned defaults
-    /// (for tuning experiments).
-    pub fn fa2_forward_tiles(mut self, tiles: ForwardTiles) -> GpuConfig {
-        self.fa2_forward_tiles = Some(tiles);
+    /// A rung's tuning knob (`Tuning`): tiles, a schedule, a pipeline depth, in place of the
+    /// rung's tuned choice, for tuning experiments and ablations. Each rung defines its own:
+    /// [`crate::fa2::ForwardTiles`], [`crate::fa3::Fa3Tiles`], [`crate::fa3::Schedule`],
+    /// [`crate::fa3::L2Section`], [`crate::decode::Stages`]. Setting one again replaces it.
+    pub fn tune<T: Tuning>(mut self, knob: T) -> GpuConfig {
+        self.tuning.retain(|t| !t.as_any().is::<T>());
+        self.tuning.push(Arc::new(knob));
         self
     }
 
-    /// The schedule of [`crate::fa3::forward`] and [`crate::fa3::fp8::forward`] (the ablation of
-    /// FA3's ideas), instead of [`Schedule::for_head_dim`]'s.
-    pub fn fa3_schedule(mut self, schedule: Schedule) -> GpuConfig {
-        self.fa3_schedule = Some(schedule);
-        self
-    }
-
-    /// Tiles of the FA3 kernel for every head dimension and mask, instead of FA3's own choices
-    /// (for tuning experiments).
-    pub fn fa3_tiles(mut self, tiles: Fa3Tiles) -> GpuConfig {
-        self.fa3_tiles = Some(tiles);
-        self
-    }
-
-    /// K and V bytes the causal FA3 kernel's tile order keeps in L2 at a time, instead of the
-    /// default (`fa3::L2_SECTION_BYTES`; for tuning, and for tests of the order: the order never
-    /// changes a result).
-    pub fn fa3_l2_section(mut self, bytes: usize) -> GpuConfig {
-        self.fa3_l2_section = Some(bytes);
-        self
+    /// The knob of type `T` set with [`GpuConfig::tune`], if any (what the rung that owns `T`
+    /// reads in place of its default).
+    pub fn tuned<T: Tuning>(&self) -> Option<T> {
+        self.tuning.iter().find_map(|t| t.as_any().downcast_ref::<T>().copied())
     }
 
     /// Launch the decoding kernel with programmatic dependent launch (Hopper and later; on by
@@ -165,36 +165,6 @@ impl GpuConfig {
     pub fn programmatic_launch(mut self, on: bool) -> GpuConfig {
         self.no_programmatic_launch = !on;
         self
-    }
-
-    /// K/V stages of the decoding kernels' shared-memory pipeline, instead of
-    /// [`crate::decode::stages`] (for tuning experiments; a count whose shared memory does not fit
-    /// the device is an error at the call). The split heuristic still assumes the default's
-    /// occupancy (two blocks per SM for a paged cache up to d = 128), which four stages or more
-    /// no longer give.
-    pub fn decode_stages(mut self, stages: usize) -> GpuConfig {
-        self.decode_stages = Some(stages);
-        self
-    }
-
-    /// The count set with [`GpuConfig::decode_stages`], if any.
-    pub fn decode_stages_override(&self) -> Option<usize> {
-        self.decode_stages
-    }
-
-    /// The byte count set with [`GpuConfig::fa3_l2_section`], if any.
-    pub fn fa3_l2_section_override(&self) -> Option<usize> {
-        self.fa3_l2_section
-    }
-
-    /// The FA3 tiles set with [`GpuConfig::fa3_tiles`], if any.
-    pub fn fa3_tiles_override(&self) -> Option<Fa3Tiles> {
-        self.fa3_tiles
-    }
-
-    /// The FA3 schedule set with [`GpuConfig::fa3_schedule`], if any.
-    pub fn fa3_schedule_override(&self) -> Option<Schedule> {
-        self.fa3_schedule
     }
 }
 
@@ -343,11 +313,6 @@ impl Gpu {
     /// The configuration this device was opened with.
     pub fn config(&self) -> &GpuConfig {
         &self.config
-    }
-
-    /// The FA2 forward tiles set in the configuration, if any.
-    pub(crate) fn fa2_forward_tiles(&self) -> Option<ForwardTiles> {
-        self.config.fa2_forward_tiles
     }
 
     /// The device's name, e.g. `NVIDIA H200`.
@@ -768,5 +733,27 @@ impl Gpu {
         end.record(&self.stream).map_err(KernelError::driver("recording an event"))?;
         end.synchronize().map_err(KernelError::driver("waiting for an event"))?;
         start.elapsed_ms(&end).map_err(err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decode::Stages;
+    use crate::fa2::ForwardTiles;
+    use crate::fa3::{L2Section, Schedule};
+
+    #[test]
+    fn a_config_carries_one_knob_of_each_rung_type() {
+        let tiles = ForwardTiles::new(2, 64, 4).unwrap();
+        let config = GpuConfig::new().tune(tiles).tune(Stages(4)).tune(L2Section(8 << 20));
+        assert_eq!(config.tuned::<ForwardTiles>(), Some(tiles));
+        assert_eq!(config.tuned::<Stages>(), Some(Stages(4)));
+        assert_eq!(config.tuned::<Schedule>(), None, "never set");
+        // Setting a knob again replaces it; the others stay.
+        let config = config.tune(Stages(2));
+        assert_eq!((config.tuned::<Stages>(), config.tuning.len()), (Some(Stages(2)), 3));
+        assert_eq!(config.tuned::<L2Section>(), Some(L2Section(8 << 20)));
+        assert!(format!("{config:?}").contains("Stages(2)"), "{config:?}");
     }
 }

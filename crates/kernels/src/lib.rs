@@ -50,7 +50,7 @@ mod problem;
 mod tensor;
 
 pub use error::{KernelError, Result};
-pub use gpu::{Gpu, GpuConfig, KernelCache};
+pub use gpu::{Gpu, GpuConfig, KernelCache, Tuning};
 pub use problem::{Gradients, Options, Output, Problem};
 pub use tensor::{DType, Element, Tensor, round_to};
 

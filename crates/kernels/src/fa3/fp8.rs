@@ -185,10 +185,10 @@ fn alloc<T: cudarc::driver::DeviceRepr>(gpu: &Gpu, len: usize) -> Result<CudaSli
 }
 
 /// The tiles the FP8 path takes on `gpu` at head dim `d` with `n_kv` keys (its block scales' blocks
-/// too): the configuration's ([`crate::GpuConfig::fa3_tiles`]) where it suits FP8 (an error where
+/// too): the configuration's (`GpuConfig::tune(tiles)`) where it suits FP8 (an error where
 /// it does not), otherwise [`tiles_for_problem`].
 pub fn tiles_on(gpu: &Gpu, d: usize, n_kv: usize) -> Result<Fa3Tiles> {
-    match gpu.config().fa3_tiles_override() {
+    match gpu.config().tuned::<Fa3Tiles>() {
         Some(t) if t.bc % 32 == 0 && t.bc >= 64 && t.consumers >= 2 => Ok(t),
         Some(t) => Err(KernelError::Config(format!(
             "FA3 tiles {t:?} do not suit FP8: it needs bc a multiple of 32 (the e4m3 k-step) from \
