@@ -83,6 +83,59 @@ pub(crate) fn check_scale(scale: f32) -> Result<()> {
     }
 }
 
+// ---- the checks every rung's host code makes (Problem::new and decoding's Shape::check) ----
+
+/// A shape error: what was given and what is expected, in one line.
+pub(crate) fn shape_error(message: String) -> KernelError {
+    KernelError::Shape(message)
+}
+
+/// The four dimensions of `shape`, or an error saying what it must be (`expected`, e.g. "q must
+/// be [batch, heads, seq, head_dim]").
+pub(crate) fn dims4(shape: &[usize], expected: &str) -> Result<[usize; 4]> {
+    <[usize; 4]>::try_from(shape)
+        .map_err(|_| shape_error(format!("{expected}, got shape {shape:?}")))
+}
+
+/// `(name, shape)` must equal `(other, its shape)` (V and K, dO and O).
+pub(crate) fn same_shape(
+    (name, shape): (&str, &[usize]),
+    (other, like): (&str, &[usize]),
+) -> Result<()> {
+    if shape == like {
+        Ok(())
+    } else {
+        Err(shape_error(format!("{name} has shape {shape:?} but {other} has {like:?}")))
+    }
+}
+
+/// No axis of `q` or of the keys' tensor (`kv`: its name and shape) may be empty.
+pub(crate) fn nonempty(q: &[usize], (kv_name, kv): (&str, &[usize])) -> Result<()> {
+    if q.contains(&0) || kv.contains(&0) {
+        Err(shape_error(format!("every dimension must be at least 1 (q {q:?}, {kv_name} {kv:?})")))
+    } else {
+        Ok(())
+    }
+}
+
+/// Grouped-query attention: the query heads come in whole groups per key/value head.
+pub(crate) fn heads_divide(heads_q: usize, heads_kv: usize) -> Result<()> {
+    if heads_kv != 0 && heads_q % heads_kv == 0 {
+        Ok(())
+    } else {
+        Err(shape_error(format!("heads_q = {heads_q} is not a multiple of heads_kv = {heads_kv}")))
+    }
+}
+
+/// Q, K and V in one element type.
+pub(crate) fn same_dtype([q, k, v]: [DType; 3]) -> Result<()> {
+    if k == q && v == q {
+        Ok(())
+    } else {
+        Err(KernelError::DType(format!("q, k, v must share a dtype (got {q}, {k}, {v})")))
+    }
+}
+
 /// Mirror of `Strides` in `cuda/layout.cuh`: where the rows of a `[batch, heads, rows, d]` tensor
 /// lie, in elements (the head dimension is contiguous).
 #[repr(C)]
@@ -164,50 +217,19 @@ impl Problem {
         for (name, t) in [("q", q), ("k", k), ("v", v)] {
             gpu.check_context(t, name)?;
         }
-        let dims = |t: &Tensor, name: &str| -> Result<[usize; 4]> {
-            <[usize; 4]>::try_from(t.shape()).map_err(|_| {
-                KernelError::Shape(format!(
-                    "{name} must be [batch, heads, seq, head_dim], got shape {:?}",
-                    t.shape()
-                ))
-            })
-        };
-        let [batch, heads_q, n_q, d] = dims(q, "q")?;
-        let [kb, heads_kv, n_kv, kd] = dims(k, "k")?;
-        if v.shape() != k.shape() {
-            return Err(KernelError::Shape(format!(
-                "v has shape {:?} but k has {:?}",
-                v.shape(),
-                k.shape()
-            )));
-        }
+        let [batch, heads_q, n_q, d] = dims4(q.shape(), "q must be [batch, heads, seq, head_dim]")?;
+        let [kb, heads_kv, n_kv, kd] = dims4(k.shape(), "k must be [batch, heads, seq, head_dim]")?;
+        same_shape(("v", v.shape()), ("k", k.shape()))?;
         if kb != batch || kd != d {
-            return Err(KernelError::Shape(format!(
+            return Err(shape_error(format!(
                 "q {:?} and k {:?} differ in batch or head_dim",
                 q.shape(),
                 k.shape()
             )));
         }
-        if [batch, heads_q, n_q, d, heads_kv, n_kv].contains(&0) {
-            return Err(KernelError::Shape(format!(
-                "every dimension must be at least 1 (q {:?}, k {:?})",
-                q.shape(),
-                k.shape()
-            )));
-        }
-        if heads_q % heads_kv != 0 {
-            return Err(KernelError::Shape(format!(
-                "heads_q = {heads_q} is not a multiple of heads_kv = {heads_kv}"
-            )));
-        }
-        if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
-            return Err(KernelError::DType(format!(
-                "q, k, v must share a dtype (got {}, {}, {})",
-                q.dtype(),
-                k.dtype(),
-                v.dtype()
-            )));
-        }
+        nonempty(q.shape(), ("k", k.shape()))?;
+        heads_divide(heads_q, heads_kv)?;
+        same_dtype([q.dtype(), k.dtype(), v.dtype()])?;
         // The kernels index with 32-bit rows and 64-bit offsets; keep rows in range.
         let limit = i32::MAX as usize;
         if n_q > limit || n_kv > limit || batch * heads_q > 65_535 * 65_535 {
@@ -248,8 +270,9 @@ impl Problem {
             Ok(())
         } else {
             Err(KernelError::Shape(format!(
-                "{rung} takes contiguous [batch, heads, seq, head_dim] tensors only; fa2 takes \
-                 strided ones (e.g. [batch, seq, heads, head_dim] through Tensor::transpose(1, 2))"
+                "{rung} takes contiguous [batch, heads, seq, head_dim] tensors only; fa2 and fa3 \
+                 take strided ones (e.g. [batch, seq, heads, head_dim] through \
+                 Tensor::transpose(1, 2))"
             )))
         }
     }

@@ -1,0 +1,307 @@
+//! The launches of a checked call: the kernels' variants and parameter struct, and the sequence
+//! of launches FlashDecoding and FlashDecoding++ make.
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
+
+use super::*;
+
+/// Output rows per block of FlashDecoding++'s combine kernel (one warp each).
+const COMBINE_ROWS_PER_BLOCK: usize = 4;
+
+/// The kernels' variant (both entry points live in one module) for head dimension `d`, element
+/// type `dtype`, `m_tiles` 16-row mma tiles of rows, `stages` K/V stages, and a contiguous or a
+/// paged cache.
+pub(super) fn variant(
+    d: usize,
+    dtype: DType,
+    m_tiles: usize,
+    stages: usize,
+    paged: bool,
+) -> Variant {
+    Variant {
+        file: "flash_decoding",
+        source: SRC,
+        defines: vec![
+            ("LADDER_DTYPE", dtype.code().to_string()),
+            ("FD_D", d.to_string()),
+            ("FD_MT", m_tiles.to_string()),
+            ("FD_BC", BC.to_string()),
+            ("FD_WARPS", WARPS.to_string()),
+            ("FD_STAGES", stages.to_string()),
+            ("FD_PAGED", u8::from(paged).to_string()),
+            ("FD_MAX_BATCH", MAX_BATCH_PER_LAUNCH.to_string()),
+        ],
+    }
+}
+
+/// Dynamic shared memory of the split kernel in bytes: the Q tile and `stages` stages of K and V
+/// (16-bit), or, if larger, the f32 buffer that merges the warps' states at the end (it reuses
+/// the same memory; rows padded by 8 floats).
+pub(crate) fn split_shared_bytes(d: usize, m_tiles: usize, stages: usize) -> usize {
+    let rows = 16 * m_tiles;
+    let tiles = (rows + 2 * stages * BC) * d * 2;
+    let merge = WARPS * rows * (d + 8 + 2) * 4;
+    tiles.max(merge)
+}
+
+/// Every variant of rungs 5 and 6, for the compile check.
+#[cfg(test)]
+pub(crate) fn variants() -> Vec<Variant> {
+    let mut all = pp::variants();
+    for &dtype in DTYPES {
+        for &d in HEAD_DIMS {
+            for m_tiles in 1..=rows_per_block(d) / 16 {
+                for stages in [2, 3] {
+                    for paged in [false, true] {
+                        all.push(variant(d, dtype, m_tiles, stages, paged));
+                    }
+                }
+            }
+        }
+    }
+    all
+}
+
+/// Mirror of `FdParams` in `cuda/flash_decoding.cu` (device pointers as `u64`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Params {
+    pub(super) q: u64,
+    pub(super) k: u64,
+    pub(super) v: u64,
+    pub(super) page_table: u64,
+    pub(super) o_part: u64,
+    pub(super) lse_part: u64,
+    pub(super) o: u64,
+    pub(super) lse: u64,
+    pub(super) fallback: u64,
+    pub(super) counters: u64,
+    pub(super) heads_q: i32,
+    pub(super) heads_kv: i32,
+    pub(super) n_new: i32,
+    pub(super) capacity: i32,
+    pub(super) max_pages: i32,
+    pub(super) num_pages: i32,
+    pub(super) log2_page: i32,
+    pub(super) splits: i32,
+    pub(super) row_blocks: i32,
+    pub(super) scale_log2: f32,
+    pub(super) lengths: [i32; MAX_BATCH_PER_LAUNCH],
+}
+
+// SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror.
+unsafe impl DeviceRepr for Params {}
+
+/// The launches of one checked call ([`check_call`]), into `out` (checked here); returns
+/// FlashDecoding++'s fallback flags when it ran (one `i32` per output row, 1 where FlashDecoding
+/// recomputed the row):
+///
+/// - FlashDecoding: `flash_decoding_split` (whose last block per group of splits combines them);
+/// - FlashDecoding++: `flash_decoding_pp_split`, `flash_decoding_pp_combine` (which flags the rows
+///   that fall back), then `flash_decoding_split` given the flags, which runs only the blocks
+///   holding a flagged row and writes only the flagged rows. No host round trip: when no row falls
+///   back, that launch is blocks that exit at once.
+///
+/// Both kernel families write their partials into the same workspaces (FlashDecoding's `O_s`,
+/// `lse_s` where FlashDecoding++ had `acc_s`, `l_s`): the fallback runs after FlashDecoding++'s
+/// combine has read them, in stream order.
+pub(super) fn launch(
+    gpu: &Gpu,
+    q: &Tensor,
+    cache: Cache<'_>,
+    Call { shape: p, plan, stages }: &Call,
+    out: &mut Output,
+) -> Result<Option<CudaSlice<i32>>> {
+    for (name, t) in [("o", &out.o), ("lse", &out.lse)] {
+        gpu.check_context(t, name)?;
+    }
+    p.check_output(out)?;
+    let (k, v, table) = cache.buffers();
+    let lengths = cache.lengths();
+    let r = p.rows_per_kv_head();
+    let splits = plan.splits;
+    let too_many = || KernelError::Config(format!("flash_decoding: {splits} splits is too many"));
+    let splits_i = i32::try_from(splits).map_err(|_| too_many())?;
+    let stages = *stages;
+    let paged = table.is_some();
+
+    // FlashDecoding's kernels: the whole call, or FlashDecoding++'s fallback.
+    let (m_tiles, fd_row_blocks) = (m_tiles(r, p.d), row_blocks(r, p.d));
+    let fd_blocks_x = splits.checked_mul(fd_row_blocks).ok_or_else(too_many)?;
+    let fd = variant(p.d, p.dtype, m_tiles, stages, paged);
+    let fd_split = Kernel { variant: fd, entry: "flash_decoding_split" };
+    let fd_smem = split_shared_bytes(p.d, m_tiles, stages);
+    gpu.prepare(&fd_split, fd_smem)?;
+    // FlashDecoding++'s, when it runs.
+    let pp_kernel = match plan.strategy {
+        Strategy::Gemv => Some(PpKernel::Gemv),
+        Strategy::FlatGemm => Some(PpKernel::flat(r, p.d)),
+        _ => None,
+    };
+    let pp_launch = match pp_kernel {
+        None => None,
+        Some(kernel) => {
+            let variant = pp::variant(p.d, p.dtype, kernel, stages, paged);
+            let split = Kernel { variant: variant.clone(), entry: "flash_decoding_pp_split" };
+            let combine = Kernel { variant, entry: "flash_decoding_pp_combine" };
+            let smem = pp::shared_bytes(p.d, kernel, stages);
+            gpu.prepare(&split, smem)?;
+            gpu.prepare(&combine, 0)?;
+            let row_blocks = r.div_ceil(kernel.rows_per_block());
+            let blocks_x = splits.checked_mul(row_blocks).ok_or_else(too_many)?;
+            Some((split, combine, smem, row_blocks, blocks_x))
+        }
+    };
+
+    // Workspaces, f32, in the Gpu's scratch memory (kept from call to call): O_s (FlashDecoding)
+    // or acc_s (FlashDecoding++) [batch, heads_q, n_new, splits, d], lse_s or l_s [batch, heads_q,
+    // n_new, splits]; FlashDecoding++ also the sum of P as rounded and the largest exponent per
+    // split [batch, heads_q, n_new, splits] each. Every element a kernel reads was written
+    // earlier in the call. FlashDecoding with one split writes O and lse directly: none.
+    let rows = p.rows();
+    let parts = if splits > 1 || pp_kernel.is_some() { rows * splits } else { 0 };
+    let pp_parts = if pp_kernel.is_some() { 2 * parts } else { 0 };
+    let workspace = parts * (p.d + 1) + pp_parts;
+    // FlashDecoding++'s fallback flags, one per row (copied back by forward_with_stats).
+    let mut flags = match pp_kernel {
+        None => None,
+        // SAFETY: flash_decoding_pp_combine writes every row's flag before anything reads it.
+        Some(_) => Some(
+            unsafe { gpu.stream().alloc::<i32>(rows) }
+                .map_err(KernelError::alloc(rows * std::mem::size_of::<i32>()))?,
+        ),
+    };
+    let s = gpu.stream();
+    let (q_ptr, _g0) = q.read_ptr(s);
+    let (k_ptr, _g1) = k.read_ptr(s);
+    let (v_ptr, _g2) = v.read_ptr(s);
+    let (o_ptr, _g5) = out.o.write_ptr(s);
+    let (lse_ptr, _g6) = out.lse.write_ptr(s);
+    let (table_ptr, _g7) = match table {
+        Some(t) => {
+            let (ptr, guard) = t.table.device_ptr(s);
+            (ptr, Some(guard))
+        }
+        None => (0, None),
+    };
+    let (flags_ptr, _g9) = match &mut flags {
+        Some(f) => {
+            let (ptr, guard) = f.device_ptr_mut(s);
+            (ptr, Some(guard))
+        }
+        None => (0, None),
+    };
+    // The layout's numbers: a contiguous cache's capacity, or the pages' count and size (the
+    // size a power of two, checked) and the table's row length.
+    let (capacity, max_pages, num_pages, log2_page) = match p.layout {
+        Layout::Contiguous { capacity } => (capacity, 0, 0, 0),
+        Layout::Paged { page_size, num_pages, max_pages } => {
+            (0, max_pages, num_pages, page_size.trailing_zeros())
+        }
+    };
+    // Batches of more than MAX_BATCH_PER_LAUNCH sequences go in chunks: Q, O, the workspaces, the
+    // flags, a contiguous cache and the page table are batch-major, so a chunk is the same call
+    // on pointers advanced by its first sequence (pages are shared by all sequences: not
+    // advanced).
+    let rows_per_seq = p.heads_q * p.n_new;
+    let elem = p.dtype.size();
+    let combine_threads = 32 * COMBINE_ROWS_PER_BLOCK as u32;
+    // The split kernel's counters: one per (sequence, kv head, row block) of a launch.
+    let counters = fd_row_blocks * p.heads_kv * p.batch.min(MAX_BATCH_PER_LAUNCH);
+    gpu.with_scratch(counters, workspace, |scratch| {
+        // The workspaces' addresses, in the order listed above.
+        let o_part_ptr = scratch.floats;
+        let lse_part_ptr = o_part_ptr + (4 * parts * p.d) as u64;
+        let lr_part_ptr = lse_part_ptr + (4 * parts) as u64;
+        let max_part_ptr = lr_part_ptr + (4 * parts) as u64;
+        for first in (0..p.batch).step_by(MAX_BATCH_PER_LAUNCH) {
+            let n = (p.batch - first).min(MAX_BATCH_PER_LAUNCH);
+            let (row0, chunk_rows) = (first * rows_per_seq, n * rows_per_seq);
+            let kv0 = first * p.heads_kv * capacity * p.d;
+            let mut chunk_lengths = [0i32; MAX_BATCH_PER_LAUNCH];
+            // Each length is at most MAX_LENGTH, which fits in i32 (checked above).
+            for (dst, &len) in chunk_lengths.iter_mut().zip(&lengths[first..first + n]) {
+                *dst = len as i32;
+            }
+            let at = |ptr: u64, elements: usize, size: usize| ptr + (elements * size) as u64;
+            let fallback = if pp_kernel.is_some() { at(flags_ptr, row0, 4) } else { 0 };
+            let params = Params {
+                q: at(q_ptr, row0 * p.d, elem),
+                k: at(k_ptr, kv0, elem),
+                v: at(v_ptr, kv0, elem),
+                page_table: if table.is_some() { at(table_ptr, first * max_pages, 4) } else { 0 },
+                o_part: at(o_part_ptr, row0 * splits * p.d, 4),
+                lse_part: at(lse_part_ptr, row0 * splits, 4),
+                o: at(o_ptr, row0 * p.d, elem),
+                lse: at(lse_ptr, row0, 4),
+                fallback,
+                counters: scratch.counters,
+                heads_q: p.heads_q as i32,
+                heads_kv: p.heads_kv as i32,
+                n_new: p.n_new as i32,
+                // Each at most i32::MAX (checked above).
+                capacity: capacity as i32,
+                max_pages: max_pages as i32,
+                num_pages: num_pages as i32,
+                log2_page: log2_page as i32,
+                splits: splits_i,
+                row_blocks: fd_row_blocks as i32,
+                scale_log2: p.scale * std::f32::consts::LOG2_E,
+                lengths: chunk_lengths,
+            };
+            let combine_grid = grid(chunk_rows.div_ceil(COMBINE_ROWS_PER_BLOCK), 1, 1)?;
+            if let Some((split, combine, smem, row_blocks, blocks_x)) = &pp_launch {
+                let w = p.window;
+                let pp_params = PpParams {
+                    q: params.q,
+                    k: params.k,
+                    v: params.v,
+                    page_table: params.page_table,
+                    acc_part: params.o_part,
+                    l_part: params.lse_part,
+                    lr_part: at(lr_part_ptr, row0 * splits, 4),
+                    max_part: at(max_part_ptr, row0 * splits, 4),
+                    o: params.o,
+                    lse: params.lse,
+                    fallback,
+                    heads_q: params.heads_q,
+                    heads_kv: params.heads_kv,
+                    n_new: params.n_new,
+                    capacity: params.capacity,
+                    max_pages: params.max_pages,
+                    num_pages: params.num_pages,
+                    log2_page: params.log2_page,
+                    splits: splits_i,
+                    row_blocks: *row_blocks as i32,
+                    rows: chunk_rows as i32,
+                    scale_log2: params.scale_log2,
+                    phi: w.phi,
+                    phi_log2: w.phi_log2,
+                    lo_log2: w.lo_log2,
+                    hi_log2: w.hi_log2,
+                    lengths: chunk_lengths,
+                };
+                gpu.launch(
+                    split,
+                    grid(*blocks_x, p.heads_kv, n)?,
+                    32 * WARPS as u32,
+                    *smem,
+                    &pp_params,
+                )?;
+                gpu.launch(combine, combine_grid, combine_threads, 0, &pp_params)?;
+            }
+            // FlashDecoding: the call itself, or (fallback set) the rows FlashDecoding++ flagged.
+            // Programmatic: its blocks start during the previous kernel's tail (pdl.cuh).
+            gpu.launch_programmatic(
+                &fd_split,
+                grid(fd_blocks_x, p.heads_kv, n)?,
+                32 * WARPS as u32,
+                fd_smem,
+                &params,
+            )?;
+        }
+        Ok(())
+    })?;
+    drop((_g0, _g1, _g2, _g5, _g6, _g7, _g9));
+    Ok(flags)
+}
