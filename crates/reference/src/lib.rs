@@ -19,6 +19,9 @@
 //! | 5 | [`flash_decoding`] | split K/V into chunks processed in parallel, combine partials by log-sum-exp |
 //! | 6 | [`flash_decoding_pp`] | unified max φ: chunks need no rescaling; rows that leave the safe range fall back to rung 5 |
 //!
+//! Any rung also runs on a packed batch of sequences of different lengths ([`varlen`]: Q
+//! `[total_q, heads_q, d]` with `cu_seqlens`), one sequence at a time.
+//!
 //! All rungs are generic over the [`Element`] type (`f32` or `f64`): running a rung in `f64`
 //! separates the algorithm from rounding, which is how the equivalence suite proves each rung
 //! exact before it checks its `f32` accuracy. [`naive::attention`] in `f64` is the oracle.
@@ -66,6 +69,7 @@ pub mod flash_decoding_pp;
 pub mod fp8;
 pub mod naive;
 pub mod online_softmax;
+pub mod varlen;
 
 pub use element::Element;
 pub use error::{LadderError, Result};

@@ -38,6 +38,23 @@ pub struct RunStats {
     pub fallback_rows: Option<usize>,
 }
 
+impl RunStats {
+    /// These counts with `other`'s added (the runs of a batch, one sequence after another):
+    /// traffic, tiles, work items and fallback rows.
+    pub fn add(&mut self, other: &RunStats) {
+        self.hbm.read_bytes += other.hbm.read_bytes;
+        self.hbm.written_bytes += other.hbm.written_bytes;
+        self.tiles.full += other.tiles.full;
+        self.tiles.partial += other.tiles.partial;
+        self.tiles.skipped += other.tiles.skipped;
+        self.work_items += other.work_items;
+        self.fallback_rows = match (self.fallback_rows, other.fallback_rows) {
+            (None, None) => None,
+            (a, b) => Some(a.unwrap_or(0) + b.unwrap_or(0)),
+        };
+    }
+}
+
 /// Bytes read from and written to HBM.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HbmTraffic {

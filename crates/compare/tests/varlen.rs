@@ -1,0 +1,90 @@
+//! Packed variable-length batches on the CPU rungs (`ladder_reference::varlen`): every sequence of
+//! a drawn ragged batch (lengths 0, 1, a tile ± 1, longer; sequences with no queries or no keys;
+//! GQA; causal with `n_q ≠ n_kv`) is held to the float64 oracle run on that sequence alone,
+//! copied out of the packed tensors element by element, within the ladder's rule (twice the
+//! naive rung's error in the same precision).
+
+use ladder_compare::Inputs;
+use ladder_compare::oracle::{Expected, check};
+use ladder_reference::varlen::{self, SeqLens};
+use ladder_reference::{AttentionOptions, AttentionOutput, Fa2Options, RunStats, fa2};
+use ndarray::{Array3, Array4, s};
+use proptest::prelude::*;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, StandardNormal};
+
+/// The CPU FA2 rung's tiles in these cases: lengths around them exercise the tails.
+const TILE: usize = 16;
+
+/// A sequence length: empty, one, a tile ± 1, or anything up to a few tiles.
+fn length() -> impl Strategy<Value = usize> {
+    prop_oneof![Just(0), Just(1), (TILE - 1..=TILE + 1), (0..=4 * TILE + 3),]
+}
+
+fn normal(shape: (usize, usize, usize), rng: &mut ChaCha8Rng) -> Array3<f32> {
+    Array3::from_shape_simple_fn(shape, || StandardNormal.sample(rng))
+}
+
+/// Rows `rows` of a packed tensor as a `[1, heads, n, d]` problem, copied entry by entry.
+fn sequence(x: &Array3<f32>, rows: std::ops::Range<usize>) -> Array4<f32> {
+    let (_, heads, d) = x.dim();
+    Array4::from_shape_fn((1, heads, rows.len(), d), |(_, h, i, c)| x[[rows.start + i, h, c]])
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    #[test]
+    fn varlen_fa2_meets_the_oracle_on_every_sequence(
+        lens in prop::collection::vec((length(), length()), 1..=6),
+        heads_kv in 1usize..=2,
+        group in 1usize..=3,
+        d in prop::sample::select(vec![8usize, 16, 40, 64]),
+        causal: bool,
+        seed: u64,
+    ) {
+        let (q_lens, k_lens): (Vec<usize>, Vec<usize>) = lens.iter().copied().unzip();
+        let seq = SeqLens::from_lengths(&q_lens, &k_lens).unwrap();
+        let (total_q, total_k) = seq.totals();
+        let heads_q = heads_kv * group;
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let q = normal((total_q, heads_q, d), &mut rng);
+        let k = normal((total_k, heads_kv, d), &mut rng);
+        let v = normal((total_k, heads_kv, d), &mut rng);
+        let attention = AttentionOptions { causal, scale: None };
+        let opts = Fa2Options::new(attention).with_tiles(TILE, TILE).unwrap();
+        let out = varlen::forward(q.view(), k.view(), v.view(), &seq, |q, k, v| {
+            fa2::forward(q, k, v, &opts)
+        })
+        .unwrap();
+        prop_assert_eq!((out.o.dim(), out.lse.dim()), ((total_q, heads_q, d), (heads_q, total_q)));
+        for b in 0..seq.batch() {
+            let (rows, keys) = (seq.q_range(b), seq.k_range(b));
+            if rows.is_empty() {
+                continue;
+            }
+            // This sequence's rows of the packed output, as a [1, heads_q, n, d] output.
+            let got = AttentionOutput {
+                o: sequence(&out.o, rows.clone()),
+                lse: out.lse.slice(s![.., rows.clone()]).insert_axis(ndarray::Axis(0)).to_owned(),
+                stats: RunStats::default(),
+            };
+            if keys.is_empty() {
+                // No key to see: O = 0, lse = −∞ (the oracle has no problem to run).
+                prop_assert!(got.o.iter().all(|&x| x == 0.0), "sequence {} O", b);
+                prop_assert!(got.lse.iter().all(|&x| x == f32::NEG_INFINITY), "sequence {} lse", b);
+                continue;
+            }
+            let x = Inputs {
+                q: sequence(&q, rows.clone()),
+                k: sequence(&k, keys.clone()),
+                v: sequence(&v, keys),
+                d_o: Array4::zeros((1, heads_q, rows.len(), d)),
+            };
+            let expected = Expected::new(&x, &attention).unwrap();
+            check(&format!("varlen fa2, sequence {b} of {lens:?}"), &got, &expected, None)
+                .map_err(TestCaseError::fail)?;
+        }
+    }
+}
