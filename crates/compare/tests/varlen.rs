@@ -2,12 +2,13 @@
 //! a drawn ragged batch (lengths 0, 1, a tile ± 1, longer; sequences with no queries or no keys;
 //! GQA; causal with `n_q ≠ n_kv`) is held to the float64 oracle run on that sequence alone,
 //! copied out of the packed tensors element by element, within the ladder's rule (twice the
-//! naive rung's error in the same precision).
+//! naive rung's error in the same precision); the backward pass too, against the float64
+//! gradients.
 
 use ladder_compare::Inputs;
-use ladder_compare::oracle::{Expected, check};
+use ladder_compare::oracle::{Expected, ExpectedGradients, check};
 use ladder_reference::varlen::{self, SeqLens};
-use ladder_reference::{AttentionOptions, AttentionOutput, Fa2Options, RunStats, fa2};
+use ladder_reference::{AttentionOptions, AttentionOutput, Fa2Options, Gradients, RunStats, fa2};
 use ndarray::{Array3, Array4, s};
 use proptest::prelude::*;
 use rand::SeedableRng;
@@ -32,8 +33,79 @@ fn sequence(x: &Array3<f32>, rows: std::ops::Range<usize>) -> Array4<f32> {
     Array4::from_shape_fn((1, heads, rows.len(), d), |(_, h, i, c)| x[[rows.start + i, h, c]])
 }
 
+/// A drawn ragged batch: its offsets, packed Q, K, V and dO, and the mask.
+struct Batch {
+    lens: Vec<(usize, usize)>,
+    seq: SeqLens,
+    q: Array3<f32>,
+    k: Array3<f32>,
+    v: Array3<f32>,
+    d_o: Array3<f32>,
+    attention: AttentionOptions,
+}
+
+fn batch(
+    lens: Vec<(usize, usize)>,
+    (heads_kv, group, d): (usize, usize, usize),
+    causal: bool,
+    seed: u64,
+) -> Batch {
+    let (q_lens, k_lens): (Vec<usize>, Vec<usize>) = lens.iter().copied().unzip();
+    let seq = SeqLens::from_lengths(&q_lens, &k_lens).unwrap();
+    let (total_q, total_k) = seq.totals();
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let q = normal((total_q, heads_kv * group, d), &mut rng);
+    let k = normal((total_k, heads_kv, d), &mut rng);
+    let v = normal((total_k, heads_kv, d), &mut rng);
+    let d_o = normal((total_q, heads_kv * group, d), &mut rng);
+    Batch { lens, seq, q, k, v, d_o, attention: AttentionOptions { causal, scale: None } }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(96))]
+
+    #[test]
+    fn varlen_fa2_backward_meets_the_oracle_on_every_sequence(
+        lens in prop::collection::vec((length(), length()), 1..=5),
+        heads_kv in 1usize..=2,
+        group in 1usize..=2,
+        d in prop::sample::select(vec![8usize, 16, 40]),
+        causal: bool,
+        seed: u64,
+    ) {
+        let x = batch(lens, (heads_kv, group, d), causal, seed);
+        let opts = Fa2Options::new(x.attention).with_tiles(TILE, TILE).unwrap();
+        let (q, k, v) = (x.q.view(), x.k.view(), x.v.view());
+        let out = varlen::forward(q, k, v, &x.seq, |q, k, v| fa2::forward(q, k, v, &opts)).unwrap();
+        let g = varlen::backward((q, k, v), (out.o.view(), out.lse.view()), x.d_o.view(), &x.seq, |s| {
+            fa2::backward(s.q, s.k, s.v, s.o, s.d_o, s.lse, &opts)
+        })
+        .unwrap();
+        for b in 0..x.seq.batch() {
+            let (rows, keys) = (x.seq.q_range(b), x.seq.k_range(b));
+            if rows.is_empty() || keys.is_empty() {
+                // No query or no key: no gradient flows to this sequence's keys or rows.
+                let zero = |t: &Array3<f32>, r: std::ops::Range<usize>| t.slice(s![r, .., ..]).iter().all(|&e| e == 0.0);
+                prop_assert!(zero(&g.dq, rows.clone()) && zero(&g.dk, keys.clone()) && zero(&g.dv, keys), "sequence {}", b);
+                continue;
+            }
+            let inputs = Inputs {
+                q: sequence(&x.q, rows.clone()),
+                k: sequence(&x.k, keys.clone()),
+                v: sequence(&x.v, keys.clone()),
+                d_o: sequence(&x.d_o, rows.clone()),
+            };
+            let expected = ExpectedGradients::new(&inputs, &x.attention).unwrap();
+            let got = Gradients {
+                dq: sequence(&g.dq, rows),
+                dk: sequence(&g.dk, keys.clone()),
+                dv: sequence(&g.dv, keys),
+                stats: RunStats::default(),
+            };
+            let (errs, pass) = expected.judge(&got);
+            prop_assert!(pass, "sequence {} of {:?}: dQ {} dK {} dV {} (tol {:?})", b, x.lens, errs[0], errs[1], errs[2], expected.tolerances);
+        }
+    }
 
     #[test]
     fn varlen_fa2_meets_the_oracle_on_every_sequence(

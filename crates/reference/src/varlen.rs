@@ -10,7 +10,8 @@
 //! `[total_q, heads_q, d]` and lse `[heads_q, total_q]` (FlashAttention's varlen layout). A
 //! sequence without queries adds nothing; the rows of one without keys see no key, so they get
 //! `O = 0` and `lse = −∞` (the ladder's rule) without a call to the rung, whose shapes are never
-//! empty.
+//! empty. [`backward`] does the same for a backward rung: dQ packed like Q, dK and dV like K
+//! (zero for the keys of a sequence without queries, and dQ for the rows of one without keys).
 //!
 //! ```
 //! use ladder_reference::varlen::{self, SeqLens};
@@ -31,11 +32,11 @@
 
 use std::ops::Range;
 
-use ndarray::{Array2, Array3, ArrayView3, ArrayView4, Axis, s};
+use ndarray::{Array2, Array3, ArrayView2, ArrayView3, ArrayView4, Axis, s};
 
 use crate::element::Element;
 use crate::error::{LadderError, Result};
-use crate::output::{AttentionOutput, RunStats};
+use crate::output::{AttentionOutput, Gradients, RunStats};
 
 /// Where each sequence's queries and keys lie in the packed tensors: `cu_seqlens_q` and
 /// `cu_seqlens_k`, the offsets of the sequences' first rows (`batch + 1` each, the last the token
@@ -147,6 +148,101 @@ pub fn forward<T: Element>(
     lens: &SeqLens,
     mut rung: impl FnMut(ArrayView4<T>, ArrayView4<T>, ArrayView4<T>) -> Result<AttentionOutput<T>>,
 ) -> Result<VarlenOutput<T>> {
+    check(q, k, v, lens)?;
+    let (total_q, heads_q, d) = q.dim();
+    let mut o = Array3::zeros((total_q, heads_q, d));
+    let mut lse = Array2::from_elem((heads_q, total_q), T::neg_infinity());
+    let mut stats = RunStats::default();
+    for b in 0..lens.batch() {
+        let (rows, keys) = (lens.q_range(b), lens.k_range(b));
+        if rows.is_empty() || keys.is_empty() {
+            continue; // no rows, or rows that see no key: O = 0 and lse = −∞ already
+        }
+        let out = rung(
+            as_batch_of_one(q.slice(s![rows.clone(), .., ..])),
+            as_batch_of_one(k.slice(s![keys.clone(), .., ..])),
+            as_batch_of_one(v.slice(s![keys, .., ..])),
+        )?;
+        o.slice_mut(s![rows.clone(), .., ..])
+            .assign(&out.o.index_axis(Axis(0), 0).permuted_axes([1, 0, 2]));
+        lse.slice_mut(s![.., rows]).assign(&out.lse.index_axis(Axis(0), 0));
+        stats.add(&out.stats);
+    }
+    Ok(VarlenOutput { o, lse, stats })
+}
+
+/// What a backward rung gets for one sequence of the batch ([`backward`]): views of its rows of
+/// Q, K, V, the forward's O and lse, and dO, as a batch of one (`[1, heads, n, d]`, lse `[1,
+/// heads_q, n_q]`).
+#[derive(Debug, Clone, Copy)]
+pub struct Sequence<'a, T> {
+    pub q: ArrayView4<'a, T>,
+    pub k: ArrayView4<'a, T>,
+    pub v: ArrayView4<'a, T>,
+    pub o: ArrayView4<'a, T>,
+    pub lse: ArrayView3<'a, T>,
+    pub d_o: ArrayView4<'a, T>,
+}
+
+/// The gradients of a packed batch: dQ `[total_q, heads_q, d]`, dK and dV `[total_k, heads_kv,
+/// d]`, and the rung's statistics summed over the sequences.
+#[derive(Debug, Clone)]
+pub struct VarlenGradients<T> {
+    pub dq: Array3<T>,
+    pub dk: Array3<T>,
+    pub dv: Array3<T>,
+    pub stats: RunStats,
+}
+
+/// Runs the backward `rung` on every sequence of the packed batch that has queries and keys,
+/// given the forward's output `out` and the upstream gradient `d_o` (packed like Q), and packs
+/// the gradients as the inputs (see the module docs).
+pub fn backward<T: Element>(
+    (q, k, v): (ArrayView3<T>, ArrayView3<T>, ArrayView3<T>),
+    (o, lse): (ArrayView3<T>, ArrayView2<T>),
+    d_o: ArrayView3<T>,
+    lens: &SeqLens,
+    mut rung: impl FnMut(Sequence<'_, T>) -> Result<Gradients<T>>,
+) -> Result<VarlenGradients<T>> {
+    check(q, k, v, lens)?;
+    let (total_q, heads_q, _) = q.dim();
+    for (name, t) in [("o", o), ("d_o", d_o)] {
+        if t.dim() != q.dim() {
+            return Err(mismatch(format!("{name} is {:?} but q is {:?}", t.shape(), q.shape())));
+        }
+    }
+    if lse.dim() != (heads_q, total_q) {
+        return Err(mismatch(format!(
+            "lse is {:?}, expected [heads_q, total_q] = [{heads_q}, {total_q}]",
+            lse.shape()
+        )));
+    }
+    let mut dq = Array3::zeros(q.raw_dim());
+    let (mut dk, mut dv) = (Array3::zeros(k.raw_dim()), Array3::zeros(k.raw_dim()));
+    let mut stats = RunStats::default();
+    for b in 0..lens.batch() {
+        let (rows, keys) = (lens.q_range(b), lens.k_range(b));
+        if rows.is_empty() || keys.is_empty() {
+            continue; // nothing flows: the gradients of these rows or keys stay 0
+        }
+        let g = rung(Sequence {
+            q: rows_of(q, &rows),
+            k: rows_of(k, &keys),
+            v: rows_of(v, &keys),
+            o: rows_of(o, &rows),
+            lse: lse.slice_move(s![.., rows.clone()]).insert_axis(Axis(0)),
+            d_o: rows_of(d_o, &rows),
+        })?;
+        dq.slice_mut(s![rows, .., ..]).assign(&unpack(&g.dq));
+        dk.slice_mut(s![keys.clone(), .., ..]).assign(&unpack(&g.dk));
+        dv.slice_mut(s![keys, .., ..]).assign(&unpack(&g.dv));
+        stats.add(&g.stats);
+    }
+    Ok(VarlenGradients { dq, dk, dv, stats })
+}
+
+/// The packed tensors agree with each other and with `lens`.
+fn check<T>(q: ArrayView3<T>, k: ArrayView3<T>, v: ArrayView3<T>, lens: &SeqLens) -> Result<()> {
     let ((total_q, heads_q, d), (total_k, heads_kv, dk)) = (q.dim(), k.dim());
     if v.dim() != k.dim() {
         return Err(mismatch(format!("v is {:?} but k is {:?}", v.shape(), k.shape())));
@@ -167,25 +263,17 @@ pub fn forward<T: Element>(
     if heads_kv == 0 || heads_q % heads_kv != 0 {
         return Err(LadderError::HeadsNotMultiple { heads_q, heads_kv });
     }
-    let mut o = Array3::zeros((total_q, heads_q, d));
-    let mut lse = Array2::from_elem((heads_q, total_q), T::neg_infinity());
-    let mut stats = RunStats::default();
-    for b in 0..lens.batch() {
-        let (rows, keys) = (lens.q_range(b), lens.k_range(b));
-        if rows.is_empty() || keys.is_empty() {
-            continue; // no rows, or rows that see no key: O = 0 and lse = −∞ already
-        }
-        let out = rung(
-            as_batch_of_one(q.slice(s![rows.clone(), .., ..])),
-            as_batch_of_one(k.slice(s![keys.clone(), .., ..])),
-            as_batch_of_one(v.slice(s![keys, .., ..])),
-        )?;
-        o.slice_mut(s![rows.clone(), .., ..])
-            .assign(&out.o.index_axis(Axis(0), 0).permuted_axes([1, 0, 2]));
-        lse.slice_mut(s![.., rows]).assign(&out.lse.index_axis(Axis(0), 0));
-        stats.add(&out.stats);
-    }
-    Ok(VarlenOutput { o, lse, stats })
+    Ok(())
+}
+
+/// Rows `rows` of a packed tensor as `[1, heads, n, d]`, a view.
+fn rows_of<'a, T>(t: ArrayView3<'a, T>, rows: &Range<usize>) -> ArrayView4<'a, T> {
+    as_batch_of_one(t.slice_move(s![rows.clone(), .., ..]))
+}
+
+/// A batch of one, `[1, heads, n, d]`, back as `[n, heads, d]`.
+fn unpack<T: Clone>(x: &ndarray::Array4<T>) -> Array3<T> {
+    x.index_axis(Axis(0), 0).permuted_axes([1, 0, 2]).to_owned()
 }
 
 /// `[n, heads, d]` as `[1, heads, n, d]`, a view.
