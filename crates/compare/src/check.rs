@@ -45,6 +45,9 @@
 //! - **Gradients.** An output that carries `dQ, dK, dV` ([`Output::with_gradients`]) has them
 //!   checked too, against the oracle's backward pass (the upstream gradient is in
 //!   [`Problem::inputs`]`.d_o`).
+//! - **Layouts.** A kernel that works in `[batch, seq, heads, d]` takes its inputs with
+//!   [`Problem::inputs_in`]`(`[`Layout::Bshd`]`)` and returns `O` (and the gradients) in that layout,
+//!   saying so with [`Output::in_layout`].
 //! - **Against a rung.** [`Check::against`] also compares with one of our CPU rungs on the same
 //!   inputs (each may be off the oracle by its own tolerance, so the two by the sum).
 //! - **Cases and seed.** Unless the check sets them, `PROPTEST_CASES` (default 256) and
@@ -189,6 +192,15 @@ impl Problem {
         Inputs { q: to(&x.q), k: to(&x.k), v: to(&x.v), d_o: to(&x.d_o) }
     }
 
+    /// [`Problem::inputs`] with the axes of `Q, K, V, dO` in `layout`'s order (standard layout):
+    /// for a kernel that takes `[batch, seq, heads, d]`, [`Layout::Bshd`]. Hand its results back
+    /// through [`Output::in_layout`].
+    pub fn inputs_in<T: Element>(&self, layout: Layout) -> Inputs<T> {
+        let Inputs { q, k, v, d_o } = self.inputs::<T>();
+        let to = |a: Array4<T>| layout.lay_out(a);
+        Inputs { q: to(q), k: to(k), v: to(v), d_o: to(d_o) }
+    }
+
     pub(crate) fn inputs_f64(&self) -> &Inputs<f64> {
         &self.inputs
     }
@@ -223,6 +235,33 @@ impl Problem {
     /// `"f64"` for an `F64` problem, else `"f32"`: what [`Problem::run`] computes in.
     fn rung_element(&self) -> &'static str {
         if self.precision == Precision::F64 { "f64" } else { "f32" }
+    }
+}
+
+/// The order of the axes of `Q, K, V, O, dO` and the gradients an implementation takes and
+/// returns ([`Problem::inputs_in`], [`Output::in_layout`]); `lse` is `[batch, heads_q, n_q]`
+/// either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// `[batch, heads, seq, d]`, the ladder's own.
+    Bhsd,
+    /// `[batch, seq, heads, d]`, what a QKV projection produces (FlashAttention's layout).
+    Bshd,
+}
+
+impl Layout {
+    /// `a`, given `[batch, heads, seq, d]`, laid out in this layout.
+    fn lay_out<T: Clone>(self, a: Array4<T>) -> Array4<T> {
+        match self {
+            Layout::Bhsd => a,
+            Layout::Bshd => a.permuted_axes([0, 2, 1, 3]).as_standard_layout().into_owned(),
+        }
+    }
+
+    /// `a`, given in this layout, back as `[batch, heads, seq, d]` (swapping two axes undoes
+    /// itself).
+    fn undo<T: Clone>(self, a: Array4<T>) -> Array4<T> {
+        self.lay_out(a)
     }
 }
 
@@ -293,6 +332,17 @@ impl Output {
         let dk = Array4::from_shape_vec(s.kv_dims(), dk.to_vec())?;
         let dv = Array4::from_shape_vec(s.kv_dims(), dv.to_vec())?;
         Ok(self.with_gradients(dq, dk, dv))
+    }
+
+    /// This output with `O` and the gradients taken as given in `layout`'s axis order (an
+    /// implementation that works in `[batch, seq, heads, d]`: [`Layout::Bshd`]); they are
+    /// checked as `[batch, heads, seq, d]`.
+    pub fn in_layout(self, layout: Layout) -> Output {
+        Output {
+            o: layout.undo(self.o),
+            grads: self.grads.map(|g| g.map(|x| layout.undo(x))),
+            ..self
+        }
     }
 
     /// `O`, in `f64`.

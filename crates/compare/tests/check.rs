@@ -486,3 +486,40 @@ fn gpu_fa2_passes_the_check() {
     });
     println!("{}", passed.unwrap());
 }
+
+/// A `[batch, seq, heads, d]` kernel: it takes its inputs in that layout
+/// (`Problem::inputs_in`), returns O in it, and says so (`Output::in_layout`); with the layout
+/// said it passes, and a kernel that reads the layout as `[batch, heads, seq, d]` is caught.
+#[test]
+fn a_bshd_kernel_is_checked_in_its_own_layout() {
+    use ladder_compare::check::Layout;
+    // naive attention on [b, s, h, d] tensors: swap to [b, h, s, d] and back, as a kernel would
+    // index them; `misread` takes the [b, s, h, d] buffers as if they were [b, h, s, d].
+    let kernel = |misread: bool| {
+        move |x: &Problem| {
+            let i = x.inputs_in::<f64>(Layout::Bshd);
+            let as_bhsd = |a: &Array4<f64>| {
+                if misread {
+                    let (b, s, h, d) = a.dim();
+                    a.clone().into_shape_with_order((b, h, s, d)).unwrap()
+                } else {
+                    a.view().permuted_axes([0, 2, 1, 3]).to_owned()
+                }
+            };
+            let out = naive::attention(
+                as_bhsd(&i.q).view(),
+                as_bhsd(&i.k).view(),
+                as_bhsd(&i.v).view(),
+                &x.attention,
+            )?;
+            let o_bshd = out.o.view().permuted_axes([0, 2, 1, 3]).to_owned();
+            Ok::<_, LadderError>(Output::new(o_bshd, out.lse).in_layout(Layout::Bshd))
+        }
+    };
+    let check = Check::new("a [b, s, h, d] kernel").precisions([Precision::F64]).cases(32).seed(5);
+    let passed = check.run(kernel(false)).expect("the layout is said: it passes");
+    assert_eq!(passed.cases, 32);
+    let check =
+        Check::new("a kernel that misreads [b, s, h, d]").precisions([Precision::F64]).cases(64);
+    assert!(check.run(kernel(true)).is_err(), "reading the axes in the wrong order is caught");
+}
