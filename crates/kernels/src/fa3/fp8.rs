@@ -35,7 +35,12 @@ use crate::tensor::{DType, Tensor};
 
 const QUANTIZE_SRC: &str = include_str!("../../cuda/fa3_fp8_quantize.cu");
 
-/// Head dimensions with an FP8 kernel (a row of Q or K must be whole 128-byte lines of e4m3).
+/// Head dimensions with an FP8 kernel. The attention kernel itself would take any multiple of 8
+/// (its shared rows are padded to whole 128-byte blocks, as the 16-bit path's are), but the
+/// quantisation kernel (`cuda/fa3_fp8_quantize.cu`) spreads a row over a warp, 32 columns at a
+/// time, and rotates it with a Walsh–Hadamard transform, which needs a power of two of at least
+/// 32. Of those, 128 and 256 fill whole 128-byte rows of e4m3 and are tested and measured; 64
+/// (half a row, padded) is not yet, and other head dims need a quantiser without the rotation.
 pub const HEAD_DIMS: &[usize] = &[128, 256];
 
 /// Options of the FP8 path (block scales are always on).
