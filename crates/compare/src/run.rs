@@ -12,7 +12,7 @@ use std::process::ExitCode;
 use anyhow::{Context, anyhow, bail};
 use clap::{Args, ValueEnum};
 use ladder_compare::GpuRung;
-use ladder_compare::gpu_check::half_of;
+use ladder_compare::gpu_check::{Layout, half_of, upload_in};
 use ladder_compare::gpu_rungs::Kernels;
 use ladder_compare::memory::human_bytes;
 use ladder_compare::npy::{self, DType, NpyTensor};
@@ -484,13 +484,12 @@ fn gpu(rung: GpuRung, dtype: GpuDType, x: &Tensors, args: &RunArgs) -> anyhow::R
     };
     // [b, s, h, d] buffers go to the kernels that take strides as they are, as transposed views;
     // the others get [b, h, s, d].
-    let strided = args.layout == FileLayout::Bshd && rung.takes_strides();
-    let upload = |t: &NpyTensor| {
-        let data = if strided { swap_seq_and_heads(&t.data) } else { t.data.clone() };
-        let values: Vec<f32> = data.iter().map(|&v| v as f32).collect();
-        let up = gpu.upload(&values, data.shape(), kind);
-        up.and_then(|t| if strided { t.transpose(1, 2) } else { Ok(t) }).map_err(kernel_error)
+    let layout = if args.layout == FileLayout::Bshd && rung.takes_strides() {
+        Layout::Bshd
+    } else {
+        Layout::Bhsd
     };
+    let upload = |t: &NpyTensor| upload_in(&gpu, &t.data, kind, layout).map_err(kernel_error);
     let (q, k, v) = (upload(x.q)?, upload(x.k)?, upload(x.v)?);
     let opts = kernels::Options {
         causal: args.causal,

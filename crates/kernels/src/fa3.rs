@@ -555,7 +555,7 @@ const BALANCE_SLACK: f64 = 0.02;
 /// static share-out of the tiles comes out within [`BALANCE_SLACK`] of the most even one
 /// ([`TileOrder::balance`]). All of them past [`MAX_SECTION_QUERY_BLOCKS`] or when fewer than
 /// [`MIN_SECTION_HEADS`] fit.
-/// Without the mask the order ignores it.
+/// Without the mask the order ignores it, and none is worked out.
 ///
 /// The share-out matters as much as the L2: at d = 96, n = 4k, 64 heads, the 8 heads that fit
 /// in 12 MB leave the busiest block with 1.6 × the mean's work (balance 0.62), and the kernel ran
@@ -572,7 +572,7 @@ fn section_heads(
     let heads = (p.heads_q * p.batch).max(1);
     let fit = (budget / kv_per_head).min(heads);
     let q_blocks = p.n_q.div_ceil(br.max(1));
-    let section = if fit < MIN_SECTION_HEADS.min(heads) || q_blocks > MAX_SECTION_QUERY_BLOCKS {
+    let section = if !p.causal || fit < MIN_SECTION_HEADS || q_blocks > MAX_SECTION_QUERY_BLOCKS {
         heads
     } else {
         let order =

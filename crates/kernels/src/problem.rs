@@ -85,16 +85,11 @@ pub(crate) fn check_scale(scale: f32) -> Result<()> {
 
 // ---- the checks every rung's host code makes (Problem::new and decoding's Shape::check) ----
 
-/// A shape error: what was given and what is expected, in one line.
-pub(crate) fn shape_error(message: String) -> KernelError {
-    KernelError::Shape(message)
-}
-
 /// The four dimensions of `shape`, or an error saying what it must be (`expected`, e.g. "q must
 /// be [batch, heads, seq, head_dim]").
 pub(crate) fn dims4(shape: &[usize], expected: &str) -> Result<[usize; 4]> {
     <[usize; 4]>::try_from(shape)
-        .map_err(|_| shape_error(format!("{expected}, got shape {shape:?}")))
+        .map_err(|_| KernelError::Shape(format!("{expected}, got shape {shape:?}")))
 }
 
 /// `(name, shape)` must equal `(other, its shape)` (V and K, dO and O).
@@ -105,14 +100,16 @@ pub(crate) fn same_shape(
     if shape == like {
         Ok(())
     } else {
-        Err(shape_error(format!("{name} has shape {shape:?} but {other} has {like:?}")))
+        Err(KernelError::Shape(format!("{name} has shape {shape:?} but {other} has {like:?}")))
     }
 }
 
 /// No axis of `q` or of the keys' tensor (`kv`: its name and shape) may be empty.
 pub(crate) fn nonempty(q: &[usize], (kv_name, kv): (&str, &[usize])) -> Result<()> {
     if q.contains(&0) || kv.contains(&0) {
-        Err(shape_error(format!("every dimension must be at least 1 (q {q:?}, {kv_name} {kv:?})")))
+        Err(KernelError::Shape(format!(
+            "every dimension must be at least 1 (q {q:?}, {kv_name} {kv:?})"
+        )))
     } else {
         Ok(())
     }
@@ -123,7 +120,9 @@ pub(crate) fn heads_divide(heads_q: usize, heads_kv: usize) -> Result<()> {
     if heads_kv != 0 && heads_q % heads_kv == 0 {
         Ok(())
     } else {
-        Err(shape_error(format!("heads_q = {heads_q} is not a multiple of heads_kv = {heads_kv}")))
+        Err(KernelError::Shape(format!(
+            "heads_q = {heads_q} is not a multiple of heads_kv = {heads_kv}"
+        )))
     }
 }
 
@@ -221,7 +220,7 @@ impl Problem {
         let [kb, heads_kv, n_kv, kd] = dims4(k.shape(), "k must be [batch, heads, seq, head_dim]")?;
         same_shape(("v", v.shape()), ("k", k.shape()))?;
         if kb != batch || kd != d {
-            return Err(shape_error(format!(
+            return Err(KernelError::Shape(format!(
                 "q {:?} and k {:?} differ in batch or head_dim",
                 q.shape(),
                 k.shape()

@@ -158,13 +158,8 @@ pub fn forward<T: Element>(
         if rows.is_empty() || keys.is_empty() {
             continue; // no rows, or rows that see no key: O = 0 and lse = −∞ already
         }
-        let out = rung(
-            as_batch_of_one(q.slice(s![rows.clone(), .., ..])),
-            as_batch_of_one(k.slice(s![keys.clone(), .., ..])),
-            as_batch_of_one(v.slice(s![keys, .., ..])),
-        )?;
-        o.slice_mut(s![rows.clone(), .., ..])
-            .assign(&out.o.index_axis(Axis(0), 0).permuted_axes([1, 0, 2]));
+        let out = rung(rows_of(q, &rows), rows_of(k, &keys), rows_of(v, &keys))?;
+        o.slice_mut(s![rows.clone(), .., ..]).assign(&unpacked(&out.o));
         lse.slice_mut(s![.., rows]).assign(&out.lse.index_axis(Axis(0), 0));
         stats.add(&out.stats);
     }
@@ -233,9 +228,9 @@ pub fn backward<T: Element>(
             lse: lse.slice_move(s![.., rows.clone()]).insert_axis(Axis(0)),
             d_o: rows_of(d_o, &rows),
         })?;
-        dq.slice_mut(s![rows, .., ..]).assign(&unpack(&g.dq));
-        dk.slice_mut(s![keys.clone(), .., ..]).assign(&unpack(&g.dk));
-        dv.slice_mut(s![keys, .., ..]).assign(&unpack(&g.dv));
+        dq.slice_mut(s![rows, .., ..]).assign(&unpacked(&g.dq));
+        dk.slice_mut(s![keys.clone(), .., ..]).assign(&unpacked(&g.dk));
+        dv.slice_mut(s![keys, .., ..]).assign(&unpacked(&g.dv));
         stats.add(&g.stats);
     }
     Ok(VarlenGradients { dq, dk, dv, stats })
@@ -266,19 +261,14 @@ fn check<T>(q: ArrayView3<T>, k: ArrayView3<T>, v: ArrayView3<T>, lens: &SeqLens
     Ok(())
 }
 
-/// Rows `rows` of a packed tensor as `[1, heads, n, d]`, a view.
+/// Rows `rows` of a packed `[n, heads, d]` tensor as `[1, heads, rows, d]`, a view.
 fn rows_of<'a, T>(t: ArrayView3<'a, T>, rows: &Range<usize>) -> ArrayView4<'a, T> {
-    as_batch_of_one(t.slice_move(s![rows.clone(), .., ..]))
+    t.slice_move(s![rows.clone(), .., ..]).insert_axis(Axis(0)).permuted_axes([0, 2, 1, 3])
 }
 
-/// A batch of one, `[1, heads, n, d]`, back as `[n, heads, d]`.
-fn unpack<T: Clone>(x: &ndarray::Array4<T>) -> Array3<T> {
-    x.index_axis(Axis(0), 0).permuted_axes([1, 0, 2]).to_owned()
-}
-
-/// `[n, heads, d]` as `[1, heads, n, d]`, a view.
-fn as_batch_of_one<T>(t: ArrayView3<'_, T>) -> ArrayView4<'_, T> {
-    t.insert_axis(Axis(0)).permuted_axes([0, 2, 1, 3])
+/// A batch of one, `[1, heads, n, d]`, seen as `[n, heads, d]`.
+fn unpacked<T>(x: &ndarray::Array4<T>) -> ndarray::ArrayView3<'_, T> {
+    x.index_axis(Axis(0), 0).permuted_axes([1, 0, 2])
 }
 
 fn mismatch(message: String) -> LadderError {

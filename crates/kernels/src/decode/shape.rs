@@ -2,7 +2,7 @@
 //! and the cache, the lengths, the page table against the cache, and the options.
 
 use super::*;
-use crate::problem::{dims4, heads_divide, nonempty, same_dtype, same_shape, shape_error};
+use crate::problem::{dims4, heads_divide, nonempty, same_dtype, same_shape};
 
 /// What the checks need of a tensor: its shape and element type.
 #[derive(Clone, Copy, Debug)]
@@ -79,7 +79,7 @@ impl Shape {
                 let [kb, heads_kv, capacity, kd] =
                     dims(k, "k must be [batch, heads_kv, capacity, head_dim]")?;
                 if kb != batch {
-                    return Err(shape_error(format!(
+                    return Err(KernelError::Shape(format!(
                         "q {:?} and the cache {:?} differ in batch",
                         q.shape, k.shape
                     )));
@@ -90,7 +90,7 @@ impl Shape {
                 let [num_pages, heads_kv, page_size, kd] =
                     dims(k, "k_pages must be [num_pages, heads_kv, page_size, head_dim]")?;
                 if table.batch != batch {
-                    return Err(shape_error(format!(
+                    return Err(KernelError::Shape(format!(
                         "the page table has {} rows for a batch of {batch}",
                         table.batch
                     )));
@@ -100,7 +100,7 @@ impl Shape {
         };
         same_shape(("v", v.shape), ("k", k.shape))?;
         if kd != d {
-            return Err(shape_error(format!(
+            return Err(KernelError::Shape(format!(
                 "q {:?} and the cache {:?} differ in head_dim",
                 q.shape, k.shape
             )));
@@ -108,18 +108,18 @@ impl Shape {
         nonempty(q.shape, ("the cache", k.shape))?;
         heads_divide(heads_q, heads_kv)?;
         if n_new > MAX_NEW_TOKENS {
-            return Err(shape_error(format!(
+            return Err(KernelError::Shape(format!(
                 "n_new = {n_new} new tokens per sequence; decoding takes 1 to {MAX_NEW_TOKENS}"
             )));
         }
         if lengths.len() != batch {
-            return Err(shape_error(format!(
+            return Err(KernelError::Shape(format!(
                 "{} lengths given for a batch of {batch}",
                 lengths.len()
             )));
         }
         if let Some((b, &len)) = lengths.iter().enumerate().find(|&(_, &l)| l > MAX_LENGTH) {
-            return Err(shape_error(format!(
+            return Err(KernelError::Shape(format!(
                 "lengths[{b}] = {len} exceeds the kernels' limit {MAX_LENGTH}"
             )));
         }
@@ -128,12 +128,12 @@ impl Shape {
         match layout {
             Layout::Contiguous { capacity } => {
                 if let Some((b, &len)) = lengths.iter().enumerate().find(|&(_, &l)| l > capacity) {
-                    return Err(shape_error(format!(
+                    return Err(KernelError::Shape(format!(
                         "lengths[{b}] = {len} exceeds the cache capacity {capacity}"
                     )));
                 }
                 if capacity > limit {
-                    return Err(shape_error(format!("cache {:?} too large", k.shape)));
+                    return Err(KernelError::Shape(format!("cache {:?} too large", k.shape)));
                 }
             }
             Layout::Paged { page_size, num_pages, .. } => {
@@ -145,7 +145,7 @@ impl Shape {
                     )));
                 }
                 if num_pages > limit {
-                    return Err(shape_error(format!(
+                    return Err(KernelError::Shape(format!(
                         "{num_pages} pages (k_pages {:?}) is too many",
                         k.shape
                     )));
@@ -172,7 +172,7 @@ impl Shape {
             });
         }
         if batch.saturating_mul(heads_q).saturating_mul(n_new) > limit {
-            return Err(shape_error(format!("q {:?} too large", q.shape)));
+            return Err(KernelError::Shape(format!("q {:?} too large", q.shape)));
         }
         let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
         crate::problem::check_scale(scale)?;
@@ -199,7 +199,7 @@ impl Shape {
     pub(super) fn check_output(&self, out: &Output) -> Result<()> {
         let o_shape = self.o_shape();
         if out.o.shape() != o_shape || out.lse.shape() != &o_shape[..3] {
-            return Err(shape_error(format!(
+            return Err(KernelError::Shape(format!(
                 "decode: outputs O {:?} and lse {:?}, expected {o_shape:?} and {:?}",
                 out.o.shape(),
                 out.lse.shape(),
