@@ -19,8 +19,12 @@
 //! `scripts/peers.py` times PyTorch SDPA and Triton on the same shapes into `peers.csv` (same
 //! schema); `ladder bench --charts-only` redraws the charts with both and prints them side by side.
 //!
+//! With `--varlen`, the prefill rungs run on a packed batch of 64 ragged sequences instead
+//! (`varlen.csv`; `scripts/peers_varlen.py` times the peers on the same batch).
+//!
 //! The parts: `plan` (the flags and what they select), `timing` (inputs and the measurement of
-//! one case), `report` (the printed tables and the run's metadata), `charts` (the SVG charts);
+//! one case), `report` (the printed tables and the run's metadata), `charts` (the SVG charts),
+//! `varlen` (the packed batch);
 //! the files' schema is [`ladder_compare::results`] and the GPU rungs [`ladder_compare::GpuRung`].
 //! This module runs the cases in order and writes the files.
 
@@ -28,6 +32,7 @@ mod charts;
 mod plan;
 mod report;
 mod timing;
+mod varlen;
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -64,7 +69,14 @@ pub fn main(args: &BenchArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match run(&gpu, &plan, &args.out) {
+    let done = if args.varlen {
+        std::fs::create_dir_all(&args.out)
+            .with_context(|| format!("creating {}", args.out.display()))
+            .and_then(|()| varlen::run(&gpu, &plan, &args.out))
+    } else {
+        run(&gpu, &plan, &args.out)
+    };
+    match done {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(1),
         Err(e) => fail(e),

@@ -21,6 +21,7 @@ pub mod memory;
 pub mod metrics;
 pub mod npy;
 pub mod oracle;
+pub mod packed;
 pub mod results;
 pub mod rungs;
 pub mod verify;

@@ -5,11 +5,11 @@
 //! naive rung's error in the same precision); the backward pass too, against the float64
 //! gradients.
 
-use ladder_compare::Inputs;
 use ladder_compare::oracle::{Expected, ExpectedGradients, check};
+use ladder_compare::packed;
 use ladder_reference::varlen::{self, SeqLens};
-use ladder_reference::{AttentionOptions, AttentionOutput, Fa2Options, Gradients, RunStats, fa2};
-use ndarray::{Array3, Array4, s};
+use ladder_reference::{AttentionOptions, Fa2Options, Gradients, RunStats, fa2};
+use ndarray::{Array3, s};
 use proptest::prelude::*;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -25,12 +25,6 @@ fn length() -> impl Strategy<Value = usize> {
 
 fn normal(shape: (usize, usize, usize), rng: &mut ChaCha8Rng) -> Array3<f32> {
     Array3::from_shape_simple_fn(shape, || StandardNormal.sample(rng))
-}
-
-/// Rows `rows` of a packed tensor as a `[1, heads, n, d]` problem, copied entry by entry.
-fn sequence(x: &Array3<f32>, rows: std::ops::Range<usize>) -> Array4<f32> {
-    let (_, heads, d) = x.dim();
-    Array4::from_shape_fn((1, heads, rows.len(), d), |(_, h, i, c)| x[[rows.start + i, h, c]])
 }
 
 /// A drawn ragged batch: its offsets, packed Q, K, V and dO, and the mask.
@@ -89,17 +83,12 @@ proptest! {
                 prop_assert!(zero(&g.dq, rows.clone()) && zero(&g.dk, keys.clone()) && zero(&g.dv, keys), "sequence {}", b);
                 continue;
             }
-            let inputs = Inputs {
-                q: sequence(&x.q, rows.clone()),
-                k: sequence(&x.k, keys.clone()),
-                v: sequence(&x.v, keys.clone()),
-                d_o: sequence(&x.d_o, rows.clone()),
-            };
+            let inputs = packed::inputs((&x.q, &x.k, &x.v), Some(&x.d_o), rows.clone(), keys.clone());
             let expected = ExpectedGradients::new(&inputs, &x.attention).unwrap();
             let got = Gradients {
-                dq: sequence(&g.dq, rows),
-                dk: sequence(&g.dk, keys.clone()),
-                dv: sequence(&g.dv, keys),
+                dq: packed::rows(&g.dq, rows),
+                dk: packed::rows(&g.dk, keys.clone()),
+                dv: packed::rows(&g.dv, keys),
                 stats: RunStats::default(),
             };
             let (errs, pass) = expected.judge(&got);
@@ -137,23 +126,14 @@ proptest! {
                 continue;
             }
             // This sequence's rows of the packed output, as a [1, heads_q, n, d] output.
-            let got = AttentionOutput {
-                o: sequence(&out.o, rows.clone()),
-                lse: out.lse.slice(s![.., rows.clone()]).insert_axis(ndarray::Axis(0)).to_owned(),
-                stats: RunStats::default(),
-            };
+            let got = packed::output(&out.o, &out.lse, rows.clone());
             if keys.is_empty() {
                 // No key to see: O = 0, lse = −∞ (the oracle has no problem to run).
                 prop_assert!(got.o.iter().all(|&x| x == 0.0), "sequence {} O", b);
                 prop_assert!(got.lse.iter().all(|&x| x == f32::NEG_INFINITY), "sequence {} lse", b);
                 continue;
             }
-            let x = Inputs {
-                q: sequence(&q, rows.clone()),
-                k: sequence(&k, keys.clone()),
-                v: sequence(&v, keys),
-                d_o: Array4::zeros((1, heads_q, rows.len(), d)),
-            };
+            let x = packed::inputs((&q, &k, &v), None, rows, keys);
             let expected = Expected::new(&x, &attention).unwrap();
             check(&format!("varlen fa2, sequence {b} of {lens:?}"), &got, &expected, None)
                 .map_err(TestCaseError::fail)?;

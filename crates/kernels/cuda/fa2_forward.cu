@@ -34,6 +34,8 @@
 //              strides are the parameters' (layout.cuh), used once per tile.
 //   FA2_V_STRIDES 1 when V's batch and head strides differ from K's (V's offset is computed on its
 //              own; 0: K's serves both, which the tightest variants need to stay out of spills)
+//   FA2_VARLEN 1 for a packed variable-length batch (varlen.cuh): block x takes the query block
+//              the tile table names, and every length and offset is its sequence's
 
 #include "copy.cuh"
 #include "layout.cuh"
@@ -41,6 +43,7 @@
 #include "mma.cuh"
 #include "softmax.cuh"
 #include "types.cuh"
+#include "varlen.cuh"
 
 #ifndef FA2_D
 #define FA2_D 128
@@ -69,6 +72,10 @@ constexpr long long Q_ROW = FA2_Q_ROW, K_ROW = FA2_K_ROW, V_ROW = FA2_V_ROW, O_R
 #ifndef FA2_V_STRIDES
 #define FA2_V_STRIDES 0
 #endif
+#ifndef FA2_VARLEN
+#define FA2_VARLEN 0
+#endif
+constexpr bool packed = FA2_VARLEN;
 constexpr int DK = HeadDim<D>::DK;      // columns of the products (D rounded up to 16)
 constexpr int COLS = HeadDim<D>::COLS;  // columns of a shared tile (D rounded up to 64)
 constexpr int MT = FA2_MT;
@@ -82,7 +89,9 @@ constexpr int DT = DK / 8;  // 8-column accumulator tiles across one row of O
 
 // Q, K, V, O are [batch, heads, n, D] (heads_q for Q and O, heads_kv for K and V) with any
 // strides but the last (layout.cuh; the row strides are also FA2_*_ROW, which the kernel uses);
-// lse is [batch, heads_q, n_q], contiguous, natural log.
+// lse is [batch, heads_q, n_q], contiguous, natural log. A packed batch (FA2_VARLEN) is one batch
+// entry of total rows: its sequences' rows and lengths come from varlen, and lse is
+// [heads_q, total_q].
 struct Fa2ForwardParams {
     const u16* q;
     const u16* k;
@@ -98,9 +107,11 @@ struct Fa2ForwardParams {
     int n_q;
     int n_kv;
     float scale_log2;  // softmax scale · log2(e)
+    Varlen varlen;     // FA2_VARLEN only
 };
 
-// Launch: grid (ceil(n_q / BR), heads_q, batch), block (THREADS = 32·WARPS, 1, 1),
+// Launch: grid (ceil(n_q / BR), heads_q, batch), or (varlen.n_tiles, heads_q, 1) for a packed
+// batch; block (THREADS = 32·WARPS, 1, 1),
 // dynamic shared memory (BR + 4·BC)·COLS·2 bytes (Q tile, then two stages of K and two of V).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
@@ -111,20 +122,29 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
 
     // ---- which rows: one block per query tile, the longest causal blocks first ------------------
     // Causal blocks near the end of the sequence have the most tiles: launch them first so that
-    // the last wave is made of short blocks.
-    const int q_block = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int head = blockIdx.y, batch = blockIdx.z;
-    const int q0 = q_block * BR;
+    // the last wave is made of short blocks (a packed batch's tile table is in that order).
+    // The sequence is looked up again where it is needed rather than kept in registers, as the
+    // K/V offsets below are (a packed batch's offsets and lengths are then L1 hits; kept, they
+    // cost the d = 128 causal kernel a spill).
+    auto sequence = [&]() {
+        return packed ? packed_block(p.varlen, blockIdx.x)
+                      : fixed_block(blockIdx.z, causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x,
+                                    p.n_q, p.n_kv);
+    };
+    const SeqBlock w = sequence();
+    const int head = blockIdx.y;
+    const int q0 = w.q_block * BR;
     const int warp = warp_id();
 
-    const u16* gQ = head_base(p.q, p.q_strides, batch, head);
+    const u16* gQ = head_base(p.q, p.q_strides, w.batch, head) + w.q_start * Q_ROW;
     // K and V of this block's kv head; recomputed inside the loop (see block_y) rather than kept.
-    auto kv_offset = [&](const Strides& s) {
-        return head_offset<u16>(s, block_z(), block_y() / (p.heads_q / p.heads_kv));
+    auto kv_offset = [&](const Strides& s, long long row) {
+        const long long first = packed ? sequence().k_start * row : 0;
+        return head_offset<u16>(s, block_z(), block_y() / (p.heads_q / p.heads_kv)) + first;
     };
 
-    const int shift = p.n_kv - p.n_q;  // bottom-right causal alignment (mask.cuh)
-    const int n_tiles = key_tiles<causal, BC>(q0 + BR - 1, p.n_kv, shift);
+    const int shift = w.n_kv - w.n_q;  // bottom-right causal alignment (mask.cuh)
+    const int n_tiles = key_tiles<causal, BC>(q0 + BR - 1, w.n_kv, shift);
 
     // ---- per-warp state: the warp's rows of O, m and l, in registers for the whole walk ---------
     float acc[MT][DT][4];  // O, unnormalised
@@ -137,11 +157,11 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
     }
 
     // ---- prologue: Q once, and the first K/V tile into stage 0 ----------------------------------
-    load_tile<BR, COLS, DK, D, THREADS>(sQ, gQ, Q_ROW, q0, p.n_q);
+    load_tile<BR, COLS, DK, D, THREADS>(sQ, gQ, Q_ROW, q0, w.n_q);
     if (n_tiles > 0) {
-        const int n_kv = p.n_kv;
-        const long long k_off = kv_offset(p.k_strides);
-        const long long v_off = FA2_V_STRIDES ? kv_offset(p.v_strides) : k_off;
+        const int n_kv = w.n_kv;
+        const long long k_off = kv_offset(p.k_strides, K_ROW);
+        const long long v_off = FA2_V_STRIDES ? kv_offset(p.v_strides, V_ROW) : k_off;
         load_tile<BC, COLS, DK, D, THREADS>(sK, p.k + k_off, K_ROW, 0, n_kv);
         load_tile<BC, COLS, DK, D, THREADS>(sV, p.v + v_off, V_ROW, 0, n_kv);
     }
@@ -158,11 +178,11 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
     for (int j = 0; j < n_tiles; ++j) {
         const int stage = j & 1;
         if (j + 1 < n_tiles) {
-            const int n_kv = p.n_kv, next = (j + 1) * BC;
+            const int n_kv = sequence().n_kv, next = (j + 1) * BC;
             u16* k_stage = sK + (stage ^ 1) * BC * COLS;
             u16* v_stage = sV + (stage ^ 1) * BC * COLS;
-            const long long k_off = kv_offset(p.k_strides);
-            const long long v_off = FA2_V_STRIDES ? kv_offset(p.v_strides) : k_off;
+            const long long k_off = kv_offset(p.k_strides, K_ROW);
+            const long long v_off = FA2_V_STRIDES ? kv_offset(p.v_strides, V_ROW) : k_off;
             load_tile<BC, COLS, DK, D, THREADS>(k_stage, p.k + k_off, K_ROW, next, n_kv);
             load_tile<BC, COLS, DK, D, THREADS>(v_stage, p.v + v_off, V_ROW, next, n_kv);
             cp_async_commit();
@@ -197,13 +217,15 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
         // ---- mask: keys past the end, and keys right of the causal diagonal ---------------------
         // Only the last tile and the tiles crossing the diagonal need it; the test is uniform
         // across the block, so unmasked tiles pay one comparison.
-        if (k0 + BC > p.n_kv || crosses_diagonal<causal>(q0, k0 + BC - 1, shift)) {
+        const SeqBlock now = sequence();
+        if (k0 + BC > now.n_kv || crosses_diagonal<causal>(q0, k0 + BC - 1, now.n_kv - now.n_q)) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = q0 + warp_row0 + mt * 16 + acc_row(2 * h);
-                    mask_columns(s[mt], h, key_limit<causal>(row, k0, p.n_kv, shift),
+                    mask_columns(s[mt], h,
+                                 key_limit<causal>(row, k0, now.n_kv, now.n_kv - now.n_q),
                                  LADDER_NEG_INF);
                 }
         }
@@ -257,8 +279,9 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
 
     // ---- epilogue: O = acc / l, lse = m·ln2 + ln l; rows that saw no key (l = 0) get O = 0 and
     // lse = −inf, rows that met a NaN (l = NaN) get NaN in both ------------------------------------
-    u16* gO = head_base(p.o, p.o_strides, batch, head);
-    float* gL = p.lse + ((size_t)batch * p.heads_q + head) * p.n_q;
+    const SeqBlock seq = sequence();
+    u16* gO = head_base(p.o, p.o_strides, seq.batch, head) + seq.q_start * O_ROW;
+    float* gL = p.lse + lse_offset(packed, p.varlen, seq, p.heads_q, head, p.n_q);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -266,7 +289,7 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
             const int row = q0 + warp_row0 + mt * 16 + acc_row(2 * h);
             const float l = quad_sum(row_sum[mt][h]);
             const float inv = l > 0.f ? 1.f / l : 0.f;
-            if (row < p.n_q) {
+            if (row < seq.n_q) {
 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt)
                     if (dt * 8 < D)  // the padding columns D … DK stay in registers

@@ -54,6 +54,8 @@
 // Compile-time constants, set by the host for each variant:
 //   FA3_D, FA3_BC, FA3_CONSUMERS, FA3_STAGES, FA3_CAUSAL, FA3_OVERLAP, FA3_PINGPONG, FA3_FP8,
 //   FA3_O_SMEM (1: O through shared memory and a TMA store; 0: from registers to global memory),
+//   FA3_VARLEN (1: a packed variable-length batch, varlen.cuh; O from registers, since a TMA
+//   store of whole 64-row boxes would write over the next sequence's rows),
 //   FA3_HOST_SHARED_BYTES, FA3_HOST_PARAMS_BYTES (the host's sizes, checked below)
 
 #include "barrier.cuh"
@@ -64,6 +66,7 @@
 #include "softmax.cuh"
 #include "tma.cuh"
 #include "types.cuh"
+#include "varlen.cuh"
 #include "wgmma.cuh"
 
 #ifndef FA3_D
@@ -93,6 +96,9 @@
 #ifndef FA3_O_SMEM
 #define FA3_O_SMEM 0
 #endif
+#ifndef FA3_VARLEN
+#define FA3_VARLEN 0
+#endif
 
 constexpr int D = FA3_D;
 constexpr int BC = FA3_BC;
@@ -102,6 +108,8 @@ constexpr bool causal = FA3_CAUSAL;
 constexpr bool overlap = FA3_OVERLAP;
 constexpr bool pingpong = FA3_PINGPONG && CONSUMERS > 1;
 constexpr bool o_smem = FA3_O_SMEM;
+constexpr bool packed = FA3_VARLEN;
+static_assert(!(packed && o_smem), "a packed batch stores O from registers (see FA3_VARLEN)");
 constexpr int BR = 64 * CONSUMERS;
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int NT = BC / 8;  // 8-column accumulator tiles across one row of S
@@ -146,7 +154,9 @@ constexpr int SCHEDULE_BARRIER = 1;
 constexpr int O_BARRIER = SCHEDULE_BARRIER + CONSUMERS;
 
 // Q, K, V are described by tensor maps (tma.cuh), with their strides; O is [batch, heads_q,
-// n_q, D] at o_strides and lse is [batch, heads_q, n_q] (contiguous), natural log.
+// n_q, D] at o_strides and lse is [batch, heads_q, n_q] (contiguous), natural log. A packed batch
+// (FA3_VARLEN) is one batch entry of total rows, its sequences' rows and lengths in varlen, lse
+// [heads_q, total_q].
 struct Fa3ForwardParams {
     TensorMap q;
     TensorMap k;
@@ -167,6 +177,7 @@ struct Fa3ForwardParams {
     float scale_log2;  // softmax scale · log2(e)
     int section_heads;  // causal tile order: (head, batch) pairs walked together (see below)
     Strides o_strides;  // O's rows, where the epilogue stores them from registers
+    Varlen varlen;      // FA3_VARLEN only
 };
 
 // Shared memory (dynamic, 1024-byte aligned for the swizzle), in this order: with FA3_O_SMEM,
@@ -182,7 +193,15 @@ __device__ __forceinline__ u16* o_tile(OTile<true>& t) { return t.o; }
 __device__ __forceinline__ u16* o_tile(OTile<false>&) { return nullptr; }
 static_assert(BR * O_COLS * 2 % 1024 == 0, "the tiles after O stay 1024-byte aligned");
 
-struct SharedTiles : OTile<o_smem> {
+// One tile of the persistent blocks' work (tile_at below): a query block of one head.
+struct Tile {
+    int q0;       // first query row, within the sequence
+    int head;
+    int n_tiles;  // K/V tiles it needs
+    SeqBlock seq;  // the sequence: where its rows lie, and its lengths
+};
+
+struct PipelineTiles : OTile<o_smem> {
     op_t q[BR * COLS];          // 128-byte column blocks of [BR rows × 128 bytes]
     op_t k[STAGES][BC * COLS];  // the same for BC rows, per stage
     op_t v[STAGES][V_STAGE];    // the same (FP8: V transposed, D rows × VT_KEYS keys)
@@ -193,6 +212,24 @@ struct SharedTiles : OTile<o_smem> {
     u64 k_empty[STAGES];        // every consumer warp is done with the stage's K
     u64 v_empty[STAGES];
 };
+
+// A packed batch's variant has one more slot: its current tile, which the producer looks up and
+// hands to the consumers (see consumer). The fixed-length variants work their tiles out with
+// arithmetic alone and keep the layout without it.
+struct PackedTiles : PipelineTiles {
+    Tile tile;
+};
+template <bool PACKED>
+struct Shared {
+    typedef PipelineTiles type;
+};
+template <>
+struct Shared<true> {
+    typedef PackedTiles type;
+};
+typedef Shared<packed>::type SharedTiles;
+__device__ __forceinline__ Tile* tile_slot(PackedTiles& t) { return &t.tile; }
+__device__ __forceinline__ Tile* tile_slot(PipelineTiles&) { return nullptr; }
 
 // The host sizes the launch from its own copy of these layouts (Fa3Tiles::shared_bytes and
 // ForwardParams in src/fa3.rs) and passes its figures in, so that the two cannot drift apart.
@@ -215,19 +252,28 @@ static_assert(sizeof(Fa3ForwardParams) == FA3_HOST_PARAMS_BYTES,
 // right to left when odd), so that each block's sum of tile lengths comes out about even. The
 // sections keep a head's query blocks close in time: they all read its K and V, which the host
 // sizes the sections to keep in L2 (a head's next query block comes section_heads tiles later).
-struct Tile {
-    int q0;       // first query row
-    int head;
-    int batch;
-    int n_tiles;  // K/V tiles it needs
-};
+//
+// A packed batch's tiles are the host's list of (sequence, query block) pairs, longest first,
+// for each head: under the mask the heads of one query block are neighbours (a section of every
+// head, as above), without it one head's list comes after the other's.
 
 __device__ __forceinline__ int q_blocks(const Fa3ForwardParams& p) { return (p.n_q + BR - 1) / BR; }
 __device__ __forceinline__ int tile_count(const Fa3ForwardParams& p) {
-    return q_blocks(p) * p.heads_q * p.batch;
+    return packed ? p.varlen.n_tiles * p.heads_q : q_blocks(p) * p.heads_q * p.batch;
+}
+
+__device__ __forceinline__ Tile packed_tile_at(const Fa3ForwardParams& p, int index) {
+    const int block = causal ? index / p.heads_q : index % p.varlen.n_tiles;
+    Tile t;
+    t.head = causal ? index % p.heads_q : index / p.varlen.n_tiles;
+    t.seq = packed_block(p.varlen, block);
+    t.q0 = t.seq.q_block * BR;
+    t.n_tiles = key_tiles<causal, BC>(t.q0 + BR - 1, t.seq.n_kv, t.seq.n_kv - t.seq.n_q);
+    return t;
 }
 
 __device__ __forceinline__ Tile tile_at(const Fa3ForwardParams& p, int index) {
+    if (packed) return packed_tile_at(p, index);
     const int blocks = q_blocks(p), heads = p.heads_q * p.batch;
     int q_block, bh;
     if (causal) {
@@ -244,7 +290,7 @@ __device__ __forceinline__ Tile tile_at(const Fa3ForwardParams& p, int index) {
     Tile t;
     t.q0 = q_block * BR;
     t.head = bh % p.heads_q;
-    t.batch = bh / p.heads_q;
+    t.seq = fixed_block(bh / p.heads_q, q_block, p.n_q, p.n_kv);
     t.n_tiles = key_tiles<causal, BC>(t.q0 + BR - 1, p.n_kv, p.n_kv - p.n_q);
     return t;
 }
@@ -282,22 +328,24 @@ __device__ void producer(const Fa3ForwardParams& p, SharedTiles& t) {
         const Tile tile = tile_at(p, index);
         const int kv_head = tile.head / (p.heads_q / p.heads_kv);
         mbar_wait(&t.q_empty, (tiles_done & 1) ^ 1);
+        if (packed) *tile_slot(t) = tile;  // published by the arrival on q_full below
         mbar_expect_tx(&t.q_full, sizeof(t.q));
-        tma_load_tile<BR, COLS>(t.q, &p.q, &t.q_full, 0, tile.q0, tile.head, tile.batch);
+        const SeqBlock& seq = tile.seq;
+        tma_load_tile<BR, COLS>(t.q, &p.q, &t.q_full, 0, seq.q_start + tile.q0, tile.head,
+                                seq.batch);
         for (int j = 0; j < tile.n_tiles; ++j, ++kv.count) {
             const int stage = kv.stage(), free = kv.parity() ^ 1;
+            const int k0 = seq.k_start + j * BC;
             mbar_wait(&t.k_empty[stage], free);
             mbar_expect_tx(&t.k_full[stage], sizeof(t.k[0]));
-            tma_load_tile<BC, COLS>(t.k[stage], &p.k, &t.k_full[stage], 0, j * BC, kv_head,
-                                    tile.batch);
+            tma_load_tile<BC, COLS>(t.k[stage], &p.k, &t.k_full[stage], 0, k0, kv_head, seq.batch);
             mbar_wait(&t.v_empty[stage], free);
             mbar_expect_tx(&t.v_full[stage], sizeof(t.v[0]));
 #if FA3_FP8  // Vᵀ: keys are the columns
-            tma_load_tile<D, VT_KEYS>(t.v[stage], &p.v, &t.v_full[stage], j * BC, 0, kv_head,
-                                      tile.batch);
+            tma_load_tile<D, VT_KEYS>(t.v[stage], &p.v, &t.v_full[stage], k0, 0, kv_head,
+                                      seq.batch);
 #else
-            tma_load_tile<BC, COLS>(t.v[stage], &p.v, &t.v_full[stage], 0, j * BC, kv_head,
-                                    tile.batch);
+            tma_load_tile<BC, COLS>(t.v[stage], &p.v, &t.v_full[stage], 0, k0, kv_head, seq.batch);
 #endif
         }
     }
@@ -354,9 +402,10 @@ __device__ __forceinline__ Scales scales_of(const Fa3ForwardParams& p, const Til
     Scales sc;
     if (FA3_FP8) {
         const int k_tiles = (p.n_kv + BC - 1) / BC;
-        const int kv = tile.batch * p.heads_kv + kv_head;
+        const int kv = tile.seq.batch * p.heads_kv + kv_head;
         sc.q = p.scale_log2 *
-               p.q_scale[((size_t)tile.batch * p.heads_q + tile.head) * q_blocks(p) + tile.q0 / BR];
+               p.q_scale[((size_t)tile.seq.batch * p.heads_q + tile.head) * q_blocks(p) +
+                         tile.q0 / BR];
         sc.kv_tile0 = kv * k_tiles;
         sc.o = p.o_scale[kv];
     }
@@ -388,14 +437,14 @@ __device__ __forceinline__ void pack(const float (&s)[NT][4], PRegs& pk) {
 // place: s becomes P = 2^(S·scale_log2 − m) in f32. Returns whether any row's max moved
 // (alpha ≠ 1), in which case O must be rescaled by alpha.
 __device__ __forceinline__ bool softmax_step(float (&s)[NT][4], float (&alpha)[2], RowState& st,
-                                             const Fa3ForwardParams& p, float scale_log2,
-                                             float lift, int row0, int k0) {
-    const int shift = p.n_kv - p.n_q;
-    if (k0 + BC > p.n_kv || crosses_diagonal<causal>(row0, k0 + BC - 1, shift)) {
+                                             const SeqBlock& seq, float scale_log2, float lift,
+                                             int row0, int k0) {
+    const int shift = seq.n_kv - seq.n_q;
+    if (k0 + BC > seq.n_kv || crosses_diagonal<causal>(row0, k0 + BC - 1, shift)) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = row0 + (warp_id() % 4) * 16 + acc_row(2 * h);
-            mask_columns(s, h, key_limit<causal>(row, k0, p.n_kv, shift), LADDER_NEG_INF);
+            mask_columns(s, h, key_limit<causal>(row, k0, seq.n_kv, shift), LADDER_NEG_INF);
         }
     }
 #pragma unroll
@@ -416,8 +465,9 @@ __device__ __forceinline__ void rescale(float (&o)[DT][4], const float (&alpha)[
 // memory and a TMA store (FA3_O_SMEM) or straight from registers.
 __device__ void epilogue(const Fa3ForwardParams& p, SharedTiles& t, const Tile& tile, int wg,
                          const float (&o)[DT][4], const RowState& st, float o_scale, int row0) {
-    u16* gO = head_base(p.o, p.o_strides, tile.batch, tile.head);
-    float* gL = p.lse + ((size_t)tile.batch * p.heads_q + tile.head) * p.n_q;
+    const SeqBlock& seq = tile.seq;
+    u16* gO = head_base(p.o, p.o_strides, seq.batch, tile.head);
+    float* gL = p.lse + lse_offset(packed, p.varlen, seq, p.heads_q, tile.head, p.n_q);
     const bool issuer = threadIdx.x % 128 == 0;  // the warpgroup's thread that stores its O tile
     if constexpr (o_smem) {
         // The warpgroup's previous O tile must have left the buffer before it is written again.
@@ -439,14 +489,14 @@ __device__ void epilogue(const Fa3ForwardParams& p, SharedTiles& t, const Tile& 
                 *reinterpret_cast<u32*>(sO + (c / 64) * 64 * 64 + swz<64>(r, c % 64)) =
                     pack2(o[dt][2 * h] * inv, o[dt][2 * h + 1] * inv);
             }
-        } else if (row < p.n_q) {
-            u16* gRow = gO + row_offset<u16>(p.o_strides, row);
+        } else if (row < seq.n_q) {
+            u16* gRow = gO + row_offset<u16>(p.o_strides, seq.q_start + row);
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt)
                 *reinterpret_cast<u32*>(gRow + acc_col(dt, 0)) =
                     pack2(o[dt][2 * h] * inv, o[dt][2 * h + 1] * inv);
         }
-        if (row < p.n_q && lane_id() % 4 == 0)
+        if (row < seq.n_q && lane_id() % 4 == 0)
             gL[row] = l == 0.f ? LADDER_NEG_INF : fma_rn(st.m[h], LADDER_LN2, logf(l));
     }
     if constexpr (o_smem) {
@@ -454,7 +504,7 @@ __device__ void epilogue(const Fa3ForwardParams& p, SharedTiles& t, const Tile& 
         named_sync(O_BARRIER + wg, 128);
         if (issuer) {
             tma_store_tile<64, O_COLS>(&p.o_map, o_tile(t) + wg * 64 * O_COLS, 0, row0,
-                                       tile.head, tile.batch);
+                                       tile.head, seq.batch);
             tma_store_commit();
         }
     }
@@ -505,7 +555,7 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
         wgmma_hold(s);
         release(&t.k_empty[kv.stage()]);
         ++kv.count;
-        softmax_step(s, alpha, st, p, scale_0, lift_0, row0, 0);
+        softmax_step(s, alpha, st, tile.seq, scale_0, lift_0, row0, 0);
         if constexpr (!overlap) pack(s, pk);
     }
     for (int j = 1; j < n_tiles; ++j, ++kv.count, ++v_read.count) {
@@ -538,7 +588,7 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
             wgmma_hold(pk);
             release(&t.v_empty[v_read.stage()]);  // V_{j-1}
         }
-        moved = softmax_step(s, alpha, st, p, scale_j, lift_j, row0, j * BC);
+        moved = softmax_step(s, alpha, st, tile.seq, scale_j, lift_j, row0, j * BC);
         if constexpr (!overlap) pack(s, pk);
     }
     // Every S = Q·Kᵀ of the tile is done: the producer may load the next tile's Q.
@@ -564,8 +614,12 @@ __device__ void consumer(const Fa3ForwardParams& p, SharedTiles& t, int wg) {
     PipelineState kv;
     int tiles_done = 0;
     for (int index = first_tile(); index < tile_count(p); index = next_tile(index), ++tiles_done) {
-        const Tile tile = tile_at(p, index);
+        // A packed batch's tile is read from shared memory, where the producer put it well
+        // ahead: looked up here, its dependent loads (the tile table, then the offsets) would
+        // stall every tile's start. (A fixed-length tile is arithmetic, done before the wait.)
+        Tile tile = tile_at(p, index);
         mbar_wait(&t.q_full, tiles_done & 1);
+        if (packed) tile = *tile_slot(t);
         attend(p, t, tile, wg, tile.q0 + wg * 64, kv);
     }
     if (pingpong && wg == CONSUMERS - 1) named_sync(SCHEDULE_BARRIER, 256);

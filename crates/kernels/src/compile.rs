@@ -32,6 +32,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("wgmma_ops.cuh", include_str!("../cuda/wgmma_ops.cuh")),
     ("fp8.cuh", include_str!("../cuda/fp8.cuh")),
     ("pdl.cuh", include_str!("../cuda/pdl.cuh")),
+    ("varlen.cuh", include_str!("../cuda/varlen.cuh")),
 ];
 
 /// One compilable kernel: a rung's source plus the macro constants that pick the variant.

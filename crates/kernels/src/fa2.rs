@@ -27,6 +27,7 @@ use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, Kernel, parse_counts};
 use crate::problem::{Gradients, Options, Output, Problem, Strides, grid, multiples_of_8};
 use crate::tensor::{DType, Tensor};
+use crate::varlen::{SeqLens, VarlenParams};
 
 const FORWARD_SRC: &str = include_str!("../cuda/fa2_forward.cu");
 const BACKWARD_SRC: &str = include_str!("../cuda/fa2_backward.cu");
@@ -207,6 +208,7 @@ pub(crate) fn forward_variant(
     t: ForwardTiles,
     rows: [i64; 4],
     v_strides_differ: bool,
+    packed: bool,
 ) -> Variant {
     let mut defines = vec![
         ("LADDER_DTYPE", dtype.code().to_string()),
@@ -222,6 +224,9 @@ pub(crate) fn forward_variant(
     }
     if v_strides_differ {
         defines.push(("FA2_V_STRIDES", "1".into()));
+    }
+    if packed {
+        defines.push(("FA2_VARLEN", "1".into()));
     }
     Variant { file: "fa2_forward", source: FORWARD_SRC, defines }
 }
@@ -268,6 +273,7 @@ struct ForwardParams {
     n_q: i32,
     n_kv: i32,
     scale_log2: f32,
+    varlen: VarlenParams,
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror.
@@ -278,6 +284,32 @@ unsafe impl DeviceRepr for ForwardParams {}
 /// `n_q != n_kv` (bottom-right causal), grouped-query attention.
 pub fn forward(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) -> Result<Output> {
     let p = Problem::new(gpu, q, k, v, opts)?;
+    forward_problem(gpu, &p, (q, k, v), None)
+}
+
+/// [`forward`] on a packed variable-length batch ([`crate::varlen`]): Q `[total_q, heads_q, d]`,
+/// K and V `[total_k, heads_kv, d]` (any strides with the head dim contiguous), sequence `b`'s
+/// rows as `lens` gives them; O `[total_q, heads_q, d]` laid out like Q, lse `[heads_q, total_q]`.
+/// One thread block per query block that exists (no padding), longest first.
+pub fn forward_varlen(
+    gpu: &Gpu,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    lens: &SeqLens,
+    opts: &Options,
+) -> Result<Output> {
+    let p = Problem::packed(gpu, (q, k, v), lens, opts)?;
+    forward_problem(gpu, &p, (q, k, v), Some(lens))
+}
+
+/// The forward kernel on the checked problem `p` (packed when `lens` is given).
+fn forward_problem(
+    gpu: &Gpu,
+    p: &Problem,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    lens: Option<&SeqLens>,
+) -> Result<Output> {
     p.require_dtype("fa2", DTYPES, "fp16, bf16")?;
     if !HEAD_DIMS.contains(&p.d) {
         return Err(KernelError::UnsupportedHeadDim { rung: "fa2", d: p.d, supported: HEAD_DIMS });
@@ -287,15 +319,18 @@ pub fn forward(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) ->
         None => ForwardTiles::for_head_dim(p.d, gpu.arch())?,
     };
     let mut o = gpu.output_like(q, p.dtype)?;
-    let o_strides = Strides::of(&o, "o")?;
+    let o_strides =
+        if lens.is_some() { Strides::of_packed(&o, "o")? } else { Strides::of(&o, "o")? };
     let [qs, ks, vs] = p.strides;
     let rows = [qs.row, ks.row, vs.row, o_strides.row];
     let v_strides_differ = (vs.batch, vs.head) != (ks.batch, ks.head);
-    let variant = forward_variant(p.d, p.dtype, p.causal, tiles, rows, v_strides_differ);
+    let packed = lens.is_some();
+    let variant = forward_variant(p.d, p.dtype, p.causal, tiles, rows, v_strides_differ, packed);
     let kernel = Kernel { variant, entry: "fa2_forward" };
     let smem = tiles.shared_bytes(p.d);
     gpu.prepare(&kernel, smem)?;
     let mut lse = gpu.output(&p.lse_shape(), DType::F32)?;
+    let table = lens.map(|lens| lens.tiles(gpu, tiles.br(), p.causal)).transpose()?;
     {
         let s = gpu.stream();
         let (q_ptr, _g0) = q.read_ptr(s);
@@ -319,8 +354,15 @@ pub fn forward(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) ->
             n_q: nq,
             n_kv: nkv,
             scale_log2: p.scale_log2(),
+            varlen: match (lens, &table) {
+                (Some(lens), Some(table)) => VarlenParams::new(gpu, lens, table),
+                _ => VarlenParams::default(),
+            },
         };
-        let grid = grid(p.n_q.div_ceil(tiles.br()), p.heads_q, p.batch)?;
+        let grid = match &table {
+            Some(table) => grid(table.len(), p.heads_q, 1)?,
+            None => grid(p.n_q.div_ceil(tiles.br()), p.heads_q, p.batch)?,
+        };
         gpu.launch(&kernel, grid, tiles.threads() as u32, smem, &params)?;
     }
     Ok(Output { o, lse })
@@ -514,11 +556,17 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
         for &d in dims(dtype) {
             for causal in [false, true] {
                 if let Ok(tiles) = ForwardTiles::for_head_dim(d, arch) {
-                    all.push(forward_variant(d, dtype, causal, tiles, [d as i64; 4], false));
+                    let dense = [d as i64; 4];
+                    all.push(forward_variant(d, dtype, causal, tiles, dense, false, false));
                     if d == 128 {
-                        // [b, s, h, d] with 8 query and 2 kv heads
+                        // [b, s, h, d] with 8 query and 2 kv heads, and a packed batch of them
                         let rows = [8 * 128, 2 * 128, 2 * 128, 8 * 128];
-                        all.push(forward_variant(d, dtype, causal, tiles, rows, false));
+                        all.push(forward_variant(d, dtype, causal, tiles, rows, false, false));
+                        all.push(forward_variant(d, dtype, causal, tiles, rows, false, true));
+                    }
+                    if d == 64 || d == 256 {
+                        let rows = [8 * d as i64, 2 * d as i64, 2 * d as i64, 8 * d as i64];
+                        all.push(forward_variant(d, dtype, causal, tiles, rows, false, true));
                     }
                 }
                 for deterministic in [false, true] {

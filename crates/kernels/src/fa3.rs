@@ -44,6 +44,7 @@ use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, Kernel, parse_counts};
 use crate::problem::{Options, Output, Problem, Strides, grid, multiples_of_8};
 use crate::tensor::{DType, Tensor};
+use crate::varlen::{SeqLens, VarlenParams};
 
 pub mod fp8;
 
@@ -59,6 +60,10 @@ pub const ARCH: &str = "sm_90a";
 
 /// Dynamic shared memory a block may opt in to on Hopper (227 KiB).
 pub const MAX_SHARED_BYTES: usize = 227 * 1024;
+
+/// The packed variant's `Tile` slot in shared memory (nine `int`s, padded to the 8-byte
+/// alignment of the mbarriers before it), where the producer hands the consumers their tiles.
+const TILE_SLOT_BYTES: usize = 40;
 
 /// The longest problem (keys) that takes the short-problem tiles ([`Fa3Tiles::for_problem`]: d
 /// = 128 with or without the mask, d = 64 causal).
@@ -163,8 +168,7 @@ impl Fa3Tiles {
     /// (Q full/empty, K and V full/empty per stage), 1024 bytes to align the tiles for the
     /// 128-byte swizzle, and O's tile (16-bit) where it fits ([`Fa3Tiles::o_in_shared`]).
     pub fn shared_bytes(&self, d: usize, operand_bytes: usize) -> usize {
-        let o = if self.o_in_shared(d, operand_bytes) { self.o_bytes(d) } else { 0 };
-        self.pipeline_bytes(d, operand_bytes) + o
+        shared_bytes(*self, d, operand_bytes, self.o_in_shared(d, operand_bytes), false)
     }
 
     /// Whether the kernel writes O through shared memory with a TMA store instead of from
@@ -322,16 +326,17 @@ fn operand_bytes(fp8: bool) -> usize {
 }
 
 /// The kernel variant for head dimension `d`, element type, masking, tiles and schedule, with
-/// 16-bit or (`fp8`) e4m3 operands.
+/// 16-bit or (`fp8`) e4m3 operands, for a fixed-length or a `packed` batch.
 pub(crate) fn variant(
     d: usize,
     dtype: DType,
     causal: bool,
-    t: Fa3Tiles,
-    s: Schedule,
+    (t, s): (Fa3Tiles, Schedule),
     fp8: bool,
+    packed: bool,
 ) -> Variant {
     let operand_bytes = operand_bytes(fp8);
+    let o_smem = o_through_shared(t, d, operand_bytes, packed);
     Variant {
         file: "fa3_forward",
         source: SRC,
@@ -345,12 +350,30 @@ pub(crate) fn variant(
             ("FA3_OVERLAP", (s.overlap as u32).to_string()),
             ("FA3_PINGPONG", (s.pingpong as u32).to_string()),
             ("FA3_FP8", (fp8 as u32).to_string()),
-            ("FA3_O_SMEM", (t.o_in_shared(d, operand_bytes) as u32).to_string()),
+            ("FA3_O_SMEM", (o_smem as u32).to_string()),
+            ("FA3_VARLEN", (packed as u32).to_string()),
             // Checked against the kernel's own sizes when it compiles.
-            ("FA3_HOST_SHARED_BYTES", t.shared_bytes(d, operand_bytes).to_string()),
+            (
+                "FA3_HOST_SHARED_BYTES",
+                shared_bytes(t, d, operand_bytes, o_smem, packed).to_string(),
+            ),
             ("FA3_HOST_PARAMS_BYTES", std::mem::size_of::<ForwardParams>().to_string()),
         ],
     }
+}
+
+/// Whether O goes through shared memory: where it fits ([`Fa3Tiles::o_in_shared`]), and not for a
+/// packed batch, whose 64-row boxes would reach into the next sequence's rows.
+fn o_through_shared(t: Fa3Tiles, d: usize, operand_bytes: usize, packed: bool) -> bool {
+    !packed && t.o_in_shared(d, operand_bytes)
+}
+
+/// The launch's dynamic shared memory: the pipeline's, O's tile if `o_smem`, and a packed
+/// batch's tile slot.
+fn shared_bytes(t: Fa3Tiles, d: usize, operand_bytes: usize, o_smem: bool, packed: bool) -> usize {
+    t.pipeline_bytes(d, operand_bytes)
+        + if o_smem { t.o_bytes(d) } else { 0 }
+        + if packed { TILE_SLOT_BYTES } else { 0 }
 }
 
 /// Mirror of `Fa3ForwardParams` in `cuda/fa3_forward.cu`: four tensor maps (128-byte aligned,
@@ -373,6 +396,7 @@ struct ForwardParams {
     scale_log2: f32,
     section_heads: i32,
     o_strides: Strides,
+    varlen: VarlenParams,
 }
 
 /// Device addresses of the FP8 path's scales (`q, k, p, o` in the kernel's order); zero on the
@@ -507,6 +531,38 @@ pub fn forward_with(
     schedule: Schedule,
 ) -> Result<Output> {
     let p = Problem::new(gpu, q, k, v, opts)?;
+    forward_problem(gpu, &p, (q, k, v), schedule, None)
+}
+
+/// [`forward`] on a packed variable-length batch ([`crate::varlen`]): Q `[total_q, heads_q, d]`,
+/// K and V `[total_k, heads_kv, d]` (any strides with the head dim contiguous), sequence `b`'s
+/// rows as `lens` gives them; O `[total_q, heads_q, d]` laid out like Q, lse `[heads_q, total_q]`.
+/// The persistent blocks walk the query blocks that exist, longest first (under the mask, the
+/// heads of one query block side by side). O is stored from registers ([`Fa3Tiles::o_in_shared`]
+/// does not apply). The copy engine reads whole tiles, so a sequence's last K/V tile holds the
+/// next sequence's first keys: they are masked out of S, but a NaN or infinity among them still
+/// reaches O through `0 · V` (as in FlashAttention-3); [`crate::fa2::forward_varlen`] zero-fills
+/// them instead. FP8 takes fixed-length batches only.
+pub fn forward_varlen(
+    gpu: &Gpu,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    lens: &SeqLens,
+    opts: &Options,
+) -> Result<Output> {
+    let p = Problem::packed(gpu, (q, k, v), lens, opts)?;
+    forward_problem(gpu, &p, (q, k, v), Schedule::on(gpu, p.d, false), Some(lens))
+}
+
+/// The 16-bit forward kernel on the checked problem `p` (packed when `lens` is given).
+fn forward_problem(
+    gpu: &Gpu,
+    p: &Problem,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    schedule: Schedule,
+    lens: Option<&SeqLens>,
+) -> Result<Output> {
     require_hopper(gpu, "fa3")?;
     p.require_dtype("fa3", DTYPES, "fp16, bf16")?;
     if !HEAD_DIMS.contains(&p.d) {
@@ -519,12 +575,27 @@ pub fn forward_with(
     let (k_ptr, _g1) = k.read_ptr(s);
     let (v_ptr, _g2) = v.read_ptr(s);
     let [qs, ks, vs] = p.strides;
+    // A packed batch as the kernel sees it: one batch entry of [heads, total, d].
+    let shape = |t: &Tensor, heads: usize| match p.packed {
+        Some(_) => vec![1, heads, t.shape()[0], p.d],
+        None => t.shape().to_vec(),
+    };
     let maps = [
-        tensor_map_16("q", (q.shape(), q.dtype()), qs, q_ptr, tiles.br())?,
-        tensor_map_16("k", (k.shape(), k.dtype()), ks, k_ptr, tiles.bc)?,
-        tensor_map_16("v", (v.shape(), v.dtype()), vs, v_ptr, tiles.bc)?,
+        tensor_map_16("q", (&shape(q, p.heads_q), q.dtype()), qs, q_ptr, tiles.br())?,
+        tensor_map_16("k", (&shape(k, p.heads_kv), k.dtype()), ks, k_ptr, tiles.bc)?,
+        tensor_map_16("v", (&shape(v, p.heads_kv), v.dtype()), vs, v_ptr, tiles.bc)?,
     ];
-    launch(gpu, &p, tiles, schedule, maps, None, o)
+    launch(gpu, p, Launch { tiles, schedule, maps, fp8: None, lens }, o)
+}
+
+/// What [`launch`] launches: the tiles and schedule, Q, K, V's tensor maps (16-bit, or e4m3 with
+/// their `fp8` scales), and the offsets of a packed batch.
+pub(crate) struct Launch<'a> {
+    pub(crate) tiles: Fa3Tiles,
+    pub(crate) schedule: Schedule,
+    pub(crate) maps: [CUtensorMap; 3],
+    pub(crate) fp8: Option<Fp8Scales>,
+    pub(crate) lens: Option<&'a SeqLens>,
 }
 
 /// K and V bytes the causal tile order keeps in L2 at a time (the kernel's `tile_at`), unless
@@ -651,31 +722,30 @@ fn most_even_section(order: TileOrder, fit: usize) -> usize {
     section
 }
 
-/// Launches the forward kernel on Q, K, V described by `maps` (16-bit, or e4m3 with their
-/// `fp8` scales) and returns O (written into `o`, `[batch, heads_q, n_q, d]` in any strides) and
-/// lse. The variant and its shared memory come from the same flag, so that they agree on
-/// whether O's tile is in shared memory ([`Fa3Tiles::o_in_shared`]).
-pub(crate) fn launch(
-    gpu: &Gpu,
-    p: &Problem,
-    tiles: Fa3Tiles,
-    schedule: Schedule,
-    maps: [CUtensorMap; 3],
-    fp8: Option<Fp8Scales>,
-    mut o: Tensor,
-) -> Result<Output> {
+/// Launches the forward kernel ([`Launch`]) and returns O (written into `o`, `[batch, heads_q,
+/// n_q, d]` in any strides, or packed `[total_q, heads_q, d]`) and lse. The variant and its
+/// shared memory come from the same flag, so that they agree on whether O's tile is in shared
+/// memory ([`Fa3Tiles::o_in_shared`]).
+pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result<Output> {
+    let Launch { tiles, schedule, maps, fp8, lens } = l;
     let scales = fp8.unwrap_or_default();
     let fp8 = fp8.is_some();
     let operand_bytes = operand_bytes(fp8);
+    let packed = lens.is_some();
     let kernel = Kernel {
-        variant: variant(p.d, p.dtype, p.causal, tiles, schedule, fp8),
+        variant: variant(p.d, p.dtype, p.causal, (tiles, schedule), fp8, packed),
         entry: "fa3_forward",
     };
-    let smem = tiles.shared_bytes(p.d, operand_bytes);
+    let o_smem = o_through_shared(tiles, p.d, operand_bytes, packed);
+    let smem = shared_bytes(tiles, p.d, operand_bytes, o_smem, packed);
     gpu.prepare(&kernel, smem)?;
-    let o_strides = Strides::of(&o, "o")?;
-    let o_layout = (o.shape().to_vec(), o.dtype());
+    let (o_strides, o_dims) = match p.packed {
+        Some(_) => (Strides::of_packed(&o, "o")?, vec![1, p.heads_q, o.shape()[0], p.d]),
+        None => (Strides::of(&o, "o")?, o.shape().to_vec()),
+    };
+    let o_layout = (o_dims, o.dtype());
     let mut lse = gpu.output(&p.lse_shape(), DType::F32)?;
+    let table = lens.map(|lens| lens.tiles(gpu, tiles.br(), p.causal)).transpose()?;
     {
         let s = gpu.stream();
         let (o_ptr, _g3) = o.write_ptr(s);
@@ -687,7 +757,10 @@ pub(crate) fn launch(
         let o_map = tensor_map_16("o", (&o_layout.0, o_layout.1), o_strides, o_ptr, 64)?;
         // Persistent blocks, one per SM, each walking the tiles (query block, head, batch); or one
         // block per tile (the kernel's tile loop then runs once).
-        let work = p.n_q.div_ceil(tiles.br()) * p.heads_q * p.batch;
+        let work = match &table {
+            Some(table) => table.len() * p.heads_q,
+            None => p.n_q.div_ceil(tiles.br()) * p.heads_q * p.batch,
+        };
         if work > i32::MAX as usize {
             return Err(KernelError::Shape(format!(
                 "{work} query tiles of {} rows exceed the kernel's 32-bit tile index",
@@ -717,6 +790,10 @@ pub(crate) fn launch(
                 gpu.config().tuned::<L2Section>().map_or(L2_SECTION_BYTES, |s| s.0),
             ),
             o_strides,
+            varlen: match (lens, &table) {
+                (Some(lens), Some(table)) => VarlenParams::new(gpu, lens, table),
+                _ => VarlenParams::default(),
+            },
         };
         gpu.launch(&kernel, grid(blocks, 1, 1)?, tiles.threads() as u32, smem, &params)?;
     }
@@ -734,7 +811,7 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
         return all;
     }
     let mut push = |d, dtype, causal, t: Fa3Tiles| {
-        all.push(variant(d, dtype, causal, t, Schedule::for_head_dim(d, false), false))
+        all.push(variant(d, dtype, causal, (t, Schedule::for_head_dim(d, false)), false, false))
     };
     for &dtype in DTYPES {
         for d in [64, 128, 256] {
@@ -754,6 +831,16 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
             push(d, dtype, causal, Fa3Tiles::for_problem(d, causal, SHORT_KEYS).expect("tiles"));
         }
     }
+    // Packed variable-length batches (O from registers), with the long and the short tiles.
+    for d in [64, 128, 256] {
+        for causal in [false, true] {
+            for t in [Fa3Tiles::for_head_dim(d, causal), Fa3Tiles::for_problem(d, causal, 1)] {
+                let t = t.expect("d has tiles");
+                let schedule = Schedule::for_head_dim(d, false);
+                all.push(variant(d, DType::F16, causal, (t, schedule), false, true));
+            }
+        }
+    }
     for (pingpong, overlap) in [(true, true), (false, true), (true, false), (false, false)] {
         let schedule = Schedule { pingpong, overlap, persistent: true };
         if schedule == Schedule::for_head_dim(128, false) {
@@ -761,7 +848,7 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
         }
         for causal in [false, true] {
             let t = Fa3Tiles::for_head_dim(128, causal).expect("d = 128 has tiles");
-            all.push(variant(128, DType::F16, causal, t, schedule, false));
+            all.push(variant(128, DType::F16, causal, (t, schedule), false, false));
         }
     }
     all
@@ -883,6 +970,7 @@ mod tests {
             causal: true,
             strides: Default::default(),
             contiguous: true,
+            packed: None,
         };
         let budget = L2_SECTION_BYTES;
         let sections = |p: &Problem, tiles: (usize, usize), bytes| {

@@ -48,10 +48,11 @@ pub mod fa3;
 mod gpu;
 mod problem;
 mod tensor;
+pub mod varlen;
 
 pub use error::{KernelError, Result};
 pub use gpu::{Gpu, GpuConfig, KernelCache, Tuning};
-pub use problem::{Gradients, Options, Output, Problem};
+pub use problem::{Gradients, Options, Output, Packed, Problem};
 pub use tensor::{DType, Element, Tensor, round_to};
 
 /// Re-exported so that callers can name the buffer types of [`Tensor::from_cuda_slice`] and

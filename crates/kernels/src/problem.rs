@@ -5,14 +5,17 @@ use cudarc::driver::DeviceRepr;
 use crate::error::{KernelError, Result};
 use crate::gpu::Gpu;
 use crate::tensor::{DType, Tensor};
+use crate::varlen::SeqLens;
 
 /// Forward output of every GPU rung: `O` in the inputs' dtype and `lse` (natural log) in `f32`.
 #[derive(Debug)]
 pub struct Output {
     /// `[batch, heads_q, n_q, d]`, its axes in memory in the order of Q's (the rungs that take
-    /// strided inputs: [`crate::fa2`]).
+    /// strided inputs: [`crate::fa2`]); `[total_q, heads_q, d]` for a packed batch
+    /// ([`crate::varlen`]).
     pub o: Tensor,
-    /// `[batch, heads_q, n_q]`; `-inf` for rows that see no key.
+    /// `[batch, heads_q, n_q]`, or `[heads_q, total_q]` for a packed batch; `-inf` for rows that
+    /// see no key.
     pub lse: Tensor,
 }
 
@@ -85,11 +88,16 @@ pub(crate) fn check_scale(scale: f32) -> Result<()> {
 
 // ---- the checks every rung's host code makes (Problem::new and decoding's Shape::check) ----
 
-/// The four dimensions of `shape`, or an error saying what it must be (`expected`, e.g. "q must
+/// The `N` dimensions of `shape`, or an error saying what it must be (`expected`, e.g. "q must
 /// be [batch, heads, seq, head_dim]").
-pub(crate) fn dims4(shape: &[usize], expected: &str) -> Result<[usize; 4]> {
-    <[usize; 4]>::try_from(shape)
+pub(crate) fn dims<const N: usize>(shape: &[usize], expected: &str) -> Result<[usize; N]> {
+    <[usize; N]>::try_from(shape)
         .map_err(|_| KernelError::Shape(format!("{expected}, got shape {shape:?}")))
+}
+
+/// [`dims`] of a `[batch, heads, seq, head_dim]` tensor.
+pub(crate) fn dims4(shape: &[usize], expected: &str) -> Result<[usize; 4]> {
+    dims(shape, expected)
 }
 
 /// `(name, shape)` must equal `(other, its shape)` (V and K, dO and O).
@@ -155,7 +163,21 @@ impl Strides {
     /// row-major stride, whatever the tensor's (so that FA2's compiled-in row strides are the
     /// contiguous ones for a contiguous tensor).
     pub(crate) fn of(t: &Tensor, name: &str) -> Result<Strides> {
-        let (shape, strides) = (t.shape(), t.strides());
+        Strides::checked(t.shape(), t.strides(), t.dtype(), name)
+    }
+
+    /// The strides of a packed `[total, heads, d]` tensor ([`crate::varlen`]) as the kernels see
+    /// it: one batch entry of `[heads, total, d]`, each sequence's rows an offset into it.
+    pub(crate) fn of_packed(t: &Tensor, name: &str) -> Result<Strides> {
+        let [total, heads, d] =
+            dims(t.shape(), &format!("{name} must be [total, heads, head_dim]"))?;
+        let [row, head, column] = dims(t.strides(), "strides")?;
+        let shape = [1, heads, total, d];
+        Strides::checked(&shape, &[heads * total * d, head, row, column], t.dtype(), name)
+    }
+
+    /// [`Strides::of`] a rank-4 tensor of `shape` and `strides` (in elements of `dtype`).
+    fn checked(shape: &[usize], strides: &[usize], dtype: DType, name: &str) -> Result<Strides> {
         let dense = crate::tensor::row_major(shape);
         let step = |axis: usize| if shape[axis] == 1 { dense[axis] } else { strides[axis] };
         if step(3) > 1 {
@@ -164,7 +186,7 @@ impl Strides {
                  contiguous (stride 1)"
             )));
         }
-        let chunk = (16 / t.dtype().size()).max(1);
+        let chunk = (16 / dtype.size()).max(1);
         if (0..3).any(|axis| step(axis) % chunk != 0) {
             return Err(KernelError::Shape(format!(
                 "{name} has strides {strides:?}: the kernels read rows in 16-byte chunks, so the \
@@ -208,6 +230,28 @@ pub struct Problem {
     pub(crate) strides: [Strides; 3],
     /// Whether Q, K and V are all row-major with no gaps.
     pub(crate) contiguous: bool,
+    /// A packed variable-length batch ([`Problem::packed`]): its token counts. `batch` is then its
+    /// number of sequences and `n_q`, `n_kv` their longest lengths.
+    pub packed: Option<Packed>,
+}
+
+/// The token counts of a packed batch: Q has `total_q` rows, K and V `total_k`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Packed {
+    /// Rows of Q (and O, lse).
+    pub total_q: usize,
+    /// Rows of K and V.
+    pub total_k: usize,
+}
+
+/// The sizes of a problem, before they are checked against each other.
+struct Sizes {
+    batch: usize,
+    heads_q: usize,
+    heads_kv: usize,
+    n_q: usize,
+    n_kv: usize,
+    d: usize,
 }
 
 impl Problem {
@@ -227,6 +271,57 @@ impl Problem {
             )));
         }
         nonempty(q.shape(), ("k", k.shape()))?;
+        let sizes = Sizes { batch, heads_q, heads_kv, n_q, n_kv, d };
+        Problem::checked([q, k, v], sizes, opts, Strides::of, None)
+    }
+
+    /// A packed variable-length batch ([`crate::varlen`]): Q `[total_q, heads_q, d]`, K and V
+    /// `[total_k, heads_kv, d]`, with any strides but the last, sequence `b` owning the rows
+    /// `lens` gives it. Checked as [`Problem::new`] checks a fixed-length batch, and the token
+    /// counts against the offsets' last entries.
+    pub fn packed(
+        gpu: &Gpu,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        lens: &SeqLens,
+        opts: &Options,
+    ) -> Result<Problem> {
+        for (name, t) in [("q", q), ("k", k), ("v", v)] {
+            gpu.check_context(t, name)?;
+        }
+        lens.check_context(gpu)?;
+        let expected = "q must be [total_q, heads, head_dim] (a packed batch)";
+        let [total_q, heads_q, d] = dims(q.shape(), expected)?;
+        let expected = "k must be [total_k, heads, head_dim] (a packed batch)";
+        let [total_k, heads_kv, kd] = dims(k.shape(), expected)?;
+        same_shape(("v", v.shape()), ("k", k.shape()))?;
+        if kd != d {
+            return Err(KernelError::Shape(format!(
+                "q {:?} and k {:?} differ in head_dim",
+                q.shape(),
+                k.shape()
+            )));
+        }
+        if (total_q, total_k) != lens.totals() {
+            let (cu_q, cu_k) = lens.totals();
+            return Err(KernelError::Shape(format!(
+                "q has {total_q} tokens and k {total_k}, but cu_seqlens_q ends at {cu_q} and                  cu_seqlens_k at {cu_k}: the last offsets are the token counts"
+            )));
+        }
+        nonempty(q.shape(), ("k", k.shape()))?;
+        let (n_q, n_kv) = lens.max_lengths();
+        let sizes = Sizes { batch: lens.batch(), heads_q, heads_kv, n_q, n_kv, d };
+        let packed = Some(Packed { total_q, total_k });
+        Problem::checked([q, k, v], sizes, opts, Strides::of_packed, packed)
+    }
+
+    /// The checks shared by fixed-length and packed batches, once their sizes are known.
+    fn checked(
+        [q, k, v]: [&Tensor; 3],
+        Sizes { batch, heads_q, heads_kv, n_q, n_kv, d }: Sizes,
+        opts: &Options,
+        strides_of: fn(&Tensor, &str) -> Result<Strides>,
+        packed: Option<Packed>,
+    ) -> Result<Problem> {
         heads_divide(heads_q, heads_kv)?;
         same_dtype([q.dtype(), k.dtype(), v.dtype()])?;
         // The kernels index with 32-bit rows and 64-bit offsets; keep rows in range.
@@ -243,7 +338,7 @@ impl Problem {
         // Every GPU rung's head dims are multiples of 8; another is reported by the rung as an
         // unsupported head dim, not as the strides of 16-byte chunks it cannot have.
         let strides = if d % 8 == 0 {
-            [Strides::of(q, "q")?, Strides::of(k, "k")?, Strides::of(v, "v")?]
+            [strides_of(q, "q")?, strides_of(k, "k")?, strides_of(v, "v")?]
         } else {
             [Strides::default(); 3]
         };
@@ -259,6 +354,7 @@ impl Problem {
             causal: opts.causal,
             strides,
             contiguous: [q, k, v].iter().all(|t| t.is_contiguous()),
+            packed,
         })
     }
 
@@ -291,9 +387,12 @@ impl Problem {
         [self.batch, self.heads_kv, self.n_kv, self.d]
     }
 
-    /// Shape of lse.
-    pub fn lse_shape(&self) -> [usize; 3] {
-        [self.batch, self.heads_q, self.n_q]
+    /// Shape of lse: `[batch, heads_q, n_q]`, or `[heads_q, total_q]` for a packed batch.
+    pub fn lse_shape(&self) -> Vec<usize> {
+        match self.packed {
+            None => vec![self.batch, self.heads_q, self.n_q],
+            Some(Packed { total_q, .. }) => vec![self.heads_q, total_q],
+        }
     }
 
     /// Fails unless `t` has shape `shape` and dtype `dtype` (for the backward's extra inputs).

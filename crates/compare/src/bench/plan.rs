@@ -187,6 +187,12 @@ pub struct BenchArgs {
     /// Stop sampling a case once its timed samples add up to this many seconds.
     #[arg(long, default_value_t = 3.0)]
     pub(super) case_budget_s: f64,
+    /// Instead of the standard shapes, the forward rungs (fa2, fa3; --rung selects) on a packed
+    /// variable-length batch: 64 sequences of 128 … 4096 tokens (a fixed draw), heads = hidden / d
+    /// (--d, --causal, --dtype apply), beside the same kernel on 64 sequences of the mean length;
+    /// real FLOPs only. Writes varlen.csv.
+    #[arg(long)]
+    pub(super) varlen: bool,
 }
 
 /// Query heads of every decoding case (Llama-style 32 heads of d = 128).

@@ -24,7 +24,7 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::{
-    DTYPES, Fa3Tiles, Fp8Scales, MapSpec, Schedule, dense_strides, launch, require_hopper,
+    DTYPES, Fa3Tiles, Fp8Scales, Launch, MapSpec, Schedule, dense_strides, launch, require_hopper,
     tensor_map,
 };
 use crate::compile::Variant;
@@ -363,7 +363,7 @@ pub fn forward_quantized_with(gpu: &Gpu, inputs: &Fp8Inputs, schedule: Schedule)
     ];
     let scales = Fp8Scales { q: qs, k: ks, p: ps, o: os };
     let o = gpu.output(&p.o_shape(), p.dtype)?;
-    launch(gpu, p, tiles, schedule, maps, Some(scales), o)
+    launch(gpu, p, Launch { tiles, schedule, maps, fp8: Some(scales), lens: None }, o)
 }
 
 /// `softmax(scale · Q Kᵀ + mask) V` with e4m3 operands: [`quantize`], then
@@ -399,7 +399,7 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
             for t in tiles {
                 let schedule = Schedule::for_head_dim(d, true);
                 for causal in [false, true] {
-                    all.push(super::variant(d, dtype, causal, t, schedule, true));
+                    all.push(super::variant(d, dtype, causal, (t, schedule), true, false));
                 }
                 for hadamard in [false, true] {
                     all.push(quantize_variant(d, dtype, t.bc, hadamard));
