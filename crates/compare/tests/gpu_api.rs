@@ -295,6 +295,85 @@ fn wrapped_cudarc_buffers_run_without_copies() {
     assert_eq!(c.o.to_bytes().expect("c"), b.o.to_bytes().expect("b"));
 }
 
+/// Q, K and V as three views of one packed `[batch, seq, 3, heads, d]` projection (and of a fused
+/// `[batch, seq, heads_q + 2·heads_kv, d]` one, GQA) give bitwise what three separate tensors
+/// give, in every rung that takes strides, packed batches included; a shared buffer is never
+/// written through.
+#[test]
+fn views_of_one_qkv_buffer_run_without_copies() {
+    let Some(gpu) = gpu() else { return };
+    let (b, s, h, d) = (2, 200, 4, 64);
+    let host = pseudo_random(21, b * s * 3 * h * d);
+    let qkv = gpu.upload(&host, &[b, s, 3, h, d], DType::F16).expect("upload");
+    let views: Vec<Tensor> =
+        (0..3).map(|i| qkv.select(2, i).and_then(|t| t.transpose(1, 2)).expect("view")).collect();
+    // The same values copied out into tensors of their own, [b, h, s, d].
+    let slot = |i: usize| -> Tensor {
+        let v: Vec<f32> = (0..b * h * s * d)
+            .map(|e| {
+                let (bi, hi, si, c) = (e / (h * s * d), e / (s * d) % h, e / d % s, e % d);
+                host[(((bi * s + si) * 3 + i) * h + hi) * d + c]
+            })
+            .collect();
+        gpu.upload(&v, &[b, h, s, d], DType::F16).expect("upload slot")
+    };
+    let copies: Vec<Tensor> = (0..3).map(slot).collect();
+    for (name, run) in forwards(gpu) {
+        for opts in [Options::full(), Options::causal()] {
+            let a = run(gpu, &views[0], &views[1], &views[2], &opts).expect("views");
+            let c = run(gpu, &copies[0], &copies[1], &copies[2], &opts).expect("copies");
+            assert_eq!(a.o.to_bytes().unwrap(), c.o.to_bytes().unwrap(), "{name} {opts:?}");
+            assert_eq!(a.lse.to_bytes().unwrap(), c.lse.to_bytes().unwrap(), "{name} {opts:?}");
+        }
+    }
+    let grads = |q: &Tensor, k: &Tensor, v: &Tensor| {
+        let out = fa2::forward(gpu, q, k, v, &Options::causal()).expect("forward");
+        let g = fa2::backward(gpu, q, k, v, &out, &copies[0], &Options::causal().deterministic());
+        let g = g.expect("backward");
+        [g.dq, g.dk, g.dv].map(|t| t.to_bytes().unwrap())
+    };
+    assert_eq!(grads(&views[0], &views[1], &views[2]), grads(&copies[0], &copies[1], &copies[2]));
+    // A fused GQA projection: 4 query heads, then 2 key and 2 value heads, per token.
+    let fused = gpu.upload(&host[..b * s * 8 * d], &[b, s, 8, d], DType::F16).expect("upload");
+    let part =
+        |start, len| fused.narrow(2, start, len).and_then(|t| t.transpose(1, 2)).expect("narrow");
+    let (q, k, v) = (part(0, 4), part(4, 2), part(6, 2));
+    let own = |t: &Tensor| gpu.upload(&t.to_f32_vec().unwrap(), t.shape(), DType::F16).unwrap();
+    for (name, run) in forwards(gpu) {
+        let a = run(gpu, &q, &k, &v, &Options::causal()).expect("narrowed views");
+        let c = run(gpu, &own(&q), &own(&k), &own(&v), &Options::causal()).expect("copies");
+        assert_eq!(a.o.to_bytes().unwrap(), c.o.to_bytes().unwrap(), "{name} fused GQA");
+    }
+    // Packed variable-length batches take the views too: [total, 3, heads, d].
+    let lens =
+        ladder_kernels::varlen::SeqLens::from_lengths(gpu, &[150, 250], &[150, 250]).unwrap();
+    let packed = gpu.upload(&host[..400 * 3 * h * d], &[400, 3, h, d], DType::F16).unwrap();
+    let pv: Vec<Tensor> = (0..3).map(|i| packed.select(1, i).unwrap()).collect();
+    let a = fa2::forward_varlen(gpu, &pv[0], &pv[1], &pv[2], &lens, &Options::causal()).unwrap();
+    let c = fa2::forward_varlen(
+        gpu,
+        &own(&pv[0]),
+        &own(&pv[1]),
+        &own(&pv[2]),
+        &lens,
+        &Options::causal(),
+    );
+    assert_eq!(a.o.to_bytes().unwrap(), c.unwrap().o.to_bytes().unwrap(), "fa2 varlen views");
+    // Views are checked, and a shared buffer is not written through or handed back.
+    assert!(qkv.select(2, 3).unwrap_err().to_string().contains("select(2, 3)"));
+    assert!(qkv.narrow(3, 3, 2).is_err());
+    assert!(
+        qkv.view(1, &[b * s * 3 * h * d], &[1])
+            .unwrap_err()
+            .to_string()
+            .contains("past the buffer")
+    );
+    let mut shared = qkv.select(2, 0).unwrap();
+    assert!(gpu.fill_bytes(&mut shared, 0).unwrap_err().to_string().contains("other views share"));
+    drop(views);
+    assert!(qkv.into_cuda_slice::<f16>().unwrap_err().to_string().contains("shared"));
+}
+
 /// The deterministic backward gives the same bits every run, on a shape with many key tiles and a
 /// grid of thousands of blocks; the atomic one is reported (how often its bits differ), not
 /// asserted: the order of its f32 additions depends on which blocks race.

@@ -99,11 +99,11 @@ pub fn forward(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) ->
         let (q_ptr, _g0) = q.read_ptr(s);
         let (k_ptr, _g1) = k.read_ptr(s);
         let (v_ptr, _g2) = v.read_ptr(s);
-        let (o_ptr, _g3) = o.write_ptr(s);
-        let (lse_ptr, _g4) = lse.write_ptr(s);
-        let (o_acc_ptr, _g5) = o_acc.write_ptr(s);
-        let (l_acc_ptr, _g6) = l_acc.write_ptr(s);
-        let (m_acc_ptr, _g7) = m_acc.write_ptr(s);
+        let (o_ptr, _g3) = o.write_ptr(s)?;
+        let (lse_ptr, _g4) = lse.write_ptr(s)?;
+        let (o_acc_ptr, _g5) = o_acc.write_ptr(s)?;
+        let (l_acc_ptr, _g6) = l_acc.write_ptr(s)?;
+        let (m_acc_ptr, _g7) = m_acc.write_ptr(s)?;
         let [hq, hkv, nq, nkv] = p.dims_i32();
         let params = Params {
             q: q_ptr,

@@ -336,8 +336,8 @@ fn forward_problem(
         let (q_ptr, _g0) = q.read_ptr(s);
         let (k_ptr, _g1) = k.read_ptr(s);
         let (v_ptr, _g2) = v.read_ptr(s);
-        let (o_ptr, _g3) = o.write_ptr(s);
-        let (lse_ptr, _g4) = lse.write_ptr(s);
+        let (o_ptr, _g3) = o.write_ptr(s)?;
+        let (lse_ptr, _g4) = lse.write_ptr(s)?;
         let [hq, hkv, nq, nkv] = p.dims_i32();
         let params = ForwardParams {
             q: q_ptr,
@@ -474,14 +474,14 @@ pub fn backward(
         let (o_ptr, _g3) = out.o.read_ptr(s);
         let (d_o_ptr, _g4) = d_o.read_ptr(s);
         let (lse_ptr, _g5) = out.lse.read_ptr(s);
-        let (delta_ptr, _g6) = delta.write_ptr(s);
-        let (lse2_ptr, _g7) = lse2.write_ptr(s);
-        let (dq_acc_ptr, _g8) = dq_acc.write_ptr(s);
-        let (dk_acc_ptr, _g9) = dk_acc.write_ptr(s);
-        let (dv_acc_ptr, _g10) = dv_acc.write_ptr(s);
-        let (dq_ptr, _g11) = dq.write_ptr(s);
-        let (dk_ptr, _g12) = dk.write_ptr(s);
-        let (dv_ptr, _g13) = dv.write_ptr(s);
+        let (delta_ptr, _g6) = delta.write_ptr(s)?;
+        let (lse2_ptr, _g7) = lse2.write_ptr(s)?;
+        let (dq_acc_ptr, _g8) = dq_acc.write_ptr(s)?;
+        let (dk_acc_ptr, _g9) = dk_acc.write_ptr(s)?;
+        let (dv_acc_ptr, _g10) = dv_acc.write_ptr(s)?;
+        let (dq_ptr, _g11) = dq.write_ptr(s)?;
+        let (dk_ptr, _g12) = dk.write_ptr(s)?;
+        let (dv_ptr, _g13) = dv.write_ptr(s)?;
         let [hq, hkv, nq, nkv] = p.dims_i32();
         let params = BackwardParams {
             q: q_ptr,

@@ -748,8 +748,8 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
     let table = lens.map(|lens| lens.tiles(gpu, tiles.br(), p.causal)).transpose()?;
     {
         let s = gpu.stream();
-        let (o_ptr, _g3) = o.write_ptr(s);
-        let (lse_ptr, _g4) = lse.write_ptr(s);
+        let (o_ptr, _g3) = o.write_ptr(s)?;
+        let (lse_ptr, _g4) = lse.write_ptr(s)?;
         let [hq, hkv, nq, nkv] = p.dims_i32();
         let [q, k, v] = maps;
         // O in boxes of 64 rows, one consumer warpgroup's (used where O goes through shared

@@ -470,17 +470,25 @@ impl Gpu {
         Ok(t)
     }
 
-    /// Set every byte of `t`'s buffer to `byte` (0xff makes every element NaN).
+    /// Set every byte of `t`'s buffer to `byte` (0xff makes every element NaN); fails for a buffer
+    /// other views share ([`Tensor::view`]).
     pub fn fill_bytes(&self, t: &mut Tensor, byte: u8) -> Result<()> {
         self.check_context(t, "fill_bytes")?;
         if t.buffer_len() == 0 {
             return Ok(());
         }
         let bytes = t.buffer_len() * t.dtype().size();
-        let (ptr, _guard) = t.write_ptr(&self.stream);
-        // SAFETY: ptr addresses the `bytes` bytes of the buffer owned by `t`, on this stream.
+        let before = (t.offset() * t.dtype().size()) as u64; // a view's first element's offset
+        let (ptr, _guard) = t.write_ptr(&self.stream)?;
+        // SAFETY: ptr − before is the start of the `bytes` bytes of the buffer `t` alone holds
+        // (write_ptr fails for a shared one), on this stream.
         unsafe {
-            cudarc::driver::result::memset_d8_async(ptr, byte, bytes, self.stream.cu_stream())
+            cudarc::driver::result::memset_d8_async(
+                ptr - before,
+                byte,
+                bytes,
+                self.stream.cu_stream(),
+            )
         }
         .map_err(KernelError::driver("filling a buffer"))
     }

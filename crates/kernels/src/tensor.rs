@@ -181,7 +181,10 @@ impl Storage {
 /// ```
 #[derive(Debug)]
 pub struct Tensor {
-    pub(crate) storage: Storage,
+    /// The buffer, shared by the views made from one tensor ([`Tensor::select`], [`Tensor::view`]).
+    pub(crate) storage: Arc<Storage>,
+    /// Elements of the buffer before the tensor's first one (0 unless a view starts later).
+    pub(crate) offset: usize,
     pub(crate) shape: Vec<usize>,
     /// Elements between neighbours along each axis (row-major: `[.., shape[n-1], 1]`).
     pub(crate) strides: Vec<usize>,
@@ -199,7 +202,12 @@ impl Tensor {
                 slice.len()
             )));
         }
-        Ok(Tensor { storage: T::wrap(slice), shape: shape.to_vec(), strides: row_major(shape) })
+        Ok(Tensor::whole(T::wrap(slice), shape.to_vec(), row_major(shape)))
+    }
+
+    /// A tensor that owns all of `storage`, from its first element.
+    pub(crate) fn whole(storage: Storage, shape: Vec<usize>, strides: Vec<usize>) -> Tensor {
+        Tensor { storage: Arc::new(storage), offset: 0, shape, strides }
     }
 
     /// Wrap an existing device buffer (no copy) whose element `[i0, i1, ..]` lies at
@@ -222,16 +230,84 @@ impl Tensor {
         strides: &[usize],
     ) -> Result<Tensor> {
         check_strides(shape, strides, slice.len())?;
-        Ok(Tensor { storage: T::wrap(slice), shape: shape.to_vec(), strides: strides.to_vec() })
+        Ok(Tensor::whole(T::wrap(slice), shape.to_vec(), strides.to_vec()))
     }
 
     /// The same buffer seen with another shape and strides (no copy), checked as
     /// [`Tensor::from_cuda_slice_strided`] checks them.
     pub fn as_strided(mut self, shape: &[usize], strides: &[usize]) -> Result<Tensor> {
-        check_strides(shape, strides, self.buffer_len())?;
+        check_strides(shape, strides, self.buffer_len() - self.offset)?;
         self.shape = shape.to_vec();
         self.strides = strides.to_vec();
         Ok(self)
+    }
+
+    /// Another tensor over the same buffer (no copy): its first element `offset` elements into
+    /// the buffer, then `shape` and `strides` as [`Tensor::from_cuda_slice_strided`] takes and
+    /// checks them. Views share the buffer, so several can be handed to one call, e.g. Q, K and V
+    /// of one packed projection ([`Tensor::select`] makes those). The rungs only read their
+    /// inputs; a shared buffer cannot be written through ([`Gpu::fill_bytes`](crate::Gpu::fill_bytes)
+    /// and `decode::forward_into`'s outputs refuse it), and [`Tensor::into_cuda_slice`] hands it
+    /// back once the other views are gone.
+    pub fn view(&self, offset: usize, shape: &[usize], strides: &[usize]) -> Result<Tensor> {
+        let len = self.buffer_len();
+        if offset > len {
+            return Err(KernelError::Shape(format!(
+                "a view at offset {offset} of a buffer of {len} elements"
+            )));
+        }
+        check_strides(shape, strides, len - offset)?;
+        Ok(Tensor {
+            storage: self.storage.clone(),
+            offset,
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+        })
+    }
+
+    /// The view of index `index` along `axis`, that axis removed (no copy): slot 0, 1, 2 of a
+    /// packed `[batch, seq, 3, heads, d]` QKV projection are Q, K and V as `[batch, seq, heads,
+    /// d]`, each then `transpose(1, 2)` for the rungs.
+    ///
+    /// ```no_run
+    /// # use ladder_kernels::{Gpu, Options, Tensor, fa2};
+    /// # let gpu = Gpu::new()?;
+    /// let (b, s, h, d) = (2, 512, 8, 64);
+    /// let buf = gpu.stream().alloc_zeros::<half::f16>(b * s * 3 * h * d).expect("alloc");
+    /// let qkv = Tensor::from_cuda_slice(buf, &[b, s, 3, h, d])?;
+    /// let [q, k, v] = [0, 1, 2].map(|i| qkv.select(2, i).and_then(|t| t.transpose(1, 2)));
+    /// let out = fa2::forward(&gpu, &q?, &k?, &v?, &Options::causal())?;
+    /// # Ok::<(), ladder_kernels::KernelError>(())
+    /// ```
+    pub fn select(&self, axis: usize, index: usize) -> Result<Tensor> {
+        let rank = self.shape.len();
+        if axis >= rank || index >= self.shape[axis] {
+            return Err(KernelError::Shape(format!(
+                "select({axis}, {index}) of a tensor of shape {:?}",
+                self.shape
+            )));
+        }
+        let (mut shape, mut strides) = (self.shape.clone(), self.strides.clone());
+        shape.remove(axis);
+        let step = strides.remove(axis);
+        self.view(self.offset + index * step, &shape, &strides)
+    }
+
+    /// The view of `len` indices from `start` along `axis` (no copy): the query, key and value
+    /// heads of a fused `[batch, seq, heads_q + 2·heads_kv, d]` projection are
+    /// `narrow(2, 0, heads_q)`, `narrow(2, heads_q, heads_kv)`, `narrow(2, heads_q + heads_kv,
+    /// heads_kv)`.
+    pub fn narrow(&self, axis: usize, start: usize, len: usize) -> Result<Tensor> {
+        let rank = self.shape.len();
+        if axis >= rank || start.checked_add(len).is_none_or(|end| end > self.shape[axis]) {
+            return Err(KernelError::Shape(format!(
+                "narrow({axis}, {start}, {len}) of a tensor of shape {:?}",
+                self.shape
+            )));
+        }
+        let mut shape = self.shape.clone();
+        shape[axis] = len;
+        self.view(self.offset + start * self.strides[axis], &shape, &self.strides)
     }
 
     /// The same buffer with axes `a` and `b` swapped (no copy): a `[batch, seq, heads, d]`
@@ -259,19 +335,30 @@ impl Tensor {
         let dense = row_major(&self.shape);
         self.shape.iter().zip(&self.strides).zip(&dense).all(|((&n, &s), &r)| n == 1 || s == r)
             && self.storage.len() == self.len()
+            && self.offset == 0
     }
 
-    /// Hand the buffer back (no copy). Fails, returning nothing, if `T` is not the tensor's dtype.
+    /// Hand the whole buffer back (no copy). Fails, returning nothing, if `T` is not the
+    /// tensor's dtype or other views still share the buffer.
     pub fn into_cuda_slice<T: Element>(self) -> Result<CudaSlice<T>> {
         let dtype = self.dtype();
-        T::unwrap(self.storage).map_err(|_| {
+        let storage = Arc::try_unwrap(self.storage).map_err(|_| {
+            KernelError::Shape("the buffer is shared with other views of it".to_string())
+        })?;
+        T::unwrap(storage).map_err(|_| {
             KernelError::DType(format!("the tensor is {dtype}, not {} as asked", T::DTYPE))
         })
     }
 
-    /// The buffer, borrowed; `None` if `T` is not the tensor's dtype.
+    /// The whole buffer, borrowed (a view's elements start [`Tensor::offset`] into it); `None`
+    /// if `T` is not the tensor's dtype.
     pub fn as_cuda_slice<T: Element>(&self) -> Option<&CudaSlice<T>> {
         T::borrow(&self.storage)
+    }
+
+    /// Elements of the buffer before the tensor's first one (0 but for a view).
+    pub fn offset(&self) -> usize {
+        self.offset
     }
 
     /// The shape.
@@ -313,18 +400,30 @@ impl Tensor {
     /// The device address for reading on `stream` (the guard orders the access with the buffer's
     /// other users when the context tracks events).
     pub(crate) fn read_ptr<'a>(&'a self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
-        each_storage!(&self.storage, s => s.device_ptr(stream))
+        let (base, guard) = each_storage!(&*self.storage, s => s.device_ptr(stream));
+        (base + (self.offset * self.dtype().size()) as u64, guard)
     }
 
-    /// The device address for writing on `stream`.
-    pub(crate) fn write_ptr<'a>(&'a mut self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
-        each_storage!(&mut self.storage, s => s.device_ptr_mut(stream))
+    /// The device address for writing on `stream`; fails for a buffer other views share (the
+    /// kernels' outputs are never views, see [`Tensor::view`]).
+    pub(crate) fn write_ptr<'a>(
+        &'a mut self,
+        stream: &'a CudaStream,
+    ) -> Result<(u64, SyncOnDrop<'a>)> {
+        let bytes = (self.offset * self.dtype().size()) as u64;
+        let storage = Arc::get_mut(&mut self.storage).ok_or_else(|| {
+            KernelError::Shape(
+                "cannot write into a tensor whose buffer other views share".to_string(),
+            )
+        })?;
+        let (base, guard) = each_storage!(storage, s => s.device_ptr_mut(stream));
+        Ok((base + bytes, guard))
     }
 
     /// Copy to the host in row-major order of the shape, widened to `f32` (waits for the work
     /// queued before).
     pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
-        Ok(each_storage!(&self.storage, s => {
+        Ok(each_storage!(&*self.storage, s => {
             self.in_order(download(s)?).into_iter().map(Element::to_f32).collect()
         }))
     }
@@ -333,7 +432,7 @@ impl Tensor {
     /// comparisons.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         let mut out = Vec::with_capacity(self.bytes());
-        each_storage!(&self.storage, s => {
+        each_storage!(&*self.storage, s => {
             self.in_order(download(s)?).into_iter().for_each(|x| x.append_le_bytes(&mut out))
         });
         Ok(out)
@@ -348,7 +447,8 @@ impl Tensor {
         let mut out = Vec::with_capacity(self.len());
         let mut index = vec![0usize; self.shape.len()];
         for _ in 0..self.len() {
-            out.push(buffer[index.iter().zip(&self.strides).map(|(i, s)| i * s).sum::<usize>()]);
+            let at = index.iter().zip(&self.strides).map(|(i, s)| i * s).sum::<usize>();
+            out.push(buffer[self.offset + at]);
             for axis in (0..index.len()).rev() {
                 index[axis] += 1;
                 if index[axis] < self.shape[axis] {

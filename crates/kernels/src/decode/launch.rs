@@ -175,8 +175,8 @@ pub(super) fn launch(
     let (q_ptr, _g0) = q.read_ptr(s);
     let (k_ptr, _g1) = k.read_ptr(s);
     let (v_ptr, _g2) = v.read_ptr(s);
-    let (o_ptr, _g5) = out.o.write_ptr(s);
-    let (lse_ptr, _g6) = out.lse.write_ptr(s);
+    let (o_ptr, _g5) = out.o.write_ptr(s)?;
+    let (lse_ptr, _g6) = out.lse.write_ptr(s)?;
     let (table_ptr, _g7) = match table {
         Some(t) => {
             let (ptr, guard) = t.table.device_ptr(s);
