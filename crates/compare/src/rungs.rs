@@ -57,16 +57,17 @@ impl Rung {
         }
     }
 
-    /// The rung number on the ladder (`docs/rungs/`; FA3 and its FP8 path share 4).
+    /// The rung number on the ladder: its chapter in `docs/rungs/` and its notebook (FA3 and its
+    /// FP8 path share 5).
     pub fn number(self) -> usize {
         match self {
-            Rung::Naive => 0,
-            Rung::OnlineSoftmax => 1,
-            Rung::Fa1 => 2,
-            Rung::Fa2 => 3,
-            Rung::Fa3 | Rung::Fa3Fp8 => 4,
-            Rung::FlashDecoding => 5,
-            Rung::FlashDecodingPp => 6,
+            Rung::Naive => 1,
+            Rung::OnlineSoftmax => 2,
+            Rung::Fa1 => 3,
+            Rung::Fa2 => 4,
+            Rung::Fa3 | Rung::Fa3Fp8 => 5,
+            Rung::FlashDecoding => 6,
+            Rung::FlashDecodingPp => 7,
         }
     }
 

@@ -322,7 +322,7 @@ pub fn render(rows: &[Row]) -> String {
 /// The GPU rungs on each case, in fp16: FA1 and FA2 forward against their CPU rungs, FA2
 /// backward against the CPU FA2 backward, and FlashDecoding and FlashDecoding++ (on a case of at
 /// most 16 queries, causal or a single one: a decoding step, the queries the last tokens of a
-/// full cache) against the CPU rungs 5 and 6 with the same split count (and `--phi`, which the
+/// full cache) against the CPU rungs 6 and 7 with the same split count (and `--phi`, which the
 /// GPU takes as its `φ`, default [`ladder_kernels::decode::DEFAULT_PHI`]; without it the CPU rung
 /// estimates its own), all on the case's inputs rounded to fp16
 /// and judged by the float64 oracle of those inputs (tolerance: twice the 16-bit naive error, see

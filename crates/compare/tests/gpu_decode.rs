@@ -37,7 +37,7 @@
 //!   (rows on both sides in one call): the count is the one predicted from the float64 scores by
 //!   the CPU rung's rule, the rows that fell back are FlashDecoding's, bit for bit.
 //! - Drawn shapes for every strategy against the oracle, the automatic choice and the CPU rung of
-//!   the kernel that ran (rung 6 with the same `φ`, window and split count, and its fallback
+//!   the kernel that ran (rung 7 with the same `φ`, window and split count, and its fallback
 //!   count); drawn shapes with `φ` ±100.
 //! - Bad `φ`, window or split count: configuration errors.
 //!
@@ -1519,7 +1519,7 @@ fn the_harness_accepts_the_cpu_flash_decoding_rung() {
 /// Inputs, `φ` and a safe window (`None`: the element type's).
 type Scenario = (HostInputs, f64, Option<(f64, f64)>);
 
-/// The FlashDecoding++ harness without a GPU: the CPU rung 6, run per sequence with the GPU's `φ`,
+/// The FlashDecoding++ harness without a GPU: the CPU rung 7, run per sequence with the GPU's `φ`,
 /// window and a fixed split count on every scenario of
 /// [`gpu_decode_pp_fallback_rows_are_flash_decodings`], passes the oracle checks and falls back on
 /// exactly the rows [`row_fates`] predicts (so the GPU tests' expected counts follow the CPU
@@ -1560,11 +1560,11 @@ fn the_harness_accepts_the_cpu_flash_decoding_pp_rung() {
                     &opts,
                 )
                 .expect("cpu rung");
-                fallbacks += out.stats.fallback_rows.expect("rung 6 counts its fallbacks");
+                fallbacks += out.stats.fallback_rows.expect("rung 7 counts its fallbacks");
                 let verdict = expected.judge(&out);
                 assert!(verdict.pass, "{case:?} b {b} φ {phi} window {range:?}: {verdict:?}");
             }
-            let what = format!("{case:?} φ {phi} window {range:?}, CPU rung 6");
+            let what = format!("{case:?} φ {phi} window {range:?}, CPU rung 7");
             assert_fallback_count(&what, Some(fallbacks), &fates);
             // The scenarios do what they say: far φ sends every row with a key down the fallback.
             if phi.abs() == 100.0 {

@@ -1,4 +1,4 @@
-//! Rungs 5 and 6 on the GPU: FlashDecoding (Dao, Haziza, Massa, Sizov 2023) and FlashDecoding++
+//! Rungs 6 and 7 on the GPU: FlashDecoding (Dao, Haziza, Massa, Sizov 2023) and FlashDecoding++
 //! (Hong et al. 2024), attention of a few new tokens against a KV cache, with the keys split
 //! across thread blocks. [`forward`] runs either, chosen by [`DecodeOptions::strategy`]
 //! (automatically by default: [`dispatch`]); [`forward_with_stats`] also says which ran and how

@@ -1,4 +1,4 @@
-//! Rung 2 on the GPU: FlashAttention-1 (Dao et al. 2022, Algorithm 1), written to be read.
+//! Rung 3 on the GPU: FlashAttention-1 (Dao et al. 2022, Algorithm 1), written to be read.
 //!
 //! The outer loop runs over K/V tiles, the inner over Q tiles, and the running output `O` and the
 //! softmax statistics `l`, `m` go back to global memory after every inner step. One thread block

@@ -1,4 +1,4 @@
-//! Rung 3 on the GPU: FlashAttention-2 (Dao 2023), forward and backward on tensor cores.
+//! Rung 4 on the GPU: FlashAttention-2 (Dao 2023), forward and backward on tensor cores.
 //!
 //! The loop swap of FA2 (Algorithm 1): each thread block owns `br` query rows and walks K/V once,
 //! `bc` keys per tile, keeping the softmax statistics and the *unnormalised* output in registers;

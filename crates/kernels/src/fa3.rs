@@ -1,4 +1,4 @@
-//! Rung 4 on the GPU: FlashAttention-3 (Shah et al. 2024), forward, on Hopper (`sm_90a`).
+//! Rung 5 on the GPU: FlashAttention-3 (Shah et al. 2024), forward, on Hopper (`sm_90a`).
 //!
 //! The same arithmetic as FA2 ([`crate::fa2`]), scheduled for Hopper's asynchronous hardware
 //! (the paper's §3; kernel `cuda/fa3_forward.cu`):

@@ -1,6 +1,6 @@
-//! Rung 2: FlashAttention-1, a CPU emulation of Algorithm 1 of Dao et al. 2022.
+//! Rung 3: FlashAttention-1, a CPU emulation of Algorithm 1 of Dao et al. 2022.
 //!
-//! The online softmax of rung 1 still reads every key once per query row. FlashAttention tiles
+//! The online softmax of rung 2 still reads every key once per query row. FlashAttention tiles
 //! the problem so that a block of keys, once loaded into on-chip SRAM, serves a whole block of
 //! queries:
 //!

@@ -1,4 +1,4 @@
-//! Rung 3: FlashAttention-2, a CPU emulation of Algorithms 1 and 2 of Dao 2023.
+//! Rung 4: FlashAttention-2, a CPU emulation of Algorithms 1 and 2 of Dao 2023.
 //!
 //! FA1 keeps key blocks in the outer loop, so every query block's `O, l, m` round-trips through
 //! HBM and `O` is renormalised at every step. FA2 swaps the loops:

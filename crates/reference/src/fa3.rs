@@ -1,4 +1,4 @@
-//! Rung 4: FlashAttention-3-style attention (Shah et al. 2024), emulated on the CPU.
+//! Rung 5: FlashAttention-3-style attention (Shah et al. 2024), emulated on the CPU.
 //!
 //! FA3 computes exactly what FA2 computes; what changes is the *schedule*, to keep Hopper's
 //! tensor cores busy while the much slower exponentials run. On an H100, `exp` throughput is

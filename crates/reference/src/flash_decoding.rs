@@ -1,4 +1,4 @@
-//! Rung 5: FlashDecoding, split K/V so that decoding fills the machine.
+//! Rung 6: FlashDecoding, split K/V so that decoding fills the machine.
 //!
 //! When decoding, `n_q` is one token (or a few) and `n_kv` is the whole context. FA2 parallelises
 //! over `batch × heads × query blocks`: at batch 1 that is a handful of thread blocks on a GPU with

@@ -1,4 +1,4 @@
-//! Rung 6: FlashDecoding++, the asynchronous softmax with a unified max.
+//! Rung 7: FlashDecoding++, the asynchronous softmax with a unified max.
 //!
 //! FlashDecoding's chunks each track their own running max, and the combine must rescale every
 //! partial by `exp(lse_s − lse)`. FlashDecoding++ (Hong et al. 2024, §3) removes that dependency:
@@ -14,7 +14,7 @@
 //! which is exact as long as `exp(s − φ)` neither overflows nor underflows. Each chunk also
 //! reports its largest score (a reduction, not a dependency); a row whose largest score leaves
 //! the safe range `φ + [lo, hi]` — or whose sums came out non-finite — is recomputed with the
-//! FlashDecoding path (rung 5), so the result is always right and [`crate::RunStats`] reports
+//! FlashDecoding path (rung 6), so the result is always right and [`crate::RunStats`] reports
 //! how many rows fell back.
 //!
 //! The default safe range is `±ln(MAX)/2` of the element type (±44 for `f32`): `e⁴⁴ ≈ 1.3·10¹⁹`

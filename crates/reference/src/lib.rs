@@ -11,13 +11,13 @@
 //!
 //! | rung | module | the idea |
 //! |---|---|---|
-//! | 0 | [`naive`] | materialise `S = QKᵀ` (n_q × n_kv), three-pass safe softmax, then `PV`; also the backward pass and, run in `f64`, the oracle |
-//! | 1 | [`online_softmax`] | one pass per row with a running max and sum (Milakov & Gimelshein 2018): no N×N buffer |
-//! | 2 | [`fa1`] | FlashAttention-1 (Dao et al. 2022, Alg. 1): K/V-outer tile loop, `O, l, m` round-trip through HBM |
-//! | 3 | [`fa2`] | FlashAttention-2 (Dao 2023, Alg. 1 and 2): Q-outer loop, unnormalised accumulator, causal tile skipping, backward pass |
-//! | 4 | [`fa3`] | FlashAttention-3 (Shah et al. 2024): the overlapped schedule and the FP8 path with incoherent processing; [`fa3_schedule`] simulates its timeline |
-//! | 5 | [`flash_decoding`] | split K/V into chunks processed in parallel, combine partials by log-sum-exp |
-//! | 6 | [`flash_decoding_pp`] | unified max φ: chunks need no rescaling; rows that leave the safe range fall back to rung 5 |
+//! | 1 | [`naive`] | materialise `S = QKᵀ` (n_q × n_kv), three-pass safe softmax, then `PV`; also the backward pass and, run in `f64`, the oracle |
+//! | 2 | [`online_softmax`] | one pass per row with a running max and sum (Milakov & Gimelshein 2018): no N×N buffer |
+//! | 3 | [`fa1`] | FlashAttention-1 (Dao et al. 2022, Alg. 1): K/V-outer tile loop, `O, l, m` round-trip through HBM |
+//! | 4 | [`fa2`] | FlashAttention-2 (Dao 2023, Alg. 1 and 2): Q-outer loop, unnormalised accumulator, causal tile skipping, backward pass |
+//! | 5 | [`fa3`] | FlashAttention-3 (Shah et al. 2024): the overlapped schedule and the FP8 path with incoherent processing; [`fa3_schedule`] simulates its timeline |
+//! | 6 | [`flash_decoding`] | split K/V into chunks processed in parallel, combine partials by log-sum-exp |
+//! | 7 | [`flash_decoding_pp`] | unified max φ: chunks need no rescaling; rows that leave the safe range fall back to rung 6 |
 //!
 //! Any rung also runs on a packed batch of sequences of different lengths ([`varlen`]: Q
 //! `[total_q, heads_q, d]` with `cu_seqlens`), one sequence at a time.

@@ -1,4 +1,4 @@
-//! Rung 0: naive attention, the way it is written on a blackboard.
+//! Rung 1: naive attention, the way it is written on a blackboard.
 //!
 //! For each `(batch, head)`:
 //!

@@ -1,4 +1,4 @@
-//! Rung 1: online softmax, one pass per row and no `N × N` buffer.
+//! Rung 2: online softmax, one pass per row and no `N × N` buffer.
 //!
 //! The naive rung needs the whole row of scores before it can normalise: first the max, then the
 //! sum. The online normaliser (Milakov & Gimelshein 2018, "Online normalizer calculation for

@@ -44,7 +44,7 @@ pub(crate) fn split_shared_bytes(d: usize, m_tiles: usize, stages: usize) -> usi
     tiles.max(merge)
 }
 
-/// Every variant of rungs 5 and 6, for the compile check.
+/// Every variant of rungs 6 and 7, for the compile check.
 #[cfg(test)]
 pub(crate) fn variants() -> Vec<Variant> {
     let mut all = pp::variants();
