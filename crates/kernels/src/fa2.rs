@@ -339,6 +339,8 @@ fn forward_problem(
         let (o_ptr, _g3) = o.write_ptr(s)?;
         let (lse_ptr, _g4) = lse.write_ptr(s)?;
         let [hq, hkv, nq, nkv] = p.dims_i32();
+        let packed_batch = lens.zip(table.as_deref());
+        let (varlen, _g_varlen) = VarlenParams::of(gpu, packed_batch);
         let params = ForwardParams {
             q: q_ptr,
             k: k_ptr,
@@ -354,10 +356,7 @@ fn forward_problem(
             n_q: nq,
             n_kv: nkv,
             scale_log2: p.scale_log2(),
-            varlen: match (lens, &table) {
-                (Some(lens), Some(table)) => VarlenParams::new(gpu, lens, table),
-                _ => VarlenParams::default(),
-            },
+            varlen,
         };
         let grid = match &table {
             Some(table) => grid(table.len(), p.heads_q, 1)?,

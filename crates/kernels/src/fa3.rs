@@ -768,6 +768,8 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
             )));
         }
         let blocks = if schedule.persistent { work.min(gpu.sm_count() as usize) } else { work };
+        let packed_batch = lens.zip(table.as_deref());
+        let (varlen, _g_varlen) = VarlenParams::of(gpu, packed_batch);
         let params = ForwardParams {
             q,
             k,
@@ -790,10 +792,7 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
                 gpu.config().tuned::<L2Section>().map_or(L2_SECTION_BYTES, |s| s.0),
             ),
             o_strides,
-            varlen: match (lens, &table) {
-                (Some(lens), Some(table)) => VarlenParams::new(gpu, lens, table),
-                _ => VarlenParams::default(),
-            },
+            varlen,
         };
         gpu.launch(&kernel, grid(blocks, 1, 1)?, tiles.threads() as u32, smem, &params)?;
     }

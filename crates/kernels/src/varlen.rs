@@ -41,7 +41,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, SyncOnDrop};
 
 use crate::error::{KernelError, Result};
 use crate::gpu::Gpu;
@@ -270,21 +270,36 @@ pub(crate) struct VarlenParams {
 unsafe impl DeviceRepr for VarlenParams {}
 
 impl VarlenParams {
-    /// The kernels' view of `lens` and its tile table, valid while both live (the launch that
-    /// takes it is queued on `gpu`'s stream, where the offsets and the table were made or
-    /// checked to be).
-    pub(crate) fn new(gpu: &Gpu, lens: &SeqLens, table: &TileTable) -> VarlenParams {
+    /// The kernels' view of `lens` and its tile table, and the guards that order the launch
+    /// after the offsets' and the table's uploads (and their eventual frees after the launch):
+    /// keep them until the kernel is queued.
+    pub(crate) fn new<'a>(
+        gpu: &'a Gpu,
+        lens: &'a SeqLens,
+        table: &'a TileTable,
+    ) -> (VarlenParams, [SyncOnDrop<'a>; 3]) {
         let s = gpu.stream();
-        let (cu_q, _g0) = lens.cu_q.device_ptr(s);
-        let (cu_k, _g1) = lens.cu_k.device_ptr(s);
-        let (tiles, _g2) = table.pairs.device_ptr(s);
+        let (cu_q, g0) = lens.cu_q.device_ptr(s);
+        let (cu_k, g1) = lens.cu_k.device_ptr(s);
+        let (tiles, g2) = table.pairs.device_ptr(s);
         // Both counts are below 2^31: the offsets are i32, the table's length is checked.
-        VarlenParams {
-            cu_q,
-            cu_k,
-            tiles,
-            n_tiles: table.len as i32,
-            total_q: lens.totals().0 as i32,
+        let n_tiles = table.len as i32;
+        let total_q = lens.totals().0 as i32;
+        (VarlenParams { cu_q, cu_k, tiles, n_tiles, total_q }, [g0, g1, g2])
+    }
+
+    /// [`VarlenParams::new`] for a packed batch, or zeros (which a fixed-length kernel never
+    /// reads) and no guards.
+    pub(crate) fn of<'a>(
+        gpu: &'a Gpu,
+        packed: Option<(&'a SeqLens, &'a TileTable)>,
+    ) -> (VarlenParams, Option<[SyncOnDrop<'a>; 3]>) {
+        match packed {
+            Some((lens, table)) => {
+                let (params, guards) = VarlenParams::new(gpu, lens, table);
+                (params, Some(guards))
+            }
+            None => (VarlenParams::default(), None),
         }
     }
 }
