@@ -19,6 +19,10 @@
 //! memory (`cuda/layout.cuh`). Q, K, V, O and dO take any batch, head and sequence strides with
 //! the head dimension contiguous ([`Tensor::transpose`], [`Tensor::from_cuda_slice_strided`]), and
 //! the outputs are laid out in the order of their inputs' axes.
+//!
+//! **Packed batches** of sequences of different lengths ([`forward_varlen`], [`crate::varlen`]):
+//! one thread block per query block that exists, the sequence's offsets and lengths looked up
+//! from the host's list (`cuda/varlen.cuh`).
 
 use cudarc::driver::DeviceRepr;
 

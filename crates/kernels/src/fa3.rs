@@ -28,6 +28,10 @@
 //! `d` wide (wgmma's N takes every multiple of 8). The tensor maps carry Q's, K's, V's and O's
 //! own strides, so `[b, s, h, d]` or views into a packed QKV buffer need no copy.
 //! [`Fa3Tiles::for_head_dim`] is the table of tiles per head dim, with the reason for each row.
+//!
+//! **Packed batches** of sequences of different lengths ([`forward_varlen`], [`crate::varlen`]):
+//! the persistent blocks walk the host's list of query blocks for every head; the producer looks
+//! each tile up and hands it to the consumers in shared memory.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
