@@ -20,7 +20,8 @@ Commands (NN selects notebooks by number; none means all):
                               execute with the reference solutions substituted, failing on the
                               first cell error; with --out, write the executed notebooks there
                               (CI), else refresh notebooks/*.ipynb and the book's figures
-    check-sync                fail if a committed notebook's cells differ from its source
+    check-sync                fail if a committed notebook's cells differ from its source, or
+                              one shows a stray `()` output
 
 The Rust kernel is evcxr's (`scripts/setup-notebooks` installs it). Set EVCXR_TMPDIR to one folder
 to let the notebooks share their compiled dependencies (they run one after another).
@@ -337,8 +338,16 @@ def check_sync() -> int:
                 f"run scripts/refresh-notebooks {src.stem[:2]}"
             )
             bad += 1
+        # A cell whose last expression is `()` (a loop, a `println!` without `;`) shows "()" as
+        # its value: noise to a reader. End such a cell with `;`.
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            for out in cell.get("outputs", []):
+                plain = out.get("data", {}).get("text/plain")
+                if ("".join(plain) if isinstance(plain, list) else plain) == "()":
+                    print(f"{path.relative_to(ROOT)}: cell {i} shows a stray `()` output")
+                    bad += 1
     if bad == 0:
-        print("notebooks: every committed notebook matches its source")
+        print("notebooks: every committed notebook matches its source, none shows a stray `()`")
     return 1 if bad else 0
 
 
