@@ -20,6 +20,16 @@ use crate::rungs::Rung;
 pub type ForwardFn =
     fn(&Gpu, &Tensor, &Tensor, &Tensor, &Options) -> ladder_kernels::Result<Output>;
 
+/// A forward kernel on a packed variable-length batch (`ladder_kernels::varlen`).
+pub type VarlenForwardFn = fn(
+    &Gpu,
+    &Tensor,
+    &Tensor,
+    &Tensor,
+    &ladder_kernels::varlen::SeqLens,
+    &Options,
+) -> ladder_kernels::Result<Output>;
+
 /// A backward kernel: `dQ, dK, dV` from `Q, K, V`, the forward's output and `dO`.
 pub type BackwardFn = fn(
     &Gpu,
@@ -334,6 +344,24 @@ impl GpuRung {
     /// The functions that launch it.
     pub fn kernels(self) -> Kernels {
         self.spec().kernels
+    }
+
+    /// Its forward pass on packed variable-length batches, where it has one (FA2, FA3).
+    pub fn varlen_forward(self) -> Option<VarlenForwardFn> {
+        match self {
+            GpuRung::Fa2 => Some(fa2::forward_varlen),
+            GpuRung::Fa3 => Some(fa3::forward_varlen),
+            _ => None,
+        }
+    }
+
+    /// Its forward pass on fixed-length batches, where it has one of its own (not FP8's, which
+    /// takes quantised inputs, nor a backward rung's).
+    pub fn forward(self) -> Option<ForwardFn> {
+        match self.kernels() {
+            Kernels::Forward(forward) => Some(forward),
+            _ => None,
+        }
     }
 
     /// The rung called `name` (as in the CSV's `impl` column) in `direction`, if there is one.

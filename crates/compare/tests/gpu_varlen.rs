@@ -14,11 +14,12 @@
 //! bundle) a missing GPU fails them.
 
 use ladder_compare::gpu_check::{expected_forward, narrow, options, shared_gpu};
+use ladder_compare::gpu_rungs::VarlenForwardFn;
 use ladder_compare::oracle::{Expected, Oracle, check};
 use ladder_compare::packed as packed_rows;
 use ladder_compare::{GpuRung, RungConfig};
 use ladder_kernels::varlen::SeqLens;
-use ladder_kernels::{DType, Gpu, KernelError, Options, Output, Tensor, fa2, fa3};
+use ladder_kernels::{DType, Gpu, KernelError, Options, Tensor, fa2, fa3};
 use ladder_reference::AttentionOptions;
 use ndarray::Array3;
 use proptest::prelude::*;
@@ -73,15 +74,9 @@ fn upload(gpu: &Gpu, x: &Array3<f64>, dtype: DType, gaps: bool) -> Result<Tensor
         .as_strided(&[total, heads, d], &[2 * heads * d, d, 1])
 }
 
-type VarlenForward =
-    fn(&Gpu, &Tensor, &Tensor, &Tensor, &SeqLens, &Options) -> ladder_kernels::Result<Output>;
-
 /// The rung's varlen entry point.
-fn varlen_forward(rung: GpuRung) -> VarlenForward {
-    match rung {
-        GpuRung::Fa3 => fa3::forward_varlen,
-        _ => fa2::forward_varlen,
-    }
+fn varlen_forward(rung: GpuRung) -> VarlenForwardFn {
+    rung.varlen_forward().expect("the varlen tests run rungs with a packed entry point")
 }
 
 /// A drawn case: the sequences' `(queries, keys)`, heads, head dim, mask, dtype, layout.
@@ -214,16 +209,7 @@ fn gpu_varlen_of_equal_lengths_is_the_fixed_length_kernel() {
         for opts in [Options::full(), Options::causal()] {
             let fixed = || gpu.upload(&values, &[b, s, h, d], DType::F16)?.transpose(1, 2);
             let (q, k, v) = (fixed().unwrap(), fixed().unwrap(), fixed().unwrap());
-            let run: fn(
-                &Gpu,
-                &Tensor,
-                &Tensor,
-                &Tensor,
-                &Options,
-            ) -> ladder_kernels::Result<Output> = match rung {
-                GpuRung::Fa3 => fa3::forward,
-                _ => fa2::forward,
-            };
+            let run = rung.forward().expect("a forward rung");
             let want = run(gpu, &q, &k, &v, &opts).unwrap();
             let flat = || gpu.upload(&values, &[b * s, h, d], DType::F16);
             let (q, k, v) = (flat().unwrap(), flat().unwrap(), flat().unwrap());
@@ -269,7 +255,7 @@ fn gpu_varlen_rejects_bad_input() {
     let t = |shape: &[usize]| {
         gpu.upload(&vec![0.5; shape.iter().product()], shape, DType::F16).unwrap()
     };
-    let rungs: [VarlenForward; 2] = [fa2::forward_varlen, fa3::forward_varlen];
+    let rungs: [VarlenForwardFn; 2] = [fa2::forward_varlen, fa3::forward_varlen];
     for (i, run) in rungs.into_iter().enumerate() {
         if i == 1 && !GpuRung::Fa3.available_on(gpu) {
             continue;

@@ -323,8 +323,7 @@ fn forward_problem(
         None => ForwardTiles::for_head_dim(p.d, gpu.arch())?,
     };
     let mut o = gpu.output_like(q, p.dtype)?;
-    let o_strides =
-        if lens.is_some() { Strides::of_packed(&o, "o")? } else { Strides::of(&o, "o")? };
+    let o_strides = p.strides_of(&o, "o")?;
     let [qs, ks, vs] = p.strides;
     let rows = [qs.row, ks.row, vs.row, o_strides.row];
     let v_strides_differ = (vs.batch, vs.head) != (ks.batch, ks.head);

@@ -579,15 +579,10 @@ fn forward_problem(
     let (k_ptr, _g1) = k.read_ptr(s);
     let (v_ptr, _g2) = v.read_ptr(s);
     let [qs, ks, vs] = p.strides;
-    // A packed batch as the kernel sees it: one batch entry of [heads, total, d].
-    let shape = |t: &Tensor, heads: usize| match p.packed {
-        Some(_) => vec![1, heads, t.shape()[0], p.d],
-        None => t.shape().to_vec(),
-    };
     let maps = [
-        tensor_map_16("q", (&shape(q, p.heads_q), q.dtype()), qs, q_ptr, tiles.br())?,
-        tensor_map_16("k", (&shape(k, p.heads_kv), k.dtype()), ks, k_ptr, tiles.bc)?,
-        tensor_map_16("v", (&shape(v, p.heads_kv), v.dtype()), vs, v_ptr, tiles.bc)?,
+        tensor_map_16("q", (&p.kernel_dims(q), q.dtype()), qs, q_ptr, tiles.br())?,
+        tensor_map_16("k", (&p.kernel_dims(k), k.dtype()), ks, k_ptr, tiles.bc)?,
+        tensor_map_16("v", (&p.kernel_dims(v), v.dtype()), vs, v_ptr, tiles.bc)?,
     ];
     launch(gpu, p, Launch { tiles, schedule, maps, fp8: None, lens }, o)
 }
@@ -743,11 +738,8 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
     let o_smem = o_through_shared(tiles, p.d, operand_bytes, packed);
     let smem = shared_bytes(tiles, p.d, operand_bytes, o_smem, packed);
     gpu.prepare(&kernel, smem)?;
-    let (o_strides, o_dims) = match p.packed {
-        Some(_) => (Strides::of_packed(&o, "o")?, vec![1, p.heads_q, o.shape()[0], p.d]),
-        None => (Strides::of(&o, "o")?, o.shape().to_vec()),
-    };
-    let o_layout = (o_dims, o.dtype());
+    let o_strides = p.strides_of(&o, "o")?;
+    let o_layout = (p.kernel_dims(&o), o.dtype());
     let mut lse = gpu.output(&p.lse_shape(), DType::F32)?;
     let table = lens.map(|lens| lens.tiles(gpu, tiles.br(), p.causal)).transpose()?;
     {

@@ -169,10 +169,10 @@ impl Strides {
     /// The strides of a packed `[total, heads, d]` tensor ([`crate::varlen`]) as the kernels see
     /// it: one batch entry of `[heads, total, d]`, each sequence's rows an offset into it.
     pub(crate) fn of_packed(t: &Tensor, name: &str) -> Result<Strides> {
-        let [total, heads, d] =
-            dims(t.shape(), &format!("{name} must be [total, heads, head_dim]"))?;
+        let packed = dims(t.shape(), &format!("{name} must be [total, heads, head_dim]"))?;
         let [row, head, column] = dims(t.strides(), "strides")?;
-        let shape = [1, heads, total, d];
+        let shape = one_batch(packed);
+        let [_, heads, total, d] = shape;
         Strides::checked(&shape, &[heads * total * d, head, row, column], t.dtype(), name)
     }
 
@@ -202,6 +202,12 @@ impl Strides {
         let [batch, head, row] = [0, 1, 2].map(|axis| step(axis) as i64);
         Ok(Strides { batch, head, row })
     }
+}
+
+/// A packed `[total, heads, d]` tensor as the kernels see it: one batch entry of `[heads, total,
+/// d]`, each sequence's rows an offset into it.
+fn one_batch([total, heads, d]: [usize; 3]) -> [usize; 4] {
+    [1, heads, total, d]
 }
 
 /// The dimensions of `softmax(scale · Q Kᵀ) V` with `Q: [batch, heads_q, n_q, d]` and
@@ -356,6 +362,24 @@ impl Problem {
             contiguous: [q, k, v].iter().all(|t| t.is_contiguous()),
             packed,
         })
+    }
+
+    /// The strides of `t` (Q, K, V, or an output laid out like them) as the kernels take them:
+    /// [`Strides::of_packed`] for a packed batch, [`Strides::of`] otherwise.
+    pub(crate) fn strides_of(&self, t: &Tensor, name: &str) -> Result<Strides> {
+        match self.packed {
+            Some(_) => Strides::of_packed(t, name),
+            None => Strides::of(t, name),
+        }
+    }
+
+    /// The dimensions of `t` (one [`Problem::strides_of`] takes) as the kernels see them: a
+    /// packed `[total, heads, d]` tensor is one batch entry of `[heads, total, d]`.
+    pub(crate) fn kernel_dims(&self, t: &Tensor) -> Vec<usize> {
+        match (self.packed, <[usize; 3]>::try_from(t.shape())) {
+            (Some(_), Ok(packed)) => one_batch(packed).to_vec(),
+            _ => t.shape().to_vec(),
+        }
     }
 
     /// Fails unless Q, K and V are row-major with no gaps, for the rungs that take no strides

@@ -76,21 +76,13 @@ pub(crate) struct TileTable {
 impl SeqLens {
     /// Uploads `cu_seqlens_q` and `cu_seqlens_k` (`batch + 1` offsets each), checked.
     pub fn upload(gpu: &Gpu, cu_seqlens_q: &[i32], cu_seqlens_k: &[i32]) -> Result<SeqLens> {
-        let host_q = offsets("cu_seqlens_q", cu_seqlens_q)?;
-        let host_k = offsets("cu_seqlens_k", cu_seqlens_k)?;
-        same_batch(&host_q, &host_k)?;
+        let host = host_offsets(cu_seqlens_q, cu_seqlens_k)?;
         let upload = |values: &[i32]| {
             gpu.stream()
                 .clone_htod(values)
                 .map_err(KernelError::alloc(std::mem::size_of_val(values)))
         };
-        Ok(SeqLens {
-            cu_q: upload(cu_seqlens_q)?,
-            cu_k: upload(cu_seqlens_k)?,
-            host_q,
-            host_k,
-            tables: Mutex::default(),
-        })
+        Ok(SeqLens::from_parts((upload(cu_seqlens_q)?, upload(cu_seqlens_k)?), host))
     }
 
     /// The offsets of sequences with `q_lens[b]` queries and `k_lens[b]` keys.
@@ -128,9 +120,10 @@ impl SeqLens {
                 .clone_dtoh(s)
                 .map_err(KernelError::driver(format!("copying {name} to the host")))
         };
-        let host_q = offsets("cu_seqlens_q", &download("cu_seqlens_q", &cu_seqlens_q)?)?;
-        let host_k = offsets("cu_seqlens_k", &download("cu_seqlens_k", &cu_seqlens_k)?)?;
-        same_batch(&host_q, &host_k)?;
+        let (host_q, host_k) = host_offsets(
+            &download("cu_seqlens_q", &cu_seqlens_q)?,
+            &download("cu_seqlens_k", &cu_seqlens_k)?,
+        )?;
         for (name, cu, max) in [("q", &host_q, max_seqlen_q), ("k", &host_k, max_seqlen_k)] {
             if let Some(b) = cu.windows(2).position(|w| w[1] - w[0] > max) {
                 return Err(KernelError::Shape(format!(
@@ -140,13 +133,15 @@ impl SeqLens {
                 )));
             }
         }
-        Ok(SeqLens {
-            cu_q: cu_seqlens_q,
-            cu_k: cu_seqlens_k,
-            host_q,
-            host_k,
-            tables: Mutex::default(),
-        })
+        Ok(SeqLens::from_parts((cu_seqlens_q, cu_seqlens_k), (host_q, host_k)))
+    }
+
+    /// The offsets on the device and their checked host copies ([`host_offsets`]).
+    fn from_parts(
+        (cu_q, cu_k): (CudaSlice<i32>, CudaSlice<i32>),
+        (host_q, host_k): (Vec<usize>, Vec<usize>),
+    ) -> SeqLens {
+        SeqLens { cu_q, cu_k, host_q, host_k, tables: Mutex::default() }
     }
 
     /// Number of sequences.
@@ -270,14 +265,15 @@ pub(crate) struct VarlenParams {
 unsafe impl DeviceRepr for VarlenParams {}
 
 impl VarlenParams {
-    /// The kernels' view of `lens` and its tile table, and the guards that order the launch
-    /// after the offsets' and the table's uploads (and their eventual frees after the launch):
-    /// keep them until the kernel is queued.
-    pub(crate) fn new<'a>(
+    /// The kernels' view of a packed batch's offsets and tile table, with the guards that order
+    /// the launch after their uploads (and their eventual frees after the launch): keep them
+    /// until the kernel is queued. For a fixed-length batch (`None`), zeros, which its kernel
+    /// never reads, and no guards.
+    pub(crate) fn of<'a>(
         gpu: &'a Gpu,
-        lens: &'a SeqLens,
-        table: &'a TileTable,
-    ) -> (VarlenParams, [SyncOnDrop<'a>; 3]) {
+        packed: Option<(&'a SeqLens, &'a TileTable)>,
+    ) -> (VarlenParams, Option<[SyncOnDrop<'a>; 3]>) {
+        let Some((lens, table)) = packed else { return (VarlenParams::default(), None) };
         let s = gpu.stream();
         let (cu_q, g0) = lens.cu_q.device_ptr(s);
         let (cu_k, g1) = lens.cu_k.device_ptr(s);
@@ -285,22 +281,7 @@ impl VarlenParams {
         // Both counts are below 2^31: the offsets are i32, the table's length is checked.
         let n_tiles = table.len as i32;
         let total_q = lens.totals().0 as i32;
-        (VarlenParams { cu_q, cu_k, tiles, n_tiles, total_q }, [g0, g1, g2])
-    }
-
-    /// [`VarlenParams::new`] for a packed batch, or zeros (which a fixed-length kernel never
-    /// reads) and no guards.
-    pub(crate) fn of<'a>(
-        gpu: &'a Gpu,
-        packed: Option<(&'a SeqLens, &'a TileTable)>,
-    ) -> (VarlenParams, Option<[SyncOnDrop<'a>; 3]>) {
-        match packed {
-            Some((lens, table)) => {
-                let (params, guards) = VarlenParams::new(gpu, lens, table);
-                (params, Some(guards))
-            }
-            None => (VarlenParams::default(), None),
-        }
+        (VarlenParams { cu_q, cu_k, tiles, n_tiles, total_q }, Some([g0, g1, g2]))
     }
 }
 
@@ -323,6 +304,13 @@ fn offsets(name: &str, cu: &[i32]) -> Result<Vec<usize>> {
         )));
     }
     Ok(cu.iter().map(|&x| x as usize).collect())
+}
+
+/// Both offset lists checked ([`offsets`]) and of one batch, widened.
+fn host_offsets(cu_q: &[i32], cu_k: &[i32]) -> Result<(Vec<usize>, Vec<usize>)> {
+    let (q, k) = (offsets("cu_seqlens_q", cu_q)?, offsets("cu_seqlens_k", cu_k)?);
+    same_batch(&q, &k)?;
+    Ok((q, k))
 }
 
 fn same_batch(q: &[usize], k: &[usize]) -> Result<()> {

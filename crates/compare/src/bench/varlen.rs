@@ -16,7 +16,7 @@ use anyhow::Context;
 use ladder_compare::GpuRung;
 use ladder_compare::results::{Direction, attention_flops};
 use ladder_kernels::varlen::SeqLens;
-use ladder_kernels::{Gpu, Options, Tensor, fa2, fa3};
+use ladder_kernels::{Gpu, Options, Tensor};
 
 use super::plan::Plan;
 use super::timing::{self, HostPool, Step};
@@ -67,14 +67,16 @@ pub(super) fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
     let tokens: usize = lens.iter().sum();
     let mean = tokens / SEQUENCES;
     let seqlens = SeqLens::from_lengths(gpu, &lens, &lens)?;
-    let rungs: Vec<GpuRung> = [GpuRung::Fa2, GpuRung::Fa3]
+    // The rungs with a packed entry point, each with its fixed-length one.
+    let rungs: Vec<_> = GpuRung::ALL
         .into_iter()
         .filter(|r| plan.rungs.contains(&r.name()) && r.available_on(gpu))
+        .filter_map(|r| Some((r, r.varlen_forward()?, r.forward()?)))
         .collect();
     eprintln!(
         "varlen: {SEQUENCES} sequences of {SHORTEST} … {LONGEST} tokens ({tokens} in all, mean \
          {mean}); fixed-length rows: {SEQUENCES} × {mean}; rungs {:?}",
-        rungs.iter().map(|r| r.name()).collect::<Vec<_>>()
+        rungs.iter().map(|r| r.0.name()).collect::<Vec<_>>()
     );
     let mut pool = HostPool::default();
     let mut rows = Vec::new();
@@ -96,19 +98,13 @@ pub(super) fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
             let flop = |n: &[usize]| -> f64 {
                 n.iter().map(|&n| attention_flops(Direction::Fwd, 1, heads, n, n, d, causal)).sum()
             };
-            for &rung in &rungs {
+            for &(rung, varlen_run, fixed_run) in &rungs {
                 let varlen: Step = Box::new(|_| {
-                    let run = if rung == GpuRung::Fa3 {
-                        fa3::forward_varlen
-                    } else {
-                        fa2::forward_varlen
-                    };
-                    let o = run(gpu, &packed[0], &packed[1], &packed[2], &seqlens, &opts)?;
+                    let o = varlen_run(gpu, &packed[0], &packed[1], &packed[2], &seqlens, &opts)?;
                     Ok(vec![o.o, o.lse])
                 });
                 let fixed_step: Step = Box::new(|_| {
-                    let run = if rung == GpuRung::Fa3 { fa3::forward } else { fa2::forward };
-                    let o = run(gpu, &fixed[0], &fixed[1], &fixed[2], &opts)?;
+                    let o = fixed_run(gpu, &fixed[0], &fixed[1], &fixed[2], &opts)?;
                     Ok(vec![o.o, o.lse])
                 });
                 for (batching, mut step, flop) in [
