@@ -30,10 +30,11 @@ grep -E "^test result|FAILED|panicked|=== " "$out/tests.log" | tail -40
 # The GPU test binaries built from crates/compare/tests/gpu.rs (the prefill rungs),
 # gpu_decode.rs (FlashDecoding and FlashDecoding++: drawn shapes contiguous and paged for every
 # strategy and with forced fallbacks, and page tables pointing outside the cache, which must never
-# be followed) and gpu_fp8.rs (FA3's FP8 path).
+# be followed), gpu_fp8.rs (FA3's FP8 path) and gpu_varlen.rs (packed variable-length batches).
 gpu_bin=$(ls .gpu/bin/gpu-* 2>/dev/null | head -1)
 decode_bin=$(ls .gpu/bin/gpu_decode-* 2>/dev/null | head -1)
 fp8_bin=$(ls .gpu/bin/gpu_fp8-* 2>/dev/null | head -1)
+varlen_bin=$(ls .gpu/bin/gpu_varlen-* 2>/dev/null | head -1)
 sanitize() {  # sanitize NAME BINARY TEST_FILTERS...
   local name=$1 bin=$2; shift 2
   for tool in memcheck racecheck synccheck; do
@@ -52,6 +53,10 @@ if [ -n "$gpu_bin" ] && command -v compute-sanitizer >/dev/null; then
   fi
   if [ -n "$fp8_bin" ]; then  # FA3's FP8 path: the quantisation kernels and the e4m3 attention
     sanitize fp8 "$fp8_bin" gpu_fa3_fp8_fp16 gpu_fp8_rejects
+  fi
+  if [ -n "$varlen_bin" ]; then  # packed variable-length batches: FA2, FA3 forward, FA2 backward
+    sanitize varlen "$varlen_bin" gpu_fa2_varlen_fp16 gpu_fa3_varlen_fp16 \
+      gpu_fa2_varlen_backward_fp16 gpu_fa2_varlen_deterministic
   fi
 else
   summary+=("compute-sanitizer: not run (no gpu test binary or no sanitizer)")

@@ -41,6 +41,18 @@ pub type BackwardFn = fn(
     &Options,
 ) -> ladder_kernels::Result<Gradients>;
 
+/// A backward kernel on a packed variable-length batch.
+pub type VarlenBackwardFn = fn(
+    &Gpu,
+    &Tensor,
+    &Tensor,
+    &Tensor,
+    &Output,
+    &Tensor,
+    &ladder_kernels::varlen::SeqLens,
+    &Options,
+) -> ladder_kernels::Result<Gradients>;
+
 /// The FP8 path's quantisation: `Q, K, V` to e4m3 with their scales.
 pub type QuantizeFn =
     fn(&Gpu, &Tensor, &Tensor, &Tensor, &Options, &Fp8Options) -> ladder_kernels::Result<Fp8Inputs>;
@@ -351,6 +363,19 @@ impl GpuRung {
         match self {
             GpuRung::Fa2 => Some(fa2::forward_varlen),
             GpuRung::Fa3 => Some(fa3::forward_varlen),
+            _ => None,
+        }
+    }
+
+    /// A backward rung's passes on packed variable-length batches, where it has them (FA2's):
+    /// the forward that gives the backward `O` and `lse`, the backward, and whether the rung is
+    /// the deterministic one (for [`Options::deterministic`]).
+    pub fn varlen_backward(self) -> Option<(VarlenForwardFn, VarlenBackwardFn, bool)> {
+        match (self, self.kernels()) {
+            (
+                GpuRung::Fa2Backward | GpuRung::Fa2BackwardDeterministic,
+                Kernels::Backward { deterministic, .. },
+            ) => Some((fa2::forward_varlen, fa2::backward_varlen, deterministic)),
             _ => None,
         }
     }

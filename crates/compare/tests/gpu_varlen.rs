@@ -1,4 +1,5 @@
-//! Packed variable-length batches on the GPU rungs (`fa2::forward_varlen`, `fa3::forward_varlen`).
+//! Packed variable-length batches on the GPU rungs (`fa2::forward_varlen`, `fa3::forward_varlen`,
+//! `fa2::backward_varlen`).
 //!
 //! Each case draws a ragged batch (lengths 0, 1, a tile ± 1 for the kernels' 64-, 128- and
 //! 176-row tiles, and anything up to a few tiles; sequences with no queries or no keys), GQA, a
@@ -7,20 +8,24 @@
 //! a read outside the view poisons the result). The kernel's outputs are poisoned before launch.
 //! Every sequence's rows of the packed O and lse are then held, as in `gpu.rs`, to the float64
 //! oracle run on that sequence alone and to the rung's CPU counterpart; rows that see no key
-//! must be O = 0, lse = −∞. A batch of equal lengths must give bitwise the fixed-length kernel's
-//! result.
+//! must be O = 0, lse = −∞. The backward's gradients are held to the oracle's gradients of each
+//! sequence and the CPU FA2 backward the same way (dO drawn and packed like Q); rows of a sequence
+//! without keys, and keys of one without queries, must get exactly zero. A batch of equal lengths
+//! must give bitwise the fixed-length kernels' results.
 //!
 //! Without a GPU these tests print a notice and pass; with `LADDER_REQUIRE_GPU=1` (the GPU
 //! bundle) a missing GPU fails them.
 
-use ladder_compare::gpu_check::{expected_forward, narrow, options, shared_gpu};
+use ladder_compare::gpu_check::{
+    expected_backward, expected_forward, narrow, options, shared_gpu, vs_cpu_backward,
+};
 use ladder_compare::gpu_rungs::VarlenForwardFn;
-use ladder_compare::oracle::{Expected, Oracle, check};
+use ladder_compare::oracle::{Expected, GradientOracle, Oracle, check};
 use ladder_compare::packed as packed_rows;
 use ladder_compare::{GpuRung, RungConfig};
 use ladder_kernels::varlen::SeqLens;
 use ladder_kernels::{DType, Gpu, KernelError, Options, Tensor, fa2, fa3};
-use ladder_reference::AttentionOptions;
+use ladder_reference::{AttentionOptions, Gradients};
 use ndarray::Array3;
 use proptest::prelude::*;
 use rand::SeedableRng;
@@ -91,8 +96,9 @@ struct Batch {
     seed: u64,
 }
 
-fn batches() -> impl Strategy<Value = Batch> {
-    let dims: Vec<usize> = (1..=32).map(|i| 8 * i).collect();
+/// Ragged batches with head dims up to `max_d` (every multiple of 8).
+fn batches(max_d: usize) -> impl Strategy<Value = Batch> {
+    let dims: Vec<usize> = (1..=max_d / 8).map(|i| 8 * i).collect();
     (
         prop::collection::vec((length(), length()), 1..=6),
         1usize..=2,
@@ -116,6 +122,27 @@ fn batches() -> impl Strategy<Value = Batch> {
         })
 }
 
+/// A drawn batch's offsets and its packed Q, K, V, dO (in f64, rounded to the type) with Q, K, V
+/// and dO on the device (packed, or with gaps as `batch.gaps` says).
+struct Drawn {
+    lens: SeqLens,
+    x: [Array3<f64>; 4],
+    t: [Tensor; 4],
+}
+
+fn draw(gpu: &Gpu, batch: &Batch, dtype: DType) -> Result<Drawn, TestCaseError> {
+    let heads_q = batch.heads_kv * batch.group;
+    let (q_lens, k_lens): (Vec<usize>, Vec<usize>) = batch.lens.iter().copied().unzip();
+    let lens = SeqLens::from_lengths(gpu, &q_lens, &k_lens).map_err(fail)?;
+    let (total_q, total_k) = lens.totals();
+    let mut rng = ChaCha8Rng::seed_from_u64(batch.seed);
+    let (q_shape, kv_shape) = ((total_q, heads_q, batch.d), (total_k, batch.heads_kv, batch.d));
+    let x = [q_shape, kv_shape, kv_shape, q_shape].map(|shape| packed(shape, dtype, &mut rng));
+    let [q, k, v, d_o] = [0, 1, 2, 3].map(|i| upload(gpu, &x[i], dtype, batch.gaps));
+    let t = [q.map_err(fail)?, k.map_err(fail)?, v.map_err(fail)?, d_o.map_err(fail)?];
+    Ok(Drawn { lens, x, t })
+}
+
 /// Runs `rung`'s varlen forward on `batch` and checks every sequence.
 fn check_varlen(rung: GpuRung, batch: &Batch, dtype: DType) -> Result<(), TestCaseError> {
     let Some(gpu) = gpu() else { return Ok(()) };
@@ -123,23 +150,14 @@ fn check_varlen(rung: GpuRung, batch: &Batch, dtype: DType) -> Result<(), TestCa
         eprintln!("{rung} skipped: {} is {}", gpu.name(), gpu.arch());
         return Ok(());
     }
-    let Batch { heads_kv, group, d, causal, gaps, seed, .. } = *batch;
-    let heads_q = heads_kv * group;
-    let (q_lens, k_lens): (Vec<usize>, Vec<usize>) = batch.lens.iter().copied().unzip();
-    let lens = SeqLens::from_lengths(gpu, &q_lens, &k_lens).map_err(fail)?;
-    let (total_q, total_k) = lens.totals();
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let q = packed((total_q, heads_q, d), dtype, &mut rng);
-    let k = packed((total_k, heads_kv, d), dtype, &mut rng);
-    let v = packed((total_k, heads_kv, d), dtype, &mut rng);
-    let [qt, kt, vt] = [&q, &k, &v].map(|x| upload(gpu, x, dtype, gaps));
-    let (qt, kt, vt) = (qt.map_err(fail)?, kt.map_err(fail)?, vt.map_err(fail)?);
+    let (d, causal, heads_q) = (batch.d, batch.causal, batch.heads_kv * batch.group);
+    let Drawn { lens, x: [q, k, v, _], t: [qt, kt, vt, _] } = draw(gpu, batch, dtype)?;
+    let total_q = lens.totals().0;
     let (attention, opts) = options(&AttentionOptions { causal, scale: None }, d);
     let out = varlen_forward(rung)(gpu, &qt, &kt, &vt, &lens, &opts).map_err(fail)?;
     prop_assert_eq!(out.o.shape(), &[total_q, heads_q, d][..]);
     prop_assert_eq!(out.lse.shape(), &[heads_q, total_q][..]);
-    let o = Array3::from_shape_vec((total_q, heads_q, d), out.o.to_f32_vec().map_err(fail)?)
-        .map_err(fail)?;
+    let o = download3(&out.o, (total_q, heads_q, d))?;
     let lse =
         ndarray::Array2::from_shape_vec((heads_q, total_q), out.lse.to_f32_vec().map_err(fail)?)
             .map_err(fail)?;
@@ -170,26 +188,115 @@ fn check_varlen(rung: GpuRung, batch: &Batch, dtype: DType) -> Result<(), TestCa
     Ok(())
 }
 
+/// Packed `[total, heads, d]` f32 values downloaded from `t`.
+fn download3(t: &Tensor, shape: (usize, usize, usize)) -> Result<Array3<f32>, TestCaseError> {
+    Array3::from_shape_vec(shape, t.to_f32_vec().map_err(fail)?).map_err(fail)
+}
+
+/// Runs the FA2 forward and backward on `batch` (dO drawn like Q) and checks every sequence's
+/// gradients against the oracle and the CPU FA2 backward.
+fn check_varlen_backward(
+    batch: &Batch,
+    dtype: DType,
+    deterministic: bool,
+) -> Result<(), TestCaseError> {
+    let Some(gpu) = gpu() else { return Ok(()) };
+    let (d, causal, heads_kv) = (batch.d, batch.causal, batch.heads_kv);
+    let heads_q = heads_kv * batch.group;
+    let Drawn { lens, x: [q, k, v, d_o], t: [qt, kt, vt, dot] } = draw(gpu, batch, dtype)?;
+    let (total_q, total_k) = lens.totals();
+    let (attention, opts) = options(&AttentionOptions { causal, scale: None }, d);
+    let opts = Options { deterministic, ..opts };
+    let out = fa2::forward_varlen(gpu, &qt, &kt, &vt, &lens, &opts).map_err(fail)?;
+    let g = fa2::backward_varlen(gpu, &qt, &kt, &vt, &out, &dot, &lens, &opts).map_err(fail)?;
+    prop_assert_eq!(g.dq.shape(), &[total_q, heads_q, d][..]);
+    prop_assert_eq!(g.dk.shape(), &[total_k, heads_kv, d][..]);
+    let dq = download3(&g.dq, (total_q, heads_q, d))?;
+    let dk = download3(&g.dk, (total_k, heads_kv, d))?;
+    let dv = download3(&g.dv, (total_k, heads_kv, d))?;
+    let mode = if deterministic { "deterministic" } else { "atomic" };
+    for b in 0..lens.batch() {
+        let (rows, keys) = (lens.q_range(b), lens.k_range(b));
+        if rows.is_empty() || keys.is_empty() {
+            // Nothing flows: this sequence's query rows (or keys) get exactly zero gradients.
+            let zero = |x: &Array3<f32>, r: std::ops::Range<usize>| {
+                packed_rows::rows(x, r).iter().all(|&x| x == 0.0)
+            };
+            prop_assert!(zero(&dq, rows.clone()), "sequence {} without keys: dQ must be 0", b);
+            prop_assert!(
+                zero(&dk, keys.clone()) && zero(&dv, keys),
+                "sequence {}: dK, dV must be 0",
+                b
+            );
+            continue;
+        }
+        let x = packed_rows::inputs((&q, &k, &v), Some(&d_o), rows.clone(), keys.clone());
+        let got = Gradients {
+            dq: packed_rows::rows(&dq, rows),
+            dk: packed_rows::rows(&dk, keys.clone()),
+            dv: packed_rows::rows(&dv, keys),
+            stats: Default::default(),
+        };
+        let oracle = GradientOracle::new(&x, &attention).map_err(fail)?;
+        let expected = expected_backward(&oracle, &x, dtype).map_err(fail)?;
+        let (errs, pass) = expected.judge(&got);
+        let [tq, tk, tv] = expected.tolerances;
+        prop_assert!(
+            pass,
+            "fa2 varlen backward ({dtype}, {mode}), sequence {b} of {:?}: dQ {} dK {} dV {} \
+             (tol {tq} / {tk} / {tv})",
+            batch.lens,
+            errs[0],
+            errs[1],
+            errs[2]
+        );
+        let pairs = vs_cpu_backward(&oracle, &narrow(&x), &got, &expected).map_err(fail)?;
+        for (t, (err, tol)) in pairs.into_iter().enumerate() {
+            prop_assert!(
+                tol.admits(err),
+                "fa2 varlen backward ({dtype}, {mode}), sequence {b}: gradient {t} vs CPU fa2 {err} \
+                 (tol {tol})"
+            );
+        }
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(cases_per_property()))]
 
     #[test]
-    fn gpu_fa2_varlen_fp16_meets_the_oracle_on_every_sequence(batch in batches()) {
+    fn gpu_fa2_varlen_backward_fp16_meets_the_oracle_on_every_sequence(batch in batches(128)) {
+        check_varlen_backward(&batch, DType::F16, false)?;
+    }
+
+    #[test]
+    fn gpu_fa2_varlen_backward_bf16_meets_the_oracle_on_every_sequence(batch in batches(128)) {
+        check_varlen_backward(&batch, DType::BF16, false)?;
+    }
+
+    #[test]
+    fn gpu_fa2_varlen_deterministic_backward_meets_the_oracle_on_every_sequence(batch in batches(128), bf16 in any::<bool>()) {
+        check_varlen_backward(&batch, if bf16 { DType::BF16 } else { DType::F16 }, true)?;
+    }
+
+    #[test]
+    fn gpu_fa2_varlen_fp16_meets_the_oracle_on_every_sequence(batch in batches(256)) {
         check_varlen(GpuRung::Fa2, &batch, DType::F16)?;
     }
 
     #[test]
-    fn gpu_fa2_varlen_bf16_meets_the_oracle_on_every_sequence(batch in batches()) {
+    fn gpu_fa2_varlen_bf16_meets_the_oracle_on_every_sequence(batch in batches(256)) {
         check_varlen(GpuRung::Fa2, &batch, DType::BF16)?;
     }
 
     #[test]
-    fn gpu_fa3_varlen_fp16_meets_the_oracle_on_every_sequence(batch in batches()) {
+    fn gpu_fa3_varlen_fp16_meets_the_oracle_on_every_sequence(batch in batches(256)) {
         check_varlen(GpuRung::Fa3, &batch, DType::F16)?;
     }
 
     #[test]
-    fn gpu_fa3_varlen_bf16_meets_the_oracle_on_every_sequence(batch in batches()) {
+    fn gpu_fa3_varlen_bf16_meets_the_oracle_on_every_sequence(batch in batches(256)) {
         check_varlen(GpuRung::Fa3, &batch, DType::BF16)?;
     }
 }
@@ -237,6 +344,42 @@ fn gpu_varlen_of_equal_lengths_is_the_fixed_length_kernel() {
     }
 }
 
+/// The backward of sequences of one length is the fixed-length backward: bitwise, in both modes
+/// (dQ only in deterministic mode: atomic mode adds its key tiles' shares in no fixed order), at
+/// a head dim where both take the same tiles (past d = 64 the packed one steps 32 query rows).
+#[test]
+fn gpu_varlen_backward_of_equal_lengths_is_the_fixed_length_kernel() {
+    let Some(gpu) = gpu() else { return };
+    let (b, s, h, d) = (3, 333, 4, 64);
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    let x = packed((b * s, h, d), DType::F16, &mut rng);
+    let g = packed((b * s, h, d), DType::F16, &mut rng);
+    let (values, grad): (Vec<f32>, Vec<f32>) =
+        (x.iter().map(|&v| v as f32).collect(), g.iter().map(|&v| v as f32).collect());
+    let lens = SeqLens::from_lengths(gpu, &[s; 3], &[s; 3]).unwrap();
+    for deterministic in [false, true] {
+        for opts in [Options::full(), Options::causal()] {
+            let opts = Options { deterministic, ..opts };
+            let fixed = |v: &[f32]| gpu.upload(v, &[b, s, h, d], DType::F16)?.transpose(1, 2);
+            let (q, d_o) = (fixed(&values).unwrap(), fixed(&grad).unwrap());
+            let out = fa2::forward(gpu, &q, &q, &q, &opts).unwrap();
+            let want = fa2::backward(gpu, &q, &q, &q, &out, &d_o, &opts).unwrap();
+            let flat = |v: &[f32]| gpu.upload(v, &[b * s, h, d], DType::F16);
+            let (q, d_o) = (flat(&values).unwrap(), flat(&grad).unwrap());
+            let out = fa2::forward_varlen(gpu, &q, &q, &q, &lens, &opts).unwrap();
+            let got = fa2::backward_varlen(gpu, &q, &q, &q, &out, &d_o, &lens, &opts).unwrap();
+            let bytes = |t: &Tensor| t.to_bytes().unwrap();
+            let fixed_bytes = |t: Tensor| t.transpose(1, 2).unwrap().to_bytes().unwrap();
+            let label = format!("deterministic = {deterministic}, {opts:?}");
+            assert_eq!(bytes(&got.dk), fixed_bytes(want.dk), "{label}: dK");
+            assert_eq!(bytes(&got.dv), fixed_bytes(want.dv), "{label}: dV");
+            if deterministic {
+                assert_eq!(bytes(&got.dq), fixed_bytes(want.dq), "{label}: dQ");
+            }
+        }
+    }
+}
+
 /// Bad offsets and shapes are one-line errors, never a panic or a wrong answer.
 #[test]
 fn gpu_varlen_rejects_bad_input() {
@@ -275,4 +418,22 @@ fn gpu_varlen_rejects_bad_input() {
         let e = call(&cols, &t(&[8, 2, 64]));
         assert!(e.contains("must be contiguous (stride 1)"), "{e}");
     }
+
+    // The backward checks the forward's output and dO against the packed shapes.
+    let (q, k) = (t(&[8, 2, 64]), t(&[8, 2, 64]));
+    let opts = Options::causal();
+    let out = fa2::forward_varlen(gpu, &q, &k, &k, &lens, &opts).unwrap();
+    let backward = |out: &ladder_kernels::Output, d_o: &Tensor| {
+        fa2::backward_varlen(gpu, &q, &k, &k, out, d_o, &lens, &opts).unwrap_err().to_string()
+    };
+    let e = backward(&out, &t(&[8, 2, 32]));
+    assert!(e.contains("d_o has shape [8, 2, 32], expected [8, 2, 64]"), "{e}");
+    let fixed_out =
+        fa2::forward(gpu, &t(&[1, 2, 8, 64]), &t(&[1, 2, 8, 64]), &t(&[1, 2, 8, 64]), &opts);
+    let e = backward(&fixed_out.unwrap(), &t(&[8, 2, 64]));
+    assert!(e.contains("out.o has shape [1, 2, 8, 64], expected [8, 2, 64]"), "{e}");
+    let (q, k) = (t(&[8, 2, 136]), t(&[8, 2, 136]));
+    let out = fa2::forward_varlen(gpu, &q, &k, &k, &lens, &opts).unwrap();
+    let e = fa2::backward_varlen(gpu, &q, &k, &k, &out, &q, &lens, &opts).unwrap_err().to_string();
+    assert!(e.contains("multiples of 8 from 8 to 128"), "{e}");
 }

@@ -15,6 +15,13 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
                  "l"(gmem), "r"(src_bytes));
 }
+// Copy 4 bytes (one float), zero-filled when `valid` is false: for rows of per-row statistics that
+// start anywhere, where 16-byte chunks would not be aligned.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
+    int src_bytes = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)),
+                 "l"(gmem), "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Wait until at most N committed groups are still in flight.
 template <int N>

@@ -50,6 +50,12 @@
 //   FA2_DETERMINISTIC  1: dQ by fa2_backward_dq instead of atomics
 //   FA2_DQ_MT, FA2_DQ_WARPS, FA2_DQ_BC   fa2_backward_dq's 16-row tiles per warp, warps, keys per
 //                      K/V tile (BR_DQ = 16·FA2_DQ_MT·FA2_DQ_WARPS query rows per block)
+//   FA2_VARLEN         1 for a packed variable-length batch (varlen.cuh): fa2_backward's block x
+//                      takes the key block p.varlen's table names, fa2_backward_dq's the query
+//                      block (the host passes each kernel its table); prep and finish see the
+//                      packed tensors as one batch entry of total_q (total_k) rows, which is what
+//                      they are.
+//   FA2_HOST_PARAMS_BYTES  the host's size of the parameter block, checked against this one's
 
 #include "copy.cuh"
 #include "layout.cuh"
@@ -57,6 +63,7 @@
 #include "mma.cuh"
 #include "softmax.cuh"
 #include "types.cuh"
+#include "varlen.cuh"
 
 #ifndef FA2_D
 #define FA2_D 128
@@ -73,6 +80,9 @@
 #ifndef FA2_DETERMINISTIC
 #define FA2_DETERMINISTIC 0
 #endif
+#ifndef FA2_VARLEN
+#define FA2_VARLEN 0
+#endif
 
 constexpr int D = FA2_D;
 constexpr int DK = HeadDim<D>::DK;      // columns of the products (D rounded up to 16)
@@ -83,12 +93,17 @@ constexpr int THREADS = WARPS * 32;
 constexpr int BC = WARPS * 16;
 constexpr bool causal = FA2_CAUSAL;
 constexpr bool deterministic = FA2_DETERMINISTIC;
+constexpr bool packed = FA2_VARLEN;
 constexpr int NQ = BR / 8;  // 8-column accumulator tiles across the queries of a tile
+// Row length of the dSᵀ tile: BR, but at least the swizzle's span (copy.cuh: 8 chunks of 16 bytes).
+constexpr int DS_COLS = BR < 64 ? 64 : BR;
 constexpr int DT = DK / 8;  // 8-column accumulator tiles across d
 
 // One parameter block for every entry point. Q, O, dO, dQ are [batch, heads_q, n_q, D]; K, V,
 // dK, dV are [batch, heads_kv, n_kv, D]; 16-bit elements, any strides but the last (layout.cuh).
-// The f32 accumulators are the kernels' own, contiguous.
+// A packed batch is one batch entry: n_q = total_q, n_kv = total_k, each sequence's rows and
+// lengths in varlen (its rows of lse2 and D start at head·n_q_pad + its first row). The f32
+// arrays are the kernels' own, contiguous.
 struct Fa2BackwardParams {
     const u16* q;
     const u16* k;
@@ -120,7 +135,22 @@ struct Fa2BackwardParams {
     Strides dq_strides;
     Strides dk_strides;
     Strides dv_strides;
+    Varlen varlen;  // FA2_VARLEN only
 };
+
+#ifdef FA2_HOST_PARAMS_BYTES
+static_assert(sizeof(Fa2BackwardParams) == FA2_HOST_PARAMS_BYTES,
+              "the host's BackwardParams (src/fa2.rs) must mirror Fa2BackwardParams");
+#endif
+
+// Where the rows of (sequence `s`, query head `head`) start in lse2 and D (padded per head to
+// n_q_pad rows): after batch entry and head for a fixed-length batch, at the sequence's first row
+// for a packed one.
+__device__ __forceinline__ long long stat_rows(const Fa2BackwardParams& p, const SeqBlock& s,
+                                               int head) {
+    return packed ? (long long)head * p.n_q_pad + s.q_start
+                  : ((long long)s.batch * p.heads_q + head) * p.n_q_pad;
+}
 
 // ---- prep: D = rowsum(dO ∘ O), lse·log2(e), dQ accumulator = 0 ----------------------------------
 // One warp per query row; rows up to the padded length get D = lse = 0 so that whole query tiles
@@ -167,7 +197,7 @@ __device__ __forceinline__ void red_add2(float* addr, float x, float y) {
 // ---- main kernel: dK_j, dV_j (and, atomic mode, dQ) ---------------------------------------------
 // Launch: grid (ceil(n_kv / BC), heads_q, batch), block (THREADS = 32·WARPS, 1, 1), dynamic shared
 // memory
-//   atomic mode:        (2·BC + 4·BR)·COLS·2 + BC·BR·2 + 4·BR·4 bytes
+//   atomic mode:        (2·BC + 4·BR)·COLS·2 + BC·DS_COLS·2 + 4·BR·4 bytes
 //   deterministic mode: (2·BC + 4·BR)·COLS·2 + 4·BR·4 bytes
 // (K_j, V_j; two stages of Q_i and dO_i; atomic mode: dSᵀ; two stages of lse2 and D).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -177,46 +207,93 @@ fa2_backward(const __grid_constant__ Fa2BackwardParams p) {
     u16* sV = sK + BC * COLS;       // [BC][COLS]
     u16* sQ = sV + BC * COLS;       // [2][BR][COLS]
     u16* sdO = sQ + 2 * BR * COLS;  // [2][BR][COLS]
-    u16* sdS = sdO + 2 * BR * COLS;  // [BC][BR]: dSᵀ, keys on rows (atomic mode only)
-    float* sL = reinterpret_cast<float*>(sdS + (deterministic ? 0 : BC * BR));  // [2][BR] lse2
+    u16* sdS = sdO + 2 * BR * COLS;  // [BC][DS_COLS]: dSᵀ, keys on rows (atomic mode only)
+    float* sL = reinterpret_cast<float*>(sdS + (deterministic ? 0 : BC * DS_COLS));  // [2][BR] lse2
     float* sDelta = sL + 2 * BR;                                                  // [2][BR] D
 
-    const int head = blockIdx.y, batch = blockIdx.z;
+    // The block's keys (varlen.cuh): key block blockIdx.x of batch entry blockIdx.z, or, for a
+    // packed batch, the key block of one sequence that the host's table names, looked up once
+    // into shared memory. A packed sequence's offsets and lengths are read from there again where
+    // they are used (volatile), not held in registers across the products: the kernel is at its
+    // register limit. (`if constexpr`, not `?:`: a volatile read is not dropped from the branch
+    // not taken.)
+    __shared__ SeqBlock packed_seq;
+    if constexpr (packed) {
+        if (threadIdx.x == 0) packed_seq = packed_block(p.varlen, blockIdx.x);
+        __syncthreads();
+    }
+    const volatile SeqBlock& ps = packed_seq;
+    auto seq_n_q = [&]() -> int {
+        if constexpr (packed) return ps.n_q;
+        else return p.n_q;
+    };
+    auto seq_n_kv = [&]() -> int {
+        if constexpr (packed) return ps.n_kv;
+        else return p.n_kv;
+    };
+    auto key0 = [&]() -> int {  // the block's first key
+        if constexpr (packed) return ps.block * BC;
+        else return blockIdx.x * BC;
+    };
+    auto sequence = [&]() -> SeqBlock {  // all of it, where it is needed once
+        if constexpr (packed) return packed_block(p.varlen, blockIdx.x);
+        else return fixed_block(blockIdx.z, blockIdx.x, p.n_q, p.n_kv);
+    };
+
+    const int head = blockIdx.y, batch = packed ? 0 : blockIdx.z;
     const int kv_head = head / (p.heads_q / p.heads_kv);
-    const int k0 = blockIdx.x * BC;
+    const int k0 = key0();
     const int warp = warp_id();
     const size_t bh = (size_t)batch * p.heads_q + head;
-    const int n_q = p.n_q, n_kv = p.n_kv;
     const float scale_log2 = p.scale_log2;
 
+    // A fixed-length batch's rows, kept; a packed batch's are found again per query tile.
     const u16* gQ = head_base(p.q, p.q_strides, batch, head);
     const u16* gdO = head_base(p.d_o, p.d_o_strides, batch, head);
-    const u16* gK = head_base(p.k, p.k_strides, batch, kv_head);
-    const u16* gV = head_base(p.v, p.v_strides, batch, kv_head);
-    const float* gL = p.lse2 + bh * p.n_q_pad;
-    const float* gDelta = p.delta + bh * p.n_q_pad;
+    const float* fL = p.lse2 + bh * p.n_q_pad;
+    const float* fDelta = p.delta + bh * p.n_q_pad;
+    const SeqBlock first = sequence();
+    const u16* gK = head_base(p.k, p.k_strides, batch, kv_head) + first.k_start * p.k_strides.row;
+    const u16* gV = head_base(p.v, p.v_strides, batch, kv_head) + first.k_start * p.v_strides.row;
 
     // Query tiles that can see this key tile: with bottom-right alignment query i sees key j when
     // j <= i + shift, so tiles wholly before k0 − shift are skipped.
-    const int shift = n_kv - n_q;
-    const int t_end = (n_q + BR - 1) / BR;
+    const int t_end = (first.n_q + BR - 1) / BR;
     int t_begin = 0;
-    if (causal) t_begin = max(0, (k0 - shift) / BR);
+    if (causal) t_begin = max(0, (k0 - (first.n_kv - first.n_q)) / BR);
 
     auto load_query_tile = [&](int t, int stage) {
         const long long q_ld = p.q_strides.row, d_o_ld = p.d_o_strides.row;
-        load_tile<BR, COLS, DK, D, THREADS>(sQ + stage * BR * COLS, gQ, q_ld, t * BR, n_q);
-        load_tile<BR, COLS, DK, D, THREADS>(sdO + stage * BR * COLS, gdO, d_o_ld, t * BR, n_q);
-        // BR floats of lse2 and of D: 16-byte chunks from the padded arrays.
-        if (threadIdx.x < BR / 4)
-            cp_async_16(sL + stage * BR + threadIdx.x * 4, gL + t * BR + threadIdx.x * 4, true);
-        else if (threadIdx.x < BR / 2)
-            cp_async_16(sDelta + stage * BR + (threadIdx.x - BR / 4) * 4,
-                        gDelta + t * BR + (threadIdx.x - BR / 4) * 4, true);
+        const int n_q = seq_n_q();
+        if constexpr (packed) {
+            // The sequence's rows; lse2 and D start anywhere, so one float per thread.
+            const long long q_start = ps.q_start;
+            load_tile<BR, COLS, DK, D, THREADS>(sQ + stage * BR * COLS, gQ + q_start * q_ld, q_ld,
+                                                t * BR, n_q);
+            load_tile<BR, COLS, DK, D, THREADS>(sdO + stage * BR * COLS, gdO + q_start * d_o_ld,
+                                                d_o_ld, t * BR, n_q);
+            static_assert(2 * BR <= THREADS, "one thread per float of lse2 and D");
+            const int i = threadIdx.x % BR, row = t * BR + i;
+            if (threadIdx.x < 2 * BR) {
+                const long long rows = (long long)blockIdx.y * p.n_q_pad + q_start;
+                const float* src = (threadIdx.x < BR ? p.lse2 : p.delta) + rows;
+                float* dst = (threadIdx.x < BR ? sL : sDelta) + stage * BR;
+                cp_async_4(dst + i, src + (row < n_q ? row : 0), row < n_q);
+            }
+        } else {
+            load_tile<BR, COLS, DK, D, THREADS>(sQ + stage * BR * COLS, gQ, q_ld, t * BR, n_q);
+            load_tile<BR, COLS, DK, D, THREADS>(sdO + stage * BR * COLS, gdO, d_o_ld, t * BR, n_q);
+            // BR floats of lse2 and of D: 16-byte chunks from the padded arrays.
+            if (threadIdx.x < BR / 4)
+                cp_async_16(sL + stage * BR + threadIdx.x * 4, fL + t * BR + threadIdx.x * 4, true);
+            else if (threadIdx.x < BR / 2)
+                cp_async_16(sDelta + stage * BR + (threadIdx.x - BR / 4) * 4,
+                            fDelta + t * BR + (threadIdx.x - BR / 4) * 4, true);
+        }
     };
 
-    load_tile<BC, COLS, DK, D, THREADS>(sK, gK, p.k_strides.row, k0, n_kv);
-    load_tile<BC, COLS, DK, D, THREADS>(sV, gV, p.v_strides.row, k0, n_kv);
+    load_tile<BC, COLS, DK, D, THREADS>(sK, gK, p.k_strides.row, k0, first.n_kv);
+    load_tile<BC, COLS, DK, D, THREADS>(sV, gV, p.v_strides.row, k0, first.n_kv);
     if (t_begin < t_end) load_query_tile(t_begin, 0);
     cp_async_commit();
 
@@ -233,11 +310,17 @@ fa2_backward(const __grid_constant__ Fa2BackwardParams p) {
     const auto qBt = b_operand_trans<COLS>(sQ);      // dK += dSᵀ Q
     const auto dOBt = b_operand_trans<COLS>(sdO);    // dV += Pᵀ dO
 
-    // First key of the warp; a thread's accumulator rows (keys) are warp_key0 + acc_row(e).
-    const int warp_key0 = k0 + warp * 16;
-
-    for (int t = t_begin; t < t_end; ++t) {
-        const int stage = (t - t_begin) & 1;
+    // First key of the warp; a thread's accumulator rows (keys) are warp_key0() + acc_row(e).
+    auto warp_key0 = [&]() { return key0() + warp * 16; };
+    // The loop's end, and the stage of tile t, (t − t_begin) mod 2: a packed batch's end read
+    // again, its stage toggled (neither kept beside the loop index).
+    auto t_stop = [&]() -> int {
+        if constexpr (packed) return (ps.n_q + BR - 1) / BR;
+        else return t_end;
+    };
+    int toggled = 0;
+    for (int t = t_begin; t < t_stop(); ++t, toggled ^= 1) {
+        const int stage = packed ? toggled : (t - t_begin) & 1;
         // Query tile t is the only copy in flight; after the barrier no warp reads the other
         // stage (tile t − 1) any more, so tile t + 1 is copied there during this tile's work
         // (issued after Pᵀ below, outside the register peak of the Sᵀ product). sdS needs no
@@ -267,17 +350,21 @@ fa2_backward(const __grid_constant__ Fa2BackwardParams p) {
             for (int e = 0; e < 4; ++e)
                 pt[nt][e] = fast_exp2(fmaf(pt[nt][e], scale_log2, -tL[acc_col(nt, e)]));
         // Only tiles crossing the diagonal or a sequence end need the per-entry test.
-        if (i0 + BR > n_q || k0 + BC > n_kv || crosses_diagonal<causal>(i0, k0 + BC - 1, shift)) {
+        const int k_last = key0() + BC - 1;
+        if (i0 + BR > seq_n_q() || k_last >= seq_n_kv() ||
+            crosses_diagonal<causal>(i0, k_last, seq_n_kv() - seq_n_q())) {
+            // (read once for the tile: a packed sequence's are volatile reads)
+            const int n_q = seq_n_q(), n_kv = seq_n_kv(), warp_key = warp_key0();
 #pragma unroll
             for (int nt = 0; nt < NQ; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    if (masked<causal>(i0 + acc_col(nt, e), warp_key0 + acc_row(e), n_q, n_kv,
-                                       shift))
+                    if (masked<causal>(i0 + acc_col(nt, e), warp_key + acc_row(e), n_q, n_kv,
+                                       n_kv - n_q))
                         pt[nt][e] = 0.f;
         }
 
-        if (t + 1 < t_end) {  // the copy of the next query tile (see the top of the loop)
+        if (t + 1 < t_stop()) {  // the copy of the next query tile (see the top of the loop)
             load_query_tile(t + 1, stage ^ 1);
             cp_async_commit();
         }
@@ -315,7 +402,7 @@ fa2_backward(const __grid_constant__ Fa2BackwardParams p) {
         for (int ks = 0; ks < BR / 16; ++ks) {
             u32 a[4];
             a_from_acc(a, pt[2 * ks], pt[2 * ks + 1]);
-            if constexpr (!deterministic) store_a<BR>(sdS, warp * 16, ks * 16, a);
+            if constexpr (!deterministic) store_a<DS_COLS>(sdS, warp * 16, ks * 16, a);
 #pragma unroll
             for (int dp = 0; dp < DT / 2; ++dp)
                 mma_k16(dk[2 * dp], dk[2 * dp + 1], a, qBt, dp, srow + ks * 16);
@@ -328,10 +415,12 @@ fa2_backward(const __grid_constant__ Fa2BackwardParams p) {
             // registers); 16-column halves past DK are padding, skipped. -----------------------------
             constexpr int SLABS = BR / 16, DSPLIT = WARPS / SLABS, DW = COLS / DSPLIT;
             static_assert(SLABS * DSPLIT == WARPS && DW % 32 == 0, "warps tile dQ exactly");
-            const auto dSA = a_operand_trans<BR>(sdS);   // dS, from dSᵀ stored keys × queries
+             const auto dSA = a_operand_trans<DS_COLS>(sdS);  // dS, from dSᵀ stored keys × queries
             const auto kBt = b_operand_trans<COLS>(sK);  // K (rows = keys = k)
             const int slab = warp % SLABS, d_begin = (warp / SLABS) * DW;
-            float* gdQ = p.dq_acc + bh * n_q * D;
+            const long long dq_rows = packed ? (long long)head * p.varlen.total_q + ps.q_start
+                                             : (long long)bh * p.n_q;
+            float* gdQ = p.dq_acc + dq_rows * D;
 #pragma unroll
             for (int d0 = 0; d0 < DW; d0 += 32) {
                 if (d_begin + d0 >= DK) break;  // uniform across the warp
@@ -353,7 +442,7 @@ fa2_backward(const __grid_constant__ Fa2BackwardParams p) {
                     for (int h = 0; h < 2; ++h) {
                         const int row = i0 + slab * 16 + acc_row(2 * h);
                         const int col = d_begin + d0 + acc_col(nt, 0);
-                        if (row < n_q && col < D)
+                        if (row < seq_n_q() && col < D)
                             red_add2(gdQ + (size_t)row * D + col, dq[nt][2 * h], dq[nt][2 * h + 1]);
                     }
             }
@@ -362,12 +451,13 @@ fa2_backward(const __grid_constant__ Fa2BackwardParams p) {
     cp_async_wait<0>();
 
     // ---- dK_j, dV_j of this query head (unscaled, f32); finish sums the group -------------------
-    float* gdK = p.dk_acc + (bh * n_kv) * D;
-    float* gdV = p.dv_acc + (bh * n_kv) * D;
+    const long long key_rows = key_rows_offset(packed, p.varlen, sequence(), p.heads_q, head, p.n_kv);
+    float* gdK = p.dk_acc + key_rows * D;
+    float* gdV = p.dv_acc + key_rows * D;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int key = warp_key0 + acc_row(2 * h);
-        if (key >= n_kv) continue;
+        const int key = warp_key0() + acc_row(2 * h);
+        if (key >= seq_n_kv()) continue;
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt) {
             if (dt * 8 >= D) break;  // padding columns
@@ -405,7 +495,8 @@ constexpr int BR_DQ = WARPS_DQ * MT_DQ * 16;
 constexpr int BC_DQ = FA2_DQ_BC;
 constexpr int NT_DQ = BC_DQ / 8;  // 8-column accumulator tiles across the keys of a tile
 
-// Launch: grid (ceil(n_q / BR_DQ), heads_q, batch), block (THREADS_DQ = 32·WARPS_DQ, 1, 1),
+// Launch: grid (ceil(n_q / BR_DQ), heads_q, batch), or (varlen.n_tiles, heads_q, 1) with the table
+// of query blocks of BR_DQ rows for a packed batch; block (THREADS_DQ = 32·WARPS_DQ, 1, 1),
 // dynamic shared memory (2·BR_DQ + 4·BC_DQ)·COLS·2 bytes (Q and dO tiles, then two stages of K
 // and two of V). Reads q, k, v, d_o, lse2, delta (prep's padded arrays); writes every element of the
 // rows < n_q of dq_acc (plain stores, unscaled). Run after prep, before finish.
@@ -417,27 +508,34 @@ fa2_backward_dq(const __grid_constant__ Fa2BackwardParams p) {
     u16* sK = sdO + BR_DQ * COLS;     // [2][BC_DQ][COLS]
     u16* sV = sK + 2 * BC_DQ * COLS;  // [2][BC_DQ][COLS]
 
-    // Causal blocks near the end of the sequence have the most tiles: launch them first.
-    const int q_block = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int head = blockIdx.y, batch = blockIdx.z;
-    const int q0 = q_block * BR_DQ;
+    // The block's query rows (longest causal blocks first); the sequence is looked up again where
+    // it is needed rather than kept in registers, as fa2_forward does.
+    auto sequence = [&]() { return query_block<packed, causal>(p.varlen, p.n_q, p.n_kv); };
+    const SeqBlock w = sequence();
+    const int head = blockIdx.y;
+    const int q0 = w.block * BR_DQ;
     const int warp = warp_id();
-    const size_t bh = (size_t)batch * p.heads_q + head;
+    const long long q_rows = lse_offset(packed, p.varlen, w, p.heads_q, head, p.n_q);  // dQ's
+    const long long stats = stat_rows(p, w, head);                                   // lse2, D
 
     // K and V of this block's kv head; recomputed inside the loop (see block_y) rather than kept.
-    auto kv_head = [&]() { return block_y() / (p.heads_q / p.heads_kv); };
-    auto gK = [&]() { return head_base(p.k, p.k_strides, block_z(), kv_head()); };
-    auto gV = [&]() { return head_base(p.v, p.v_strides, block_z(), kv_head()); };
+    auto kv_base = [&](const u16* x, const Strides& s) {
+        const long long first = packed ? sequence().k_start * s.row : 0;
+        return head_base(x, s, block_z(), block_y() / (p.heads_q / p.heads_kv)) + first;
+    };
+    auto gK = [&]() { return kv_base(p.k, p.k_strides); };
+    auto gV = [&]() { return kv_base(p.v, p.v_strides); };
 
-    const int shift = p.n_kv - p.n_q;  // bottom-right causal alignment (mask.cuh)
-    const int n_tiles = key_tiles<causal, BC_DQ>(q0 + BR_DQ - 1, p.n_kv, shift);
+    const int shift = w.n_kv - w.n_q;  // bottom-right causal alignment (mask.cuh)
+    const int n_tiles = key_tiles<causal, BC_DQ>(q0 + BR_DQ - 1, w.n_kv, shift);
 
-    load_tile<BR_DQ, COLS, DK, D, THREADS_DQ>(sQ, head_base(p.q, p.q_strides, batch, head),
-                                              p.q_strides.row, q0, p.n_q);
-    load_tile<BR_DQ, COLS, DK, D, THREADS_DQ>(sdO, head_base(p.d_o, p.d_o_strides, batch, head),
-                                              p.d_o_strides.row, q0, p.n_q);
+    const u16* gQ = head_base(p.q, p.q_strides, w.batch, head) + w.q_start * p.q_strides.row;
+    const u16* gdO =
+        head_base(p.d_o, p.d_o_strides, w.batch, head) + w.q_start * p.d_o_strides.row;
+    load_tile<BR_DQ, COLS, DK, D, THREADS_DQ>(sQ, gQ, p.q_strides.row, q0, w.n_q);
+    load_tile<BR_DQ, COLS, DK, D, THREADS_DQ>(sdO, gdO, p.d_o_strides.row, q0, w.n_q);
     if (n_tiles > 0) {
-        const int n_kv = p.n_kv;
+        const int n_kv = w.n_kv;
         load_tile<BC_DQ, COLS, DK, D, THREADS_DQ>(sK, gK(), p.k_strides.row, 0, n_kv);
         load_tile<BC_DQ, COLS, DK, D, THREADS_DQ>(sV, gV(), p.v_strides.row, 0, n_kv);
     }
@@ -454,9 +552,9 @@ fa2_backward_dq(const __grid_constant__ Fa2BackwardParams p) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = q0 + warp_row0 + mt * 16 + acc_row(2 * h);
-            const bool in = row < p.n_q;
-            lse2[mt][h] = in ? p.lse2[bh * p.n_q_pad + row] : 0.f;
-            delta[mt][h] = in ? p.delta[bh * p.n_q_pad + row] : 0.f;
+            const bool in = row < w.n_q;
+            lse2[mt][h] = in ? p.lse2[stats + row] : 0.f;
+            delta[mt][h] = in ? p.delta[stats + row] : 0.f;
         }
 
     float dq[MT_DQ][DT][4];
@@ -471,7 +569,7 @@ fa2_backward_dq(const __grid_constant__ Fa2BackwardParams p) {
     for (int j = 0; j < n_tiles; ++j) {
         const int stage = j & 1;
         if (j + 1 < n_tiles) {
-            const int n_kv = p.n_kv, next = (j + 1) * BC_DQ;
+            const int n_kv = sequence().n_kv, next = (j + 1) * BC_DQ;
             u16* k_stage = sK + (stage ^ 1) * BC_DQ * COLS;
             u16* v_stage = sV + (stage ^ 1) * BC_DQ * COLS;
             load_tile<BC_DQ, COLS, DK, D, THREADS_DQ>(k_stage, gK(), p.k_strides.row, next, n_kv);
@@ -499,13 +597,14 @@ fa2_backward_dq(const __grid_constant__ Fa2BackwardParams p) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
                     s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -lse2[mt][e / 2]));
-        if (k0 + BC_DQ > p.n_kv || crosses_diagonal<causal>(q0, k0 + BC_DQ - 1, shift)) {
+        const int n_kv = sequence().n_kv;
+        if (k0 + BC_DQ > n_kv || crosses_diagonal<causal>(q0, k0 + BC_DQ - 1, shift)) {
 #pragma unroll
             for (int mt = 0; mt < MT_DQ; ++mt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = q0 + warp_row0 + mt * 16 + acc_row(2 * h);
-                    mask_columns(s[mt], h, key_limit<causal>(row, k0, p.n_kv, shift), 0.f);
+                    mask_columns(s[mt], h, key_limit<causal>(row, k0, n_kv, shift), 0.f);
                 }
         }
 
@@ -546,13 +645,13 @@ fa2_backward_dq(const __grid_constant__ Fa2BackwardParams p) {
     if (n_tiles == 0) cp_async_wait<0>();
 
     // ---- dQ rows to the f32 accumulator (unscaled; finish applies the softmax scale) ------------
-    float* gdQ = p.dq_acc + bh * p.n_q * D;
+    float* gdQ = p.dq_acc + q_rows * D;
 #pragma unroll
     for (int mt = 0; mt < MT_DQ; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = q0 + warp_row0 + mt * 16 + acc_row(2 * h);
-            if (row >= p.n_q) continue;
+            if (row >= w.n_q) continue;
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt) {
                 if (dt * 8 >= D) break;  // padding columns

@@ -126,14 +126,10 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
     // The sequence is looked up again where it is needed rather than kept in registers, as the
     // K/V offsets below are (a packed batch's offsets and lengths are then L1 hits; kept, they
     // cost the d = 128 causal kernel a spill).
-    auto sequence = [&]() {
-        return packed ? packed_block(p.varlen, blockIdx.x)
-                      : fixed_block(blockIdx.z, causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x,
-                                    p.n_q, p.n_kv);
-    };
+    auto sequence = [&]() { return query_block<packed, causal>(p.varlen, p.n_q, p.n_kv); };
     const SeqBlock w = sequence();
     const int head = blockIdx.y;
-    const int q0 = w.q_block * BR;
+    const int q0 = w.block * BR;
     const int warp = warp_id();
 
     const u16* gQ = head_base(p.q, p.q_strides, w.batch, head) + w.q_start * Q_ROW;

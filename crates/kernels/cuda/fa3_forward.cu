@@ -267,7 +267,7 @@ __device__ __forceinline__ Tile packed_tile_at(const Fa3ForwardParams& p, int in
     Tile t;
     t.head = causal ? index % p.heads_q : index / p.varlen.n_tiles;
     t.seq = packed_block(p.varlen, block);
-    t.q0 = t.seq.q_block * BR;
+    t.q0 = t.seq.block * BR;
     t.n_tiles = key_tiles<causal, BC>(t.q0 + BR - 1, t.seq.n_kv, t.seq.n_kv - t.seq.n_q);
     return t;
 }

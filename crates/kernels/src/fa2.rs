@@ -29,7 +29,7 @@ use cudarc::driver::DeviceRepr;
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, Kernel, parse_counts};
-use crate::problem::{Gradients, Options, Output, Problem, Strides, grid, multiples_of_8};
+use crate::problem::{Gradients, Options, Output, Packed, Problem, Strides, grid, multiples_of_8};
 use crate::tensor::{DType, Tensor};
 use crate::varlen::{SeqLens, VarlenParams};
 
@@ -175,6 +175,15 @@ impl BackwardTiles {
         })
     }
 
+    /// The tiles for a packed batch ([`backward_varlen`]) at head dimension `d`: those of
+    /// [`BackwardTiles::for_head_dim`], but past d = 64 with query steps of 32 rows. The packed
+    /// main kernel keeps its sequence's offsets beside everything the fixed-length one holds, and
+    /// at 64 rows and d = 128 that spills; 32 rows halve the score tiles `Pᵀ` and `dPᵀ`.
+    pub fn for_packed(d: usize) -> Result<BackwardTiles> {
+        let t = BackwardTiles::for_head_dim(d)?;
+        Ok(if d > 64 { BackwardTiles { br: 32, ..t } } else { t })
+    }
+
     /// Keys per block of the main kernel (16 per warp).
     pub fn bc(&self) -> usize {
         16 * self.warps
@@ -190,7 +199,8 @@ impl BackwardTiles {
     /// added atomically, the dSᵀ tile it is computed from.
     pub fn shared_bytes(&self, d: usize, deterministic: bool) -> usize {
         let (br, bc) = (self.br, self.bc());
-        let ds = if deterministic { 0 } else { bc * br * 2 };
+        // (rows of dSᵀ at least 64 elements long, the swizzle's span)
+        let ds = if deterministic { 0 } else { bc * br.max(64) * 2 };
         (2 * bc + 4 * br) * tile_cols(d) * 2 + ds + 4 * br * 4
     }
 
@@ -235,14 +245,16 @@ pub(crate) fn forward_variant(
     Variant { file: "fa2_forward", source: FORWARD_SRC, defines }
 }
 
-/// The backward kernels' variant (the entry points live in one module).
+/// The backward kernels' variant (the entry points live in one module), for a packed batch or
+/// not.
 pub(crate) fn backward_variant(
     d: usize,
     dtype: DType,
     causal: bool,
     deterministic: bool,
+    packed: bool,
 ) -> Result<Variant> {
-    let t = BackwardTiles::for_head_dim(d)?;
+    let t = if packed { BackwardTiles::for_packed(d)? } else { BackwardTiles::for_head_dim(d)? };
     let mut defines = vec![
         ("LADDER_DTYPE", dtype.code().to_string()),
         ("FA2_D", d.to_string()),
@@ -250,11 +262,15 @@ pub(crate) fn backward_variant(
         ("FA2_WARPS", t.warps.to_string()),
         ("FA2_CAUSAL", (causal as u32).to_string()),
         ("FA2_DETERMINISTIC", (deterministic as u32).to_string()),
+        ("FA2_HOST_PARAMS_BYTES", std::mem::size_of::<BackwardParams>().to_string()),
     ];
     if deterministic {
         defines.push(("FA2_DQ_MT", t.dq_m_tiles.to_string()));
         defines.push(("FA2_DQ_WARPS", t.dq_warps.to_string()));
         defines.push(("FA2_DQ_BC", t.dq_bc.to_string()));
+    }
+    if packed {
+        defines.push(("FA2_VARLEN", "1".into()));
     }
     Ok(Variant { file: "fa2_backward", source: BACKWARD_SRC, defines })
 }
@@ -404,6 +420,7 @@ struct BackwardParams {
     dq_strides: Strides,
     dk_strides: Strides,
     dv_strides: Strides,
+    varlen: VarlenParams,
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror.
@@ -425,12 +442,43 @@ pub fn backward(
     opts: &Options,
 ) -> Result<Gradients> {
     let p = Problem::new(gpu, q, k, v, opts)?;
+    backward_problem(gpu, &p, (q, k, v), (out, d_o), None, opts.deterministic)
+}
+
+/// [`backward`] on a packed variable-length batch: the inputs of [`forward_varlen`], its
+/// [`Output`] (O `[total_q, heads_q, d]`, lse `[heads_q, total_q]`) and `d_o` packed like Q; dQ
+/// comes back `[total_q, heads_q, d]`, dK and dV `[total_k, heads_kv, d]`, each laid out like its
+/// input. The main kernel runs one thread block per key block that exists, the dQ pass
+/// (deterministic mode) one per query block.
+#[allow(clippy::too_many_arguments)] // the forward's inputs, its output and dO: as `backward`
+pub fn backward_varlen(
+    gpu: &Gpu,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Output,
+    d_o: &Tensor,
+    lens: &SeqLens,
+    opts: &Options,
+) -> Result<Gradients> {
+    let p = Problem::packed(gpu, (q, k, v), lens, opts)?;
+    backward_problem(gpu, &p, (q, k, v), (out, d_o), Some(lens), opts.deterministic)
+}
+
+/// The backward kernels on the checked problem `p` (packed when `lens` is given).
+fn backward_problem(
+    gpu: &Gpu,
+    p: &Problem,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    (out, d_o): (&Output, &Tensor),
+    lens: Option<&SeqLens>,
+    deterministic: bool,
+) -> Result<Gradients> {
     p.require_dtype("fa2 backward", DTYPES, "fp16, bf16")?;
-    p.require_like(gpu, "out.o", &out.o, &p.o_shape(), p.dtype)?;
-    p.require_like(gpu, "d_o", d_o, &p.o_shape(), p.dtype)?;
+    p.require_like(gpu, "out.o", &out.o, q.shape(), p.dtype)?;
+    p.require_like(gpu, "d_o", d_o, q.shape(), p.dtype)?;
     p.require_like(gpu, "out.lse", &out.lse, &p.lse_shape(), DType::F32)?;
-    let deterministic = opts.deterministic;
-    let variant = backward_variant(p.d, p.dtype, p.causal, deterministic)?;
+    let variant = backward_variant(p.d, p.dtype, p.causal, deterministic, lens.is_some())?;
     let entry = |entry| Kernel { variant: variant.clone(), entry };
     let (prep, main, dq_pass, finish) = (
         entry("fa2_backward_prep"),
@@ -438,7 +486,10 @@ pub fn backward(
         entry("fa2_backward_dq"),
         entry("fa2_backward_finish"),
     );
-    let t = BackwardTiles::for_head_dim(p.d)?;
+    let t = match lens {
+        Some(_) => BackwardTiles::for_packed(p.d)?,
+        None => BackwardTiles::for_head_dim(p.d)?,
+    };
     let smem = t.shared_bytes(p.d, deterministic);
     let dq_smem = t.dq_shared_bytes(p.d);
     gpu.prepare(&prep, 0)?;
@@ -448,26 +499,38 @@ pub fn backward(
     }
     gpu.prepare(&finish, 0)?;
 
-    let heads = p.batch * p.heads_q;
-    // Query rows padded to whole tiles of both passes, so that tiles are copied without checks.
+    // The kernels see a packed batch as one batch entry of all its rows (`cuda/fa2_backward.cu`).
+    let (batch, n_q, n_kv) = match p.packed {
+        Some(Packed { total_q, total_k }) => (1, total_q, total_k),
+        None => (p.batch, p.n_q, p.n_kv),
+    };
+    let heads = batch * p.heads_q;
+    // Query rows padded to whole tiles of both passes, so that a fixed-length batch's tiles of
+    // lse2 and D are copied without checks.
     let pad = t.br.max(t.dq_br());
-    let n_q_pad = p.n_q.div_ceil(pad) * pad;
+    let n_q_pad = n_q.div_ceil(pad) * pad;
     let n_q_pad_i = i32::try_from(n_q_pad)
-        .map_err(|_| KernelError::Shape(format!("n_q = {} is too long", p.n_q)))?;
+        .map_err(|_| KernelError::Shape(format!("{n_q} query rows are too many")))?;
     let mut delta = gpu.output(&[heads * n_q_pad], DType::F32)?;
     let mut lse2 = gpu.output(&[heads * n_q_pad], DType::F32)?;
     // f32 accumulators: dQ gathers the key tiles' shares (atomically, or from the dQ pass); dK, dV
     // are per query head and summed over the group by the finishing kernel.
-    let mut dq_acc = gpu.output(&p.o_shape(), DType::F32)?;
-    let kv_per_q_head = [p.batch, p.heads_q, p.n_kv, p.d];
+    let mut dq_acc = gpu.output(&[heads, n_q, p.d], DType::F32)?;
+    let kv_per_q_head = [heads, n_kv, p.d];
     let mut dk_acc = gpu.output(&kv_per_q_head, DType::F32)?;
     let mut dv_acc = gpu.output(&kv_per_q_head, DType::F32)?;
     let mut dq = gpu.output_like(q, p.dtype)?;
     let mut dk = gpu.output_like(k, p.dtype)?;
     let mut dv = gpu.output_like(v, p.dtype)?;
-    let [o_strides, d_o_strides] = [Strides::of(&out.o, "out.o")?, Strides::of(d_o, "d_o")?];
+    let [o_strides, d_o_strides] = [p.strides_of(&out.o, "out.o")?, p.strides_of(d_o, "d_o")?];
     let [dq_strides, dk_strides, dv_strides] =
-        [Strides::of(&dq, "dq")?, Strides::of(&dk, "dk")?, Strides::of(&dv, "dv")?];
+        [p.strides_of(&dq, "dq")?, p.strides_of(&dk, "dk")?, p.strides_of(&dv, "dv")?];
+    // A packed batch's blocks: key blocks for the main kernel, query blocks for the dQ pass.
+    let key_table = lens.map(|lens| lens.key_tiles(gpu, t.bc(), p.causal)).transpose()?;
+    let query_table = match lens {
+        Some(lens) if deterministic => Some(lens.tiles(gpu, t.dq_br(), p.causal)?),
+        _ => None,
+    };
     {
         let s = gpu.stream();
         let (q_ptr, _g0) = q.read_ptr(s);
@@ -484,7 +547,9 @@ pub fn backward(
         let (dq_ptr, _g11) = dq.write_ptr(s)?;
         let (dk_ptr, _g12) = dk.write_ptr(s)?;
         let (dv_ptr, _g13) = dv.write_ptr(s)?;
-        let [hq, hkv, nq, nkv] = p.dims_i32();
+        let (main_varlen, _g14) = VarlenParams::of(gpu, lens.zip(key_table.as_deref()));
+        let (dq_varlen, _g15) = VarlenParams::of(gpu, lens.zip(query_table.as_deref()));
+        // In range: the rows by Problem's checks, the totals by SeqLens's 32-bit offsets.
         let params = BackwardParams {
             q: q_ptr,
             k: k_ptr,
@@ -500,11 +565,11 @@ pub fn backward(
             dq: dq_ptr,
             dk: dk_ptr,
             dv: dv_ptr,
-            batch: p.batch as i32,
-            heads_q: hq,
-            heads_kv: hkv,
-            n_q: nq,
-            n_kv: nkv,
+            batch: batch as i32,
+            heads_q: p.heads_q as i32,
+            heads_kv: p.heads_kv as i32,
+            n_q: n_q as i32,
+            n_kv: n_kv as i32,
             n_q_pad: n_q_pad_i,
             scale: p.scale,
             scale_log2: p.scale_log2(),
@@ -516,26 +581,33 @@ pub fn backward(
             dq_strides,
             dk_strides,
             dv_strides,
+            varlen: main_varlen,
         };
 
         // 1. D = rowsum(dO ∘ O), lse in base 2, dQ accumulator zeroed: one warp per padded row,
         //    8 warps per block.
-        let rows = heads * n_q_pad;
-        gpu.launch(&prep, grid(rows.div_ceil(8), 1, 1)?, 256, 0, &params)?;
+        gpu.launch(&prep, grid((heads * n_q_pad).div_ceil(8), 1, 1)?, 256, 0, &params)?;
 
-        // 2. dK, dV (and, atomically, dQ): one block per (K/V tile, query head, batch).
-        let main_grid = grid(p.n_kv.div_ceil(t.bc()), p.heads_q, p.batch)?;
+        // 2. dK, dV (and, atomically, dQ): one block per (key block, query head[, batch]).
+        let main_grid = match &key_table {
+            Some(table) => grid(table.len(), p.heads_q, 1)?,
+            None => grid(p.n_kv.div_ceil(t.bc()), p.heads_q, p.batch)?,
+        };
         gpu.launch(&main, main_grid, 32 * t.warps as u32, smem, &params)?;
 
-        // 2b. Deterministic dQ: one block per (query tile, query head, batch).
+        // 2b. Deterministic dQ: one block per (query block, query head[, batch]).
         if deterministic {
-            let dq_grid = grid(p.n_q.div_ceil(t.dq_br()), p.heads_q, p.batch)?;
-            gpu.launch(&dq_pass, dq_grid, 32 * t.dq_warps as u32, dq_smem, &params)?;
+            let dq_grid = match &query_table {
+                Some(table) => grid(table.len(), p.heads_q, 1)?,
+                None => grid(p.n_q.div_ceil(t.dq_br()), p.heads_q, p.batch)?,
+            };
+            let dq_params = BackwardParams { varlen: dq_varlen, ..params };
+            gpu.launch(&dq_pass, dq_grid, 32 * t.dq_warps as u32, dq_smem, &dq_params)?;
         }
 
         // 3. Scale, sum the GQA groups, convert: a warp per row, grid-stride over the rows of the
         //    larger of dQ and dK.
-        let finish_rows = (heads * p.n_q).max(p.batch * p.heads_kv * p.n_kv);
+        let finish_rows = (heads * n_q).max(batch * p.heads_kv * n_kv);
         let blocks = finish_rows.div_ceil(8).min(gpu.sm_count() as usize * 16);
         gpu.launch(&finish, grid(blocks, 1, 1)?, 256, 0, &params)?;
     }
@@ -572,7 +644,10 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
                     }
                 }
                 for deterministic in [false, true] {
-                    all.extend(backward_variant(d, dtype, causal, deterministic));
+                    all.extend(backward_variant(d, dtype, causal, deterministic, false));
+                    if d == 64 || d == 128 {
+                        all.extend(backward_variant(d, dtype, causal, deterministic, true));
+                    }
                 }
             }
         }
@@ -617,6 +692,7 @@ mod tests {
 
     #[test]
     fn backward_shared_memory_drops_the_ds_tile_when_deterministic() {
+        let t64 = || BackwardTiles::for_head_dim(64).unwrap();
         let t = BackwardTiles::for_head_dim(128).unwrap();
         assert_eq!((t.bc(), t.dq_br()), (128, 64));
         assert_eq!(BackwardTiles::for_head_dim(64).unwrap().dq_br(), 128);
@@ -626,12 +702,19 @@ mod tests {
         assert_eq!(t.shared_bytes(128, false) - t.shared_bytes(128, true), 128 * 64 * 2);
         assert!(t.shared_bytes(128, false) <= 227 * 1024);
         assert!(matches!(
-            backward_variant(136, DType::F16, false, false),
+            backward_variant(136, DType::F16, false, false, false),
             Err(KernelError::UnsupportedHeadDim { d: 136, .. })
         ));
         assert_eq!(
             BackwardTiles::for_head_dim(40).unwrap(),
             BackwardTiles::for_head_dim(64).unwrap()
+        );
+        // A packed batch's main kernel takes 32-row query steps past d = 64.
+        let packed = |d| BackwardTiles::for_packed(d).unwrap();
+        assert_eq!((packed(64), packed(72).br, packed(128).br), (t64(), 32, 32));
+        assert_eq!(
+            packed(128).shared_bytes(128, false),
+            (2 * 128 + 4 * 32) * 128 * 2 + 128 * 64 * 2 + 4 * 32 * 4
         );
     }
 }

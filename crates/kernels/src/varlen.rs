@@ -18,8 +18,13 @@
 //! query block first, so that the last wave is made of short blocks; it is built once per tile
 //! height and mask and kept with the offsets.
 //!
-//! Rungs: [`crate::fa2::forward_varlen`], [`crate::fa3::forward_varlen`] (16-bit). The CPU rungs'
-//! definition of the same batches is `ladder_reference::varlen`.
+//! The backward ([`crate::fa2::backward_varlen`]) lists key blocks the same way
+//! ([`key_tile_order`]) for its main kernel, one thread block per key block of one sequence, and
+//! query blocks for its deterministic dQ pass.
+//!
+//! Rungs: [`crate::fa2::forward_varlen`] and [`crate::fa2::backward_varlen`],
+//! [`crate::fa3::forward_varlen`] (16-bit). The CPU rungs' definition of the same batches is
+//! `ladder_reference::varlen`.
 //!
 //! ```no_run
 //! use ladder_kernels::{DType, Gpu, Options, fa2, varlen::SeqLens};
@@ -63,10 +68,11 @@ pub struct SeqLens {
     tables: Mutex<HashMap<TableKey, Arc<TileTable>>>,
 }
 
-/// What a tile table depends on: rows per query block, and the mask.
-type TableKey = (usize, bool);
+/// What a tile table depends on: whether its blocks are of keys, rows per block, and the mask.
+type TableKey = (bool, usize, bool);
 
-/// The query blocks of a packed batch in the order they run: `(sequence, block)` pairs, `i32`.
+/// The query blocks (or key blocks) of a packed batch in the order they run: `(sequence, block)`
+/// pairs, `i32`.
 #[derive(Debug)]
 pub(crate) struct TileTable {
     pairs: CudaSlice<i32>,
@@ -181,19 +187,33 @@ impl SeqLens {
         gpu.check_stream(self.cu_k.stream(), "cu_seqlens_k")
     }
 
-    /// The query blocks of `rows` rows in the order they should run (the module's docs): made on
+    /// The query blocks of `rows` rows in the order they should run ([`tile_order`]): made on
     /// the first call for these `rows` and mask, then kept.
     pub(crate) fn tiles(&self, gpu: &Gpu, rows: usize, causal: bool) -> Result<Arc<TileTable>> {
-        let key = (rows, causal);
+        self.table(gpu, (false, rows, causal))
+    }
+
+    /// The key blocks of `keys` keys in the order they should run ([`key_tile_order`]), kept as
+    /// [`SeqLens::tiles`] keeps its tables.
+    pub(crate) fn key_tiles(&self, gpu: &Gpu, keys: usize, causal: bool) -> Result<Arc<TileTable>> {
+        self.table(gpu, (true, keys, causal))
+    }
+
+    fn table(&self, gpu: &Gpu, key: TableKey) -> Result<Arc<TileTable>> {
         let mut tables = self.tables.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if let Some(table) = tables.get(&key) {
             return Ok(table.clone());
         }
-        let order = tile_order(&self.host_q, &self.host_k, rows, causal);
+        let (of_keys, rows, causal) = key;
+        let order = if of_keys {
+            key_tile_order(&self.host_q, &self.host_k, rows, causal)
+        } else {
+            tile_order(&self.host_q, &self.host_k, rows, causal)
+        };
         let len = order.len();
         if len > i32::MAX as usize {
             return Err(KernelError::Shape(format!(
-                "{len} query blocks exceed the kernels' 32-bit tile index"
+                "{len} blocks exceed the kernels' 32-bit tile index"
             )));
         }
         // Both below 2^31: sequences are counted by i32 offsets, blocks by the check above.
@@ -221,14 +241,52 @@ pub fn tile_order(
     rows: usize,
     causal: bool,
 ) -> Vec<(usize, usize)> {
-    let len = |cu: &[usize], b: usize| cu[b + 1] - cu[b];
     let blocks = |b: usize| len(cu_q, b).div_ceil(rows);
     let work = |b: usize, block: usize| -> usize {
         let (n_q, n_kv) = (len(cu_q, b), len(cu_k, b));
         let last_row = (block * rows + rows - 1).min(n_q - 1);
         if causal { (last_row + 1 + n_kv).saturating_sub(n_q).min(n_kv) } else { n_kv }
     };
-    let mut sequences: Vec<(usize, usize)> = (0..cu_q.len() - 1)
+    by_work(cu_q.len() - 1, blocks, work, causal)
+}
+
+/// The key blocks of `keys` keys of the same sequences, in the order the backward's main kernel
+/// ([`crate::fa2::backward_varlen`]) runs them: as [`tile_order`], sequences by their work, most
+/// first; within one, in order, which under the mask is the most work first (a key block's work
+/// is the query rows that see it: all but those before the diagonal reaches it). A sequence
+/// without keys has no block; one without queries has its blocks (they write zero gradients).
+pub fn key_tile_order(
+    cu_q: &[usize],
+    cu_k: &[usize],
+    keys: usize,
+    causal: bool,
+) -> Vec<(usize, usize)> {
+    let blocks = |b: usize| len(cu_k, b).div_ceil(keys);
+    let work = |b: usize, block: usize| -> usize {
+        let (n_q, n_kv) = (len(cu_q, b), len(cu_k, b));
+        // Query i sees key j when j <= i + n_kv − n_q: the block's first key, from row
+        // first − (n_kv − n_q) on.
+        let first_row = (block * keys + n_q).saturating_sub(n_kv);
+        if causal { n_q.saturating_sub(first_row) } else { n_q }
+    };
+    by_work(cu_k.len() - 1, blocks, work, false)
+}
+
+/// Length of sequence `b` of the offsets `cu`.
+fn len(cu: &[usize], b: usize) -> usize {
+    cu[b + 1] - cu[b]
+}
+
+/// `(sequence, block)` pairs of `batch` sequences with `blocks(b)` blocks each: sequences by their
+/// summed `work`, most first (ties by index); within one, blocks in order or (`last_first`) in
+/// reverse.
+fn by_work(
+    batch: usize,
+    blocks: impl Fn(usize) -> usize,
+    work: impl Fn(usize, usize) -> usize,
+    last_first: bool,
+) -> Vec<(usize, usize)> {
+    let mut sequences: Vec<(usize, usize)> = (0..batch)
         .filter(|&b| blocks(b) > 0)
         .map(|b| (b, (0..blocks(b)).map(|block| work(b, block)).sum()))
         .collect();
@@ -236,7 +294,7 @@ pub fn tile_order(
     let mut pairs = Vec::new();
     for (b, _) in sequences {
         for i in 0..blocks(b) {
-            pairs.push((b, if causal { blocks(b) - 1 - i } else { i }));
+            pairs.push((b, if last_first { blocks(b) - 1 - i } else { i }));
         }
     }
     pairs
@@ -259,6 +317,7 @@ pub(crate) struct VarlenParams {
     tiles: u64,
     n_tiles: i32,
     total_q: i32,
+    total_k: i32,
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers, laid out as its CUDA mirror.
@@ -280,8 +339,9 @@ impl VarlenParams {
         let (tiles, g2) = table.pairs.device_ptr(s);
         // Both counts are below 2^31: the offsets are i32, the table's length is checked.
         let n_tiles = table.len as i32;
-        let total_q = lens.totals().0 as i32;
-        (VarlenParams { cu_q, cu_k, tiles, n_tiles, total_q }, Some([g0, g1, g2]))
+        let (total_q, total_k) = lens.totals();
+        let (total_q, total_k) = (total_q as i32, total_k as i32);
+        (VarlenParams { cu_q, cu_k, tiles, n_tiles, total_q, total_k }, Some([g0, g1, g2]))
     }
 }
 
@@ -376,5 +436,30 @@ mod tests {
         // and lse = −inf), last.
         let keyless = order(&[10, 5], &[0, 7], 64, true);
         assert_eq!(keyless, vec![(1, 0), (0, 0)]);
+    }
+
+    #[test]
+    fn key_blocks_run_most_work_first_and_skip_keyless_sequences() {
+        let prefix = |lens: &[usize]| -> Vec<usize> {
+            std::iter::once(0)
+                .chain(lens.iter().scan(0, |t, &l| {
+                    *t += l;
+                    Some(*t)
+                }))
+                .collect()
+        };
+        // Sequences of (queries, keys) (300, 300), (5, 0), (0, 200), (1000, 1000); 128-key blocks.
+        let (q, k) = (prefix(&[300, 5, 0, 1000]), prefix(&[300, 0, 200, 1000]));
+        let causal = key_tile_order(&q, &k, 128, true);
+        let blocks = |s: usize| causal.iter().filter(|t| t.0 == s).count();
+        assert_eq!((blocks(0), blocks(1), blocks(2), blocks(3)), (3, 0, 2, 8));
+        // The longest sequence first, its first block (seen by every query) first; the keys
+        // without queries last (no work, but their zero gradients are written).
+        assert_eq!(&causal[..2], &[(3, 0), (3, 1)]);
+        assert_eq!(&causal[8..], &[(0, 0), (0, 1), (0, 2), (2, 0), (2, 1)]);
+        // Causal work of a key block: the rows from where the diagonal reaches its first key.
+        let one = key_tile_order(&prefix(&[256, 10]), &prefix(&[256, 300]), 128, true);
+        assert_eq!(one, vec![(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]);
+        assert_eq!(key_tile_order(&q, &k, 128, false).len(), 13);
     }
 }

@@ -187,10 +187,11 @@ pub struct BenchArgs {
     /// Stop sampling a case once its timed samples add up to this many seconds.
     #[arg(long, default_value_t = 3.0)]
     pub(super) case_budget_s: f64,
-    /// Instead of the standard shapes, the forward rungs (fa2, fa3; --rung selects) on a packed
-    /// variable-length batch: 64 sequences of 128 … 4096 tokens (a fixed draw), heads = hidden / d
-    /// (--d, --causal, --dtype apply), beside the same kernel on 64 sequences of the mean length;
-    /// real FLOPs only. Writes varlen.csv.
+    /// Instead of the standard shapes, the rungs with a packed entry point (fa2, fa3 forward;
+    /// fa2, fa2-det backward; --rung and --direction select) on a packed variable-length batch:
+    /// 64 sequences of 128 … 4096 tokens (a fixed draw), heads = hidden / d (--d, --causal,
+    /// --dtype apply), beside the same kernel on 64 sequences of the mean length; real FLOPs only.
+    /// Writes varlen.csv.
     #[arg(long)]
     pub(super) varlen: bool,
 }

@@ -6,14 +6,16 @@
 //! [`SHORTEST`] … [`LONGEST`] ([`lengths`]; `scripts/peers_varlen.py` draws the same ones), each
 //! attending to itself (causal per sequence, or not), heads = hidden / d. FLOPs are the real ones,
 //! the sum over the sequences (no padding counted). The fixed-length row is `SEQUENCES` sequences
-//! of the mean length. Rows go to `varlen.csv`:
-//! `imp,batching,dtype,causal,sequences,heads,d,tokens,gflop,ms,tflops`.
+//! of the mean length. With `bwd` among the directions, FA2's backward (after an untimed forward)
+//! runs on both batches too. Rows go to `varlen.csv`:
+//! `imp,direction,batching,dtype,causal,sequences,heads,d,tokens,gflop,ms,tflops`.
 
 use std::fmt::Write as _;
 use std::path::Path;
 
 use anyhow::Context;
 use ladder_compare::GpuRung;
+use ladder_compare::gpu_rungs::Kernels;
 use ladder_compare::results::{Direction, attention_flops};
 use ladder_kernels::varlen::SeqLens;
 use ladder_kernels::{Gpu, Options, Tensor};
@@ -45,6 +47,7 @@ pub(super) fn lengths(count: usize, lo: usize, hi: usize) -> Vec<usize> {
 /// One row of `varlen.csv`.
 struct VarlenRow {
     imp: String,
+    direction: Direction,
     batching: &'static str,
     causal: bool,
     heads: usize,
@@ -60,23 +63,29 @@ impl VarlenRow {
     }
 }
 
-/// Times the prefill rungs of `plan` (fa2, fa3) on the varlen batch at each head dim and mask,
-/// writes `out/varlen.csv` and prints a table.
+/// What one rung times on the two batches (packed, then fixed-length): the forward, or (a
+/// backward rung) the backward after an untimed forward.
+type Steps<'a> = [(&'static str, Step<'a>); 2];
+
+/// Times the prefill rungs of `plan` (fa2, fa3, and with `bwd` among the directions the FA2
+/// backward) on the varlen batch at each head dim and mask, writes `out/varlen.csv` and prints a
+/// table.
 pub(super) fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
     let lens = lengths(SEQUENCES, SHORTEST, LONGEST);
     let tokens: usize = lens.iter().sum();
     let mean = tokens / SEQUENCES;
     let seqlens = SeqLens::from_lengths(gpu, &lens, &lens)?;
-    // The rungs with a packed entry point, each with its fixed-length one.
-    let rungs: Vec<_> = GpuRung::ALL
+    // The rungs with a packed entry point in the plan's directions.
+    let rungs: Vec<GpuRung> = GpuRung::ALL
         .into_iter()
-        .filter(|r| plan.rungs.contains(&r.name()) && r.available_on(gpu))
-        .filter_map(|r| Some((r, r.varlen_forward()?, r.forward()?)))
+        .filter(|r| plan.rungs.contains(&r.name()) && plan.directions.contains(&r.direction()))
+        .filter(|r| r.available_on(gpu))
+        .filter(|r| r.varlen_forward().is_some() || r.varlen_backward().is_some())
         .collect();
     eprintln!(
         "varlen: {SEQUENCES} sequences of {SHORTEST} … {LONGEST} tokens ({tokens} in all, mean \
          {mean}); fixed-length rows: {SEQUENCES} × {mean}; rungs {:?}",
-        rungs.iter().map(|r| r.0.name()).collect::<Vec<_>>()
+        rungs.iter().map(|r| r.label()).collect::<Vec<_>>()
     );
     let mut pool = HostPool::default();
     let mut rows = Vec::new();
@@ -87,30 +96,29 @@ pub(super) fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
             let len = shape.iter().product();
             Ok(gpu.upload(pool.values(slot, len), shape, plan.dtype)?)
         };
-        let packed: Vec<Tensor> = (0..3)
+        // Q, K, V and dO, packed and as the fixed-length batch.
+        let packed: Vec<Tensor> = (0..4)
             .map(|slot| upload(&mut pool, slot, &[tokens, heads, d]))
             .collect::<anyhow::Result<_>>()?;
-        let fixed: Vec<Tensor> = (0..3)
+        let fixed: Vec<Tensor> = (0..4)
             .map(|slot| upload(&mut pool, slot, &[SEQUENCES, heads, mean, d]))
             .collect::<anyhow::Result<_>>()?;
         for &causal in &plan.causals {
-            let opts = Options { causal, ..Options::default() };
-            let flop = |n: &[usize]| -> f64 {
-                n.iter().map(|&n| attention_flops(Direction::Fwd, 1, heads, n, n, d, causal)).sum()
-            };
-            for &(rung, varlen_run, fixed_run) in &rungs {
-                let varlen: Step = Box::new(|_| {
-                    let o = varlen_run(gpu, &packed[0], &packed[1], &packed[2], &seqlens, &opts)?;
-                    Ok(vec![o.o, o.lse])
-                });
-                let fixed_step: Step = Box::new(|_| {
-                    let o = fixed_run(gpu, &fixed[0], &fixed[1], &fixed[2], &opts)?;
-                    Ok(vec![o.o, o.lse])
-                });
-                for (batching, mut step, flop) in [
-                    ("varlen", varlen, flop(&lens)),
-                    ("fixed", fixed_step, flop(&[mean; SEQUENCES])),
-                ] {
+            for &rung in &rungs {
+                let direction = rung.direction();
+                let flop = |n: &[usize]| -> f64 {
+                    n.iter().map(|&n| attention_flops(direction, 1, heads, n, n, d, causal)).sum()
+                };
+                let steps = match steps(gpu, rung, (&packed, &fixed), &seqlens, causal) {
+                    Ok(steps) => steps,
+                    Err(e) => {
+                        ok = false;
+                        eprintln!("varlen: {} d={d} causal={causal}: {e}", rung.label());
+                        continue;
+                    }
+                };
+                for (batching, mut step) in steps {
+                    let n = if batching == "varlen" { lens.clone() } else { vec![mean; SEQUENCES] };
                     let timed = timing::measure(
                         gpu,
                         &mut step,
@@ -123,17 +131,18 @@ pub(super) fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
                         Ok(t) => {
                             let row = VarlenRow {
                                 imp: rung.name().to_string(),
+                                direction,
                                 batching,
                                 causal,
                                 heads,
                                 d,
                                 tokens,
-                                flop,
+                                flop: flop(&n),
                                 ms: t.ms,
                             };
                             eprintln!(
                                 "varlen: {} {batching:<6} d={d} causal={causal}: {:.3} ms, {:.0} TFLOP/s",
-                                row.imp,
+                                rung.label(),
                                 row.ms,
                                 row.tflops()
                             );
@@ -143,7 +152,7 @@ pub(super) fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
                             ok = false;
                             eprintln!(
                                 "varlen: {} {batching} d={d} causal={causal}: {e}",
-                                rung.name()
+                                rung.label()
                             );
                         }
                     }
@@ -158,14 +167,59 @@ pub(super) fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
     Ok(ok)
 }
 
+/// The timed steps of `rung` on the packed batch and the fixed-length one (`[q, k, v, d_o]`
+/// each). A backward rung's forward runs here, once per batch, untimed.
+fn steps<'a>(
+    gpu: &'a Gpu,
+    rung: GpuRung,
+    (packed, fixed): (&'a [Tensor], &'a [Tensor]),
+    seqlens: &'a SeqLens,
+    causal: bool,
+) -> anyhow::Result<Steps<'a>> {
+    let opts = Options { causal, ..Options::default() };
+    if let (Some(varlen_run), Some(fixed_run)) = (rung.varlen_forward(), rung.forward()) {
+        let varlen: Step = Box::new(move |_| {
+            let o = varlen_run(gpu, &packed[0], &packed[1], &packed[2], seqlens, &opts)?;
+            Ok(vec![o.o, o.lse])
+        });
+        let fixed: Step = Box::new(move |_| {
+            let o = fixed_run(gpu, &fixed[0], &fixed[1], &fixed[2], &opts)?;
+            Ok(vec![o.o, o.lse])
+        });
+        return Ok([("varlen", varlen), ("fixed", fixed)]);
+    }
+    let Some((varlen_forward, varlen_backward, deterministic)) = rung.varlen_backward() else {
+        anyhow::bail!("{} has no packed entry point", rung.label());
+    };
+    let Kernels::Backward { forward, backward, .. } = rung.kernels() else {
+        anyhow::bail!("{} is not a backward rung", rung.label());
+    };
+    let opts = Options { deterministic, ..opts };
+    let [q, k, v, d_o] = [&packed[0], &packed[1], &packed[2], &packed[3]];
+    let out = varlen_forward(gpu, q, k, v, seqlens, &opts)?;
+    let varlen: Step = Box::new(move |_| {
+        let g = varlen_backward(gpu, q, k, v, &out, d_o, seqlens, &opts)?;
+        Ok(vec![g.dq, g.dk, g.dv])
+    });
+    let [q, k, v, d_o] = [&fixed[0], &fixed[1], &fixed[2], &fixed[3]];
+    let out = forward(gpu, q, k, v, &opts)?;
+    let fixed: Step = Box::new(move |_| {
+        let g = backward(gpu, q, k, v, &out, d_o, &opts)?;
+        Ok(vec![g.dq, g.dk, g.dv])
+    });
+    Ok([("varlen", varlen), ("fixed", fixed)])
+}
+
 fn to_csv(rows: &[VarlenRow], plan: &Plan) -> String {
-    let mut csv =
-        String::from("imp,batching,dtype,causal,sequences,heads,d,tokens,gflop,ms,tflops\n");
+    let mut csv = String::from(
+        "imp,direction,batching,dtype,causal,sequences,heads,d,tokens,gflop,ms,tflops\n",
+    );
     for r in rows {
         let _ = writeln!(
             csv,
-            "{},{},{},{},{SEQUENCES},{},{},{},{:.3},{:.4},{:.1}",
+            "{},{},{},{},{},{SEQUENCES},{},{},{},{:.3},{:.4},{:.1}",
             r.imp,
+            r.direction.name(),
             r.batching,
             plan.dtype.name(),
             r.causal,
@@ -180,20 +234,28 @@ fn to_csv(rows: &[VarlenRow], plan: &Plan) -> String {
     csv
 }
 
-/// `rung  d  mask  varlen  fixed  varlen / fixed` (TFLOP/s).
+/// `rung  pass  d  mask  varlen  fixed  varlen / fixed` (TFLOP/s).
 fn table(rows: &[VarlenRow]) -> String {
-    let mut t = String::from("rung  d    mask     varlen  fixed  varlen/fixed (TFLOP/s)\n");
+    let mut t =
+        String::from("rung     pass    d    mask     varlen  fixed  varlen/fixed (TFLOP/s)\n");
     for r in rows.iter().filter(|r| r.batching == "varlen") {
         let fixed = rows.iter().find(|f| {
-            f.batching == "fixed" && f.imp == r.imp && f.d == r.d && f.causal == r.causal
+            f.batching == "fixed"
+                && (&f.imp, f.direction, f.d, f.causal) == (&r.imp, r.direction, r.d, r.causal)
         });
         let (f, ratio) = match fixed {
             Some(f) => (format!("{:.0}", f.tflops()), format!("{:.2}", r.tflops() / f.tflops())),
             None => ("-".into(), "-".into()),
         };
         let mask = if r.causal { "causal" } else { "full" };
-        let _ =
-            writeln!(t, "{:<5} {:<4} {mask:<8} {:>6.0} {f:>6}  {ratio}", r.imp, r.d, r.tflops());
+        let pass = r.direction.name();
+        let _ = writeln!(
+            t,
+            "{:<8} {pass:<7} {:<4} {mask:<8} {:>6.0} {f:>6}  {ratio}",
+            r.imp,
+            r.d,
+            r.tflops()
+        );
     }
     t
 }
