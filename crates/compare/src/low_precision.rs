@@ -62,8 +62,10 @@ pub fn attention(
 }
 
 /// The naive backward pass with the 16-bit roundings of a tensor-core kernel: `P` and
-/// `dS = P ∘ (dP − D)` rounded to `half` (they are matmul operands), the gradients rounded to
-/// `half` when stored; `dP`, `D` and the sums exact.
+/// `dS = P ∘ (dP − D)` rounded to `half` (they are matmul operands), `D = rowsum(dO ∘ O)` from the
+/// forward's output as it is stored, rounded to `half` (FlashAttention's `D`: in a row that sees
+/// few keys `dP − D` nearly cancels, and O's rounding is then most of dS), the gradients rounded
+/// to `half` when stored; `dP` and the sums exact.
 pub fn backward(
     q: ArrayView4<f64>,
     k: ArrayView4<f64>,
@@ -88,7 +90,8 @@ pub fn backward(
             let do_h = d_o.slice(s![b, h, .., ..]);
             let p_h = p.slice(s![b, h, .., ..]);
             let dp = do_h.dot(&v_h.t());
-            let rowsum = (&p_h * &dp).sum_axis(Axis(1)).insert_axis(Axis(1));
+            let o_r = p_h.dot(&v_h).mapv(|x| half.round(x));
+            let rowsum = (&do_h * &o_r).sum_axis(Axis(1)).insert_axis(Axis(1));
             let ds = (&p_h * &(&dp - &rowsum)).mapv(|x| half.round(x));
             let p_r = p_h.mapv(|x| half.round(x));
             let mut dv_h = dv.slice_mut(s![b, kv, .., ..]);
