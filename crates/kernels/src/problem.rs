@@ -310,7 +310,8 @@ impl Problem {
         if (total_q, total_k) != lens.totals() {
             let (cu_q, cu_k) = lens.totals();
             return Err(KernelError::Shape(format!(
-                "q has {total_q} tokens and k {total_k}, but cu_seqlens_q ends at {cu_q} and                  cu_seqlens_k at {cu_k}: the last offsets are the token counts"
+                "q has {total_q} tokens and k {total_k}, but cu_seqlens_q ends at {cu_q} and \
+                 cu_seqlens_k at {cu_k}: the last offsets are the token counts"
             )));
         }
         nonempty(q.shape(), ("k", k.shape()))?;
