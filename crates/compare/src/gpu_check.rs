@@ -96,6 +96,12 @@ pub fn shared_gpu(what: &str) -> Option<&'static Gpu> {
     GPU.get_or_init(|| gpu_or_skip(what)).as_ref()
 }
 
+/// Random cases per property of a GPU test binary: `LADDER_GPU_CASES` when set (e.g. fewer under
+/// compute-sanitizer), else `default`.
+pub fn cases_per_property(default: u32) -> u32 {
+    std::env::var("LADDER_GPU_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
+}
+
 /// Whether `LADDER_REQUIRE_GPU=1` is set: a GPU test must then fail, not skip, without a GPU.
 pub fn gpu_required() -> bool {
     std::env::var("LADDER_REQUIRE_GPU").is_ok_and(|v| v == "1")

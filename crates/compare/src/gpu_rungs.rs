@@ -368,14 +368,13 @@ impl GpuRung {
     }
 
     /// A backward rung's passes on packed variable-length batches, where it has them (FA2's):
-    /// the forward that gives the backward `O` and `lse`, the backward, and whether the rung is
-    /// the deterministic one (for [`Options::deterministic`]).
-    pub fn varlen_backward(self) -> Option<(VarlenForwardFn, VarlenBackwardFn, bool)> {
-        match (self, self.kernels()) {
-            (
-                GpuRung::Fa2Backward | GpuRung::Fa2BackwardDeterministic,
-                Kernels::Backward { deterministic, .. },
-            ) => Some((fa2::forward_varlen, fa2::backward_varlen, deterministic)),
+    /// the forward that gives the backward `O` and `lse`, and the backward (run with the
+    /// `deterministic` of its [`Kernels::Backward`]).
+    pub fn varlen_backward(self) -> Option<(VarlenForwardFn, VarlenBackwardFn)> {
+        match self {
+            GpuRung::Fa2Backward | GpuRung::Fa2BackwardDeterministic => {
+                Some((fa2::forward_varlen, fa2::backward_varlen))
+            }
             _ => None,
         }
     }

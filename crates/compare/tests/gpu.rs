@@ -17,11 +17,6 @@ use ladder_compare::{Case, CaseSpace, GpuRung, RungConfig, cases};
 use ladder_kernels::{DType, Gpu, KernelError, Options, fa1, fa2, fa3};
 use proptest::prelude::*;
 
-/// Random cases per property; `LADDER_GPU_CASES` lowers it (e.g. under compute-sanitizer).
-fn cases_per_property() -> u32 {
-    std::env::var("LADDER_GPU_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(48)
-}
-
 fn gpu() -> Option<&'static Gpu> {
     shared_gpu("GPU rung tests")
 }
@@ -119,7 +114,7 @@ fn check_backward(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(cases_per_property()))]
+    #![proptest_config(ProptestConfig::with_cases(gpu_check::cases_per_property(48)))]
 
     #[test]
     fn gpu_fa2_backward_fp16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa2Backward.head_dims())), layout in layouts()) {

@@ -71,11 +71,6 @@ fn head_dims() -> Vec<usize> {
     decode::HEAD_DIMS.iter().copied().filter(fits).collect()
 }
 
-/// Drawn cases per property; `LADDER_GPU_CASES` lowers it (e.g. under compute-sanitizer).
-fn cases_per_property() -> u32 {
-    std::env::var("LADDER_GPU_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(48)
-}
-
 /// One decoding call: shapes, lengths and element type.
 #[derive(Clone, Debug)]
 struct Case {
@@ -767,7 +762,7 @@ fn check_drawn(drawn: &Drawn) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(cases_per_property()))]
+    #![proptest_config(ProptestConfig::with_cases(gpu_check::cases_per_property(48)))]
 
     #[test]
     fn gpu_decode_drawn_shapes_match_the_oracle_and_the_cpu_rung(drawn in drawn()) {
@@ -1438,7 +1433,7 @@ fn check_drawn_strategy(drawn: &Drawn, strategy: DecodeStrategy) -> Result<(), T
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(cases_per_property()))]
+    #![proptest_config(ProptestConfig::with_cases(gpu_check::cases_per_property(48)))]
 
     #[test]
     fn gpu_decode_drawn_strategies_match_the_oracle_auto_and_the_cpu_rungs(

@@ -33,10 +33,6 @@ fn gpu() -> Option<&'static Gpu> {
     }
 }
 
-fn cases_per_property() -> u32 {
-    std::env::var("LADDER_GPU_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(32)
-}
-
 fn upload(gpu: &Gpu, a: &Array4<f64>, dtype: DType) -> Tensor {
     let v: Vec<f32> = a.iter().map(|&x| x as f32).collect();
     gpu.upload(&v, a.shape(), dtype).expect("upload")
@@ -96,7 +92,7 @@ fn fp8_space() -> CaseSpace {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(cases_per_property()))]
+    #![proptest_config(ProptestConfig::with_cases(gpu_check::cases_per_property(32)))]
 
     #[test]
     fn gpu_fa3_fp8_fp16_matches_cpu_fa3_fp8_and_the_oracle(case in cases(fp8_space()), rotate in any::<bool>()) {

@@ -17,7 +17,7 @@
 //! bundle) a missing GPU fails them.
 
 use ladder_compare::gpu_check::{
-    expected_backward, expected_forward, narrow, options, shared_gpu, vs_cpu_backward,
+    self, expected_backward, expected_forward, narrow, options, shared_gpu, vs_cpu_backward,
 };
 use ladder_compare::gpu_rungs::VarlenForwardFn;
 use ladder_compare::oracle::{Expected, GradientOracle, Oracle, check};
@@ -31,10 +31,6 @@ use proptest::prelude::*;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, StandardNormal};
-
-fn cases_per_property() -> u32 {
-    std::env::var("LADDER_GPU_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(32)
-}
 
 fn gpu() -> Option<&'static Gpu> {
     shared_gpu("GPU varlen tests")
@@ -263,7 +259,7 @@ fn check_varlen_backward(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(cases_per_property()))]
+    #![proptest_config(ProptestConfig::with_cases(gpu_check::cases_per_property(32)))]
 
     #[test]
     fn gpu_fa2_varlen_backward_fp16_meets_the_oracle_on_every_sequence(batch in batches(128)) {

@@ -184,6 +184,11 @@ impl BackwardTiles {
         Ok(if d > 64 { BackwardTiles { br: 32, ..t } } else { t })
     }
 
+    /// The tiles of a packed batch ([`BackwardTiles::for_packed`]) or a fixed-length one.
+    pub fn of(d: usize, packed: bool) -> Result<BackwardTiles> {
+        if packed { BackwardTiles::for_packed(d) } else { BackwardTiles::for_head_dim(d) }
+    }
+
     /// Keys per block of the main kernel (16 per warp).
     pub fn bc(&self) -> usize {
         16 * self.warps
@@ -254,7 +259,7 @@ pub(crate) fn backward_variant(
     deterministic: bool,
     packed: bool,
 ) -> Result<Variant> {
-    let t = if packed { BackwardTiles::for_packed(d)? } else { BackwardTiles::for_head_dim(d)? };
+    let t = BackwardTiles::of(d, packed)?;
     let mut defines = vec![
         ("LADDER_DTYPE", dtype.code().to_string()),
         ("FA2_D", d.to_string()),
@@ -486,10 +491,7 @@ fn backward_problem(
         entry("fa2_backward_dq"),
         entry("fa2_backward_finish"),
     );
-    let t = match lens {
-        Some(_) => BackwardTiles::for_packed(p.d)?,
-        None => BackwardTiles::for_head_dim(p.d)?,
-    };
+    let t = BackwardTiles::of(p.d, lens.is_some())?;
     let smem = t.shared_bytes(p.d, deterministic);
     let dq_smem = t.dq_shared_bytes(p.d);
     gpu.prepare(&prep, 0)?;

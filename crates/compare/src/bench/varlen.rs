@@ -188,10 +188,10 @@ fn steps<'a>(
         });
         return Ok([("varlen", varlen), ("fixed", fixed)]);
     }
-    let Some((varlen_forward, varlen_backward, deterministic)) = rung.varlen_backward() else {
+    let Some((varlen_forward, varlen_backward)) = rung.varlen_backward() else {
         anyhow::bail!("{} has no packed entry point", rung.label());
     };
-    let Kernels::Backward { forward, backward, .. } = rung.kernels() else {
+    let Kernels::Backward { forward, backward, deterministic } = rung.kernels() else {
         anyhow::bail!("{} is not a backward rung", rung.label());
     };
     let opts = Options { deterministic, ..opts };
