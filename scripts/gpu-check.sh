@@ -28,11 +28,13 @@ summary+=("tests (all binaries, GPU required)  rc=$rc  $((SECONDS - start)) s")
 grep -E "^test result|FAILED|panicked|=== " "$out/tests.log" | tail -40
 
 # The GPU test binaries built from crates/compare/tests/gpu.rs (the prefill rungs),
-# gpu_decode.rs (FlashDecoding and FlashDecoding++: drawn shapes contiguous and paged for every
-# strategy and with forced fallbacks, and page tables pointing outside the cache, which must never
-# be followed), gpu_fp8.rs (FA3's FP8 path) and gpu_varlen.rs (packed variable-length batches).
+# gpu_decode.rs (FlashDecoding and FlashDecoding++: drawn shapes contiguous and paged, every head
+# dim and memory layout, for every strategy and with forced fallbacks, and page tables pointing
+# outside the cache, which must never be followed), gpu_decode_varlen.rs (packed new tokens),
+# gpu_fp8.rs (FA3's FP8 path) and gpu_varlen.rs (packed variable-length batches).
 gpu_bin=$(ls .gpu/bin/gpu-* 2>/dev/null | head -1)
 decode_bin=$(ls .gpu/bin/gpu_decode-* 2>/dev/null | head -1)
+decode_varlen_bin=$(ls .gpu/bin/gpu_decode_varlen-* 2>/dev/null | head -1)
 fp8_bin=$(ls .gpu/bin/gpu_fp8-* 2>/dev/null | head -1)
 varlen_bin=$(ls .gpu/bin/gpu_varlen-* 2>/dev/null | head -1)
 sanitize() {  # sanitize NAME BINARY TEST_FILTERS...
@@ -49,7 +51,10 @@ if [ -n "$gpu_bin" ] && command -v compute-sanitizer >/dev/null; then
   sanitize gpu "$gpu_bin" \
     gpu_fa1_fp16 gpu_fa2_fp16 gpu_fa3_fp16 gpu_fa2_backward_fp16 gpu_fa2_deterministic_backward_fp16
   if [ -n "$decode_bin" ]; then
-    sanitize decode "$decode_bin" gpu_decode_drawn gpu_decode_bad_page_tables
+    sanitize decode "$decode_bin" gpu_decode_drawn gpu_decode_bad_page_tables gpu_decode_strided
+  fi
+  if [ -n "$decode_varlen_bin" ]; then  # packed new tokens
+    sanitize decode-varlen "$decode_varlen_bin" gpu_decode_varlen_drawn gpu_decode_varlen_more
   fi
   if [ -n "$fp8_bin" ]; then  # FA3's FP8 path: the quantisation kernels and the e4m3 attention
     sanitize fp8 "$fp8_bin" gpu_fa3_fp8_fp16 gpu_fp8_rejects

@@ -193,23 +193,33 @@ fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
         gpu.synchronize().ok();
     }
     let decode_rungs = plan.decode_rungs();
-    for &d in plan.decode_ds.iter().filter(|_| !decode_rungs.is_empty()) {
+    let decode_axes = plan.input_layouts.iter().filter(|_| !decode_rungs.is_empty());
+    for (&axes, &d) in decode_axes.flat_map(|a| plan.decode_ds.iter().map(move |d| (a, d))) {
         for &shape in &plan.decode {
             let DecodeShape { batch, heads_q, heads_kv, len } = shape;
             let lengths = vec![len; batch];
             let new_tokens = plan.decode_new_tokens(shape);
             for layout in plan.decode_layouts(shape) {
                 let prepared = Instant::now();
-                let sets =
-                    timing::upload_decode_sets(gpu, &mut pool, plan, d, shape, layout, &new_tokens);
+                let sets = timing::upload_decode_sets(
+                    gpu,
+                    &mut pool,
+                    plan,
+                    d,
+                    shape,
+                    layout,
+                    axes,
+                    &new_tokens,
+                );
                 if let Ok(sets) = &sets {
                     let how = match layout {
                         CacheLayout::Contiguous => "contiguous".to_string(),
                         CacheLayout::Paged(p) => format!("pages of {p}"),
                     };
+                    let order = axes.label().map_or(String::new(), |l| format!(", {l}"));
                     eprintln!(
-                        "inputs decode d={d} b={batch} h={heads_q}/{heads_kv} L={len} ({how}): {} \
-                         set(s) of a {:.2} GB KV cache, ready in {:.1} s",
+                        "inputs decode d={d} b={batch} h={heads_q}/{heads_kv} L={len} ({how}{order}): \
+                         {} set(s) of a {:.2} GB KV cache, ready in {:.1} s",
                         sets.len(),
                         shape.kv_bytes(d, plan.dtype) as f64 / 1e9,
                         prepared.elapsed().as_secs_f64()
@@ -229,7 +239,8 @@ fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
                             len,
                             d,
                         )
-                        .paged(layout.page_size());
+                        .paged(layout.page_size())
+                        .in_layout(axes.label());
                         let (row, extra) = run_decode_case(gpu, plan, rung, case, &sets, &lengths);
                         print_progress(done, total, plan.repeats_of(rung), &row, &extra);
                         rows.push(row);

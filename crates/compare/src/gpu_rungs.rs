@@ -325,13 +325,19 @@ impl GpuRung {
         self.head_dims().contains(&d)
     }
 
-    /// Whether the kernel takes Q, K, V (and dO) in any batch, head and sequence strides, e.g. as
-    /// `[batch, seq, heads, d]` views (FA2 forward and backward, FA3 in 16 bits); the others
-    /// take contiguous `[batch, heads, seq, d]` tensors only.
+    /// Whether the kernel takes Q, K, V (and dO, or a decoding call's cache) in any batch, head
+    /// and sequence strides, e.g. as `[batch, seq, heads, d]` views (FA2 forward and backward, FA3
+    /// in 16 bits, FlashDecoding and FlashDecoding++); the others take contiguous
+    /// `[batch, heads, seq, d]` tensors only.
     pub fn takes_strides(self) -> bool {
         matches!(
             self,
-            GpuRung::Fa2 | GpuRung::Fa3 | GpuRung::Fa2Backward | GpuRung::Fa2BackwardDeterministic
+            GpuRung::Fa2
+                | GpuRung::Fa3
+                | GpuRung::Fa2Backward
+                | GpuRung::Fa2BackwardDeterministic
+                | GpuRung::FlashDecoding
+                | GpuRung::FlashDecodingPp
         )
     }
 

@@ -14,10 +14,12 @@
 //!   rows per kv head (GQA 8 × 16 tokens; 16 at d = 256) run in several row blocks.
 //! - Paged: the same data in pages of 16, 64 and 256 tokens, in shuffled order, gives the same
 //!   bits as the contiguous cache with the same split count.
+//! - Strided: Q and the cache in `[b, s, h, d]` memory order (vLLM's NHD pages) or as a slot of a
+//!   packed buffer give the row-major tensors' bits; `O` is laid out like `q`.
 //! - Drawn shapes (proptest): GQA groups 1–8 × 1–16 new tokens (up to 128 rows per kv head),
-//!   per-sequence lengths from 0 to the capacity, every head dimension (64, 128, 256),
-//!   contiguous or paged, against the oracle and the
-//!   CPU rung `ladder_reference::flash_decoding` with the same split count.
+//!   per-sequence lengths from 0 to the capacity, every head dimension (8 … 256), contiguous or
+//!   paged, Q and the cache in each memory layout, against the oracle and the CPU rung
+//!   `ladder_reference::flash_decoding` with the same split count.
 //! - `forward_into` (caller-owned outputs) gives `forward`'s bits; a call gives the same bits
 //!   whatever ran before it (the split kernel's counters are left at zero).
 //! - Bad input: errors, never a panic; a page table that lives only on the device and points
@@ -41,305 +43,26 @@
 //!   count); drawn shapes with `φ` ±100.
 //! - Bad `φ`, window or split count: configuration errors.
 //!
-//! Without a GPU these tests print a notice and pass; with `LADDER_REQUIRE_GPU=1` a missing GPU
+//! The cases, inputs and launches are in `decoding/mod.rs`, shared with `gpu_decode_varlen.rs`
+//! (packed new tokens). Without a GPU these tests print a notice and pass; with `LADDER_REQUIRE_GPU=1` a missing GPU
 //! fails them. `LADDER_GPU_CASES` sets the number of drawn cases (default 48).
 
-use ladder_compare::Inputs;
-use ladder_compare::cases::{permutation, pseudo_random};
-use ladder_compare::gpu_check::{self, narrow, shared_gpu};
-use ladder_compare::oracle::{Expected, Oracle, judge_between};
+mod decoding;
+
+use decoding::*;
+use ladder_compare::cases::pseudo_random;
+use ladder_compare::gpu_check::{self, Layout as Axes, narrow};
+use ladder_compare::oracle::{Expected, judge_between};
 use ladder_kernels::decode::{
-    self, Cache, DecodeOptions, DecodeStats, KvCache, PageTable, PagedKvCache,
-    Strategy as DecodeStrategy,
+    self, DecodeOptions, DecodeStats, KvCache, PageTable, PagedKvCache, Strategy as DecodeStrategy,
 };
 use ladder_kernels::{DType, Gpu, KernelError, Output, Tensor, round_to};
 use ladder_reference::{
-    AttentionOptions, AttentionOutput, FlashDecodingOptions, FlashDecodingPpOptions, Phi,
-    flash_decoding, flash_decoding_pp,
+    AttentionOptions, FlashDecodingOptions, FlashDecodingPpOptions, Phi, flash_decoding,
+    flash_decoding_pp,
 };
 use ndarray::{Array3, Array4, s};
 use proptest::prelude::*;
-
-fn gpu() -> Option<&'static Gpu> {
-    shared_gpu("GPU decode tests")
-}
-
-/// The head dimensions this GPU runs (d = 256 needs more shared memory per block than sm_86,
-/// sm_89 and sm_120 give: `decode::head_dim_fits`).
-fn head_dims() -> Vec<usize> {
-    let fits = |d: &usize| gpu().is_none_or(|g| decode::head_dim_fits(g, *d));
-    decode::HEAD_DIMS.iter().copied().filter(fits).collect()
-}
-
-/// One decoding call: shapes, lengths and element type.
-#[derive(Clone, Debug)]
-struct Case {
-    heads_q: usize,
-    heads_kv: usize,
-    n_new: usize,
-    d: usize,
-    capacity: usize,
-    lengths: Vec<usize>,
-    dtype: DType,
-    seed: u64,
-}
-
-/// How the cache reaches the kernel.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Layout {
-    /// `[batch, heads_kv, capacity, d]`.
-    Contiguous,
-    /// Pages of `page` tokens in shuffled order; the table uploaded with its host copy (checked
-    /// at every call) or wrapped from a device buffer (`device_only`: not checked on the host).
-    Paged { page: usize, device_only: bool },
-}
-
-/// The host copies of a case's inputs, rounded to its dtype (the cache NaN past each length).
-struct HostInputs {
-    q: Array4<f32>,
-    k: Array4<f32>,
-    v: Array4<f32>,
-}
-
-impl Case {
-    fn batch(&self) -> usize {
-        self.lengths.len()
-    }
-
-    fn inputs(&self) -> HostInputs {
-        let (b, hq, hkv, n, d, cap) =
-            (self.batch(), self.heads_q, self.heads_kv, self.n_new, self.d, self.capacity);
-        let q = pseudo_random(self.seed, b * hq * n * d);
-        let mut k = pseudo_random(self.seed + 1, b * hkv * cap * d);
-        let mut v = pseudo_random(self.seed + 2, b * hkv * cap * d);
-        // Entries past each sequence's length must never be read.
-        for (bi, &len) in self.lengths.iter().enumerate() {
-            for h in 0..hkv {
-                let start = ((bi * hkv + h) * cap + len) * d;
-                let end = ((bi * hkv + h) * cap + cap) * d;
-                k[start..end].fill(f32::NAN);
-                v[start..end].fill(f32::NAN);
-            }
-        }
-        let arr = |x: Vec<f32>, shape: [usize; 4]| {
-            Array4::from_shape_vec(shape, round_to(&x, self.dtype)).expect("shape")
-        };
-        HostInputs {
-            q: arr(q, [b, hq, n, d]),
-            k: arr(k, [b, hkv, cap, d]),
-            v: arr(v, [b, hkv, cap, d]),
-        }
-    }
-
-    /// The softmax scale as the kernel gets it, and the oracle's options with the same `f32`.
-    fn options(&self) -> (AttentionOptions, f32) {
-        let (attention, opts) = gpu_check::options(&AttentionOptions::causal(), self.d);
-        (attention, opts.scale.expect("options() sets the scale"))
-    }
-
-    /// The call's options: the case's scale, `strategy`, `splits` and `φ` (the default window).
-    fn decode_options(
-        &self,
-        strategy: DecodeStrategy,
-        splits: Option<usize>,
-        phi: f32,
-    ) -> DecodeOptions {
-        DecodeOptions { scale: Some(self.options().1), splits, strategy, phi, safe_range: None }
-    }
-
-    /// What the heuristics see of the case (`paged` or not).
-    fn workload(&self, paged: bool) -> decode::Workload {
-        decode::Workload {
-            rows_per_kv_head: self.heads_q / self.heads_kv * self.n_new,
-            max_len: self.lengths.iter().copied().max().unwrap_or(0),
-            batch_heads_kv: self.batch() * self.heads_kv,
-            head_dim: self.d,
-            paged,
-        }
-    }
-
-    /// The split count the kernel uses for `splits` (the heuristic's when `None`).
-    fn splits_used(&self, gpu: &Gpu, splits: Option<usize>, paged: bool) -> usize {
-        splits.unwrap_or_else(|| {
-            decode::default_splits(&self.workload(paged), gpu.sm_count() as usize)
-        })
-    }
-}
-
-/// A case's cache in pages: K and V `[num_pages, heads_kv, page, d]` and the page table.
-struct HostPages {
-    k: Vec<f32>,
-    v: Vec<f32>,
-    shape: [usize; 4],
-    entries: Vec<i32>,
-    max_pages: usize,
-}
-
-/// The contiguous cache of `x` cut into pages of `page` tokens: sequence `b` gets
-/// `ceil(capacity / page)` pages, all pages (and three spare ones) handed out in a shuffled order,
-/// so a sequence's pages are scattered. Slots past the capacity, and the spare pages, are NaN;
-/// the table's entries past the pages a sequence's length needs are −1 (they must not be read).
-fn paginate(case: &Case, x: &HostInputs, page: usize) -> HostPages {
-    let (b, hkv, cap, d) = (case.batch(), case.heads_kv, case.capacity, case.d);
-    let max_pages = cap.div_ceil(page);
-    let num_pages = b * max_pages + 3;
-    let order = permutation(case.seed ^ page as u64, num_pages);
-    let shape = [num_pages, hkv, page, d];
-    let mut k = vec![f32::NAN; num_pages * hkv * page * d];
-    let mut v = k.clone();
-    let mut entries = vec![-1i32; b * max_pages];
-    for bi in 0..b {
-        for i in 0..max_pages {
-            let p = order[bi * max_pages + i];
-            if i < case.lengths[bi].div_ceil(page) {
-                entries[bi * max_pages + i] = p as i32;
-            }
-            for h in 0..hkv {
-                for slot in 0..page {
-                    let j = i * page + slot;
-                    if j >= cap {
-                        break;
-                    }
-                    let dst = ((p * hkv + h) * page + slot) * d;
-                    let src = x.k.slice(s![bi, h, j, ..]);
-                    k[dst..dst + d].iter_mut().zip(src).for_each(|(o, &i)| *o = i);
-                    let src = x.v.slice(s![bi, h, j, ..]);
-                    v[dst..dst + d].iter_mut().zip(src).for_each(|(o, &i)| *o = i);
-                }
-            }
-        }
-    }
-    HostPages { k, v, shape, entries, max_pages }
-}
-
-/// A case's tensors on the device, in one layout.
-struct Device {
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    table: Option<PageTable>,
-}
-
-impl Device {
-    fn cache<'a>(&'a self, lengths: &'a [usize]) -> Cache<'a> {
-        match &self.table {
-            None => KvCache { k: &self.k, v: &self.v, lengths }.into(),
-            Some(page_table) => {
-                PagedKvCache { k_pages: &self.k, v_pages: &self.v, page_table, lengths }.into()
-            }
-        }
-    }
-}
-
-fn upload_values(gpu: &Gpu, values: &[f32], shape: &[usize], dtype: DType) -> Tensor {
-    gpu.upload(values, shape, dtype).expect("upload")
-}
-
-/// Upload a table of `entries` as `layout` asks: with its host copy, or wrapped from a device
-/// buffer.
-fn upload_table(gpu: &Gpu, entries: &[i32], batch: usize, device_only: bool) -> PageTable {
-    let max_pages = entries.len() / batch;
-    if device_only {
-        let buf = gpu.stream().clone_htod(entries).expect("upload the table");
-        PageTable::from_cuda_slice(buf, batch, max_pages).expect("table")
-    } else {
-        PageTable::upload(gpu, entries, batch, max_pages).expect("table")
-    }
-}
-
-fn upload(gpu: &Gpu, case: &Case, x: &HostInputs, layout: Layout) -> Device {
-    let flat = |a: &Array4<f32>| a.iter().copied().collect::<Vec<f32>>();
-    let q = upload_values(gpu, &flat(&x.q), x.q.shape(), case.dtype);
-    match layout {
-        Layout::Contiguous => Device {
-            q,
-            k: upload_values(gpu, &flat(&x.k), x.k.shape(), case.dtype),
-            v: upload_values(gpu, &flat(&x.v), x.v.shape(), case.dtype),
-            table: None,
-        },
-        Layout::Paged { page, device_only } => {
-            let pages = paginate(case, x, page);
-            Device {
-                q,
-                k: upload_values(gpu, &pages.k, &pages.shape, case.dtype),
-                v: upload_values(gpu, &pages.v, &pages.shape, case.dtype),
-                table: Some(upload_table(gpu, &pages.entries, case.batch(), device_only)),
-            }
-        }
-    }
-}
-
-/// One FlashDecoding call on `dev` with `splits`.
-fn launch(gpu: &Gpu, case: &Case, dev: &Device, splits: Option<usize>) -> Output {
-    launch_with(gpu, case, dev, &case.decode_options(DecodeStrategy::FlashDecoding, splits, 0.0)).0
-}
-
-/// One call on `dev` with `opts`, and what it did.
-fn launch_with(
-    gpu: &Gpu,
-    case: &Case,
-    dev: &Device,
-    opts: &DecodeOptions,
-) -> (Output, DecodeStats) {
-    decode::forward_with_stats(gpu, &dev.q, dev.cache(&case.lengths), opts)
-        .unwrap_or_else(|e| panic!("{case:?} {opts:?}: {e}"))
-}
-
-/// `O` and `lse` on the host.
-fn to_host(case: &Case, out: &Output) -> (Array4<f32>, Array3<f32>) {
-    let (b, hq, n, d) = (case.batch(), case.heads_q, case.n_new, case.d);
-    let o = Array4::from_shape_vec((b, hq, n, d), out.o.to_f32_vec().expect("copy")).expect("o");
-    let lse = Array3::from_shape_vec((b, hq, n), out.lse.to_f32_vec().expect("copy")).expect("lse");
-    (o, lse)
-}
-
-/// Runs the kernel on `x` in `layout` with `splits`; returns `O` and `lse` on the host.
-fn run(
-    gpu: &Gpu,
-    case: &Case,
-    x: &HostInputs,
-    layout: Layout,
-    splits: Option<usize>,
-) -> (Array4<f32>, Array3<f32>) {
-    to_host(case, &launch(gpu, case, &upload(gpu, case, x, layout), splits))
-}
-
-/// Sequence `b`'s problem (its new tokens against its first `len` keys, in `f64`) and oracle.
-fn problem_of(case: &Case, x: &HostInputs, b: usize) -> (Inputs<f64>, Oracle) {
-    let len = case.lengths[b];
-    let wide = |a: ndarray::ArrayView4<f32>| a.mapv(f64::from);
-    let q = wide(x.q.slice(s![b..b + 1, .., .., ..]));
-    let inputs = Inputs {
-        d_o: Array4::zeros(q.dim()),
-        q,
-        k: wide(x.k.slice(s![b..b + 1, .., ..len, ..])),
-        v: wide(x.v.slice(s![b..b + 1, .., ..len, ..])),
-    };
-    let (attention, _) = case.options();
-    let oracle = Oracle::new(&inputs, &attention).expect("oracle");
-    (inputs, oracle)
-}
-
-/// The oracle and the GPU kernel's tolerances for sequence `b`.
-fn expected_for(case: &Case, x: &HostInputs, b: usize) -> Expected {
-    let (inputs, oracle) = problem_of(case, x, b);
-    gpu_check::expected_forward(&oracle, &inputs, case.dtype).expect("tolerance")
-}
-
-fn sequence(o: &Array4<f32>, lse: &Array3<f32>, b: usize) -> AttentionOutput<f32> {
-    AttentionOutput {
-        o: o.slice(s![b..b + 1, .., .., ..]).to_owned(),
-        lse: lse.slice(s![b..b + 1, .., ..]).to_owned(),
-        stats: Default::default(),
-    }
-}
-
-/// A sequence without keys: `O = 0` and `lse = −∞` exactly.
-fn assert_empty(what: &str, o: &Array4<f32>, lse: &Array3<f32>, b: usize) {
-    let seq = sequence(o, lse, b);
-    assert!(seq.o.iter().all(|&v| v == 0.0), "{what}, sequence {b}: O ≠ 0");
-    assert!(seq.lse.iter().all(|&v| v == f32::NEG_INFINITY), "{what}, sequence {b}: lse ≠ −inf");
-}
 
 /// The split counts every fixed case runs with: the heuristic, 1, 3, 7, and more than key tiles.
 const SPLITS: [Option<usize>; 5] = [None, Some(1), Some(3), Some(7), Some(64)];
@@ -386,57 +109,6 @@ fn check_case(case: &Case) {
         }
     }
 }
-
-fn cases(dtype: DType) -> Vec<Case> {
-    let case = |heads_q, heads_kv, n_new, d, capacity, lengths: &[usize], seed| Case {
-        heads_q,
-        heads_kv,
-        n_new,
-        d,
-        capacity,
-        lengths: lengths.to_vec(),
-        dtype,
-        seed,
-    };
-    vec![
-        // Multi-head, one token, a full cache (length = capacity).
-        case(8, 8, 1, 128, 1000, &[1000], 1),
-        // GQA 4:1, 4 tokens (16 rows per block), a length-1 sequence (3 of its tokens see nothing).
-        case(8, 2, 4, 64, 777, &[777, 1], 2),
-        // GQA 4:1, one token, an empty sequence and lengths that are multiples of nothing.
-        case(32, 8, 1, 128, 530, &[530, 0, 3, 333], 3),
-        // 32 rows per block (two mma tiles): GQA 8:1 × 4 tokens.
-        case(16, 2, 4, 128, 200, &[200, 37], 4),
-        case(32, 8, 4, 64, 300, &[2, 299, 0], 5),
-        // 16 new tokens, one of the sequences shorter than that.
-        case(2, 2, 16, 64, 100, &[100, 10], 6),
-        // 100 keys: 64 splits is more splits than key tiles (and than keys per split).
-        case(8, 2, 1, 128, 100, &[100], 7),
-        // A long cache: many tiles per split.
-        case(32, 8, 1, 128, 4099, &[4099, 2500], 8),
-        // More sequences than one launch takes (their lengths travel in the parameter struct,
-        // 256 at a time): the batch is launched in chunks.
-        case(4, 2, 1, 64, 70, &(0..300).map(|b| (b * 7) % 71).collect::<Vec<_>>(), 9),
-        // More than 32 rows per kv head, in row blocks of 32: GQA 8 × 16 speculative tokens
-        // (128 rows, 4 blocks), with a sequence shorter than its new tokens and an empty one.
-        case(16, 2, 16, 128, 300, &[300, 9, 0], 10),
-        // 33 rows: the second block holds one row, a token other than the first (its mask limit
-        // is not the block's smallest).
-        case(6, 2, 11, 64, 200, &[200, 70], 11),
-        // Multi-query attention, 32 heads × 8 tokens = 256 rows (8 blocks) on one kv head.
-        case(32, 1, 8, 64, 150, &[150, 129], 12),
-        // d = 256: one 16-row tile per block. GQA 4 × 4 tokens (16 rows, one block), a sequence
-        // shorter than its new tokens; multi-head with one token; GQA 8 × 4 (32 rows, two
-        // blocks of 16 where d ≤ 128 takes one of 32).
-        case(8, 2, 4, 256, 700, &[700, 3], 13),
-        case(4, 4, 1, 256, 1500, &[1500, 0], 14),
-        case(16, 2, 4, 256, 300, &[300, 77], 15),
-    ]
-    .into_iter()
-    .filter(|c| head_dims().contains(&c.d))
-    .collect()
-}
-
 #[test]
 fn gpu_decode_fp16_matches_the_oracle_for_every_split_count() {
     for case in cases(DType::F16) {
@@ -449,19 +121,6 @@ fn gpu_decode_bf16_matches_the_oracle_for_every_split_count() {
     for case in cases(DType::BF16) {
         check_case(&case);
     }
-}
-
-/// Raw bytes of `O` and `lse`.
-/// A tensor of all-ones bytes (NaN in every float type), so that an element no kernel writes
-/// cannot pass a check.
-fn nan_tensor(gpu: &Gpu, shape: &[usize], dtype: DType) -> Tensor {
-    let mut t = gpu.zeros(shape, dtype).expect("zeros");
-    gpu.fill_bytes(&mut t, 0xff).expect("fill");
-    t
-}
-
-fn bytes(out: &Output) -> (Vec<u8>, Vec<u8>) {
-    (out.o.to_bytes().expect("copy"), out.lse.to_bytes().expect("copy"))
 }
 
 /// A call is one launch: the blocks of each group of splits count themselves in on counters the
@@ -668,34 +327,82 @@ fn gpu_decode_paged_equals_contiguous_bit_for_bit() {
     }
 }
 
-/// One drawn call: a case, its layout and a split count.
+/// Q and the cache laid out `[b, s, h, d]` in memory (a projection's Q, FlashAttention's
+/// `k_cache`, vLLM's NHD pages) or as slot 0 of a packed buffer whose other slots are NaN give the
+/// row-major tensors' bits (the kernels compute the same sums, only the addresses differ), with a
+/// contiguous and a paged cache, for FlashDecoding and FlashDecoding++. `O` comes back laid out
+/// like `q`, and `forward_into` writes a caller's `O` of other strides.
+#[test]
+fn gpu_decode_strided_inputs_give_the_row_major_bits() {
+    let Some(gpu) = gpu() else { return };
+    let bf16 = cases(DType::BF16).into_iter().filter(|c| [64, 96, 200].contains(&c.d));
+    for case in cases(DType::F16).into_iter().chain(bf16) {
+        let x = case.inputs();
+        for layout in [Layout::Contiguous, Layout::Paged { page: 32, device_only: false }] {
+            let dense = upload(gpu, &case, &x, layout);
+            for strategy in [DecodeStrategy::FlashDecoding, DecodeStrategy::FlashDecodingPp] {
+                let opts = case.decode_options(strategy, None, 0.0);
+                let want = bytes(&launch_with(gpu, &case, &dense, &opts).0);
+                for axes in [Axes::Bshd, Axes::Packed] {
+                    let dev = upload_as(gpu, &case, &x, layout, axes);
+                    let (out, _) = launch_with(gpu, &case, &dev, &opts);
+                    let what = format!("{case:?} {layout:?} {strategy} {axes:?}");
+                    assert!(bytes(&out) == want, "{what}: not the row-major tensors' bits");
+                    if axes == Axes::Bshd {
+                        assert_eq!(
+                            out.o.strides(),
+                            dev.q.strides(),
+                            "{what}: O not laid out like q"
+                        );
+                    }
+                }
+            }
+        }
+        // A caller's O in [b, s, h, d] order for row-major inputs.
+        let dense = upload(gpu, &case, &x, Layout::Contiguous);
+        let (b, hq, n, d) = (case.batch(), case.heads_q, case.n_new, case.d);
+        let mut out = Output {
+            o: gpu.zeros(&[b, n, hq, d], case.dtype).expect("o").transpose(1, 2).expect("o"),
+            lse: gpu.zeros(&[b, hq, n], DType::F32).expect("lse"),
+        };
+        let opts = case.decode_options(DecodeStrategy::FlashDecoding, None, 0.0);
+        let want = bytes(&launch_with(gpu, &case, &dense, &opts).0);
+        decode::forward_into(gpu, &dense.q, dense.cache(&case.lengths), &opts, &mut out)
+            .unwrap_or_else(|e| panic!("{case:?}: {e}"));
+        assert!(bytes(&out) == want, "{case:?}: a strided O is not forward's bits");
+    }
+}
+
+/// One drawn call: a case, its cache's layout, where its rows lie and a split count.
 #[derive(Clone, Debug)]
 struct Drawn {
     case: Case,
     layout: Layout,
+    axes: Axes,
     splits: Option<usize>,
 }
 
 /// GQA groups 1–8 × 1–16 new tokens (up to 128 rows per kv head), 1–2 kv heads, 1–3 sequences
-/// with lengths from 0 to the capacity (often full), d 64, 128 or 256, fp16 or bf16, contiguous or
-/// paged (every page size), the heuristic's split count or 1–9.
+/// with lengths from 0 to the capacity (often full), every head dimension (8 … 256), fp16 or
+/// bf16, contiguous or paged (every page size), Q and the cache in each of the three layouts, the
+/// heuristic's split count or 1–9.
 fn drawn() -> impl Strategy<Value = Drawn> {
     let page = prop::sample::select(vec![None, Some(16), Some(32), Some(64), Some(128), Some(256)]);
     let splits = prop_oneof![Just(None), (1..=9usize).prop_map(Some)];
     (
         (1..=3usize, 1..=2usize, 1..=8usize, 1..=16usize, 1..=600usize),
-        prop::sample::select(head_dims()),
+        (prop::sample::select(head_dims()), prop::sample::select(Axes::ALL.to_vec())),
         prop::sample::select(vec![DType::F16, DType::BF16]),
         (page, any::<bool>(), splits, any::<u64>()),
     )
-        .prop_flat_map(|((batch, heads_kv, group, n_new, cap), d, dtype, rest)| {
+        .prop_flat_map(|((batch, heads_kv, group, n_new, cap), (d, axes), dtype, rest)| {
             let length = prop_oneof![Just(cap), 0..=cap];
             (
-                Just((heads_kv, group, n_new, cap, d, dtype, rest)),
+                Just((heads_kv, group, n_new, cap, d, axes, dtype, rest)),
                 prop::collection::vec(length, batch),
             )
         })
-        .prop_map(|((heads_kv, group, n_new, cap, d, dtype, rest), lengths)| {
+        .prop_map(|((heads_kv, group, n_new, cap, d, axes, dtype, rest), lengths)| {
             let (page, device_only, splits, seed) = rest;
             let case = Case {
                 heads_q: heads_kv * group,
@@ -711,16 +418,16 @@ fn drawn() -> impl Strategy<Value = Drawn> {
                 None => Layout::Contiguous,
                 Some(page) => Layout::Paged { page, device_only },
             };
-            Drawn { case, layout, splits }
+            Drawn { case, layout, axes, splits }
         })
 }
 
 /// A drawn call against the oracle and against the CPU rung with the same split count.
 fn check_drawn(drawn: &Drawn) -> Result<(), TestCaseError> {
     let Some(gpu) = gpu() else { return Ok(()) };
-    let Drawn { case, layout, splits } = drawn;
+    let Drawn { case, layout, axes, splits } = drawn;
     let x = case.inputs();
-    let (o, lse) = run(gpu, case, &x, *layout, *splits);
+    let (o, lse) = run_as(gpu, case, &x, *layout, *axes, *splits);
     let (attention, _) = case.options();
     let cpu_opts = FlashDecodingOptions::new(attention)
         .with_splits(case.splits_used(gpu, *splits, matches!(layout, Layout::Paged { .. })))
@@ -850,10 +557,42 @@ fn gpu_decode_bad_input_is_an_error_not_a_panic() {
         );
         assert!(matches!(r, Err(KernelError::Shape(_))), "scale {scale}: {r:?}");
     }
-    // Head dimension without a kernel.
-    let (q96, kv96) = (t(&[2, 8, 1, 96], f16), t(&[2, 2, 50, 96], f16));
-    let r = run(&q96, &kv96, &kv96, &[50, 3], None);
-    assert!(matches!(r, Err(KernelError::UnsupportedHeadDim { d: 96, .. })), "{r:?}");
+    // Head dimensions without a kernel: not a multiple of 8, past 256. The error says what is.
+    for d in [100, 264] {
+        let (qd, kvd) = (t(&[2, 8, 1, d], f16), t(&[2, 2, 50, d], f16));
+        let r = run(&qd, &kvd, &kvd, &[50, 3], None);
+        assert!(
+            matches!(r, Err(KernelError::UnsupportedHeadDim { d: got, .. }) if got == d),
+            "{r:?}"
+        );
+        let message = r.expect_err("d").to_string();
+        assert!(message.contains("multiples of 8 from 8 to 256"), "{message}");
+    }
+    // Strides: the head dimension not contiguous; a sequence stride that is not a whole number of
+    // 16-byte chunks; K and V laid out differently (the kernels address both with one offset).
+    let strided = |shape: &[usize], strides: &[usize], len: usize| {
+        t(&[len], f16).as_strided(shape, strides).expect("in the buffer")
+    };
+    let q_gaps = strided(&[2, 8, 1, 64], &[8 * 128, 128, 128, 2], 2 * 8 * 128);
+    let r = run(&q_gaps, &kv, &kv, &[50, 3], None);
+    assert!(matches!(&r, Err(KernelError::Shape(m)) if m.contains("contiguous")), "{r:?}");
+    let kv_odd = strided(&[2, 2, 50, 64], &[2 * 50 * 68, 50 * 68, 68, 1], 2 * 2 * 50 * 68);
+    let r = run(&q, &kv_odd, &kv_odd, &[50, 3], None);
+    assert!(matches!(&r, Err(KernelError::Shape(m)) if m.contains("multiples of 8")), "{r:?}");
+    let kv_bshd = t(&[2, 50, 2, 64], f16).transpose(1, 2).expect("transpose");
+    let r = run(&q, &kv_bshd, &kv, &[50, 3], None);
+    assert!(matches!(&r, Err(KernelError::Shape(m)) if m.contains("alike")), "{r:?}");
+    assert!(run(&q, &kv_bshd, &kv_bshd, &[50, 3], None).is_ok());
+    // forward_into: an lse that is not contiguous (two tokens, so that its transposed axes both
+    // count).
+    let q2 = t(&[2, 8, 2, 64], f16);
+    let mut out = Output {
+        o: gpu.zeros(&[2, 8, 2, 64], f16).expect("o"),
+        lse: gpu.zeros(&[2, 2, 8], DType::F32).expect("lse").transpose(1, 2).expect("lse"),
+    };
+    let cache = KvCache { k: &kv, v: &kv, lengths: &[50, 3] };
+    let r = decode::forward_into(gpu, &q2, cache, &DecodeOptions::default(), &mut out);
+    assert!(matches!(&r, Err(KernelError::Shape(m)) if m.contains("lse")), "{r:?}");
 }
 
 /// A paged cache with a bad table or bad pages is an error value when the table's entries are
@@ -1345,9 +1084,9 @@ fn check_drawn_fallbacks(drawn: &Drawn, phi: f32) -> Result<(), TestCaseError> {
 /// whose fallback count it must also report).
 fn check_drawn_strategy(drawn: &Drawn, strategy: DecodeStrategy) -> Result<(), TestCaseError> {
     let Some(gpu) = gpu() else { return Ok(()) };
-    let Drawn { case, layout, splits } = drawn;
+    let Drawn { case, layout, axes, splits } = drawn;
     let x = case.inputs();
-    let dev = upload(gpu, case, &x, *layout);
+    let dev = upload_as(gpu, case, &x, *layout, *axes);
     let (out, stats) = launch_with(gpu, case, &dev, &case.decode_options(strategy, *splits, 0.0));
     let auto_opts = case.decode_options(DecodeStrategy::Auto, *splits, 0.0);
     let (auto, _) = launch_with(gpu, case, &dev, &auto_opts);

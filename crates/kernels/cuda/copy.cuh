@@ -37,6 +37,26 @@ __device__ __forceinline__ int swz(int row, int col) {
     return row * COLS + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
 }
 
+// Copy rows 0 … n − 1 of a tile whose row r starts at gmem + row_at(r) (elements) into a swizzled
+// shared tile of COLS columns, columns [0, DK): rows at or past n and columns at or past D become
+// zeros and are never read from memory; columns DK … COLS are left alone. The threads walk the
+// tile's 16-byte chunks in order, one address per chunk: for rows that lie anywhere (load_tile's
+// general path, the decoding kernels' rows of new tokens).
+template <int ROWS, int COLS, int DK, int D, int THREADS, typename RowAt>
+__device__ __forceinline__ void load_rows(u16* smem, const u16* gmem, RowAt row_at, int n) {
+    constexpr int CHUNKS_PER_ROW = DK / 8;
+    constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
+#pragma unroll
+    for (int i = 0; i < (CHUNKS + THREADS - 1) / THREADS; ++i) {
+        const int chunk = threadIdx.x + i * THREADS;
+        const int r = chunk / CHUNKS_PER_ROW, col = (chunk % CHUNKS_PER_ROW) * 8;
+        if (CHUNKS % THREADS == 0 || chunk < CHUNKS) {
+            const bool valid = col < D && r < n;
+            cp_async_16(smem + swz<COLS>(r, col), gmem + (valid ? row_at(r) + col : 0), valid);
+        }
+    }
+}
+
 // Copy rows [row0, row0 + ROWS) of a [n, D] matrix whose rows are `ld` elements apart into a
 // swizzled shared tile of COLS columns, columns [0, DK): rows at or past `n` and columns at or past
 // D (the zero padding of a head dimension, layout.cuh) become zeros and are never read from
@@ -60,17 +80,8 @@ __device__ __forceinline__ void load_tile(u16* smem, const u16* gmem, long long 
         for (int i = 0; i < ROWS / STEP; ++i, src += STEP * ld)
             cp_async_16(smem + swz<COLS>(r + i * STEP, col), src, col_in && row0 + r + i * STEP < n);
     } else {
-        constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
-#pragma unroll
-        for (int i = 0; i < (CHUNKS + THREADS - 1) / THREADS; ++i) {
-            const int chunk = threadIdx.x + i * THREADS;
-            const int r = chunk / CHUNKS_PER_ROW, col = (chunk % CHUNKS_PER_ROW) * 8;
-            if (CHUNKS % THREADS == 0 || chunk < CHUNKS) {
-                const bool valid = col < D && row0 + r < n;
-                cp_async_16(smem + swz<COLS>(r, col), gmem + (valid ? (row0 + r) * ld + col : 0),
-                            valid);
-            }
-        }
+        load_rows<ROWS, COLS, DK, D, THREADS>(
+            smem, gmem, [&](int r) { return (row0 + r) * ld; }, n - row0);
     }
 }
 

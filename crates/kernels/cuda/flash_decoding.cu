@@ -18,11 +18,11 @@
 // of MB in ~10 µs, and a second launch, with the drain of the first and the fill of the second,
 // costs a sizeable share of that (docs/perf-notes.md, FlashDecoding v3).
 //
-// GQA packing. One kv head's rows are r = 0 … R−1 with R = group · n_new (group = heads_q /
-// heads_kv), row r being query head kv_head·group + r / n_new, new token t = r % n_new. In the
-// [batch, heads_q, n_new, d] layout these R rows are consecutive, so a block's Q tile is one
-// contiguous copy and the output row of r is (batch·heads_kv + kv_head)·R + r. K and V of the kv
-// head are read once for all the rows a block holds.
+// GQA packing (decode.cuh, HeadRows). One kv head's rows are r = 0 … R−1 with R = group · n_new
+// (group = heads_q / heads_kv), row r being query head kv_head·group + r / n_new, new token
+// t = r % n_new; its output row is (batch·heads_kv + kv_head)·R + r, and its Q and O rows lie
+// wherever the caller's strides put them. K and V of the kv head are read once for all the rows
+// a block holds.
 //
 // Row blocks. A block holds at most ROWS = 16·MT ≤ 32 rows (MT = 1 or 2 mma tiles of 16; rows
 // past the block's last are zeros and are never stored): every warp keeps the output of all its
@@ -77,7 +77,8 @@
 //   g     16-key group of a tile (never split by a page boundary)
 //
 // Compile-time constants, set by the host for each variant:
-//   FD_D      head dimension (64, 128, 256)
+//   FD_D      head dimension (any multiple of 8 up to 256; decode.cuh pads it to the products'
+//             16-wide k-steps and to 64-element rows in shared memory)
 //   FD_MT     16-row mma tiles of the Q tile (1: ≤ 16 rows per block, 2: ≤ 32; 1 at D = 256)
 //   FD_BC     keys per K/V tile (16 per warp)
 //   FD_WARPS  warps per block of the split kernel
@@ -88,6 +89,7 @@
 // the f32 buffer that merges the warps. (The combine works in registers.)
 
 #include "copy.cuh"
+#include "decode.cuh"
 #include "kv_cache.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
@@ -95,9 +97,6 @@
 #include "softmax.cuh"
 #include "types.cuh"
 
-#ifndef FD_D
-#define FD_D 128
-#endif
 #ifndef FD_MT
 #define FD_MT 2
 #endif
@@ -114,7 +113,6 @@
 #define FD_PAGED 0
 #endif
 
-constexpr int D = FD_D;
 constexpr int MT = FD_MT;
 constexpr int BC = FD_BC;
 constexpr int WARPS = FD_WARPS;
@@ -123,35 +121,20 @@ constexpr bool PAGED = FD_PAGED != 0;
 static_assert(STAGES >= 2, "at least one copy in flight");
 constexpr int THREADS = WARPS * 32;
 constexpr int ROWS = MT * 16;   // rows of the Q tile
-constexpr int DT = D / 8;       // 8-column accumulator tiles across one row of O
+constexpr int DT = DK / 8;      // 8-column accumulator tiles across one row of O
 // Groups of 16 keys that always share a page (kv_cache.cuh) per tile.
 constexpr int GROUPS = BC / KEY_GROUP;
 // f32 row stride of the warp-merge buffer: 8 floats of padding put the 8 rows a half-warp's
 // float2 stores touch into 8 different groups of banks.
-constexpr int RED_STRIDE = D + 8;
+constexpr int RED_STRIDE = DK + 8;
 static_assert(BC == 16 * WARPS, "each warp owns 16 keys of a tile");
 
-// The lengths travel in the parameter struct itself (a launch copies it to constant memory), so a
-// call needs no host-to-device copy; the host launches batches of more than FD_MAX_BATCH
-// sequences in chunks.
-#ifndef FD_MAX_BATCH
-#define FD_MAX_BATCH 256
-#endif
-
-// Q and O are [batch, heads_q, n_new, D]; K and V are [batch, heads_kv, capacity, D] (contiguous)
-// or [num_pages, heads_kv, page_size, D] (paged, with page_table [batch, max_pages]); lengths[b]
-// is the number of valid cache entries of sequence b (the new tokens included). Workspaces, f32:
-// o_part [batch, heads_q, n_new, splits, D] and lse_part [batch, heads_q, n_new, splits]; lse is
-// [batch, heads_q, n_new], natural log.
+// The call (decode.cuh), and this kernel's own: workspaces, f32, o_part [batch, heads_q, n_new,
+// splits, D] and lse_part [batch, heads_q, n_new, splits].
 struct FdParams {
-    const u16* q;
-    const u16* k;
-    const u16* v;
-    const int* page_table;  // paged only
+    DecodeCall call;
     float* o_part;
     float* lse_part;
-    u16* o;
-    float* lse;
     // FlashDecoding++'s fallback (flash_decoding_pp.cu), or null: one int per output row, non-zero
     // where the row must be recomputed here. When set, only those rows are written (a block none
     // of whose rows is flagged returns at once); the other rows keep what FlashDecoding++ wrote.
@@ -159,22 +142,14 @@ struct FdParams {
     // One per (sequence, kv head, row block) of a launch, zero before the launch and left zero
     // after it: the splits of a group count themselves in here (see "The combine").
     unsigned* counters;
-    int heads_q;
-    int heads_kv;
-    int n_new;
-    int capacity;      // contiguous: entries per (sequence, kv head)
-    int max_pages;     // paged: entries per row of page_table
-    int num_pages;     // paged: pages in k and v
-    int log2_page;     // paged: page_size = 2^log2_page
-    int splits;
-    int row_blocks;    // blocks per (split, kv head, sequence): ceil(R / ROWS)
-    float scale_log2;  // softmax scale · log2(e)
-    int lengths[FD_MAX_BATCH];
 };
+#ifdef FD_HOST_PARAMS_BYTES
+static_assert(sizeof(FdParams) == FD_HOST_PARAMS_BYTES, "the host's mirror of FdParams");
+#endif
 
 // ---- the cache: kv_cache.cuh --------------------------------------------------------------------
 //
-// Where each group of 16 keys lives (CacheRows<D, PAGED>::start: `capacity` rows further per
+// Where each group of 16 keys lives (CacheRows<PAGED>::start: `capacity` rows further per
 // sequence when contiguous, page_table[b][j / page_size] when paged), which keys a split owns
 // (key_chunk) and the copy of a tile (load_kv_tile) live in kv_cache.cuh, shared with
 // FlashDecoding++ (flash_decoding_pp.cu): the helper chosen at compile time is the only
@@ -187,13 +162,14 @@ __device__ __forceinline__ bool writes_row(const FdParams& p, size_t row) {
     return p.fallback == nullptr || p.fallback[row] != 0;
 }
 
-// Columns c … c+3 of output row `row`, o · inv rounded to the inputs' dtype (and the row's lse
-// with the first columns).
-__device__ __forceinline__ void store_output(const FdParams& p, size_t row, int c, float4 o,
-                                             float inv, float lse) {
-    *reinterpret_cast<uint2*>(p.o + row * D + c) =
+// Columns c … c+3 of row r of the kv head (output row rows.flat(r)), o · inv rounded to the
+// inputs' dtype (and the row's lse with the first columns).
+__device__ __forceinline__ void store_output(const FdParams& p, const HeadRows& rows, int r, int c,
+                                             float4 o, float inv, float lse) {
+    const DecodeCall& call = p.call;
+    *reinterpret_cast<uint2*>(call.o + rows.at(call.o_strides, r) + c) =
         make_uint2(pack2(o.x * inv, o.y * inv), pack2(o.z * inv, o.w * inv));
-    if (c == 0) p.lse[row] = lse;
+    if (c == 0) call.lse[rows.lse_index(r)] = lse;
 }
 
 // ---- the combine (phase 2), in the last block of a group ----------------------------------------
@@ -221,15 +197,15 @@ __device__ bool last_to_finish(const FdParams& p, int row_block) {
     __syncthreads();
     if (threadIdx.x == 0) {
         unsigned* counter =
-            p.counters + ((size_t)blockIdx.z * gridDim.y + blockIdx.y) * p.row_blocks + row_block;
-        last = count_in(counter) == (unsigned)p.splits - 1;
+            p.counters + ((size_t)blockIdx.z * gridDim.y + blockIdx.y) * p.call.row_blocks + row_block;
+        last = count_in(counter) == (unsigned)p.call.splits - 1;
         if (last) atomicExch(counter, 0u);  // every split has counted: ready for the next launch
     }
     __syncthreads();
     return last;
 }
 
-// Rows row0 … row0 + RB − 1: lse = ln Σ_s exp(lse_s), O = Σ_s w_s · O_s / Σ_s w_s with
+// Rows r0 … r0 + RB − 1 of the kv head: lse = ln Σ_s exp(lse_s), O = Σ_s w_s · O_s / Σ_s w_s with
 // w_s = exp(lse_s − max_s lse_s) ∈ [0, 1]. Each thread takes 8 columns of a row at a time (4 in
 // each half of the row, so that a warp's float4 loads cover whole 32-byte sectors) and reads the
 // row's lse_s and its columns of O_s for COMBINE_BATCH splits at once. Every read is an L2 round
@@ -242,13 +218,13 @@ __device__ bool last_to_finish(const FdParams& p, int row_block) {
 constexpr int COMBINE_BATCH = 16;
 constexpr int COMBINE_COLS = 8;
 
-__device__ void combine_rows(const FdParams& p, size_t row0, int RB) {
+__device__ void combine_rows(const FdParams& p, const HeadRows& rows, int r0, int RB) {
     constexpr int PER_ROW = D / COMBINE_COLS;  // threads per row
-    const int splits = p.splits;
+    const int splits = p.call.splits;
     for (int i = threadIdx.x; i < RB * PER_ROW; i += THREADS) {
         // Columns c … c + 3 and c + D/2 … c + D/2 + 3 of row r.
-        const int r = i / PER_ROW, c = (i % PER_ROW) * 4;
-        const size_t row = row0 + r;
+        const int r = r0 + i / PER_ROW, c = (i % PER_ROW) * 4;
+        const size_t row = rows.flat(r);
         if (!writes_row(p, row)) continue;
         const float* lse_s = p.lse_part + row * splits;
         const float4* o_s = reinterpret_cast<const float4*>(p.o_part + row * splits * D + c);
@@ -303,37 +279,41 @@ __device__ void combine_rows(const FdParams& p, size_t row0, int RB) {
         float inv = l > 0.f ? 1.f / l : 0.f;
         float lse = l == 0.f ? LADDER_NEG_INF : m + logf(l);
         if (nan) inv = lse = __int_as_float(0x7fc00000);
-        store_output(p, row, c, o[0], inv, lse);
-        store_output(p, row, c + D / 2, o[1], inv, lse);
+        store_output(p, rows, r, c, o[0], inv, lse);
+        store_output(p, rows, r, c + D / 2, o[1], inv, lse);
     }
 }
 
 // Launch: grid (splits · row_blocks, heads_kv, batch), block (THREADS, 1, 1), dynamic shared
-// memory max((ROWS + 2·STAGES·BC)·D·2, WARPS·ROWS·(RED_STRIDE + 2)·4) bytes (see "Shared memory"
+// memory max((ROWS + 2·STAGES·BC)·COLS·2, WARPS·ROWS·(RED_STRIDE + 2)·4) bytes (see "Shared memory"
 // above).
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
 flash_decoding_split(const __grid_constant__ FdParams p) {
     extern __shared__ __align__(128) u16 smem[];
-    u16* sQ = smem;                    // [ROWS][D]
-    u16* sK = sQ + ROWS * D;           // [STAGES][BC][D]
-    u16* sV = sK + STAGES * BC * D;    // [STAGES][BC][D]
+    u16* sQ = smem;                    // [ROWS][COLS]
+    u16* sK = sQ + ROWS * COLS;        // [STAGES][BC][COLS]
+    u16* sV = sK + STAGES * BC * COLS; // [STAGES][BC][COLS]
 
-    const int split = blockIdx.x / p.row_blocks, row_block = blockIdx.x % p.row_blocks;
+    const DecodeCall& call = p.call;
+    const int split = blockIdx.x / call.row_blocks, row_block = blockIdx.x % call.row_blocks;
     const int kv_head = blockIdx.y, batch = blockIdx.z;
     const int warp = warp_id();
-    const int n_new = p.n_new;
-    const int R = (p.heads_q / p.heads_kv) * n_new;
+    const HeadRows rows(call, batch, kv_head);  // GQA packing above
+    const int n_new = rows.n_new;
+    const int R = rows.count();
     const int r0 = row_block * ROWS;
     const int RB = min(ROWS, R - r0);
-    const int len = p.lengths[batch];
-    const CacheRows<D, PAGED> cache(p, batch, kv_head);
+    // Packed new tokens: the grid has the row blocks of the sequence with the most rows, and a
+    // sequence with fewer has nothing for the rest (all of a group's splits leave together, so
+    // its count is never left short).
+    if (RB <= 0) return;
+    const int len = call.lengths[batch];
+    const CacheRows<PAGED> cache(call, batch, kv_head);
 
     // This split's keys [k_begin, k_end) (see "Chunks" above).
-    const KeyChunk keys = key_chunk<BC>(len, p.splits, split);
+    const KeyChunk keys = key_chunk<BC>(len, call.splits, split);
     const int k_begin = keys.begin, k_end = keys.end, n_tiles = keys.tiles;
 
-    // The block's first output row; its Q rows start there too (GQA packing above).
-    const size_t row0 = ((size_t)batch * p.heads_kv + kv_head) * R + r0;
 
     // The host launches this kernel programmatically (pdl.cuh): its blocks may start during the
     // previous kernel's tail, and nothing above this line touches memory. The next call may then
@@ -345,7 +325,7 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
     // thread takes the same branch: __syncthreads_or gives all of them the same answer.)
     if (p.fallback != nullptr) {
         bool flagged = false;
-        for (int r = threadIdx.x; r < RB; r += THREADS) flagged |= p.fallback[row0 + r] != 0;
+        for (int r = threadIdx.x; r < RB; r += THREADS) flagged |= p.fallback[rows.flat(r0 + r)] != 0;
         if (!__syncthreads_or(flagged)) return;
     }
 
@@ -384,12 +364,13 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
     auto load_kv = [&](int tile, const long long (&start)[GROUPS]) {
         if (tile < n_tiles) {
             const int stage = tile % STAGES;
-            load_kv_tile<D, BC, THREADS, PAGED>(sK + stage * BC * D, sV + stage * BC * D, p.k,
-                                                p.v, start, k_begin + tile * BC, k_end);
+            load_kv_tile<BC, THREADS, PAGED>(sK + stage * BC * COLS, sV + stage * BC * COLS,
+                                             call.k, call.v, start, call.kv_strides.row,
+                                             k_begin + tile * BC, k_end);
         }
         cp_async_commit();
     };
-    load_tile<ROWS, D, THREADS>(sQ, p.q + row0 * D, 0, RB);
+    load_head_rows<ROWS, THREADS>(sQ, call.q, call.q_strides, rows, r0, RB);
 #pragma unroll
     for (int t = 0; t < STAGES - 1; ++t) {
         long long start[GROUPS];
@@ -397,9 +378,9 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
         load_kv(t, start);
     }
 
-    const auto qA = a_operand<D>(sQ, 0);     // Q: A of S = Q·Kᵀ (all ROWS rows, per warp)
-    const auto kB = b_operand<D>(sK);        // K: B of S = Q·Kᵀ (rows = keys = n)
-    const auto vB = b_operand_trans<D>(sV);  // V: B of O = P·V (rows = keys = k)
+    const auto qA = a_operand<COLS>(sQ, 0);     // Q: A of S = Q·Kᵀ (all ROWS rows, per warp)
+    const auto kB = b_operand<COLS>(sK);        // K: B of S = Q·Kᵀ (rows = keys = n)
+    const auto vB = b_operand_trans<COLS>(sV);  // V: B of O = P·V (rows = keys = k)
 
     for (int j = 0; j < n_tiles; ++j) {
         // Where tile j + STAGES − 1 lies, found before the wait: with a paged cache that reads the
@@ -419,7 +400,7 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
         float s[MT][2][4];
         zero(s);
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
+        for (int kk = 0; kk < DK / 16; ++kk) {
             u32 b[4];
             kB.load(b, kk, kw);
 #pragma unroll
@@ -449,7 +430,7 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
 #pragma unroll
             for (int h = 0; h < 2; ++h)
                 alpha[mt][h] =
-                    online_softmax(s[mt], h, p.scale_log2, row_max[mt][h], row_sum[mt][h], pk[mt]);
+                    online_softmax(s[mt], h, call.scale_log2, row_max[mt][h], row_sum[mt][h], pk[mt]);
         bool rescale = false;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) rescale |= alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
@@ -534,17 +515,17 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
         if (bad_page) {
             inv = __int_as_float(0x7fc00000);
             // With one split this is the row's lse, which the combine would have made NaN.
-            lse_s = __int_as_float(p.splits == 1 ? 0x7fc00000 : 0x7f800000);
+            lse_s = __int_as_float(call.splits == 1 ? 0x7fc00000 : 0x7f800000);
         }
-        if (p.splits == 1) {  // nothing to combine: this is the row's O and lse
-            if (writes_row(p, row0 + r)) store_output(p, row0 + r, c, o, inv, lse_s);
+        if (call.splits == 1) {  // nothing to combine: this is the row's O and lse
+            if (writes_row(p, rows.flat(r0 + r))) store_output(p, rows, r0 + r, c, o, inv, lse_s);
             continue;
         }
-        const size_t out = (row0 + r) * p.splits + split;
+        const size_t out = rows.flat(r0 + r) * call.splits + split;
         *reinterpret_cast<float4*>(p.o_part + out * D + c) =
             make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
         if (c == 0) p.lse_part[out] = lse_s;
     }
-    if (p.splits == 1 || !last_to_finish(p, row_block)) return;
-    combine_rows(p, row0, RB);
+    if (call.splits == 1 || !last_to_finish(p, row_block)) return;
+    combine_rows(p, rows, r0, RB);
 }

@@ -82,14 +82,12 @@
 //   FDPP_NT    flat GEMM: 8-row tiles per block (1: ≤ 8 rows, 2: ≤ 16)
 
 #include "copy.cuh"
+#include "decode.cuh"
 #include "kv_cache.cuh"
 #include "mma.cuh"
 #include "softmax.cuh"
 #include "types.cuh"
 
-#ifndef FD_D
-#define FD_D 128
-#endif
 #ifndef FD_BC
 #define FD_BC 64
 #endif
@@ -102,9 +100,6 @@
 #ifndef FD_PAGED
 #define FD_PAGED 0
 #endif
-#ifndef FD_MAX_BATCH
-#define FD_MAX_BATCH 256
-#endif
 #ifndef FDPP_GEMV
 #define FDPP_GEMV 0
 #endif
@@ -112,7 +107,6 @@
 #define FDPP_NT 1
 #endif
 
-constexpr int D = FD_D;
 constexpr int BC = FD_BC;
 constexpr int WARPS = FD_WARPS;
 constexpr int STAGES = FD_STAGES;
@@ -128,43 +122,31 @@ constexpr int Q_ROWS = 16;
 constexpr int GROUPS = BC / KEY_GROUP;  // groups of 16 keys per tile (kv_cache.cuh)
 // f32 row stride of the warp-merge buffer: 4 floats of padding put the 4 rows × 8 columns a flat
 // GEMM store touches into 32 different banks.
-constexpr int RED_STRIDE = D + 4;
+constexpr int RED_STRIDE = COLS + 4;
 static_assert(BC == 16 * WARPS, "each warp owns 16 keys of a tile");
-static_assert(D % 32 == 0, "the GEMV and the combine give each lane D / 32 columns");
+// The GEMV and the combine give each lane PER_LANE columns of a shared row (the last lanes'
+// past D are zeros of the copy, and never stored).
+constexpr int PER_LANE = COLS / 32;
 
-// Q and O are [batch, heads_q, n_new, D]; the cache as in flash_decoding.cu (FdParams). Workspaces,
-// f32: acc_part [batch, heads_q, n_new, splits, D] (unnormalised), l_part, lr_part and max_part
-// [batch, heads_q, n_new, splits]; fallback [batch, heads_q, n_new]; lse [batch, heads_q, n_new],
-// natural log. Both kernels take the same struct.
+// The call (decode.cuh), and these kernels' own: workspaces, f32, acc_part [batch, heads_q,
+// n_new, splits, D] (unnormalised), l_part, lr_part and max_part [batch, heads_q, n_new, splits];
+// fallback [batch, heads_q, n_new]. Both kernels take the same struct.
 struct FdppParams {
-    const u16* q;
-    const u16* k;
-    const u16* v;
-    const int* page_table;  // paged only
-    float* acc_part;        // Σ 2^t · v per (row, split)
-    float* l_part;          // Σ 2^t per (row, split): lse and the decision
-    float* lr_part;         // Σ 2^t as rounded for P·V per (row, split): O's denominator
-    float* max_part;        // the largest t per (row, split), −inf if none
-    u16* o;
-    float* lse;
-    int* fallback;  // 1 where the row is left to FlashDecoding, else 0 (written for every row)
-    int heads_q;
-    int heads_kv;
-    int n_new;
-    int capacity;    // contiguous: entries per (sequence, kv head)
-    int max_pages;   // paged: entries per row of page_table
-    int num_pages;   // paged: pages in k and v
-    int log2_page;   // paged: page_size = 2^log2_page
-    int splits;
-    int row_blocks;  // blocks per (split, kv head, sequence): ceil(R / ROWS)
-    int rows;        // batch · heads_q · n_new: output rows
-    float scale_log2;  // softmax scale · log2(e)
-    float phi;         // φ, natural log (the units of lse)
-    float phi_log2;    // φ · log2(e)
-    float lo_log2;     // the safe window of max t, log2 units
+    DecodeCall call;
+    float* acc_part;  // Σ 2^t · v per (row, split)
+    float* l_part;    // Σ 2^t per (row, split): lse and the decision
+    float* lr_part;   // Σ 2^t as rounded for P·V per (row, split): O's denominator
+    float* max_part;  // the largest t per (row, split), −inf if none
+    int* fallback;    // 1 where the row is left to FlashDecoding, else 0 (written for every row)
+    int rows;         // output rows of the launch: batch · heads_q · n_new, or tokens · heads_q
+    float phi;        // φ, natural log (the units of lse)
+    float phi_log2;   // φ · log2(e)
+    float lo_log2;    // the safe window of max t, log2 units
     float hi_log2;
-    int lengths[FD_MAX_BATCH];
 };
+#ifdef FD_HOST_PARAMS_BYTES
+static_assert(sizeof(FdppParams) == FD_HOST_PARAMS_BYTES, "the host's mirror of FdppParams");
+#endif
 
 // Two 16-bit values of a register (low half first) as floats.
 __device__ __forceinline__ void unpack2(u32 x, float& lo, float& hi) {
@@ -192,6 +174,20 @@ __device__ __forceinline__ void unpack(float (&x)[N], const u16* src) {
     }
 }
 
+// N consecutive columns col … col + N − 1 of row `row` of a swizzled tile (COLS columns) as
+// floats: one load when N divides a 16-byte chunk (col is then a multiple of N, and the run lies
+// in one chunk), else N / 2 pairs, each in its chunk.
+template <int N>
+__device__ __forceinline__ void unpack_row(float (&x)[N], const u16* tile, int row, int col) {
+    if constexpr (8 % N == 0) {
+        unpack<N>(x, tile + swz<COLS>(row, col));
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; i += 2)
+            unpack2(*reinterpret_cast<const u32*>(tile + swz<COLS>(row, col + i)), x[i], x[i + 1]);
+    }
+}
+
 // The f32 buffer that merges the warps' states at the end of a split block (it reuses the tiles'
 // shared memory): per warp and row, the unnormalised output, the two sums and the largest exponent.
 struct Merge {
@@ -208,10 +204,10 @@ struct Merge {
 // (the columns of the transposed accumulators), and of its 16 keys per tile keys acc_row(0) and
 // acc_row(2) = lane/4 and lane/4 + 8.
 struct FlatGemm {
-    Operand<D, false> kA;   // K: A of Sᵀ = K·Qᵀ (tile rows = keys = m, columns = d = k)
-    Operand<D, true> vA;    // V: A of Oᵀ = Vᵀ·Pᵀ (tile rows = keys = k, columns = d = m)
-    u32 q[D / 16][NT][2];   // Qᵀ: B of Sᵀ = K·Qᵀ for every k-step, loaded once
-    float o[D / 16][NT][4];  // Oᵀ, unnormalised: d 16·dm + acc_row(e), row acc_col(nt, e)
+    Operand<COLS, false> kA;  // K: A of Sᵀ = K·Qᵀ (tile rows = keys = m, columns = d = k)
+    Operand<COLS, true> vA;   // V: A of Oᵀ = Vᵀ·Pᵀ (tile rows = keys = k, columns = d = m)
+    u32 q[DK / 16][NT][2];    // Qᵀ: B of Sᵀ = K·Qᵀ for every k-step, loaded once
+    float o[DK / 16][NT][4];  // Oᵀ, unnormalised: d 16·dm + acc_row(e), row acc_col(nt, e)
     float l[NT][2];          // this thread's part of each row's Σ 2^t
     float lr[NT][2];         // the same sum of the 16-bit P that multiplies V
     float t_max[NT][2];      // the largest exponent this thread computed for each row
@@ -219,12 +215,12 @@ struct FlatGemm {
 
     __device__ __forceinline__ FlatGemm(const u16* sQ, const u16* sK, const u16* sV, int r0,
                                         int n_new, int len, int k_end)
-        : kA(a_operand<D>(sK, 0)), vA(a_operand_trans<D>(sV)) {
+        : kA(a_operand<COLS>(sK, 0)), vA(a_operand_trans<COLS>(sV)) {
         // Qᵀ as B (k = d, n = rows): Q's tile rows are B's n, so the B load of K in FlashDecoding
         // (b_operand) reads it; registers 0, 1 are rows 0-7, registers 2, 3 rows 8-15.
-        const auto qB = b_operand<D>(sQ);
+        const auto qB = b_operand<COLS>(sQ);
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
+        for (int kk = 0; kk < DK / 16; ++kk) {
             u32 b[4];
             qB.load(b, kk, 0);
 #pragma unroll
@@ -254,7 +250,7 @@ struct FlatGemm {
         float st[NT][4];
         zero(st);
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
+        for (int kk = 0; kk < DK / 16; ++kk) {
             u32 a[4];
             kA.load(a, kk, kw);
 #pragma unroll
@@ -290,7 +286,7 @@ struct FlatGemm {
 
         // ---- Oᵀ += V_wᵀ·Pᵀ: one 16-key k-step per 16 columns of d -------------------------------
 #pragma unroll
-        for (int dm = 0; dm < D / 16; ++dm) {
+        for (int dm = 0; dm < DK / 16; ++dm) {
             u32 a[4];
             vA.load(a, dm, kw);
 #pragma unroll
@@ -316,7 +312,7 @@ struct FlatGemm {
                 }
             }
 #pragma unroll
-        for (int dm = 0; dm < D / 16; ++dm)
+        for (int dm = 0; dm < DK / 16; ++dm)
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -328,13 +324,14 @@ struct FlatGemm {
 
 // ---- the GEMV warp ------------------------------------------------------------------------------
 //
-// One row. Lane = key j (lane % 16) of the warp's 16 and half h (lane / 16) of d for Q·Kᵀ; lane =
-// columns lane·D/32 … +D/32 of O for P·V.
+// One row. Lane = key j (lane % 16) of the warp's 16 and half h (lane / 16) of the shared row for
+// Q·Kᵀ (the padding past D is zeros in Q and K alike); lane = columns lane·PER_LANE … +PER_LANE of
+// O for P·V.
 struct Gemv {
     const u16* sK;
     const u16* sV;
-    float q[D / 2];   // the row's columns h·D/2 … +D/2, f32
-    float o[D / 32];  // the output's columns lane·D/32 … +D/32, unnormalised
+    float q[COLS / 2];     // the row's columns h·COLS/2 … +COLS/2, f32
+    float o[PER_LANE];     // the output's columns lane·PER_LANE … +PER_LANE, unnormalised
     float l;          // Σ 2^t over this lane's keys (lanes < 16; lanes ≥ 16 hold the same keys)
     float t_max;      // the largest exponent this lane computed
     int limit;        // one past the last key the row sees
@@ -344,8 +341,9 @@ struct Gemv {
         : sK(sK), sV(sV) {
         const int h = lane_id() / 16;
 #pragma unroll
-        for (int c = 0; c < D / 16; ++c) {
-            const uint4 x = *reinterpret_cast<const uint4*>(sQ + swz<D>(0, (h * D / 16 + c) * 8));
+        for (int c = 0; c < COLS / 16; ++c) {
+            const uint4 x =
+                *reinterpret_cast<const uint4*>(sQ + swz<COLS>(0, (h * COLS / 16 + c) * 8));
             unpack2(x.x, q[8 * c], q[8 * c + 1]);
             unpack2(x.y, q[8 * c + 2], q[8 * c + 3]);
             unpack2(x.z, q[8 * c + 4], q[8 * c + 5]);
@@ -364,9 +362,9 @@ struct Gemv {
         // Two partial sums (even and odd columns) halve the chain of dependent FMAs.
         float s_even = 0.f, s_odd = 0.f;
 #pragma unroll
-        for (int c = 0; c < D / 16; ++c) {
+        for (int c = 0; c < COLS / 16; ++c) {
             const uint4 x =
-                *reinterpret_cast<const uint4*>(sK + swz<D>(kw + j, (h * D / 16 + c) * 8));
+                *reinterpret_cast<const uint4*>(sK + swz<COLS>(kw + j, (h * COLS / 16 + c) * 8));
             const u32 w[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -390,10 +388,10 @@ struct Gemv {
 #pragma unroll
         for (int jj = 0; jj < 16; ++jj) {
             const float pj = __shfl_sync(0xffffffff, p, jj);
-            float x[D / 32];
-            unpack<D / 32>(x, sV + swz<D>(kw + jj, lane * (D / 32)));
+            float x[PER_LANE];
+            unpack_row<PER_LANE>(x, sV, kw + jj, lane * PER_LANE);
 #pragma unroll
-            for (int i = 0; i < D / 32; ++i) o[i] = fmaf(pj, x[i], o[i]);
+            for (int i = 0; i < PER_LANE; ++i) o[i] = fmaf(pj, x[i], o[i]);
         }
     }
 
@@ -407,7 +405,8 @@ struct Gemv {
             m.t_max[warp] = mx;
         }
 #pragma unroll
-        for (int i = 0; i < D / 32; ++i) m.acc[warp * RED_STRIDE + lane_id() * (D / 32) + i] = o[i];
+        for (int i = 0; i < PER_LANE; ++i)
+            m.acc[warp * RED_STRIDE + lane_id() * PER_LANE + i] = o[i];
     }
 };
 
@@ -418,28 +417,29 @@ typedef FlatGemm WarpState;
 #endif
 
 // Launch: grid (splits · row_blocks, heads_kv, batch), block (THREADS, 1, 1), dynamic shared
-// memory max((Q_ROWS + 2·STAGES·BC)·D·2, WARPS·ROWS·(RED_STRIDE + 3)·4) bytes: the Q tile and
+// memory max((Q_ROWS + 2·STAGES·BC)·COLS·2, WARPS·ROWS·(RED_STRIDE + 3)·4) bytes: the Q tile and
 // STAGES stages of K and V during the walk, then the same memory as the f32 merge buffer.
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
 flash_decoding_pp_split(const __grid_constant__ FdppParams p) {
     extern __shared__ __align__(128) u16 smem[];
-    u16* sQ = smem;                    // [Q_ROWS][D]
-    u16* sK = sQ + Q_ROWS * D;         // [STAGES][BC][D]
-    u16* sV = sK + STAGES * BC * D;    // [STAGES][BC][D]
+    u16* sQ = smem;                     // [Q_ROWS][COLS]
+    u16* sK = sQ + Q_ROWS * COLS;       // [STAGES][BC][COLS]
+    u16* sV = sK + STAGES * BC * COLS;  // [STAGES][BC][COLS]
 
-    const int split = blockIdx.x / p.row_blocks, row_block = blockIdx.x % p.row_blocks;
+    const DecodeCall& call = p.call;
+    const int split = blockIdx.x / call.row_blocks, row_block = blockIdx.x % call.row_blocks;
     const int kv_head = blockIdx.y, batch = blockIdx.z;
     const int warp = warp_id();
-    const int n_new = p.n_new;
-    const int R = (p.heads_q / p.heads_kv) * n_new;
+    const HeadRows rows(call, batch, kv_head);  // GQA packing (decode.cuh)
+    const int n_new = rows.n_new;
+    const int R = rows.count();
     const int r0 = row_block * ROWS;
     const int RB = min(ROWS, R - r0);
-    const int len = p.lengths[batch];
-    const CacheRows<D, PAGED> cache(p, batch, kv_head);
-    const KeyChunk keys = key_chunk<BC>(len, p.splits, split);  // as FlashDecoding's splits
+    if (RB <= 0) return;  // packed new tokens: a row block past this sequence's rows
+    const int len = call.lengths[batch];
+    const CacheRows<PAGED> cache(call, batch, kv_head);
+    const KeyChunk keys = key_chunk<BC>(len, call.splits, split);  // as FlashDecoding's splits
     const int k_begin = keys.begin, k_end = keys.end, n_tiles = keys.tiles;
-    // The block's first output row; its Q rows start there too (GQA packing, flash_decoding.cu).
-    const size_t row0 = ((size_t)batch * p.heads_kv + kv_head) * R + r0;
     // Token 0's limit, the smallest: tiles reaching past it need the mask.
     const int min_limit = min(len - n_new + 1, k_end);
 
@@ -454,14 +454,15 @@ flash_decoding_pp_split(const __grid_constant__ FdppParams p) {
     auto load_kv = [&](int tile, const long long (&start)[GROUPS]) {
         if (tile < n_tiles) {
             const int stage = tile % STAGES;
-            load_kv_tile<D, BC, THREADS, PAGED>(sK + stage * BC * D, sV + stage * BC * D, p.k,
-                                                p.v, start, k_begin + tile * BC, k_end);
+            load_kv_tile<BC, THREADS, PAGED>(sK + stage * BC * COLS, sV + stage * BC * COLS,
+                                             call.k, call.v, start, call.kv_strides.row,
+                                             k_begin + tile * BC, k_end);
         }
         cp_async_commit();
     };
     // Q in a commit group of its own, first: the warps copy it into registers before the walk,
     // while the first K/V tiles are still in flight.
-    load_tile<Q_ROWS, D, THREADS>(sQ, p.q + row0 * D, 0, RB);
+    load_head_rows<Q_ROWS, THREADS>(sQ, call.q, call.q_strides, rows, r0, RB);
     cp_async_commit();
 #pragma unroll
     for (int t = 0; t < STAGES - 1; ++t) {
@@ -482,7 +483,7 @@ flash_decoding_pp_split(const __grid_constant__ FdppParams p) {
         __syncthreads();
         load_kv(j + STAGES - 1, next);
         const int k0 = k_begin + j * BC;
-        w.step((j % STAGES) * BC + warp * 16, k0 + warp * 16, k0 + BC > min_limit, p.scale_log2,
+        w.step((j % STAGES) * BC + warp * 16, k0 + warp * 16, k0 + BC > min_limit, call.scale_log2,
                p.phi_log2);
     }
     cp_async_wait<0>();
@@ -524,7 +525,7 @@ flash_decoding_pp_split(const __grid_constant__ FdppParams p) {
             acc = make_float4(nan, nan, nan, nan);
             l = lr = nan;
         }
-        const size_t out = (row0 + r) * p.splits + split;
+        const size_t out = rows.flat(r0 + r) * call.splits + split;
         *reinterpret_cast<float4*>(p.acc_part + out * D + c) = acc;
         if (c == 0) {
             p.l_part[out] = l;
@@ -535,14 +536,14 @@ flash_decoding_pp_split(const __grid_constant__ FdppParams p) {
 }
 
 // Launch: grid (ceil(rows / 4), 1, 1), block (128, 1, 1), no shared memory. Warp w of block x
-// combines output row 4x + w; lane i holds columns [i·D/32, (i+1)·D/32).
+// combines output row 4x + w; lane i holds columns [i·PER_LANE, (i+1)·PER_LANE) (those below D).
 extern "C" __global__ void __launch_bounds__(128)
 flash_decoding_pp_combine(const __grid_constant__ FdppParams p) {
-    constexpr int PER_LANE = D / 32;
+    const DecodeCall& call = p.call;
     const int row = blockIdx.x * 4 + warp_id();
     if (row >= p.rows) return;  // the whole warp leaves together
     const int lane = lane_id();
-    const int splits = p.splits;
+    const int splits = call.splits;
     const float* l_s = p.l_part + (size_t)row * splits;
     const float* lr_s = p.lr_part + (size_t)row * splits;
     const float* max_s = p.max_part + (size_t)row * splits;
@@ -574,19 +575,33 @@ flash_decoding_pp_combine(const __grid_constant__ FdppParams p) {
 
     float o[PER_LANE];
     zero(o);
-    const float* acc_s = p.acc_part + (size_t)row * splits * D + lane * PER_LANE;
+    const int col = lane * PER_LANE;
+    const float* acc_s = p.acc_part + (size_t)row * splits * D + col;
     for (int s = 0; s < splits; ++s) {
         float x[PER_LANE];
-        load_f32<PER_LANE>(x, acc_s + (size_t)s * D);
+        if constexpr (D == COLS && (PER_LANE == 2 || PER_LANE % 4 == 0)) {
+            load_f32<PER_LANE>(x, acc_s + (size_t)s * D);
+        } else {
+            // Pairs of columns, both below D or both past it (D and col are even).
+#pragma unroll
+            for (int i = 0; i < PER_LANE; i += 2) {
+                const float2 y = col + i < D
+                                     ? *reinterpret_cast<const float2*>(acc_s + (size_t)s * D + i)
+                                     : make_float2(0.f, 0.f);
+                x[i] = y.x, x[i + 1] = y.y;
+            }
+        }
 #pragma unroll
         for (int i = 0; i < PER_LANE; ++i) o[i] += x[i];
     }
     // O's denominator is the sum of P as it multiplied V. lr = 0 only for a row without keys
     // (O = 0); a NaN makes O NaN.
     const float inv = lr > 0.f ? 1.f / lr : (lr == 0.f ? 0.f : lr);
-    u16* dst = p.o + (size_t)row * D + lane * PER_LANE;
+    const OutputRow out(call, call.o_strides, row);
+    u16* dst = call.o + out.at + col;
 #pragma unroll
     for (int i = 0; i < PER_LANE; i += 2)
-        *reinterpret_cast<u32*>(dst + i) = pack2(o[i] * inv, o[i + 1] * inv);
-    if (lane == 0) p.lse[row] = l == 0.f ? LADDER_NEG_INF : p.phi + logf(l);
+        if (D == COLS || col + i < D)
+            *reinterpret_cast<u32*>(dst + i) = pack2(o[i] * inv, o[i + 1] * inv);
+    if (lane == 0) call.lse[out.lse] = l == 0.f ? LADDER_NEG_INF : p.phi + logf(l);
 }

@@ -6,6 +6,7 @@
 #define LADDER_KV_CACHE_CUH
 
 #include "copy.cuh"
+#include "decode.cuh"
 #include "types.cuh"
 
 // Keys that always share a page: pages hold a multiple of 16 keys and tiles start at multiples of
@@ -14,16 +15,17 @@ constexpr int KEY_GROUP = 16;
 
 // ---- where the keys live: the one place the contiguous and the paged kernels differ -----------
 //
-// In both layouts the keys of one (sequence, kv head) lie in runs of consecutive rows of D
-// elements: one run of `capacity` rows when the cache is contiguous, one run per page when it is
-// paged. A page holds a multiple of 16 keys and a tile's groups of 16 keys start at multiples of
-// 16, so each group lies inside one run: the copy asks where each group starts, and nothing else
-// changes.
+// In both layouts the keys of one (sequence, kv head) lie in runs of rows of D elements, `row`
+// elements apart (the cache's key stride: D for the [.., key, D] layouts, heads_kv·D for
+// [.., key, heads_kv, D]): one run of `capacity` rows when the cache is contiguous, one run per
+// page when it is paged. A page holds a multiple of 16 keys and a tile's groups of 16 keys start
+// at multiples of 16, so each group lies inside one run: the copy asks where each group starts,
+// and nothing else changes. With s = kv_strides (decode.cuh; K and V share them):
 //
 //   contiguous  K, V [batch, heads_kv, capacity, D]:
-//               key j of (b, h) is row (b·heads_kv + h)·capacity + j
+//               key j of (b, h) is at b·s.batch + h·s.head + j·s.row
 //   paged       K, V [num_pages, heads_kv, page_size, D] and page_table [batch, max_pages]:
-//               key j of (b, h) is row (page·heads_kv + h)·page_size + j % page_size,
+//               key j of (b, h) is at page·s.batch + h·s.head + (j % page_size)·s.row,
 //               page = page_table[b][j / page_size]
 //
 // start(key, k_end, bad) is where the group of keys key … key + 15 begins (key a multiple of 16).
@@ -33,24 +35,21 @@ constexpr int KEY_GROUP = 16;
 // sequence's rows into NaN rather than a wrong number. (The host checks every table whose entries
 // it has seen; this guards tables that live only on the device.) Contiguous, it is arithmetic,
 // never −1 (a group past the chunk gets an address that is never read).
-//
-// The constructor takes the kernel's parameter struct, which names the layout's numbers the same
-// way in both kernel families (page_table, max_pages, heads_kv, log2_page, num_pages, capacity).
-template <int D, bool PAGED>
+template <bool PAGED>
 struct CacheRows;
 
-template <int D>
-struct CacheRows<D, true> {
+template <>
+struct CacheRows<true> {
     const int* pages;  // this sequence's row of the page table
-    int kv_head, heads_kv, log2_page, num_pages;
+    const Strides& s;
+    int kv_head, log2_page, num_pages;
 
-    template <typename Params>
-    __device__ __forceinline__ CacheRows(const Params& p, int batch, int kv_head)
-        : pages(p.page_table + (size_t)batch * p.max_pages),
+    __device__ __forceinline__ CacheRows(const DecodeCall& c, int batch, int kv_head)
+        : pages(c.page_table + (size_t)batch * c.max_pages),
+          s(c.kv_strides),
           kv_head(kv_head),
-          heads_kv(p.heads_kv),
-          log2_page(p.log2_page),
-          num_pages(p.num_pages) {}
+          log2_page(c.log2_page),
+          num_pages(c.num_pages) {}
 
     __device__ __forceinline__ long long start(int key, int k_end, bool& bad) const {
         if (key >= k_end) return -1;
@@ -59,21 +58,21 @@ struct CacheRows<D, true> {
             bad = true;
             return -1;
         }
-        const long long run = (long long)page * heads_kv + kv_head;
-        return ((run << log2_page) + (key & ((1 << log2_page) - 1))) * D;
+        return head_offset<u16>(s, page, kv_head) +
+               row_offset<u16>(s, key & ((1 << log2_page) - 1));
     }
 };
 
-template <int D>
-struct CacheRows<D, false> {
+template <>
+struct CacheRows<false> {
+    const Strides& s;
     long long first;  // element offset of key 0 of this (sequence, kv head)
 
-    template <typename Params>
-    __device__ __forceinline__ CacheRows(const Params& p, int batch, int kv_head)
-        : first(((long long)batch * p.heads_kv + kv_head) * p.capacity * D) {}
+    __device__ __forceinline__ CacheRows(const DecodeCall& c, int batch, int kv_head)
+        : s(c.kv_strides), first(head_offset<u16>(c.kv_strides, batch, kv_head)) {}
 
     __device__ __forceinline__ long long start(int key, int, bool&) const {
-        return first + (long long)key * D;
+        return first + row_offset<u16>(s, key);
     }
 };
 
@@ -99,29 +98,35 @@ __device__ __forceinline__ KeyChunk key_chunk(int len, int splits, int split) {
 
 // ---- the copy of one tile -----------------------------------------------------------------------
 //
-// Copy keys k0 … k0 + BC − 1 of K and V into one pipeline stage (swizzled tiles, as load_tile in
-// copy.cuh): start[g] is where the tile's g-th group of 16 keys begins (CacheRows::start); keys at
-// or past k_end and groups starting at −1 become zeros and are never read. Each thread copies one
-// 16-byte column chunk of rows r, r + STEP, r + 2·STEP, …; STEP divides 16, so the group of each
-// of those rows is a compile-time constant and a row never leaves its group.
-template <int D, int BC, int THREADS, bool PAGED>
+// Copy keys k0 … k0 + BC − 1 of K and V into one pipeline stage (swizzled tiles of COLS columns,
+// as load_tile in copy.cuh): start[g] is where the tile's g-th group of 16 keys begins
+// (CacheRows::start) and `row` the elements between its keys; keys at or past k_end, groups
+// starting at −1 and the columns at or past D become zeros and are never read from memory. Each
+// thread copies one 16-byte column chunk of rows r, r + STEP, r + 2·STEP, …: LANES threads per
+// row, the tile's chunks per row rounded up to a power of two (lanes past the row's last chunk
+// copy nothing), so that STEP divides 16, the group of each of those rows is a compile-time
+// constant and a row never leaves its group.
+template <int BC, int THREADS, bool PAGED>
 __device__ __forceinline__ void load_kv_tile(u16* sK, u16* sV, const u16* gK, const u16* gV,
-                                             const long long (&start)[BC / KEY_GROUP], int k0,
-                                             int k_end) {
-    constexpr int CHUNKS = D / 8;           // 16-byte chunks per row
-    constexpr int STEP = THREADS / CHUNKS;  // rows between one thread's copies
+                                             const long long (&start)[BC / KEY_GROUP],
+                                             long long row, int k0, int k_end) {
+    constexpr int CHUNKS = COLS / 8;  // 16-byte chunks per row of the tile
+    constexpr int LANES = CHUNKS <= 8 ? 8 : CHUNKS <= 16 ? 16 : 32;
+    constexpr int STEP = THREADS / LANES;  // rows between one thread's copies
     static_assert(BC % KEY_GROUP == 0, "whole groups per tile");
-    static_assert(THREADS % CHUNKS == 0 && KEY_GROUP % STEP == 0, "rows stay in their group");
-    const int r = threadIdx.x / CHUNKS;
-    const int col = (threadIdx.x % CHUNKS) * 8;
+    static_assert(THREADS % LANES == 0 && KEY_GROUP % STEP == 0, "rows stay in their group");
+    const int r = threadIdx.x / LANES;
+    const int col = (threadIdx.x % LANES) * 8;
+    if (LANES != CHUNKS && col >= COLS) return;  // a lane past the row's last chunk
+    const bool col_in = col < D;
 #pragma unroll
     for (int i = 0; i < BC / STEP; ++i) {
-        const int row = r + i * STEP;         // tile row: key k0 + row
-        const int g = i * STEP / KEY_GROUP;   // its group
-        const long long src = start[g] + (long long)(row - g * KEY_GROUP) * D + col;
-        const bool valid = k0 + row < k_end && (!PAGED || start[g] >= 0);
-        cp_async_16(sK + swz<D>(row, col), gK + src, valid);
-        cp_async_16(sV + swz<D>(row, col), gV + src, valid);
+        const int key = r + i * STEP;        // tile row: key k0 + key
+        const int g = i * STEP / KEY_GROUP;  // its group
+        const long long src = start[g] + (long long)(key - g * KEY_GROUP) * row + col;
+        const bool valid = col_in && k0 + key < k_end && (!PAGED || start[g] >= 0);
+        cp_async_16(sK + swz<COLS>(key, col), gK + src, valid);
+        cp_async_16(sV + swz<COLS>(key, col), gV + src, valid);
     }
 }
 

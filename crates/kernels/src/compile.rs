@@ -25,6 +25,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("mma.cuh", include_str!("../cuda/mma.cuh")),
     ("softmax.cuh", include_str!("../cuda/softmax.cuh")),
     ("mask.cuh", include_str!("../cuda/mask.cuh")),
+    ("decode.cuh", include_str!("../cuda/decode.cuh")),
     ("kv_cache.cuh", include_str!("../cuda/kv_cache.cuh")),
     ("barrier.cuh", include_str!("../cuda/barrier.cuh")),
     ("tma.cuh", include_str!("../cuda/tma.cuh")),

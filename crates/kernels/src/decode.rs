@@ -102,19 +102,31 @@
 //! rounds `2^(s − φ)` to 16 bits where FlashDecoding rounds `2^(s − m)` (the GEMV keeps `P` in
 //! `f32`). A call gives the same bits every time, and the same as its strategy forced.
 //!
-//! **Head dimension 256.** The same kernels with `d = 256`: 16 rows per block (FlashDecoding) or 8
-//! (the flat GEMM), and 200 KB of shared memory on Hopper (the Q tile and three K/V stages of 64
-//! keys; 136 KB with the two stages of older GPUs), so one block per SM, where `d ≤ 128` fits two;
-//! the split count counts one block per SM for a paged cache too ([`Workload::blocks_per_sm`]).
-//! GPUs that allow a block 99 KB (sm_86, sm_89, sm_120) cannot run it: such a call is a
-//! [`KernelError::SharedMemory`] ([`head_dim_fits`] says beforehand).
+//! **Every head dimension.** The kernels are compiled for the head dimension of the call, any
+//! multiple of 8 up to 256 (`cuda/decode.cuh`): the products run over `d` rounded up to the
+//! tensor cores' 16-wide k-steps, the shared tiles have rows of `d` rounded up to 64 elements (the
+//! swizzle permutes the eight 16-byte chunks of each 64 columns), and the copies fill the padding
+//! with zeros without reading memory; only the `d` real columns are read or written. Past
+//! `d = 128`: 16 rows per block (FlashDecoding) or 8 (the flat GEMM), and up to 200 KB of shared
+//! memory on Hopper at `d > 192` (the Q tile and three K/V stages of 64 keys of 256 columns;
+//! 136 KB with the two stages of older GPUs), so one block per SM, where `d ≤ 128` fits two; the
+//! split count counts one block per SM for a paged cache too ([`Workload::blocks_per_sm`]). GPUs
+//! that allow a block 99 KB (sm_86, sm_89, sm_120) cannot run `d > 128` (104 KB from 136 up):
+//! such a call is a [`KernelError::SharedMemory`] ([`head_dim_fits`] says beforehand).
+//!
+//! **Strides.** Q, O and the cache take any batch, head and token strides with the head dimension
+//! contiguous, so a projection's `[batch, n_new, heads, d]`, FlashAttention's `k_cache` and
+//! vLLM's NHD pages work without a copy (`Tensor::transpose(1, 2)`). The kernels find each row of
+//! Q and O from the strides (`HeadRows` in `cuda/decode.cuh`) and each group of 16 keys from the
+//! cache's (`CacheRows` in `cuda/kv_cache.cuh`); K and V share one set of strides, since one
+//! offset per group addresses both.
 
 use cudarc::driver::CudaSlice;
 
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, Kernel};
-use crate::problem::{Output, grid};
+use crate::problem::{Output, Strides, grid};
 use crate::tensor::{DType, Tensor};
 
 mod cache;
@@ -141,8 +153,10 @@ use pp::{PpKernel, PpParams, Window};
 
 const SRC: &str = include_str!("../cuda/flash_decoding.cu");
 
-/// Head dimensions with a FlashDecoding kernel.
-pub const HEAD_DIMS: &[usize] = &[64, 128, 256];
+/// Head dimensions with a FlashDecoding kernel: every multiple of 8 from 8 to 256 (each compiled
+/// for itself, padded to the tensor cores' 16-wide k-steps in registers and to 64-element rows in
+/// shared memory; the padding is never read from or written to memory).
+pub const HEAD_DIMS: &[usize] = &crate::problem::multiples_of_8::<32>();
 /// Element types of the FlashDecoding kernels.
 pub const DTYPES: &[DType] = &[DType::F16, DType::BF16];
 /// Keys per K/V tile of the split kernel (16 per warp).
@@ -247,8 +261,9 @@ pub struct DecodeStats {
 }
 
 /// Whether `gpu` gives a block enough shared memory for the decoding kernels at head dimension
-/// `d` (every `d` in [`HEAD_DIMS`] on sm_80 and sm_90; `d = 256` needs 136 KB with two K/V stages,
-/// 200 KB with Hopper's three, more than the 99 KB of sm_86, sm_89 and sm_120).
+/// `d` (every `d` in [`HEAD_DIMS`] on sm_80 and sm_90; past `d = 128` a block needs 104 KB or
+/// more with two K/V stages, up to 200 KB with Hopper's three, more than the 99 KB of sm_86, sm_89
+/// and sm_120).
 pub fn head_dim_fits(gpu: &Gpu, d: usize) -> bool {
     let stages = stages_on(gpu);
     let fd = split_shared_bytes(d, rows_per_block(d) / 16, stages);
@@ -325,10 +340,13 @@ pub const SPLIT_EFFICIENCY: f64 = 0.95;
 /// (see the module docs). The cache is a [`KvCache`], a [`PagedKvCache`] or a [`Cache`] (or a
 /// reference to one).
 ///
-/// `q` is `[batch, heads_q, n_new, d]` with `n_new` in `1 ..= 16`, fp16 or bf16, `d` 64, 128 or 256,
-/// `heads_q` a multiple of `heads_kv` (any group: past [`rows_per_block`]`(d)` rows per kv head the
-/// rows are shared by several blocks). Returns `O` as `q` (`[batch, heads_q, n_new, d]`, `q`'s
-/// dtype) and `lse` `[batch, heads_q, n_new]` (`f32`, natural log).
+/// `q` is `[batch, heads_q, n_new, d]` with `n_new` in `1 ..= 16`, fp16 or bf16, `d` any multiple
+/// of 8 from 8 to 256 ([`HEAD_DIMS`]), `heads_q` a multiple of `heads_kv` (any group: past
+/// [`rows_per_block`]`(d)` rows per kv head the rows are shared by several blocks), any batch,
+/// head and token strides with the head dimension contiguous (a projection's `[batch, n_new,
+/// heads_q, d]` through `Tensor::transpose(1, 2)`); the cache's strides are its own (see
+/// [`KvCache`] and [`PagedKvCache`]). Returns `O` (`[batch, heads_q, n_new, d]`, `q`'s dtype, its
+/// axes in memory in `q`'s order) and `lse` `[batch, heads_q, n_new]` (`f32`, natural log).
 ///
 /// The kernels are FlashDecoding's or FlashDecoding++'s, as [`DecodeOptions::strategy`] says
 /// ([`Strategy::Auto`]: [`dispatch`] picks); see the module docs. Errors: shapes, element types,
@@ -376,14 +394,15 @@ pub fn forward<'a>(
 ) -> Result<Output> {
     let cache = cache.into();
     let call = check_call(gpu, q, &cache, opts)?;
-    let mut out = call.new_output(gpu)?;
+    let mut out = call.new_output(gpu, q)?;
     launch(gpu, q, cache, &call, &mut out)?;
     Ok(out)
 }
 
 /// [`forward`] into `O` and `lse` tensors the caller owns, as a serving loop keeps them from one
-/// decoding step to the next: `out.o` `[batch, heads_q, n_new, d]` in `q`'s dtype and `out.lse`
-/// `[batch, heads_q, n_new]` in `f32`, made on this `Gpu`'s stream; every element is overwritten.
+/// decoding step to the next: `out.o` `[batch, heads_q, n_new, d]` in `q`'s dtype (any strides
+/// with the head dimension contiguous) and `out.lse` `[batch, heads_q, n_new]` in `f32`
+/// (contiguous), made on this `Gpu`'s stream; every element is overwritten.
 /// It saves the two allocations and frees of a [`forward`] call, a few microseconds of host time
 /// against a step of ~10 µs at batch 1.
 ///
@@ -446,7 +465,7 @@ pub fn forward_with_stats<'a>(
 ) -> Result<(Output, DecodeStats)> {
     let cache = cache.into();
     let call = check_call(gpu, q, &cache, opts)?;
-    let mut out = call.new_output(gpu)?;
+    let mut out = call.new_output(gpu, q)?;
     let fallback = launch(gpu, q, cache, &call, &mut out)?;
     let fallback_rows = match &fallback {
         None => None,
@@ -461,26 +480,100 @@ pub fn forward_with_stats<'a>(
     Ok((out, DecodeStats { plan: call.plan, fallback_rows }))
 }
 
-/// A call that passed its checks: its shapes and its plan (kernel and split count).
+/// [`forward`] with the new tokens of every sequence packed into one tensor, as a serving engine
+/// batches sequences that decode different numbers of tokens (speculative decoding with a
+/// different number of drafts per sequence, a prompt's last chunk beside single tokens):
+/// `q` is `[total_new, heads_q, d]`, sequence `b`'s `new_tokens[b]` tokens (0 to 16) being its
+/// rows `new_tokens[..b].sum() …` in order, any strides with the head dimension contiguous.
+/// They are the last `new_tokens[b]` entries of its cache and causal among themselves, as in
+/// [`forward`]; a sequence with no new token is in the batch and computes nothing. Returns `O`
+/// `[total_new, heads_q, d]` (laid out like `q`) and `lse` `[heads_q, total_new]` (the packed
+/// layout of [`crate::varlen`]).
+///
+/// The kernels are [`forward`]'s: each sequence's blocks take its own number of rows (the grid
+/// has the row blocks of the sequence with the most, and blocks past a sequence's rows leave at
+/// once), so a call gives every sequence the bits [`forward`] gives it alone with the same split
+/// count.
+///
+/// ```no_run
+/// use ladder_kernels::{DType, Gpu, decode};
+///
+/// let gpu = Gpu::new()?;
+/// let (hq, hkv, cap, d) = (32, 8, 4096, 128);
+/// // Three sequences decoding 1, 4 (speculative) and 1 tokens: 6 rows of Q.
+/// let new_tokens = [1, 4, 1];
+/// let q = gpu.zeros(&[6, hq, d], DType::F16)?;
+/// let k = gpu.zeros(&[3, hkv, cap, d], DType::F16)?;
+/// let v = gpu.zeros(&[3, hkv, cap, d], DType::F16)?;
+/// let cache = decode::KvCache { k: &k, v: &v, lengths: &[1000, 4096, 17] };
+/// let out = decode::forward_varlen(&gpu, &q, &new_tokens, cache, &Default::default())?;
+/// assert_eq!((out.o.shape(), out.lse.shape()), (&[6, hq, d][..], &[hq, 6][..]));
+/// # Ok::<(), ladder_kernels::KernelError>(())
+/// ```
+pub fn forward_varlen<'a>(
+    gpu: &Gpu,
+    q: &Tensor,
+    new_tokens: &[usize],
+    cache: impl Into<Cache<'a>>,
+    opts: &DecodeOptions,
+) -> Result<Output> {
+    let cache = cache.into();
+    let call = check_any(gpu, q, Some(new_tokens), &cache, opts)?;
+    let mut out = call.new_output(gpu, q)?;
+    launch(gpu, q, cache, &call, &mut out)?;
+    Ok(out)
+}
+
+/// [`forward_varlen`] into `O` (`[total_new, heads_q, d]`, any strides with the head dimension
+/// contiguous) and `lse` (`[heads_q, total_new]`, contiguous) tensors the caller owns.
+pub fn forward_varlen_into<'a>(
+    gpu: &Gpu,
+    q: &Tensor,
+    new_tokens: &[usize],
+    cache: impl Into<Cache<'a>>,
+    opts: &DecodeOptions,
+    out: &mut Output,
+) -> Result<()> {
+    let cache = cache.into();
+    let call = check_any(gpu, q, Some(new_tokens), &cache, opts)?;
+    launch(gpu, q, cache, &call, out).map(|_| ())
+}
+
+/// A call that passed its checks: its shapes, strides and plan (kernel and split count).
 struct Call {
     shape: Shape,
     plan: Plan,
     /// K/V stages of the kernels' pipeline on this `Gpu` (2 to 16).
     stages: usize,
+    /// Where Q's rows lie (batch, head, token).
+    q_strides: Strides,
+    /// Where the cache's rows lie (batch or page, kv head, key), K's and V's alike.
+    kv_strides: Strides,
+    /// Packed new tokens ([`forward_varlen`]): each sequence's first row of Q, and one past the
+    /// last (`batch + 1` entries).
+    new_starts: Option<Vec<usize>>,
 }
 
 /// A call's checks, before anything is allocated or launched: the inputs on this `Gpu`'s stream,
 /// the shapes and options, and the plan.
 fn check_call(gpu: &Gpu, q: &Tensor, cache: &Cache<'_>, opts: &DecodeOptions) -> Result<Call> {
+    check_any(gpu, q, None, cache, opts)
+}
+
+/// [`check_call`] for either form of Q: `[batch, heads_q, n_new, d]`, or packed new tokens
+/// `[total_new, heads_q, d]` with `new_tokens[b]` rows for sequence `b`, which the shape checks
+/// see as `[batch, heads_q, max new_tokens, d]`.
+fn check_any(
+    gpu: &Gpu,
+    q: &Tensor,
+    new_tokens: Option<&[usize]>,
+    cache: &Cache<'_>,
+    opts: &DecodeOptions,
+) -> Result<Call> {
     let (k, v, table) = cache.buffers();
-    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+    let (k_name, v_name) = if table.is_some() { ("k_pages", "v_pages") } else { ("k", "v") };
+    for (name, t) in [("q", q), (k_name, k), (v_name, v)] {
         gpu.check_context(t, name)?;
-        if !t.is_contiguous() {
-            return Err(KernelError::Shape(format!(
-                "{name} has strides {:?}: the decoding kernels take contiguous tensors only",
-                t.strides()
-            )));
-        }
     }
     if let Some(table) = table {
         gpu.check_stream(table.stream(), "page_table")?;
@@ -491,7 +584,47 @@ fn check_call(gpu: &Gpu, q: &Tensor, cache: &Cache<'_>, opts: &DecodeOptions) ->
             "flash_decoding: {stages} K/V stages; expected 2 to 16"
         )));
     }
-    let shape = Shape::check(Desc::of(q), &CacheDesc::of(cache), opts)?;
+    let (shape, q_strides, new_starts) = match new_tokens {
+        None => {
+            (Shape::check(Desc::of(q), &CacheDesc::of(cache), opts)?, Strides::of(q, "q")?, None)
+        }
+        Some(new_tokens) => {
+            let [total, heads_q, d] =
+                crate::problem::dims(q.shape(), "q must be [total_new, heads_q, head_dim]")?;
+            let mut starts = Vec::with_capacity(new_tokens.len() + 1);
+            starts.push(0);
+            for &n in new_tokens {
+                starts.push(starts.last().copied().unwrap_or(0) + n);
+            }
+            if starts.last() != Some(&total) {
+                return Err(KernelError::Shape(format!(
+                    "q has {total} rows but new_tokens {new_tokens:?} add up to {}",
+                    starts.last().copied().unwrap_or(0)
+                )));
+            }
+            // The shape checks see the tokens as [batch, heads_q, the most of any sequence, d].
+            let most = new_tokens.iter().copied().max().unwrap_or(0);
+            let seen = [new_tokens.len(), heads_q, most, d];
+            let mut shape =
+                Shape::check(Desc { shape: &seen, dtype: q.dtype() }, &CacheDesc::of(cache), opts)?;
+            if total > i32::MAX as usize {
+                return Err(KernelError::Shape(format!("q {:?} too large", q.shape())));
+            }
+            shape.total_new = Some(total);
+            (shape, Strides::of_packed(q, "q")?, Some(starts))
+        }
+    };
+    // Any strides with the head dimension contiguous; K and V are addressed with one offset per
+    // group of keys (kv_cache.cuh), so theirs must agree.
+    let kv_strides = Strides::of(k, k_name)?;
+    if Strides::of(v, v_name)? != kv_strides {
+        return Err(KernelError::Shape(format!(
+            "{k_name} has strides {:?} and {v_name} {:?}: the decoding kernels take K and V laid \
+             out alike",
+            k.strides(),
+            v.strides()
+        )));
+    }
     let work = Workload {
         rows_per_kv_head: shape.rows_per_kv_head(),
         max_len: cache.lengths().iter().copied().max().unwrap_or(0),
@@ -500,14 +633,14 @@ fn check_call(gpu: &Gpu, q: &Tensor, cache: &Cache<'_>, opts: &DecodeOptions) ->
         paged: table.is_some(),
     };
     let plan = plan(opts.strategy, opts.splits, &work, gpu.sm_count() as usize)?;
-    Ok(Call { shape, plan, stages })
+    Ok(Call { shape, plan, stages, q_strides, kv_strides, new_starts })
 }
 
 impl Call {
-    /// `O` and `lse` for the call, uninitialised (NaN when outputs are poisoned).
-    fn new_output(&self, gpu: &Gpu) -> Result<Output> {
-        let o_shape = self.shape.o_shape();
-        let o = gpu.output(&o_shape, self.shape.dtype)?;
-        Ok(Output { o, lse: gpu.output(&o_shape[..3], DType::F32)? })
+    /// `O` and `lse` for the call, uninitialised (NaN when outputs are poisoned), `O` laid out
+    /// like `q` (its axes in memory in q's order).
+    fn new_output(&self, gpu: &Gpu, q: &Tensor) -> Result<Output> {
+        let o = gpu.output_like(q, self.shape.dtype)?;
+        Ok(Output { o, lse: gpu.output(&self.shape.lse_shape(), DType::F32)? })
     }
 }

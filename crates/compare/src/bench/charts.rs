@@ -214,7 +214,8 @@ pub fn draw_decode(
     for row in rows {
         let c = &row.case;
         let Some(tbps) = row.tbps().filter(|t| t.is_finite() && c.is_decode()) else { continue };
-        if c.n_q != 1 || c.page_size.is_some() {
+        // One new token, a contiguous cache in [b, h, s, d]: the other layouts are the table's.
+        if c.n_q != 1 || c.page_size.is_some() || c.layout.is_some() {
             continue;
         }
         let key = (c.dtype.clone(), c.d, c.batch);

@@ -145,8 +145,9 @@ pub struct BenchArgs {
     /// shapes, none on the sweep].
     #[arg(long, value_delimiter = ',')]
     pub(super) page_size: Vec<CacheLayout>,
-    /// Prefill only: memory layouts of Q, K, V, comma-separated: bhsd ([batch, heads, seq, d]),
-    /// bshd ([batch, seq, heads, d], as a strided view; FA2 and FA3 only) [default: bhsd].
+    /// Memory layouts of Q, K, V (and of a decoding call's Q and cache), comma-separated: bhsd
+    /// ([batch, heads, seq, d]), bshd ([batch, seq, heads, d], as a strided view; FA2, FA3 and
+    /// the decoding rungs; pages of a paged cache [page, page_size, heads_kv, d]) [default: bhsd].
     #[arg(long, value_enum, value_delimiter = ',')]
     pub(super) layout: Vec<LayoutArg>,
     /// Masks: both, true (causal only) or false.
@@ -521,7 +522,10 @@ impl Plan {
                 .flat_map(|(l, d)| self.ns.iter().map(move |&n| (l, d, n)))
                 .map(|(l, d, n)| self.rungs_in(l, d, n).len())
                 .sum::<usize>()
-            + self.decode_ds.len() * self.decode_cases() * self.decode_rungs().len()
+            + self.input_layouts.len()
+                * self.decode_ds.len()
+                * self.decode_cases()
+                * self.decode_rungs().len()
     }
 
     /// What the run leaves out or times differently, for the console and `meta.json`.

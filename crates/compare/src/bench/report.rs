@@ -102,25 +102,28 @@ pub fn render_side_by_side(rows: &[Row]) -> String {
 }
 
 /// The decoding rows side by side: one line per shape (dtype, d, batch, heads q/kv, new tokens,
-/// L), one TB/s column per implementation and cache layout (ours, `flash-decoding/p16` for pages
-/// of 16, SDPA's flash and cuDNN backends, ...), FlashDecoding as a fraction of SDPA's flash
-/// backend when both are there, and each paged layout of ours as a fraction of our contiguous
-/// cache (`p16/contig`).
+/// L), one TB/s column per implementation, input layout and cache layout (ours,
+/// `flash-decoding/p16` for pages of 16, `flash-decoding/bshd` for Q and the cache in
+/// `[b, s, h, d]`, SDPA's flash and cuDNN backends, ...), FlashDecoding as a fraction of SDPA's
+/// flash backend when both are there, each paged layout of ours as a fraction of our contiguous
+/// cache (`p16/contig`), and our `[b, s, h, d]` contiguous cache as a fraction of `[b, h, s, d]`
+/// (`bshd/bhsd`).
 pub fn render_decode_side_by_side(rows: &[Row]) -> String {
     type Key = (String, usize, usize, Reverse<usize>, usize, usize, usize);
-    // Columns: (implementation's rank, page size), contiguous first.
-    type Column = ((usize, String), Option<usize>);
+    // Columns: (implementation's rank, series, page size), contiguous first; the series is the
+    // implementation with its input layout (`flash-decoding/bshd`).
+    type Column = ((usize, String), String, Option<usize>);
     let mut columns: BTreeSet<Column> = BTreeSet::new();
     let mut table: BTreeMap<Key, BTreeMap<(String, Option<usize>), f64>> = BTreeMap::new();
     for row in rows.iter().filter(|r| r.case.is_decode()) {
         let Some(tbps) = row.tbps() else { continue };
         let c = &row.case;
-        columns.insert((impl_rank(&c.imp), c.page_size));
+        columns.insert((impl_rank(&c.imp), c.series(), c.page_size));
         let key = (c.dtype.clone(), c.d, c.batch, Reverse(c.heads_kv), c.heads_q, c.n_q, c.n_kv);
-        table.entry(key).or_default().insert((c.imp.clone(), c.page_size), tbps);
+        table.entry(key).or_default().insert((c.series(), c.page_size), tbps);
     }
     let columns: Vec<(String, Option<usize>)> =
-        columns.into_iter().map(|((_, name), page)| (name, page)).collect();
+        columns.into_iter().map(|(_, series, page)| (series, page)).collect();
     let label = |(name, page): &(String, Option<usize>)| match page {
         None => name.clone(),
         Some(p) => format!("{name}/p{p}"),
@@ -135,6 +138,8 @@ pub fn render_decode_side_by_side(rows: &[Row]) -> String {
     } else {
         Vec::new()
     };
+    let ours_bshd = format!("{ours}/bshd");
+    let bshd = has(ours, None) && has(&ours_bshd, None);
     let width = columns.iter().map(|c| label(c).len()).chain([14]).max().unwrap_or(14);
     let mut s = String::new();
     let _ = write!(
@@ -150,6 +155,9 @@ pub fn render_decode_side_by_side(rows: &[Row]) -> String {
     }
     for p in &pages {
         let _ = write!(s, " {:>11}", format!("p{p}/contig"));
+    }
+    if bshd {
+        let _ = write!(s, " {:>10}", "bshd/bhsd");
     }
     s.push('\n');
     for ((dtype, d, batch, Reverse(heads_kv), heads_q, n_q, len), cells) in &table {
@@ -171,6 +179,9 @@ pub fn render_decode_side_by_side(rows: &[Row]) -> String {
         }
         for &p in &pages {
             s += &fraction(get(ours, Some(p)), get(ours, None), 11);
+        }
+        if bshd {
+            s += &fraction(get(&ours_bshd, None), get(ours, None), 10);
         }
         s.push('\n');
     }
@@ -405,6 +416,37 @@ mod tests {
         assert_eq!(four[10..], ["-", "1.00x", "-"], "{table}");
         let listing = render_rows(&rows);
         assert!(listing.contains("4x8192 causal") && listing.contains("  16 "), "{listing}");
+    }
+
+    #[test]
+    fn decode_rows_in_another_layout_get_their_own_columns() {
+        let dec = |page: Option<usize>, layout: Option<&str>, ms: f64| {
+            let case = Case::decode("flash-decoding", "fp16", 1, 32, 8, 1, 8192, 128);
+            Row::measured(case.paged(page).in_layout(layout), ms)
+        };
+        let rows = vec![
+            dec(None, None, 0.010),
+            dec(Some(16), None, 0.0125),
+            dec(None, Some("bshd"), 0.0125),
+            dec(Some(16), Some("bshd"), 0.02),
+        ];
+        let table = render_decode_side_by_side(&rows);
+        let lines: Vec<&str> = table.lines().collect();
+        let header: Vec<&str> = lines[1].split_whitespace().collect();
+        assert_eq!(
+            header[6..],
+            [
+                "flash-decoding",
+                "flash-decoding/p16",
+                "flash-decoding/bshd",
+                "flash-decoding/bshd/p16",
+                "p16/contig",
+                "bshd/bhsd"
+            ],
+            "{table}"
+        );
+        let cells: Vec<&str> = lines[2].split_whitespace().collect();
+        assert_eq!(cells[10..], ["0.80x", "0.80x"], "{table}");
     }
 
     #[test]

@@ -277,7 +277,11 @@ pub(super) fn upload_sets(
 /// of L2 (one when the cache is larger than L2), each a query per count in `new_tokens` and a full
 /// KV cache. A paged cache holds exactly the pages its sequences fill, `ceil(L / page_size)` each,
 /// handed out in a shuffled order (as an allocator that has served many requests would), so that
-/// consecutive pages of a sequence are not neighbours in memory.
+/// consecutive pages of a sequence are not neighbours in memory. With `axes` = bshd, Q and the
+/// cache lie token-major in memory (`[batch, n_new, heads_q, d]`, `[batch, L, heads_kv, d]`,
+/// pages `[page, page_size, heads_kv, d]`: FlashAttention's `k_cache`, vLLM's NHD) and the rung
+/// gets `[.., heads, tokens, d]` views.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn upload_decode_sets(
     gpu: &Gpu,
     pool: &mut HostPool,
@@ -285,8 +289,18 @@ pub(super) fn upload_decode_sets(
     d: usize,
     shape: DecodeShape,
     layout: CacheLayout,
+    axes: LayoutArg,
     new_tokens: &[usize],
 ) -> ladder_kernels::Result<Vec<DecodeSet>> {
+    // In memory as `axes` says (axes 1 and 2 swapped for bshd); the rung gets the view.
+    let in_memory = |[a, b, c, d]: [usize; 4]| match axes {
+        LayoutArg::Bhsd => [a, b, c, d],
+        LayoutArg::Bshd => [a, c, b, d],
+    };
+    let view = |t: Tensor| match axes {
+        LayoutArg::Bhsd => Ok(t),
+        LayoutArg::Bshd => t.transpose(1, 2),
+    };
     let DecodeShape { batch, heads_q, heads_kv, len } = shape;
     let q_len = |n_new: usize| batch * heads_q * n_new * d;
     let (kv_shape, pages_per_seq) = match layout {
@@ -305,14 +319,15 @@ pub(super) fn upload_decode_sets(
                 .map(|&n| {
                     let q = gpu.upload(
                         pool.values(4 * s, q_len(n)),
-                        &[batch, heads_q, n, d],
+                        &in_memory([batch, heads_q, n, d]),
                         plan.dtype,
                     )?;
-                    Ok((n, q))
+                    Ok((n, view(q)?))
                 })
                 .collect::<ladder_kernels::Result<_>>()?;
-            let k = pool.upload_cache(gpu, &kv_shape, plan.dtype, (2 * s) * 7919)?;
-            let v = pool.upload_cache(gpu, &kv_shape, plan.dtype, (2 * s + 1) * 7919)?;
+            let kv_shape = in_memory(kv_shape);
+            let k = view(pool.upload_cache(gpu, &kv_shape, plan.dtype, (2 * s) * 7919)?)?;
+            let v = view(pool.upload_cache(gpu, &kv_shape, plan.dtype, (2 * s + 1) * 7919)?)?;
             let page_table = match layout {
                 CacheLayout::Contiguous => None,
                 CacheLayout::Paged(_) => {

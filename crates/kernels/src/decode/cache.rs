@@ -9,6 +9,10 @@ use super::*;
 
 /// A contiguous KV cache: K and V `[batch, heads_kv, capacity, d]`, and the number of valid
 /// tokens per sequence (the new tokens included: they are the last `n_new` valid entries).
+///
+/// K and V take any batch, head and token strides with the head dimension contiguous (multiples
+/// of 8 elements), the same for both: FlashAttention's `k_cache` `[batch, capacity, heads_kv, d]`
+/// is `Tensor::transpose(1, 2)` of it, and K and V may be two slots of one buffer.
 #[derive(Clone, Copy, Debug)]
 pub struct KvCache<'a> {
     /// Keys, `[batch, heads_kv, capacity, d]`.
@@ -20,9 +24,13 @@ pub struct KvCache<'a> {
 }
 
 /// A paged KV cache: K and V in pages of `page_size` tokens, `[num_pages, heads_kv, page_size,
-/// d]` (FlashInfer's `HND` layout: each page holds every kv head, each head's tokens
-/// contiguous), and a [`PageTable`] whose row `b` lists the pages of sequence `b` in order: key
-/// `j` of sequence `b` is slot `j % page_size` of page `page_table[b][j / page_size]`.
+/// d]`, and a [`PageTable`] whose row `b` lists the pages of sequence `b` in order: key `j` of
+/// sequence `b` is slot `j % page_size` of page `page_table[b][j / page_size]`.
+///
+/// The pages take any strides with the head dimension contiguous, the same for K and V: in
+/// memory FlashInfer's `HND` (`[num_pages, heads_kv, page_size, d]`, each head's tokens
+/// contiguous) as it is, vLLM's and FlashAttention's `NHD` (`[num_pages, page_size, heads_kv,
+/// d]`) through `Tensor::transpose(1, 2)`.
 ///
 /// `page_size` is `k_pages.shape()[2]`, one of [`PAGE_SIZES`]. Sequence `b` reads the first
 /// `ceil(lengths[b] / page_size)` entries of its row; entries past those are never read (pad

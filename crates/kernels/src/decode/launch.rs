@@ -4,6 +4,7 @@
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
 
 use super::*;
+use crate::problem::Strides;
 
 /// Output rows per block of FlashDecoding++'s combine kernel (one warp each).
 const COMBINE_ROWS_PER_BLOCK: usize = 4;
@@ -30,18 +31,39 @@ pub(super) fn variant(
             ("FD_STAGES", stages.to_string()),
             ("FD_PAGED", u8::from(paged).to_string()),
             ("FD_MAX_BATCH", MAX_BATCH_PER_LAUNCH.to_string()),
+            ("FD_HOST_PARAMS_BYTES", std::mem::size_of::<Params>().to_string()),
         ],
     }
 }
 
+/// The widths the kernels compute head dimension `d` with (`HeadDim` in `cuda/layout.cuh`): the
+/// products' `dk` (whole 16-wide k-steps) and the shared tiles' rows of `cols` (whole 64-element
+/// rows, the swizzle's span).
+pub(crate) fn padded(d: usize) -> (usize, usize) {
+    (d.div_ceil(16) * 16, d.div_ceil(64) * 64)
+}
+
 /// Dynamic shared memory of the split kernel in bytes: the Q tile and `stages` stages of K and V
-/// (16-bit), or, if larger, the f32 buffer that merges the warps' states at the end (it reuses
-/// the same memory; rows padded by 8 floats).
+/// (16-bit rows of [`padded`] width), or, if larger, the f32 buffer that merges the warps' states
+/// at the end (it reuses the same memory; rows of the products' width padded by 8 floats).
 pub(crate) fn split_shared_bytes(d: usize, m_tiles: usize, stages: usize) -> usize {
+    let (dk, cols) = padded(d);
     let rows = 16 * m_tiles;
-    let tiles = (rows + 2 * stages * BC) * d * 2;
-    let merge = WARPS * rows * (d + 8 + 2) * 4;
+    let tiles = (rows + 2 * stages * BC) * cols * 2;
+    let merge = WARPS * rows * (dk + 8 + 2) * 4;
     tiles.max(merge)
+}
+
+/// The head dimensions the compile check builds in `dtype`: every one would be 32 per variant
+/// family; fp16 takes the widths the kernels were written for, both ends, and head dims padded to
+/// 16 columns (40, 72, 136, 200) and to whole rows of 64 (96, 192) — the copies' and the GEMV's
+/// general paths; bf16 the three written for.
+#[cfg(test)]
+pub(crate) fn compile_head_dims(dtype: DType) -> &'static [usize] {
+    match dtype {
+        DType::F16 => &[8, 40, 64, 72, 96, 128, 136, 192, 200, 256],
+        _ => &[64, 128, 256],
+    }
 }
 
 /// Every variant of rungs 6 and 7, for the compile check.
@@ -49,7 +71,7 @@ pub(crate) fn split_shared_bytes(d: usize, m_tiles: usize, stages: usize) -> usi
 pub(crate) fn variants() -> Vec<Variant> {
     let mut all = pp::variants();
     for &dtype in DTYPES {
-        for &d in HEAD_DIMS {
+        for &d in compile_head_dims(dtype) {
             for m_tiles in 1..=rows_per_block(d) / 16 {
                 for stages in [2, 3] {
                     for paged in [false, true] {
@@ -62,34 +84,47 @@ pub(crate) fn variants() -> Vec<Variant> {
     all
 }
 
-/// Mirror of `FdParams` in `cuda/flash_decoding.cu` (device pointers as `u64`).
+/// Mirror of `DecodeCall` in `cuda/decode.cuh`, the part of a call both kernel families take
+/// (device pointers as `u64`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Params {
+pub(super) struct DecodeCall {
     pub(super) q: u64,
     pub(super) k: u64,
     pub(super) v: u64,
     pub(super) page_table: u64,
-    pub(super) o_part: u64,
-    pub(super) lse_part: u64,
     pub(super) o: u64,
     pub(super) lse: u64,
-    pub(super) fallback: u64,
-    pub(super) counters: u64,
+    pub(super) q_strides: Strides,
+    pub(super) o_strides: Strides,
+    pub(super) kv_strides: Strides,
     pub(super) heads_q: i32,
     pub(super) heads_kv: i32,
     pub(super) n_new: i32,
-    pub(super) capacity: i32,
     pub(super) max_pages: i32,
     pub(super) num_pages: i32,
     pub(super) log2_page: i32,
     pub(super) splits: i32,
     pub(super) row_blocks: i32,
     pub(super) scale_log2: f32,
+    pub(super) total_new: i32,
     pub(super) lengths: [i32; MAX_BATCH_PER_LAUNCH],
+    pub(super) new_starts: [i32; MAX_BATCH_PER_LAUNCH + 1],
 }
 
-// SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror.
+/// Mirror of `FdParams` in `cuda/flash_decoding.cu` (device pointers as `u64`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Params {
+    pub(super) call: DecodeCall,
+    pub(super) o_part: u64,
+    pub(super) lse_part: u64,
+    pub(super) fallback: u64,
+    pub(super) counters: u64,
+}
+
+// SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror (whose
+// size the kernel checks against FD_HOST_PARAMS_BYTES).
 unsafe impl DeviceRepr for Params {}
 
 /// The launches of one checked call ([`check_call`]), into `out` (checked here); returns
@@ -109,13 +144,17 @@ pub(super) fn launch(
     gpu: &Gpu,
     q: &Tensor,
     cache: Cache<'_>,
-    Call { shape: p, plan, stages }: &Call,
+    Call { shape: p, plan, stages, q_strides, kv_strides, new_starts }: &Call,
     out: &mut Output,
 ) -> Result<Option<CudaSlice<i32>>> {
     for (name, t) in [("o", &out.o), ("lse", &out.lse)] {
         gpu.check_context(t, name)?;
     }
     p.check_output(out)?;
+    let o_strides = match new_starts {
+        None => Strides::of(&out.o, "o")?,
+        Some(_) => Strides::of_packed(&out.o, "o")?,
+    };
     let (k, v, table) = cache.buffers();
     let lengths = cache.lengths();
     let r = p.rows_per_kv_head();
@@ -191,17 +230,17 @@ pub(super) fn launch(
         }
         None => (0, None),
     };
-    // The layout's numbers: a contiguous cache's capacity, or the pages' count and size (the
-    // size a power of two, checked) and the table's row length.
-    let (capacity, max_pages, num_pages, log2_page) = match p.layout {
-        Layout::Contiguous { capacity } => (capacity, 0, 0, 0),
+    // The layout's numbers: the pages' count and size (the size a power of two, checked) and the
+    // table's row length.
+    let (max_pages, num_pages, log2_page) = match p.layout {
+        Layout::Contiguous { .. } => (0, 0, 0),
         Layout::Paged { page_size, num_pages, max_pages } => {
-            (0, max_pages, num_pages, page_size.trailing_zeros())
+            (max_pages, num_pages, page_size.trailing_zeros())
         }
     };
     // Batches of more than MAX_BATCH_PER_LAUNCH sequences go in chunks: Q, O, the workspaces, the
-    // flags, a contiguous cache and the page table are batch-major, so a chunk is the same call
-    // on pointers advanced by its first sequence (pages are shared by all sequences: not
+    // flags, a contiguous cache and the page table have a batch stride, so a chunk is the same
+    // call on pointers advanced by its first sequence (pages are shared by all sequences: not
     // advanced).
     let rows_per_seq = p.heads_q * p.n_new;
     let elem = p.dtype.size();
@@ -216,8 +255,29 @@ pub(super) fn launch(
         let max_part_ptr = lr_part_ptr + (4 * parts) as u64;
         for first in (0..p.batch).step_by(MAX_BATCH_PER_LAUNCH) {
             let n = (p.batch - first).min(MAX_BATCH_PER_LAUNCH);
-            let (row0, chunk_rows) = (first * rows_per_seq, n * rows_per_seq);
-            let kv0 = first * p.heads_kv * capacity * p.d;
+            // The chunk's first output row and its rows (decode.cuh numbers packed rows
+            // token-major), and where its first sequence's Q, O and lse start: the batch
+            // stride, or its first token's row (element offsets; strides are non-negative).
+            let (row0, chunk_rows, q_off, o_off, lse0) = match new_starts {
+                None => {
+                    let (row0, rows) = (first * rows_per_seq, n * rows_per_seq);
+                    let batch_offset = |s: &Strides| first * s.batch as usize;
+                    (row0, rows, batch_offset(q_strides), batch_offset(&o_strides), row0)
+                }
+                Some(starts) => {
+                    let (t0, t1) = (starts[first], starts[first + n]);
+                    let row = |s: &Strides| t0 * s.row as usize;
+                    (t0 * p.heads_q, (t1 - t0) * p.heads_q, row(q_strides), row(&o_strides), t0)
+                }
+            };
+            let mut chunk_starts = [0i32; MAX_BATCH_PER_LAUNCH + 1];
+            if let Some(starts) = new_starts {
+                // Each below total_new, which fits in i32 (checked).
+                for (dst, &t) in chunk_starts.iter_mut().zip(&starts[first..=first + n]) {
+                    *dst = (t - starts[first]) as i32;
+                }
+            }
+            let kv0 = if paged { 0 } else { first * kv_strides.batch as usize };
             let mut chunk_lengths = [0i32; MAX_BATCH_PER_LAUNCH];
             // Each length is at most MAX_LENGTH, which fits in i32 (checked above).
             for (dst, &len) in chunk_lengths.iter_mut().zip(&lengths[first..first + n]) {
@@ -225,61 +285,52 @@ pub(super) fn launch(
             }
             let at = |ptr: u64, elements: usize, size: usize| ptr + (elements * size) as u64;
             let fallback = if pp_kernel.is_some() { at(flags_ptr, row0, 4) } else { 0 };
-            let params = Params {
-                q: at(q_ptr, row0 * p.d, elem),
+            let call = DecodeCall {
+                q: at(q_ptr, q_off, elem),
                 k: at(k_ptr, kv0, elem),
                 v: at(v_ptr, kv0, elem),
                 page_table: if table.is_some() { at(table_ptr, first * max_pages, 4) } else { 0 },
-                o_part: at(o_part_ptr, row0 * splits * p.d, 4),
-                lse_part: at(lse_part_ptr, row0 * splits, 4),
-                o: at(o_ptr, row0 * p.d, elem),
-                lse: at(lse_ptr, row0, 4),
-                fallback,
-                counters: scratch.counters,
+                o: at(o_ptr, o_off, elem),
+                lse: at(lse_ptr, lse0, 4),
+                q_strides: *q_strides,
+                o_strides,
+                kv_strides: *kv_strides,
                 heads_q: p.heads_q as i32,
                 heads_kv: p.heads_kv as i32,
                 n_new: p.n_new as i32,
                 // Each at most i32::MAX (checked above).
-                capacity: capacity as i32,
                 max_pages: max_pages as i32,
                 num_pages: num_pages as i32,
                 log2_page: log2_page as i32,
                 splits: splits_i,
                 row_blocks: fd_row_blocks as i32,
                 scale_log2: p.scale * std::f32::consts::LOG2_E,
+                total_new: p.total_new.unwrap_or(0) as i32,
                 lengths: chunk_lengths,
+                new_starts: chunk_starts,
+            };
+            let params = Params {
+                call,
+                o_part: at(o_part_ptr, row0 * splits * p.d, 4),
+                lse_part: at(lse_part_ptr, row0 * splits, 4),
+                fallback,
+                counters: scratch.counters,
             };
             let combine_grid = grid(chunk_rows.div_ceil(COMBINE_ROWS_PER_BLOCK), 1, 1)?;
             if let Some((split, combine, smem, row_blocks, blocks_x)) = &pp_launch {
                 let w = p.window;
                 let pp_params = PpParams {
-                    q: params.q,
-                    k: params.k,
-                    v: params.v,
-                    page_table: params.page_table,
+                    call: DecodeCall { row_blocks: *row_blocks as i32, ..call },
                     acc_part: params.o_part,
                     l_part: params.lse_part,
                     lr_part: at(lr_part_ptr, row0 * splits, 4),
                     max_part: at(max_part_ptr, row0 * splits, 4),
-                    o: params.o,
-                    lse: params.lse,
                     fallback,
-                    heads_q: params.heads_q,
-                    heads_kv: params.heads_kv,
-                    n_new: params.n_new,
-                    capacity: params.capacity,
-                    max_pages: params.max_pages,
-                    num_pages: params.num_pages,
-                    log2_page: params.log2_page,
-                    splits: splits_i,
-                    row_blocks: *row_blocks as i32,
                     rows: chunk_rows as i32,
-                    scale_log2: params.scale_log2,
                     phi: w.phi,
                     phi_log2: w.phi_log2,
                     lo_log2: w.lo_log2,
                     hi_log2: w.hi_log2,
-                    lengths: chunk_lengths,
                 };
                 gpu.launch(
                     split,

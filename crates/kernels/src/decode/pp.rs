@@ -3,6 +3,7 @@
 
 use cudarc::driver::DeviceRepr;
 
+use super::launch::{DecodeCall, padded};
 use super::{BC, MAX_BATCH_PER_LAUNCH, WARPS, dispatch::flat_rows_per_block};
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
@@ -69,6 +70,7 @@ pub(crate) fn variant(
             ("FD_MAX_BATCH", MAX_BATCH_PER_LAUNCH.to_string()),
             ("FDPP_GEMV", gemv.to_string()),
             ("FDPP_NT", n_tiles.to_string()),
+            ("FD_HOST_PARAMS_BYTES", std::mem::size_of::<PpParams>().to_string()),
         ],
     }
 }
@@ -78,7 +80,7 @@ pub(crate) fn variant(
 pub(crate) fn variants() -> Vec<Variant> {
     let mut all = Vec::new();
     for &dtype in super::DTYPES {
-        for &d in super::HEAD_DIMS {
+        for &d in super::launch::compile_head_dims(dtype) {
             for kernel in PpKernel::all(d) {
                 for stages in [2, 3] {
                     for paged in [false, true] {
@@ -92,11 +94,13 @@ pub(crate) fn variants() -> Vec<Variant> {
 }
 
 /// Dynamic shared memory of the split kernel in bytes: a 16-row Q tile and `stages` stages of K
-/// and V (16-bit), or, if larger, the f32 merge buffer that reuses the same memory (rows padded by
-/// 4 floats, plus the two sums and the maximum).
+/// and V (16-bit rows of the padded width, [`padded`]), or, if larger, the f32 merge buffer that
+/// reuses the same memory (rows of that width padded by 4 floats, plus the two sums and the
+/// maximum).
 pub(crate) fn shared_bytes(d: usize, kernel: PpKernel, stages: usize) -> usize {
-    let tiles = (16 + 2 * stages * BC) * d * 2;
-    let merge = WARPS * kernel.rows_per_block() * (d + 4 + 3) * 4;
+    let (_, cols) = padded(d);
+    let tiles = (16 + 2 * stages * BC) * cols * 2;
+    let merge = WARPS * kernel.rows_per_block() * (cols + 4 + 3) * 4;
     tiles.max(merge)
 }
 
@@ -153,36 +157,21 @@ impl Window {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct PpParams {
-    pub q: u64,
-    pub k: u64,
-    pub v: u64,
-    pub page_table: u64,
+    pub call: DecodeCall,
     pub acc_part: u64,
     pub l_part: u64,
     pub lr_part: u64,
     pub max_part: u64,
-    pub o: u64,
-    pub lse: u64,
     pub fallback: u64,
-    pub heads_q: i32,
-    pub heads_kv: i32,
-    pub n_new: i32,
-    pub capacity: i32,
-    pub max_pages: i32,
-    pub num_pages: i32,
-    pub log2_page: i32,
-    pub splits: i32,
-    pub row_blocks: i32,
     pub rows: i32,
-    pub scale_log2: f32,
     pub phi: f32,
     pub phi_log2: f32,
     pub lo_log2: f32,
     pub hi_log2: f32,
-    pub lengths: [i32; MAX_BATCH_PER_LAUNCH],
 }
 
-// SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror.
+// SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror (whose
+// size the kernels check against FD_HOST_PARAMS_BYTES).
 unsafe impl DeviceRepr for PpParams {}
 
 #[cfg(test)]
@@ -191,12 +180,12 @@ mod tests {
 
     #[test]
     fn params_are_laid_out_like_the_cuda_struct() {
-        // 11 pointers, 10 ints, 5 floats, then the lengths; 8-byte aligned.
-        assert_eq!(std::mem::offset_of!(PpParams, heads_q), 88);
-        assert_eq!(std::mem::offset_of!(PpParams, scale_log2), 128);
-        assert_eq!(std::mem::offset_of!(PpParams, hi_log2), 144);
-        assert_eq!(std::mem::offset_of!(PpParams, lengths), 148);
-        assert_eq!(std::mem::size_of::<PpParams>(), 1176);
+        // The call (2,216 bytes), 5 pointers, an int and 4 floats; 8-byte aligned. (The kernels
+        // check the size too: FD_HOST_PARAMS_BYTES.)
+        assert_eq!(std::mem::offset_of!(PpParams, acc_part), 2216);
+        assert_eq!(std::mem::offset_of!(PpParams, rows), 2256);
+        assert_eq!(std::mem::offset_of!(PpParams, hi_log2), 2272);
+        assert_eq!(std::mem::size_of::<PpParams>(), 2280);
     }
 
     #[test]

@@ -62,6 +62,9 @@ pub(super) struct Shape {
     pub(super) layout: Layout,
     /// FlashDecoding++'s `φ` and safe window (checked for every call, whatever the strategy).
     pub(super) window: Window,
+    /// Packed new tokens ([`forward_varlen`]): the rows of Q, `n_new` then being the most of any
+    /// sequence.
+    pub(super) total_new: Option<usize>,
 }
 
 impl Shape {
@@ -177,7 +180,18 @@ impl Shape {
         let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
         crate::problem::check_scale(scale)?;
         let window = Window::new(opts.phi, opts.safe_range, dtype)?;
-        Ok(Shape { batch, heads_q, heads_kv, n_new, d, dtype, scale, layout, window })
+        Ok(Shape {
+            batch,
+            heads_q,
+            heads_kv,
+            n_new,
+            d,
+            dtype,
+            scale,
+            layout,
+            window,
+            total_new: None,
+        })
     }
 
     /// Rows of the split kernel per kv head: query heads per kv head times new tokens.
@@ -185,25 +199,38 @@ impl Shape {
         self.heads_q / self.heads_kv * self.n_new
     }
 
-    /// Output rows: `batch · heads_q · n_new`.
+    /// Output rows: `batch · heads_q · n_new`, or `total_new · heads_q`.
     pub(super) fn rows(&self) -> usize {
-        self.batch * self.heads_q * self.n_new
+        match self.total_new {
+            None => self.batch * self.heads_q * self.n_new,
+            Some(total) => total * self.heads_q,
+        }
     }
 
-    /// `O`'s shape, `q`'s: `[batch, heads_q, n_new, d]` (`lse`'s is its first three).
-    pub(super) fn o_shape(&self) -> [usize; 4] {
-        [self.batch, self.heads_q, self.n_new, self.d]
+    /// `O`'s shape, `q`'s: `[batch, heads_q, n_new, d]`, or `[total_new, heads_q, d]`.
+    pub(super) fn o_shape(&self) -> Vec<usize> {
+        match self.total_new {
+            None => vec![self.batch, self.heads_q, self.n_new, self.d],
+            Some(total) => vec![total, self.heads_q, self.d],
+        }
+    }
+
+    /// `lse`'s shape: `[batch, heads_q, n_new]`, or `[heads_q, total_new]`.
+    pub(super) fn lse_shape(&self) -> Vec<usize> {
+        match self.total_new {
+            None => vec![self.batch, self.heads_q, self.n_new],
+            Some(total) => vec![self.heads_q, total],
+        }
     }
 
     /// Caller-owned outputs ([`forward_into`]) of the call's shapes and types.
     pub(super) fn check_output(&self, out: &Output) -> Result<()> {
-        let o_shape = self.o_shape();
-        if out.o.shape() != o_shape || out.lse.shape() != &o_shape[..3] {
+        let (o_shape, lse_shape) = (self.o_shape(), self.lse_shape());
+        if out.o.shape() != o_shape || out.lse.shape() != lse_shape {
             return Err(KernelError::Shape(format!(
-                "decode: outputs O {:?} and lse {:?}, expected {o_shape:?} and {:?}",
+                "decode: outputs O {:?} and lse {:?}, expected {o_shape:?} and {lse_shape:?}",
                 out.o.shape(),
                 out.lse.shape(),
-                &o_shape[..3]
             )));
         }
         if out.o.dtype() != self.dtype || out.lse.dtype() != DType::F32 {
@@ -214,10 +241,11 @@ impl Shape {
                 self.dtype
             )));
         }
-        if !out.o.is_contiguous() || !out.lse.is_contiguous() {
-            return Err(KernelError::Shape(
-                "decode: the outputs O and lse must be contiguous tensors".into(),
-            ));
+        if !out.lse.is_contiguous() {
+            return Err(KernelError::Shape(format!(
+                "decode: the output lse must be a contiguous tensor (it has strides {:?})",
+                out.lse.strides()
+            )));
         }
         Ok(())
     }

@@ -109,11 +109,18 @@ fn rows_past_32_go_to_more_blocks() {
 
 #[test]
 fn params_are_laid_out_like_the_cuda_struct() {
-    // 10 pointers, 9 ints, a float, then the lengths; 8-byte aligned.
-    assert_eq!(std::mem::offset_of!(Params, heads_q), 80);
-    assert_eq!(std::mem::offset_of!(Params, scale_log2), 116);
-    assert_eq!(std::mem::offset_of!(Params, lengths), 120);
-    assert_eq!(std::mem::size_of::<Params>(), 1144);
+    // The call: 6 pointers, 3 strides, 8 ints, a float, then the lengths; 8-byte aligned. (The
+    // kernels check the sizes too: FD_HOST_PARAMS_BYTES.)
+    use super::launch::DecodeCall;
+    assert_eq!(std::mem::offset_of!(DecodeCall, q_strides), 48);
+    assert_eq!(std::mem::offset_of!(DecodeCall, heads_q), 120);
+    assert_eq!(std::mem::offset_of!(DecodeCall, scale_log2), 152);
+    assert_eq!(std::mem::offset_of!(DecodeCall, lengths), 160);
+    assert_eq!(std::mem::offset_of!(DecodeCall, new_starts), 1184);
+    assert_eq!(std::mem::size_of::<DecodeCall>(), 2216);
+    // FlashDecoding's: the call and 4 pointers.
+    assert_eq!(std::mem::offset_of!(Params, o_part), 2216);
+    assert_eq!(std::mem::size_of::<Params>(), 2248);
 }
 
 fn desc(shape: &[usize], dtype: DType) -> Desc<'_> {
@@ -251,8 +258,16 @@ fn contiguous_checks_take_any_number_of_rows() {
         let r = check(q, kv, lengths);
         assert!(matches!(r, Err(KernelError::Shape(_))), "{q:?} {kv:?} {lengths:?}: {r:?}");
     }
-    let r = check(&[1, 8, 1, 96], &[1, 2, 30, 96], &[30]);
-    assert!(matches!(r, Err(KernelError::UnsupportedHeadDim { d: 96, .. })), "{r:?}");
+    // Every multiple of 8 up to 256 has a kernel; 100 and 264 do not.
+    assert!(check(&[1, 8, 1, 96], &[1, 2, 30, 96], &[30]).is_ok());
+    assert!(check(&[1, 8, 1, 8], &[1, 2, 30, 8], &[30]).is_ok());
+    for d in [100, 264] {
+        let r = check(&[1, 8, 1, d], &[1, 2, 30, d], &[30]);
+        assert!(
+            matches!(r, Err(KernelError::UnsupportedHeadDim { d: got, .. }) if got == d),
+            "{r:?}"
+        );
+    }
 }
 
 #[test]
