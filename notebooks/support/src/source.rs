@@ -33,8 +33,19 @@ const FILES: &[(&str, &str)] = &[
     ("crates/kernels/cuda/softmax.cuh", include_str!("../../../crates/kernels/cuda/softmax.cuh")),
     ("crates/kernels/cuda/mask.cuh", include_str!("../../../crates/kernels/cuda/mask.cuh")),
     ("crates/kernels/cuda/types.cuh", include_str!("../../../crates/kernels/cuda/types.cuh")),
+    ("crates/kernels/cuda/layout.cuh", include_str!("../../../crates/kernels/cuda/layout.cuh")),
+    (
+        "crates/kernels/cuda/flash_decoding.cu",
+        include_str!("../../../crates/kernels/cuda/flash_decoding.cu"),
+    ),
+    ("crates/kernels/cuda/decode.cuh", include_str!("../../../crates/kernels/cuda/decode.cuh")),
+    ("crates/kernels/cuda/kv_cache.cuh", include_str!("../../../crates/kernels/cuda/kv_cache.cuh")),
     ("crates/kernels/src/problem.rs", include_str!("../../../crates/kernels/src/problem.rs")),
     ("crates/reference/src/fa2.rs", include_str!("../../../crates/reference/src/fa2.rs")),
+    (
+        "crates/reference/src/flash_decoding.rs",
+        include_str!("../../../crates/reference/src/flash_decoding.rs"),
+    ),
     ("crates/reference/src/tile.rs", include_str!("../../../crates/reference/src/tile.rs")),
     ("crates/reference/src/problem.rs", include_str!("../../../crates/reference/src/problem.rs")),
     ("crates/reference/src/shape.rs", include_str!("../../../crates/reference/src/shape.rs")),
@@ -285,6 +296,31 @@ mod tests {
             assert!(s.first_line > previous, "{t} comes after the one before");
             previous = s.last_line();
         }
+    }
+
+    #[test]
+    fn the_decoding_kernels_sections_are_found() {
+        // What notebook 11 reads, in the files' order.
+        let mut previous = 0;
+        for t in [
+            "the combine (phase 2)",
+            "S = Q·K_wᵀ",
+            "mask",
+            "online softmax of the warp",
+            "acc += P_w·V_w",
+            "merge the warps'",
+        ] {
+            let s = section("crates/kernels/cuda/flash_decoding.cu", t).unwrap();
+            assert!(s.first_line > previous, "{t} comes after the one before");
+            previous = s.last_line();
+        }
+        for t in ["where the keys live", "which keys a split owns", "the copy of one tile"] {
+            assert!(section("crates/kernels/cuda/kv_cache.cuh", t).is_ok(), "{t}");
+        }
+        let rows = section("crates/kernels/cuda/decode.cuh", "GQA packing").unwrap();
+        assert!(rows.code().contains("struct HeadRows"), "{rows}");
+        let rung = item("crates/reference/src/flash_decoding.rs", "pub fn split_ranges(").unwrap();
+        assert!(rung.code().contains("s * n_kv / splits"), "{rung}");
     }
 
     #[test]
