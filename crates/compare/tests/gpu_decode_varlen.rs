@@ -252,12 +252,24 @@ proptest! {
 }
 
 /// 300 sequences, more than one launch takes: the second launch's token offsets start from its
-/// first sequence's, its pointers advanced to it. Every sequence is its alone call's bits.
+/// first sequence's, its pointers advanced to it. Every sequence is its alone call's bits. Then
+/// the same batch with no new token past the first launch's sequences: the second launch has
+/// nothing to do (and makes no launch of zero blocks).
 #[test]
 fn gpu_decode_varlen_more_sequences_than_one_launch() {
     let Some(gpu) = gpu() else { return };
     let batch = 300;
-    let new_tokens: Vec<usize> = (0..batch).map(|b| (b * 5) % 4).collect();
+    for new_tokens in [
+        (0..batch).map(|b| (b * 5) % 4).collect::<Vec<usize>>(),
+        (0..batch).map(|b| if b < 256 { 1 + b % 3 } else { 0 }).collect(),
+    ] {
+        check_batch(gpu, new_tokens);
+    }
+}
+
+/// A batch of short caches with `new_tokens` per sequence, every sequence against its alone call.
+fn check_batch(gpu: &Gpu, new_tokens: Vec<usize>) {
+    let batch = new_tokens.len();
     let lengths: Vec<usize> = (0..batch).map(|b| (b * 7) % 71).collect();
     let case = Case {
         heads_q: 4,

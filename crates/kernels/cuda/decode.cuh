@@ -39,7 +39,7 @@ struct DecodeCall {
     const u16* v;
     const int* page_table;  // paged only
     u16* o;
-    float* lse;             // [batch, heads_q, n_new], contiguous, natural log
+    float* lse;             // [batch, heads_q, n_new] or [heads_q, total_new], natural log
     Strides q_strides;      // (batch, head, token)
     Strides o_strides;      // (batch, head, token)
     Strides kv_strides;     // (batch or page, kv head, key)
@@ -121,7 +121,8 @@ struct OutputRow {
             lse = (size_t)head * c.total_new + token;
         } else {  // [batch, heads_q, n_new]
             const size_t bh = row / c.n_new;
-            token = (int)(row % c.n_new), batch = (int)(bh / c.heads_q), head = (int)(bh % c.heads_q);
+            token = (int)(row % c.n_new);
+            batch = (int)(bh / c.heads_q), head = (int)(bh % c.heads_q);
             lse = row;
         }
         at = head_offset<u16>(s, batch, head) + row_offset<u16>(s, token);

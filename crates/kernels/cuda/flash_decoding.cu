@@ -20,9 +20,9 @@
 //
 // GQA packing (decode.cuh, HeadRows). One kv head's rows are r = 0 … R−1 with R = group · n_new
 // (group = heads_q / heads_kv), row r being query head kv_head·group + r / n_new, new token
-// t = r % n_new; its output row is (batch·heads_kv + kv_head)·R + r, and its Q and O rows lie
-// wherever the caller's strides put them. K and V of the kv head are read once for all the rows
-// a block holds.
+// t = r % n_new; it has a number among the launch's output rows (HeadRows::flat, which indexes
+// the workspaces), and its Q and O rows lie wherever the caller's strides put them. K and V of the
+// kv head are read once for all the rows a block holds.
 //
 // Row blocks. A block holds at most ROWS = 16·MT ≤ 32 rows (MT = 1 or 2 mma tiles of 16; rows
 // past the block's last are zeros and are never stored): every warp keeps the output of all its
@@ -129,8 +129,8 @@ constexpr int GROUPS = BC / KEY_GROUP;
 constexpr int RED_STRIDE = DK + 8;
 static_assert(BC == 16 * WARPS, "each warp owns 16 keys of a tile");
 
-// The call (decode.cuh), and this kernel's own: workspaces, f32, o_part [batch, heads_q, n_new,
-// splits, D] and lse_part [batch, heads_q, n_new, splits].
+// The call (decode.cuh), and this kernel's own: workspaces, f32, o_part [output rows, splits, D]
+// and lse_part [output rows, splits], the rows numbered as HeadRows::flat numbers them.
 struct FdParams {
     DecodeCall call;
     float* o_part;
@@ -149,8 +149,8 @@ static_assert(sizeof(FdParams) == FD_HOST_PARAMS_BYTES, "the host's mirror of Fd
 
 // ---- the cache: kv_cache.cuh --------------------------------------------------------------------
 //
-// Where each group of 16 keys lives (CacheRows<PAGED>::start: `capacity` rows further per
-// sequence when contiguous, page_table[b][j / page_size] when paged), which keys a split owns
+// Where each group of 16 keys lives (CacheRows<PAGED>::start: from the cache's strides when
+// contiguous, page_table[b][j / page_size] when paged), which keys a split owns
 // (key_chunk) and the copy of a tile (load_kv_tile) live in kv_cache.cuh, shared with
 // FlashDecoding++ (flash_decoding_pp.cu): the helper chosen at compile time is the only
 // difference between the contiguous and the paged kernel.
@@ -196,8 +196,8 @@ __device__ bool last_to_finish(const FdParams& p, int row_block) {
     __shared__ bool last;
     __syncthreads();
     if (threadIdx.x == 0) {
-        unsigned* counter =
-            p.counters + ((size_t)blockIdx.z * gridDim.y + blockIdx.y) * p.call.row_blocks + row_block;
+        const size_t group = ((size_t)blockIdx.z * gridDim.y + blockIdx.y) * p.call.row_blocks;
+        unsigned* counter = p.counters + group + row_block;
         last = count_in(counter) == (unsigned)p.call.splits - 1;
         if (last) atomicExch(counter, 0u);  // every split has counted: ready for the next launch
     }
@@ -325,7 +325,8 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
     // thread takes the same branch: __syncthreads_or gives all of them the same answer.)
     if (p.fallback != nullptr) {
         bool flagged = false;
-        for (int r = threadIdx.x; r < RB; r += THREADS) flagged |= p.fallback[rows.flat(r0 + r)] != 0;
+        for (int r = threadIdx.x; r < RB; r += THREADS)
+            flagged |= p.fallback[rows.flat(r0 + r)] != 0;
         if (!__syncthreads_or(flagged)) return;
     }
 

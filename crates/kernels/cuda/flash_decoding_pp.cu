@@ -128,9 +128,9 @@ static_assert(BC == 16 * WARPS, "each warp owns 16 keys of a tile");
 // past D are zeros of the copy, and never stored).
 constexpr int PER_LANE = COLS / 32;
 
-// The call (decode.cuh), and these kernels' own: workspaces, f32, acc_part [batch, heads_q,
-// n_new, splits, D] (unnormalised), l_part, lr_part and max_part [batch, heads_q, n_new, splits];
-// fallback [batch, heads_q, n_new]. Both kernels take the same struct.
+// The call (decode.cuh), and these kernels' own: workspaces, f32, acc_part [output rows, splits,
+// D] (unnormalised), l_part, lr_part and max_part [output rows, splits]; fallback [output rows];
+// the rows numbered as HeadRows::flat numbers them. Both kernels take the same struct.
 struct FdppParams {
     DecodeCall call;
     float* acc_part;  // Σ 2^t · v per (row, split)

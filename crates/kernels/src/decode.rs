@@ -493,7 +493,8 @@ pub fn forward_with_stats<'a>(
 /// The kernels are [`forward`]'s: each sequence's blocks take its own number of rows (the grid
 /// has the row blocks of the sequence with the most, and blocks past a sequence's rows leave at
 /// once), so a call gives every sequence the bits [`forward`] gives it alone with the same split
-/// count.
+/// count and strategy (the automatic choice sees the whole batch: its rows per kv head are the
+/// longest sequence's).
 ///
 /// ```no_run
 /// use ladder_kernels::{DType, Gpu, decode};
@@ -591,10 +592,10 @@ fn check_any(
         Some(new_tokens) => {
             let [total, heads_q, d] =
                 crate::problem::dims(q.shape(), "q must be [total_new, heads_q, head_dim]")?;
-            let mut starts = Vec::with_capacity(new_tokens.len() + 1);
+            let mut starts: Vec<usize> = Vec::with_capacity(new_tokens.len() + 1);
             starts.push(0);
             for &n in new_tokens {
-                starts.push(starts.last().copied().unwrap_or(0) + n);
+                starts.push(starts.last().copied().unwrap_or(0).saturating_add(n));
             }
             if starts.last() != Some(&total) {
                 return Err(KernelError::Shape(format!(

@@ -192,10 +192,11 @@ pub(super) fn launch(
         }
     };
 
-    // Workspaces, f32, in the Gpu's scratch memory (kept from call to call): O_s (FlashDecoding)
-    // or acc_s (FlashDecoding++) [batch, heads_q, n_new, splits, d], lse_s or l_s [batch, heads_q,
-    // n_new, splits]; FlashDecoding++ also the sum of P as rounded and the largest exponent per
-    // split [batch, heads_q, n_new, splits] each. Every element a kernel reads was written
+    // Workspaces, f32, in the Gpu's scratch memory (kept from call to call), over the call's
+    // output rows (numbered as `HeadRows::flat` in cuda/decode.cuh numbers them): O_s
+    // (FlashDecoding) or acc_s (FlashDecoding++) [rows, splits, d], lse_s or l_s [rows, splits];
+    // FlashDecoding++ also the sum of P as rounded and the largest exponent per split [rows,
+    // splits] each. Every element a kernel reads was written
     // earlier in the call. FlashDecoding with one split writes O and lse directly: none.
     let rows = p.rows();
     let parts = if splits > 1 || pp_kernel.is_some() { rows * splits } else { 0 };
@@ -270,6 +271,9 @@ pub(super) fn launch(
                     (t0 * p.heads_q, (t1 - t0) * p.heads_q, row(q_strides), row(&o_strides), t0)
                 }
             };
+            if chunk_rows == 0 {
+                continue; // packed: no sequence of this chunk has a new token
+            }
             let mut chunk_starts = [0i32; MAX_BATCH_PER_LAUNCH + 1];
             if let Some(starts) = new_starts {
                 // Each below total_new, which fits in i32 (checked).
