@@ -39,12 +39,20 @@ const FILES: &[(&str, &str)] = &[
         include_str!("../../../crates/kernels/cuda/flash_decoding.cu"),
     ),
     ("crates/kernels/cuda/decode.cuh", include_str!("../../../crates/kernels/cuda/decode.cuh")),
+    (
+        "crates/kernels/cuda/flash_decoding_pp.cu",
+        include_str!("../../../crates/kernels/cuda/flash_decoding_pp.cu"),
+    ),
     ("crates/kernels/cuda/kv_cache.cuh", include_str!("../../../crates/kernels/cuda/kv_cache.cuh")),
     ("crates/kernels/src/problem.rs", include_str!("../../../crates/kernels/src/problem.rs")),
     ("crates/reference/src/fa2.rs", include_str!("../../../crates/reference/src/fa2.rs")),
     (
         "crates/reference/src/flash_decoding.rs",
         include_str!("../../../crates/reference/src/flash_decoding.rs"),
+    ),
+    (
+        "crates/reference/src/flash_decoding_pp.rs",
+        include_str!("../../../crates/reference/src/flash_decoding_pp.rs"),
     ),
     ("crates/reference/src/tile.rs", include_str!("../../../crates/reference/src/tile.rs")),
     ("crates/reference/src/problem.rs", include_str!("../../../crates/reference/src/problem.rs")),
@@ -321,6 +329,15 @@ mod tests {
         assert!(rows.code().contains("struct HeadRows"), "{rows}");
         let rung = item("crates/reference/src/flash_decoding.rs", "pub fn split_ranges(").unwrap();
         assert!(rung.code().contains("s * n_kv / splits"), "{rung}");
+        // And notebook 12's, of FlashDecoding++.
+        const PP: &str = "crates/kernels/cuda/flash_decoding_pp.cu";
+        for t in ["the unified max", "flat GEMM (FDPP_GEMV = 0)", "GEMV (FDPP_GEMV = 1)"] {
+            assert!(section(PP, t).is_ok(), "{t}");
+        }
+        let warp = section(PP, "the flat GEMM warp").unwrap();
+        assert!(warp.code().contains("struct FlatGemm"), "{warp}");
+        let combine = item(PP, "flash_decoding_pp_combine(const").unwrap();
+        assert!(combine.code().contains("p.fallback[row]"), "{combine}");
     }
 
     #[test]
