@@ -85,13 +85,13 @@ fn packed_to_host(p: &Packed, out: &Output) -> (Array3<f32>, ndarray::Array2<f32
     (o, lse)
 }
 
-/// Sequence `b`'s rows of a packed output as `[1, heads_q, n, d]` and `[1, heads_q, n]`.
+/// The `n` rows from `start` of a packed output (one sequence's) as `[1, heads_q, n, d]` and
+/// `[1, heads_q, n]`.
 fn rows_of(
-    p: &Packed,
     (o, lse): &(Array3<f32>, ndarray::Array2<f32>),
-    b: usize,
+    start: usize,
+    n: usize,
 ) -> (Array4<f32>, Array3<f32>) {
-    let (start, n) = (p.starts()[b], p.new_tokens[b]);
     let o = o.slice(s![start..start + n, .., ..]).permuted_axes([1, 0, 2]).to_owned();
     let lse = lse.slice(s![.., start..start + n]).to_owned();
     (o.insert_axis(ndarray::Axis(0)), lse.insert_axis(ndarray::Axis(0)))
@@ -122,15 +122,19 @@ fn check_packed(
     prop_assert_eq!(out.o.shape(), &[p.total(), case.heads_q, case.d][..]);
     prop_assert_eq!(out.lse.shape(), &[case.heads_q, p.total()][..]);
     let host = packed_to_host(p, &out);
-    // The contiguous cache of one sequence: a view of the batch's.
-    let contiguous = upload(gpu, case, &x, Layout::Contiguous);
+    // The alone calls (only with a given split count) read a contiguous cache, one sequence of it
+    // at a time: the call's own when it is contiguous.
+    let uploaded = (layout != Layout::Contiguous && splits.is_some())
+        .then(|| upload(gpu, case, &x, Layout::Contiguous));
+    let contiguous = uploaded.as_ref().unwrap_or(&dev);
+    let starts = p.starts();
     for (b, &n) in p.new_tokens.iter().enumerate() {
         if n == 0 {
             continue;
         }
         let what =
             format!("{p:?} {layout:?} slot {slot} {strategy} splits {splits:?}, sequence {b}");
-        let (o, lse) = rows_of(p, &host, b);
+        let (o, lse) = rows_of(&host, starts[b], n);
         if case.lengths[b] == 0 {
             prop_assert!(o.iter().all(|&v| v == 0.0), "{what}: O ≠ 0 without keys");
             prop_assert!(lse.iter().all(|&v| v == f32::NEG_INFINITY), "{what}: lse ≠ −inf");

@@ -218,13 +218,13 @@ pub fn upload_as(gpu: &Gpu, case: &Case, x: &HostInputs, layout: Layout, axes: A
     match layout {
         Layout::Contiguous => Device { q, k: put(&x.k), v: put(&x.v), table: None },
         Layout::Paged { page, device_only } => {
-            let pages = paginate(case, x, page);
-            let arr = |v: Vec<f32>| Array4::from_shape_vec(pages.shape, v).expect("pages");
+            let HostPages { k, v, shape, entries, .. } = paginate(case, x, page);
+            let arr = |v: Vec<f32>| Array4::from_shape_vec(shape, v).expect("pages");
             Device {
                 q,
-                k: put(&arr(pages.k.clone())),
-                v: put(&arr(pages.v.clone())),
-                table: Some(upload_table(gpu, &pages.entries, case.batch(), device_only)),
+                k: put(&arr(k)),
+                v: put(&arr(v)),
+                table: Some(upload_table(gpu, &entries, case.batch(), device_only)),
             }
         }
     }
