@@ -23,13 +23,14 @@ HEAD = """\
 // wgmma.mma_async with f32 accumulators, one wrapper per width N. The accumulator of a thread is
 // float d[N/8][4] in the layout of mma.cuh's acc_row / acc_col (per warp of the warpgroup, 16
 // rows; see wgmma.cuh). Two operand types:
-//   Wgmma<NT, TRANS_B>  m64nNk16, fp16 or bf16 operands (LADDER_DTYPE)
+//   Wgmma<NT, TRANS_B, TRANS_A>  m64nNk16, fp16 or bf16 operands (LADDER_DTYPE)
 //   Wgmma8<NT>          m64nNk32, e4m3 operands (FP8: both operands K-major, no transpose)
 // and two forms each:
 //   ss  A and B from shared memory, both by descriptor
 //   rs  A from registers (4 per thread, the mma.sync A layout of the type), B by descriptor
 // scale_d = 0 overwrites the accumulator instead of adding to it. TRANS_B = 1 reads B as
-// N-major (rows of the shared tile along K, e.g. V for P·V).
+// N-major (rows of the shared tile along K, e.g. V for P·V); TRANS_A = 1 (ss only) reads A as
+// M-major the same way (e.g. dS from the backward's dSᵀ tile, keys on its rows, for dQ = dS·K).
 #ifndef LADDER_WGMMA_OPS_CUH
 #define LADDER_WGMMA_OPS_CUH
 
@@ -41,7 +42,7 @@ HEAD = """\
 #define LADDER_WGMMA_AB "f16"
 #endif
 
-template <int NT, int TRANS_B>
+template <int NT, int TRANS_B, int TRANS_A = 0>
 struct Wgmma;
 template <int NT>
 struct Wgmma8;
@@ -72,9 +73,9 @@ def wrapper(n: int) -> str:
         asm volatile(
             "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n"
             "wgmma.mma_async.sync.aligned.m64n{n}k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {{{acc_list}}}, %{regs}, %{regs + 1}, p, 1, 1, 0, %{regs + 3};\\n}}\\n"
+            " {{{acc_list}}}, %{regs}, %{regs + 1}, p, 1, 1, %{regs + 4}, %{regs + 3};\\n}}\\n"
           : {operands}
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }}"""
     rs = f"""
     __device__ __forceinline__ static void rs(float (&d)[{nt}][4], const u32 (&a)[4],
@@ -89,8 +90,8 @@ def wrapper(n: int) -> str:
     }}"""
     return f"""
 // m64n{n}k16
-template <int TRANS_B>
-struct Wgmma<{nt}, TRANS_B> {{{ss}
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<{nt}, TRANS_B, TRANS_A> {{{ss}
 {rs}
 }};
 """

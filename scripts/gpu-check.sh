@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 start=$SECONDS
 # The compile checks (every variant through NVRTC and ptxas, the FA3 machine code) need no GPU and
 # run in CI (.ci/kernels): skipped here, where they would take minutes of device time.
-bash .gpu/run-tests --skip every_kernel_compiles_without_spills --skip fa3_machine_code \
+bash .gpu/run-tests --skip every_kernel_compiles_without_spills --skip machine_code \
   >"$out/tests.log" 2>&1
 rc=$?
 summary+=("tests (all binaries, GPU required)  rc=$rc  $((SECONDS - start)) s")
@@ -49,7 +49,8 @@ sanitize() {  # sanitize NAME BINARY TEST_FILTERS...
 }
 if [ -n "$gpu_bin" ] && command -v compute-sanitizer >/dev/null; then
   sanitize gpu "$gpu_bin" \
-    gpu_fa1_fp16 gpu_fa2_fp16 gpu_fa3_fp16 gpu_fa2_backward_fp16 gpu_fa2_deterministic_backward_fp16
+    gpu_fa1_fp16 gpu_fa2_fp16 gpu_fa3_fp16 gpu_fa2_backward_fp16 gpu_fa2_deterministic_backward_fp16 \
+    gpu_fa3_backward_fp16 gpu_fa3_deterministic_backward_fp16
   if [ -n "$decode_bin" ]; then
     sanitize decode "$decode_bin" gpu_decode_drawn gpu_decode_bad_page_tables gpu_decode_strided
   fi

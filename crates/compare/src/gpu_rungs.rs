@@ -190,6 +190,34 @@ const FA2_BACKWARD_DETERMINISTIC: Spec = Spec {
     },
 };
 
+const FA3_BACKWARD: Spec = Spec {
+    name: "fa3",
+    label: "fa3-bwd-gpu",
+    direction: Direction::Bwd,
+    head_dims: fa3::BACKWARD_HEAD_DIMS,
+    dtypes: fa3::DTYPES,
+    cpu: Rung::Fa2,
+    kernels: Kernels::Backward {
+        forward: fa3::forward,
+        backward: fa3::backward,
+        deterministic: false,
+    },
+};
+
+const FA3_BACKWARD_DETERMINISTIC: Spec = Spec {
+    name: "fa3-det",
+    label: "fa3-bwd-det-gpu",
+    direction: Direction::Bwd,
+    head_dims: fa3::BACKWARD_HEAD_DIMS,
+    dtypes: fa3::DTYPES,
+    cpu: Rung::Fa2,
+    kernels: Kernels::Backward {
+        forward: fa3::forward,
+        backward: fa3::backward,
+        deterministic: true,
+    },
+};
+
 const FLASH_DECODING: Spec = Spec {
     name: "flash-decoding",
     label: "flash-decoding-gpu",
@@ -246,6 +274,11 @@ pub enum GpuRung {
     Fa2Backward,
     /// FlashAttention-2 backward with `Options::deterministic` (dQ by a separate pass).
     Fa2BackwardDeterministic,
+    /// FlashAttention-3 backward on Hopper (`ladder_kernels::fa3::backward`), dQ by atomics;
+    /// checked against the CPU FA2 backward rung (the same arithmetic).
+    Fa3Backward,
+    /// FlashAttention-3 backward with `Options::deterministic` (dQ by FA2's separate pass).
+    Fa3BackwardDeterministic,
     /// FlashDecoding (`ladder_kernels::decode::forward`): new tokens against a KV cache.
     FlashDecoding,
     /// FlashDecoding++ (`ladder_kernels::decode::forward` with a FlashDecoding++ strategy):
@@ -255,13 +288,15 @@ pub enum GpuRung {
 
 impl GpuRung {
     /// Every GPU rung, in table order.
-    pub const ALL: [GpuRung; 8] = [
+    pub const ALL: [GpuRung; 10] = [
         GpuRung::Fa1,
         GpuRung::Fa2,
         GpuRung::Fa3,
         GpuRung::Fa3Fp8,
         GpuRung::Fa2Backward,
         GpuRung::Fa2BackwardDeterministic,
+        GpuRung::Fa3Backward,
+        GpuRung::Fa3BackwardDeterministic,
         GpuRung::FlashDecoding,
         GpuRung::FlashDecodingPp,
     ];
@@ -275,6 +310,8 @@ impl GpuRung {
             GpuRung::Fa3Fp8 => &FA3_FP8,
             GpuRung::Fa2Backward => &FA2_BACKWARD,
             GpuRung::Fa2BackwardDeterministic => &FA2_BACKWARD_DETERMINISTIC,
+            GpuRung::Fa3Backward => &FA3_BACKWARD,
+            GpuRung::Fa3BackwardDeterministic => &FA3_BACKWARD_DETERMINISTIC,
             GpuRung::FlashDecoding => &FLASH_DECODING,
             GpuRung::FlashDecodingPp => &FLASH_DECODING_PP,
         }
@@ -336,6 +373,8 @@ impl GpuRung {
                 | GpuRung::Fa3
                 | GpuRung::Fa2Backward
                 | GpuRung::Fa2BackwardDeterministic
+                | GpuRung::Fa3Backward
+                | GpuRung::Fa3BackwardDeterministic
                 | GpuRung::FlashDecoding
                 | GpuRung::FlashDecodingPp
         )
@@ -343,7 +382,13 @@ impl GpuRung {
 
     /// Whether the kernel runs on `gpu` (FA3 needs Hopper, `sm_90a`; the others sm_80+).
     pub fn available_on(self, gpu: &Gpu) -> bool {
-        !matches!(self, GpuRung::Fa3 | GpuRung::Fa3Fp8) || gpu.arch() == fa3::ARCH
+        !matches!(
+            self,
+            GpuRung::Fa3
+                | GpuRung::Fa3Fp8
+                | GpuRung::Fa3Backward
+                | GpuRung::Fa3BackwardDeterministic
+        ) || gpu.arch() == fa3::ARCH
     }
 
     /// The CPU rung it is checked against.
@@ -399,7 +444,7 @@ impl GpuRung {
         GpuRung::ALL.into_iter().find(|r| r.name() == name && r.direction() == direction)
     }
 
-    /// The distinct names, in table order (`fa1`, `fa2`, `fa3`, `fa3-fp8`, `fa2-det`,
+    /// The distinct names, in table order (`fa1`, `fa2`, `fa3`, `fa3-fp8`, `fa2-det`, `fa3-det`,
     /// `flash-decoding`, `flash-decoding-pp`).
     pub fn names() -> Vec<&'static str> {
         let mut names: Vec<&'static str> = Vec::new();
@@ -438,7 +483,16 @@ mod tests {
     fn names_labels_and_lookups_agree() {
         assert_eq!(
             GpuRung::names(),
-            ["fa1", "fa2", "fa3", "fa3-fp8", "fa2-det", "flash-decoding", "flash-decoding-pp"]
+            [
+                "fa1",
+                "fa2",
+                "fa3",
+                "fa3-fp8",
+                "fa2-det",
+                "fa3-det",
+                "flash-decoding",
+                "flash-decoding-pp"
+            ]
         );
         for r in GpuRung::ALL {
             assert_eq!(r.label().parse::<GpuRung>(), Ok(r));
@@ -463,6 +517,10 @@ mod tests {
         assert!("fa9".parse::<GpuRung>().unwrap_err().contains("fa2-bwd-gpu"));
         assert!(GpuRung::Fa2.supports(256) && !GpuRung::Fa2Backward.supports(256));
         assert_eq!(GpuRung::Fa2Backward.cpu_label(), "fa2-bwd");
+        assert_eq!(GpuRung::find("fa3", Direction::Bwd), Some(GpuRung::Fa3Backward));
+        assert_eq!(GpuRung::Fa3BackwardDeterministic.label(), "fa3-bwd-det-gpu");
+        assert_eq!(GpuRung::Fa3Backward.cpu_label(), "fa2-bwd");
+        assert!(GpuRung::Fa3Backward.supports(128) && !GpuRung::Fa3Backward.supports(136));
         assert!(GpuRung::Fa1.dtypes().contains(&DType::F32));
         let fd = GpuRung::FlashDecoding;
         assert_eq!(GpuRung::find("flash-decoding", Direction::Decode), Some(fd));

@@ -34,7 +34,7 @@ Examples:
 
 Rungs with a GPU kernel: fa1 (fp16, bf16, f32), fa2 (fp16, bf16), and on Hopper fa3 and fa3-fp8
 (fp16, bf16). --layout bshd reads and writes [batch, seq, heads, d] files. Rungs with a backward pass:
-naive and fa2 on the CPU, fa2 on the GPU. --br, --bc, --splits, --phi and --no-incoherent tune the
+naive and fa2 on the CPU, fa2 and (on Hopper, d <= 128) fa3 on the GPU. --br, --bc, --splits, --phi and --no-incoherent tune the
 CPU rungs; the GPU kernels choose their own tiles. Exit status 2 for bad flags, 1 for any other
 error.";
 

@@ -279,7 +279,7 @@ fn run_rejects_bad_flag_combinations_and_gradients() {
             "fa1",
             [&["--device", "gpu", "--backward", "--do", &d_o][..], &grads].concat(),
             2,
-            "fa1 has no backward kernel (GPU rungs with one: fa2)",
+            "fa1 has no backward kernel (GPU rungs with one: fa2, fa3)",
         ),
         (
             "fa2",

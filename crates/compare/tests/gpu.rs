@@ -78,7 +78,7 @@ fn check_forward_in(
     check(&label, &got, &expected, Some((&cpu_label, &cpu_out, &cpu_expected))).map_err(fail)
 }
 
-/// Runs the GPU FA2 forward and backward on `case` and checks `dQ, dK, dV` against the float64
+/// Runs a GPU backward rung (after its forward) on `case` and checks `dQ, dK, dV` against the float64
 /// oracle (within twice the 16-bit naive backward's error) and against the CPU FA2 backward.
 /// The inputs are in `layout`, the gradients come back in their inputs' layouts.
 fn check_backward(
@@ -88,6 +88,10 @@ fn check_backward(
     layout: Layout,
 ) -> Result<(), TestCaseError> {
     let Some(gpu) = gpu() else { return Ok(()) };
+    if !rung.available_on(gpu) {
+        eprintln!("{rung} skipped: {} is {}, not {}", gpu.name(), gpu.arch(), fa3::ARCH);
+        return Ok(());
+    }
     let x = device_inputs(case, dtype);
     let (attention, opts) = options(&case.attention(), case.shape.d);
     let (got, _) = gpu_check::backward_in(gpu, rung, &x, &opts, dtype, layout).map_err(fail)?;
@@ -134,6 +138,21 @@ proptest! {
     #[test]
     fn gpu_fa2_backward_bf16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa2Backward.head_dims())), layout in layouts()) {
         check_backward(GpuRung::Fa2Backward, &case, DType::BF16, layout)?;
+    }
+
+    #[test]
+    fn gpu_fa3_backward_fp16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa3Backward.head_dims())), layout in layouts()) {
+        check_backward(GpuRung::Fa3Backward, &case, DType::F16, layout)?;
+    }
+
+    #[test]
+    fn gpu_fa3_backward_bf16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa3Backward.head_dims())), layout in layouts()) {
+        check_backward(GpuRung::Fa3Backward, &case, DType::BF16, layout)?;
+    }
+
+    #[test]
+    fn gpu_fa3_deterministic_backward_fp16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa3BackwardDeterministic.head_dims())), layout in layouts()) {
+        check_backward(GpuRung::Fa3BackwardDeterministic, &case, DType::F16, layout)?;
     }
 
     #[test]
@@ -390,6 +409,30 @@ fn gpu_fa2_backward_long_sequences() {
     }
 }
 
+/// FA3's backward on longer problems: many K/V tiles and query tiles (several rounds of the
+/// pipeline's stages), GQA, causal with n_q < n_kv and n_q > n_kv (query rows that see no key),
+/// head dims below the k-step's 16 columns, off the 64-column blocks and at the tiles' largest, in
+/// each layout; both dQ modes.
+#[test]
+fn gpu_fa3_backward_long_sequences() {
+    for (n_q, n_kv, d, causal, layout) in [
+        (300, 700, 64, true, Layout::Bhsd),
+        (700, 300, 64, true, Layout::Bshd),
+        (520, 520, 128, false, Layout::Bhsd),
+        (300, 700, 128, true, Layout::Packed),
+        (700, 300, 96, true, Layout::Bhsd),
+        (300, 700, 40, false, Layout::Bshd),
+        (129, 257, 8, true, Layout::Bhsd),
+    ] {
+        let case = long_case((1, 4, 2, n_q, n_kv, d), causal, 64, 3000 + d as u64);
+        for rung in [GpuRung::Fa3Backward, GpuRung::Fa3BackwardDeterministic] {
+            check_backward(rung, &case, DType::F16, layout).unwrap_or_else(|e| {
+                panic!("{rung}, {n_q}x{n_kv}, d = {d}, causal = {causal}, {layout:?}: {e}")
+            });
+        }
+    }
+}
+
 /// Bad input is an error naming the problem, never a panic or a wrong answer.
 #[test]
 fn gpu_rungs_reject_bad_input() {
@@ -443,6 +486,19 @@ fn gpu_rungs_reject_bad_input() {
     let out = fa2::forward(gpu, &q, &q, &q, &Options::full()).unwrap();
     let err = fa2::backward(gpu, &q, &q, &q, &out, &q, &Options::full()).unwrap_err();
     assert!(matches!(err, KernelError::UnsupportedHeadDim { d: 136, .. }), "{err}");
+    let err = fa3::backward(gpu, &q, &q, &q, &out, &q, &Options::full()).unwrap_err();
+    if GpuRung::Fa3Backward.available_on(gpu) {
+        assert!(matches!(err, KernelError::UnsupportedHeadDim { d: 136, .. }), "{err}");
+        assert!(err.to_string().contains("multiples of 8 from 8 to 128"), "{err}");
+        // dO of another shape than Q's
+        let q = t(&[1, 2, 8, 64], DType::F16);
+        let out = fa3::forward(gpu, &q, &q, &q, &Options::full()).unwrap();
+        let d_o = t(&[1, 2, 9, 64], DType::F16);
+        let err = fa3::backward(gpu, &q, &q, &q, &out, &d_o, &Options::full()).unwrap_err();
+        assert!(matches!(err, KernelError::Shape(_)), "{err}");
+    } else {
+        assert!(matches!(err, KernelError::UnsupportedArch { .. }), "{err}");
+    }
     let err = gpu.upload(&[1.0; 3], &[2, 2], DType::F16).unwrap_err();
     assert!(matches!(err, KernelError::Shape(_)), "{err}");
 }

@@ -9,7 +9,7 @@ use half::f16;
 use ladder_compare::GpuRung;
 use ladder_compare::cases::pseudo_random;
 use ladder_compare::gpu_check::shared_gpu;
-use ladder_compare::gpu_rungs::ForwardFn;
+use ladder_compare::gpu_rungs::{BackwardFn, ForwardFn};
 use ladder_kernels::{DType, Gpu, KernelError, Options, Output, Tensor, fa1, fa2, fa3};
 
 fn gpu() -> Option<&'static Gpu> {
@@ -376,10 +376,18 @@ fn views_of_one_qkv_buffer_run_without_copies() {
 
 /// The deterministic backward gives the same bits every run, on a shape with many key tiles and a
 /// grid of thousands of blocks; the atomic one is reported (how often its bits differ), not
-/// asserted: the order of its f32 additions depends on which blocks race.
+/// asserted: the order of its f32 additions depends on which blocks race. FA2's backward, and
+/// FA3's on Hopper.
 #[test]
 fn deterministic_backward_is_bitwise_reproducible() {
     let Some(gpu) = gpu() else { return };
+    check_deterministic(gpu, "fa2", fa2::forward, fa2::backward);
+    if GpuRung::Fa3Backward.available_on(gpu) {
+        check_deterministic(gpu, "fa3", fa3::forward, fa3::backward);
+    }
+}
+
+fn check_deterministic(gpu: &Gpu, rung: &str, forward: ForwardFn, backward: BackwardFn) {
     let (b, hq, hkv, n, d) = (4, 16, 4, 2048, 128);
     let shape_q = [b, hq, n, d];
     let shape_kv = [b, hkv, n, d];
@@ -389,9 +397,9 @@ fn deterministic_backward_is_bitwise_reproducible() {
     let d_o = tensor(gpu, &shape_q, DType::BF16, 15);
     for causal in [false, true] {
         let base = if causal { Options::causal() } else { Options::full() };
-        let out = fa2::forward(gpu, &q, &k, &v, &base).expect("forward");
+        let out = forward(gpu, &q, &k, &v, &base).expect("forward");
         let bits = |opts: &Options| -> [Vec<u8>; 3] {
-            let g = fa2::backward(gpu, &q, &k, &v, &out, &d_o, opts).expect("backward");
+            let g = backward(gpu, &q, &k, &v, &out, &d_o, opts).expect("backward");
             [&g.dq, &g.dk, &g.dv].map(|t| t.to_bytes().expect("copy"))
         };
         let runs = 5;
@@ -401,14 +409,14 @@ fn deterministic_backward_is_bitwise_reproducible() {
             for (t, name) in ["dQ", "dK", "dV"].iter().enumerate() {
                 assert!(
                     first[t] == again[t],
-                    "causal={causal}: deterministic {name} differs in run {run}"
+                    "{rung}, causal={causal}: deterministic {name} differs in run {run}"
                 );
             }
         }
         let atomic_first = bits(&base);
         let differing = (1..runs).filter(|_| bits(&base)[0] != atomic_first[0]).count();
         eprintln!(
-            "atomic dQ ({b}x{hq}/{hkv} heads, n = {n}, d = {d}, causal = {causal}): \
+            "{rung} atomic dQ ({b}x{hq}/{hkv} heads, n = {n}, d = {d}, causal = {causal}): \
              {differing} of {} reruns differ bitwise from the first",
             runs - 1
         );
@@ -423,7 +431,7 @@ fn deterministic_backward_is_bitwise_reproducible() {
         // Two roundings of the same f32 sum to bf16 (2^-8 relative each) bound the difference.
         assert!(
             rel < 2.0 * 2f64.powi(-8),
-            "causal={causal}: deterministic vs atomic dQ rel L2 {rel:e}"
+            "{rung}, causal={causal}: deterministic vs atomic dQ rel L2 {rel:e}"
         );
     }
 }

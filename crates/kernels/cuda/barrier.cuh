@@ -51,6 +51,23 @@ __device__ __forceinline__ void mbar_wait(u64* bar, int parity) {
             : "memory");
 }
 
+// A position in a pipeline of STAGES shared-memory stages, counted across everything a block
+// streams through it: which stage, and the parity of the round (how many times the stages have
+// been cycled through) for the mbarrier waits.
+template <int STAGES>
+struct PipelineState {
+    int count = 0;
+    __device__ __forceinline__ int stage() const { return count % STAGES; }
+    __device__ __forceinline__ int parity() const { return (count / STAGES) & 1; }
+};
+
+// Release a stage: one arrival per warp (the `empty` barrier counts warps), after the warp's
+// wgmma reading it has completed.
+__device__ __forceinline__ void release(u64* empty) {
+    __syncwarp();
+    if (lane_id() == 0) mbar_arrive(empty);
+}
+
 // Named barrier `id` for `threads` threads: wait for all of them, or only count this warp in.
 __device__ __forceinline__ void named_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");

@@ -57,6 +57,7 @@
 //                      they are.
 //   FA2_HOST_PARAMS_BYTES  the host's size of the parameter block, checked against this one's
 
+#include "backward.cuh"
 #include "copy.cuh"
 #include "layout.cuh"
 #include "mask.cuh"
@@ -99,65 +100,17 @@ constexpr int NQ = BR / 8;  // 8-column accumulator tiles across the queries of 
 constexpr int DS_COLS = BR < 64 ? 64 : BR;
 constexpr int DT = DK / 8;  // 8-column accumulator tiles across d
 
-// One parameter block for every entry point. Q, O, dO, dQ are [batch, heads_q, n_q, D]; K, V,
-// dK, dV are [batch, heads_kv, n_kv, D]; 16-bit elements, any strides but the last (layout.cuh).
-// A packed batch is one batch entry: n_q = total_q, n_kv = total_k, each sequence's rows and
-// lengths in varlen (its rows of lse2 and D start at head·n_q_pad + its first row). The f32
-// arrays are the kernels' own, contiguous.
-struct Fa2BackwardParams {
-    const u16* q;
-    const u16* k;
-    const u16* v;
-    const u16* o;
-    const u16* d_o;
-    const float* lse;  // forward's lse, natural log, [batch·heads_q·n_q]
-    float* delta;      // [batch·heads_q·n_q_pad]
-    float* lse2;       // [batch·heads_q·n_q_pad], lse·log2(e)
-    float* dq_acc;     // [batch, heads_q, n_q, D] f32
-    float* dk_acc;     // [batch, heads_q, n_kv, D] f32 (per query head)
-    float* dv_acc;     // [batch, heads_q, n_kv, D] f32 (per query head)
-    u16* dq;           // outputs
-    u16* dk;
-    u16* dv;
-    int batch;
-    int heads_q;
-    int heads_kv;
-    int n_q;
-    int n_kv;
-    int n_q_pad;  // n_q rounded up to a multiple of BR
-    float scale;
-    float scale_log2;  // scale · log2(e)
-    Strides q_strides;
-    Strides k_strides;
-    Strides v_strides;
-    Strides o_strides;
-    Strides d_o_strides;
-    Strides dq_strides;
-    Strides dk_strides;
-    Strides dv_strides;
-    Varlen varlen;  // FA2_VARLEN only
-};
-
 #ifdef FA2_HOST_PARAMS_BYTES
-static_assert(sizeof(Fa2BackwardParams) == FA2_HOST_PARAMS_BYTES,
-              "the host's BackwardParams (src/fa2.rs) must mirror Fa2BackwardParams");
+static_assert(sizeof(BackwardParams) == FA2_HOST_PARAMS_BYTES,
+              "the host's BackwardParams (src/fa2.rs) must mirror BackwardParams");
 #endif
-
-// Where the rows of (sequence `s`, query head `head`) start in lse2 and D (padded per head to
-// n_q_pad rows): after batch entry and head for a fixed-length batch, at the sequence's first row
-// for a packed one.
-__device__ __forceinline__ long long stat_rows(const Fa2BackwardParams& p, const SeqBlock& s,
-                                               int head) {
-    return packed ? (long long)head * p.n_q_pad + s.q_start
-                  : ((long long)s.batch * p.heads_q + head) * p.n_q_pad;
-}
 
 // ---- prep: D = rowsum(dO ∘ O), lse·log2(e), dQ accumulator = 0 ----------------------------------
 // One warp per query row; rows up to the padded length get D = lse = 0 so that whole query tiles
 // can be copied without bounds checks.
 //
 // Launch: grid (ceil(batch·heads_q·n_q_pad / 8), 1, 1), block (256, 1, 1), no shared memory.
-extern "C" __global__ void fa2_backward_prep(const __grid_constant__ Fa2BackwardParams p) {
+extern "C" __global__ void fa2_backward_prep(const __grid_constant__ BackwardParams p) {
     const u16* __restrict__ o = p.o;
     const u16* __restrict__ d_o = p.d_o;
     float* __restrict__ dq_acc = p.dq_acc;
@@ -183,17 +136,6 @@ extern "C" __global__ void fa2_backward_prep(const __grid_constant__ Fa2Backward
     }
 }
 
-// Add two adjacent floats to global memory atomically: one vector reduction on Hopper (half the
-// atomic operations of dQ's accumulation), two scalar ones before it.
-__device__ __forceinline__ void red_add2(float* addr, float x, float y) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(x), "f"(y));
-#else
-    asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(addr), "f"(x));
-    asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(addr + 1), "f"(y));
-#endif
-}
-
 // ---- main kernel: dK_j, dV_j (and, atomic mode, dQ) ---------------------------------------------
 // Launch: grid (ceil(n_kv / BC), heads_q, batch), block (THREADS = 32·WARPS, 1, 1), dynamic shared
 // memory
@@ -201,7 +143,7 @@ __device__ __forceinline__ void red_add2(float* addr, float x, float y) {
 //   deterministic mode: (2·BC + 4·BR)·COLS·2 + 4·BR·4 bytes
 // (K_j, V_j; two stages of Q_i and dO_i; atomic mode: dSᵀ; two stages of lse2 and D).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-fa2_backward(const __grid_constant__ Fa2BackwardParams p) {
+fa2_backward(const __grid_constant__ BackwardParams p) {
     extern __shared__ __align__(128) u16 smem[];
     u16* sK = smem;                 // [BC][COLS]
     u16* sV = sK + BC * COLS;       // [BC][COLS]
@@ -501,7 +443,7 @@ constexpr int NT_DQ = BC_DQ / 8;  // 8-column accumulator tiles across the keys 
 // and two of V). Reads q, k, v, d_o, lse2, delta (prep's padded arrays); writes every element of the
 // rows < n_q of dq_acc (plain stores, unscaled). Run after prep, before finish.
 extern "C" __global__ void __launch_bounds__(THREADS_DQ, 1)
-fa2_backward_dq(const __grid_constant__ Fa2BackwardParams p) {
+fa2_backward_dq(const __grid_constant__ BackwardParams p) {
     extern __shared__ __align__(128) u16 smem[];
     u16* sQ = smem;                   // [BR_DQ][COLS]
     u16* sdO = sQ + BR_DQ * COLS;     // [BR_DQ][COLS]
@@ -516,7 +458,7 @@ fa2_backward_dq(const __grid_constant__ Fa2BackwardParams p) {
     const int q0 = w.block * BR_DQ;
     const int warp = warp_id();
     const long long q_rows = lse_offset(packed, p.varlen, w, p.heads_q, head, p.n_q);  // dQ's
-    const long long stats = stat_rows(p, w, head);                                   // lse2, D
+    const long long stats = stat_rows<packed>(p, w, head);                               // lse2, D
 
     // K and V of this block's kv head; recomputed inside the loop (see block_y) rather than kept.
     auto kv_base = [&](const u16* x, const Strides& s) {
@@ -670,7 +612,7 @@ fa2_backward_dq(const __grid_constant__ Fa2BackwardParams p) {
 // Launch: grid (min(ceil(max(dq_rows, dkv_rows) / 8), 16·SM count), 1, 1), block (256, 1, 1), no
 // shared memory; dq_rows = batch·heads_q·n_q, dkv_rows = batch·heads_kv·n_kv (grid-stride loops,
 // so any grid size is correct).
-extern "C" __global__ void fa2_backward_finish(const __grid_constant__ Fa2BackwardParams p) {
+extern "C" __global__ void fa2_backward_finish(const __grid_constant__ BackwardParams p) {
     const float* __restrict__ dq_acc = p.dq_acc;
     const float* __restrict__ dk_acc = p.dk_acc;
     const float* __restrict__ dv_acc = p.dv_acc;

@@ -305,13 +305,8 @@ __device__ __forceinline__ int next_tile(int index) {
     return next * gridDim.x + (next % 2 == 0 ? block : gridDim.x - 1 - block);
 }
 
-// A position in the K/V pipeline, counted across the block's tiles: which stage, and the parity
-// of the round (how many times the stages have been cycled through) for the mbarrier waits.
-struct PipelineState {
-    int count = 0;
-    __device__ __forceinline__ int stage() const { return count % STAGES; }
-    __device__ __forceinline__ int parity() const { return (count / STAGES) & 1; }
-};
+// A position in the K/V pipeline, counted across the block's tiles (barrier.cuh).
+typedef PipelineState<STAGES> KvPosition;
 
 // ---- producer ---------------------------------------------------------------------------------
 
@@ -322,7 +317,7 @@ __device__ void producer(const Fa3ForwardParams& p, SharedTiles& t) {
     tma_prefetch(&p.q);
     tma_prefetch(&p.k);
     tma_prefetch(&p.v);
-    PipelineState kv;
+    KvPosition kv;
     int tiles_done = 0;
     for (int index = first_tile(); index < tile_count(p); index = next_tile(index), ++tiles_done) {
         const Tile tile = tile_at(p, index);
@@ -352,12 +347,6 @@ __device__ void producer(const Fa3ForwardParams& p, SharedTiles& t) {
 }
 
 // ---- consumer ---------------------------------------------------------------------------------
-
-// Release a buffer: one arrival per warp, after the warp's wgmma reading it has completed.
-__device__ __forceinline__ void release(u64* empty) {
-    __syncwarp();
-    if (lane_id() == 0) mbar_arrive(empty);
-}
 
 // Ping-pong: wait for this warpgroup's turn to issue products, and pass the turn on.
 __device__ __forceinline__ void wait_turn(int wg) {
@@ -517,19 +506,19 @@ __device__ void epilogue(const Fa3ForwardParams& p, SharedTiles& t, const Tile& 
 // WARPGROUP.DEPBAR ahead of every MUFU.EX2), which then no longer overlapped the product; it does
 // not move a wait across the loop's back edge.
 __device__ __forceinline__ void land_product(float (&o)[DT][4], PRegs& pk, const float (&s)[NT][4],
-                                             SharedTiles& t, const PipelineState& v_read,
+                                             SharedTiles& t, const KvPosition& v_read,
                                              bool had_v_before) {
     wgmma_wait<0>();
     wgmma_hold(o);
     wgmma_hold(pk);
-    if (had_v_before) release(&t.v_empty[PipelineState{v_read.count - 1}.stage()]);
+    if (had_v_before) release(&t.v_empty[KvPosition{v_read.count - 1}.stage()]);
     pack(s, pk);
 }
 
 // One consumer warpgroup's walk over the K/V tiles of one tile, for its 64 query rows (from
 // row0); `kv` is the pipeline position, shared in lockstep by every consumer and the producer.
 __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t, const Tile& tile,
-                                       int wg, int row0, PipelineState& kv) {
+                                       int wg, int row0, KvPosition& kv) {
     float o[DT][4];
     zero(o);
     RowState st = {{LADDER_NEG_INF, LADDER_NEG_INF}, {0.f, 0.f}};
@@ -542,7 +531,7 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
     PRegs pk;        // P_{j-1}, the A operand of P_{j-1}·V_{j-1}
     float alpha[2];
     bool moved = false;  // whether the last softmax moved a row's max: O needs alpha
-    PipelineState v_read = kv;  // V lags K by one tile
+    KvPosition v_read = kv;  // V lags K by one tile
     if (n_tiles > 0) {
         const float scale_0 = score_scale(p, sc, 0), lift_0 = p_lift(p, sc, 0);
         wait_turn(wg);
@@ -611,7 +600,7 @@ __device__ void consumer(const Fa3ForwardParams& p, SharedTiles& t, int wg) {
     // The first warpgroup moves first: the last gives it the turn (and takes the last turn back
     // at the end, so that every named barrier ends balanced).
     if (pingpong && wg == CONSUMERS - 1) named_arrive(SCHEDULE_BARRIER, 256);
-    PipelineState kv;
+    KvPosition kv;
     int tiles_done = 0;
     for (int index = first_tile(); index < tile_count(p); index = next_tile(index), ++tiles_done) {
         // A packed batch's tile is read from shared memory, where the producer put it well

@@ -52,6 +52,17 @@ __device__ __forceinline__ void tma_load_tile(T* smem, const TensorMap* map, u64
         tma_load_4d(smem + cb * ROWS * BLOCK, map, bar, col0 + cb * BLOCK, row0, head, batch);
 }
 
+// Copy `bytes` contiguous bytes (a multiple of 16, both addresses 16-byte aligned) from global to
+// shared memory without a tensor map (a row of per-row statistics), completing on `bar` like a
+// tile.
+__device__ __forceinline__ void bulk_load(void* smem, const void* gmem, u32 bytes, u64* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+            "r"(smem_addr(smem)),
+        "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
+        : "memory");
+}
+
 // ---- stores: shared to global, by the copy engine ------------------------------------------------
 //
 // The other direction: a tile written to shared memory (in the same swizzled column blocks) is
@@ -71,6 +82,19 @@ __device__ __forceinline__ void tma_store_4d(const TensorMap* map, const void* s
     asm volatile(
         "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];" ::"l"(
             map),
+        "r"(col), "r"(row), "r"(head), "r"(batch), "r"(smem_addr(smem))
+        : "memory");
+}
+
+// Add `smem` (f32) into the box at coordinates (col, row, head, batch) of `map`, element by element
+// and atomically with respect to other reductions (the copy engine's add at L2): how blocks that
+// share output rows sum their shares without per-element atomics. Rows outside the tensor are
+// skipped, as by a store.
+__device__ __forceinline__ void tma_reduce_add_4d(const TensorMap* map, const void* smem, int col,
+                                                  int row, int head, int batch) {
+    asm volatile(
+        "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"
+        " [%0, {%1, %2, %3, %4}], [%5];" ::"l"(map),
         "r"(col), "r"(row), "r"(head), "r"(batch), "r"(smem_addr(smem))
         : "memory");
 }

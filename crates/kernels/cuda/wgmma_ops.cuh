@@ -3,13 +3,14 @@
 // wgmma.mma_async with f32 accumulators, one wrapper per width N. The accumulator of a thread is
 // float d[N/8][4] in the layout of mma.cuh's acc_row / acc_col (per warp of the warpgroup, 16
 // rows; see wgmma.cuh). Two operand types:
-//   Wgmma<NT, TRANS_B>  m64nNk16, fp16 or bf16 operands (LADDER_DTYPE)
+//   Wgmma<NT, TRANS_B, TRANS_A>  m64nNk16, fp16 or bf16 operands (LADDER_DTYPE)
 //   Wgmma8<NT>          m64nNk32, e4m3 operands (FP8: both operands K-major, no transpose)
 // and two forms each:
 //   ss  A and B from shared memory, both by descriptor
 //   rs  A from registers (4 per thread, the mma.sync A layout of the type), B by descriptor
 // scale_d = 0 overwrites the accumulator instead of adding to it. TRANS_B = 1 reads B as
-// N-major (rows of the shared tile along K, e.g. V for P·V).
+// N-major (rows of the shared tile along K, e.g. V for P·V); TRANS_A = 1 (ss only) reads A as
+// M-major the same way (e.g. dS from the backward's dSᵀ tile, keys on its rows, for dQ = dS·K).
 #ifndef LADDER_WGMMA_OPS_CUH
 #define LADDER_WGMMA_OPS_CUH
 
@@ -21,22 +22,22 @@
 #define LADDER_WGMMA_AB "f16"
 #endif
 
-template <int NT, int TRANS_B>
+template <int NT, int TRANS_B, int TRANS_A = 0>
 struct Wgmma;
 template <int NT>
 struct Wgmma8;
 
 // m64n8k16
-template <int TRANS_B>
-struct Wgmma<1, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<1, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[1][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n8k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, %7;\n}\n"
+            " {%0, %1, %2, %3}, %4, %5, p, 1, 1, %8, %7;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[1][4], const u32 (&a)[4],
@@ -52,17 +53,17 @@ struct Wgmma<1, TRANS_B> {
 };
 
 // m64n16k16
-template <int TRANS_B>
-struct Wgmma<2, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<2, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[2][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n16k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, %11;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, %12, %11;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[2][4], const u32 (&a)[4],
@@ -79,18 +80,18 @@ struct Wgmma<2, TRANS_B> {
 };
 
 // m64n24k16
-template <int TRANS_B>
-struct Wgmma<3, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<3, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[3][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %14, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n24k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, %12, %13, p, 1, 1, 0, %15;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, %12, %13, p, 1, 1, %16, %15;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[3][4], const u32 (&a)[4],
@@ -108,19 +109,19 @@ struct Wgmma<3, TRANS_B> {
 };
 
 // m64n32k16
-template <int TRANS_B>
-struct Wgmma<4, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<4, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[4][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n32k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, %19;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, %20, %19;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
           "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[4][4], const u32 (&a)[4],
@@ -139,20 +140,20 @@ struct Wgmma<4, TRANS_B> {
 };
 
 // m64n40k16
-template <int TRANS_B>
-struct Wgmma<5, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<5, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[5][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %22, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n40k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19}, %20, %21, p, 1, 1, 0, %23;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19}, %20, %21, p, 1, 1, %24, %23;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
           "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
           "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[5][4], const u32 (&a)[4],
@@ -172,21 +173,21 @@ struct Wgmma<5, TRANS_B> {
 };
 
 // m64n48k16
-template <int TRANS_B>
-struct Wgmma<6, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<6, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[6][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n48k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, p, 1, 1, 0, %27;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, p, 1, 1, %28, %27;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
           "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
           "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
           "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[6][4], const u32 (&a)[4],
@@ -207,14 +208,14 @@ struct Wgmma<6, TRANS_B> {
 };
 
 // m64n56k16
-template <int TRANS_B>
-struct Wgmma<7, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<7, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[7][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %30, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n56k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27}, %28, %29, p, 1, 1, 0, %31;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27}, %28, %29, p, 1, 1, %32, %31;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -222,7 +223,7 @@ struct Wgmma<7, TRANS_B> {
           "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
           "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
           "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[7][4], const u32 (&a)[4],
@@ -244,14 +245,14 @@ struct Wgmma<7, TRANS_B> {
 };
 
 // m64n64k16
-template <int TRANS_B>
-struct Wgmma<8, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<8, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[8][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n64k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %36, %35;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -260,7 +261,7 @@ struct Wgmma<8, TRANS_B> {
           "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
           "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
           "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[8][4], const u32 (&a)[4],
@@ -283,14 +284,14 @@ struct Wgmma<8, TRANS_B> {
 };
 
 // m64n72k16
-template <int TRANS_B>
-struct Wgmma<9, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<9, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[9][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n72k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}, %36, %37, p, 1, 1, 0, %39;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}, %36, %37, p, 1, 1, %40, %39;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -300,7 +301,7 @@ struct Wgmma<9, TRANS_B> {
           "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
           "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
           "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[9][4], const u32 (&a)[4],
@@ -324,14 +325,14 @@ struct Wgmma<9, TRANS_B> {
 };
 
 // m64n80k16
-template <int TRANS_B>
-struct Wgmma<10, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<10, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[10][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n80k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, 0, %43;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, %44, %43;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -342,7 +343,7 @@ struct Wgmma<10, TRANS_B> {
           "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
           "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
           "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[10][4], const u32 (&a)[4],
@@ -367,14 +368,14 @@ struct Wgmma<10, TRANS_B> {
 };
 
 // m64n88k16
-template <int TRANS_B>
-struct Wgmma<11, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<11, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[11][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %46, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n88k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43}, %44, %45, p, 1, 1, 0, %47;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43}, %44, %45, p, 1, 1, %48, %47;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -386,7 +387,7 @@ struct Wgmma<11, TRANS_B> {
           "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
           "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
           "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[11][4], const u32 (&a)[4],
@@ -412,14 +413,14 @@ struct Wgmma<11, TRANS_B> {
 };
 
 // m64n96k16
-template <int TRANS_B>
-struct Wgmma<12, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<12, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[12][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n96k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, %48, %49, p, 1, 1, 0, %51;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, %48, %49, p, 1, 1, %52, %51;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -432,7 +433,7 @@ struct Wgmma<12, TRANS_B> {
           "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
           "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
           "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[12][4], const u32 (&a)[4],
@@ -459,14 +460,14 @@ struct Wgmma<12, TRANS_B> {
 };
 
 // m64n104k16
-template <int TRANS_B>
-struct Wgmma<13, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<13, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[13][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %54, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n104k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51}, %52, %53, p, 1, 1, 0, %55;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51}, %52, %53, p, 1, 1, %56, %55;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -480,7 +481,7 @@ struct Wgmma<13, TRANS_B> {
           "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
           "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
           "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[13][4], const u32 (&a)[4],
@@ -508,14 +509,14 @@ struct Wgmma<13, TRANS_B> {
 };
 
 // m64n112k16
-template <int TRANS_B>
-struct Wgmma<14, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<14, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[14][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %58, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n112k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55}, %56, %57, p, 1, 1, 0, %59;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55}, %56, %57, p, 1, 1, %60, %59;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -530,7 +531,7 @@ struct Wgmma<14, TRANS_B> {
           "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
           "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
           "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[14][4], const u32 (&a)[4],
@@ -559,14 +560,14 @@ struct Wgmma<14, TRANS_B> {
 };
 
 // m64n120k16
-template <int TRANS_B>
-struct Wgmma<15, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<15, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[15][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %62, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n120k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59}, %60, %61, p, 1, 1, 0, %63;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59}, %60, %61, p, 1, 1, %64, %63;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -582,7 +583,7 @@ struct Wgmma<15, TRANS_B> {
           "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
           "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
           "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[15][4], const u32 (&a)[4],
@@ -612,14 +613,14 @@ struct Wgmma<15, TRANS_B> {
 };
 
 // m64n128k16
-template <int TRANS_B>
-struct Wgmma<16, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<16, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[16][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n128k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, %67;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %68, %67;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -636,7 +637,7 @@ struct Wgmma<16, TRANS_B> {
           "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
           "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
           "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[16][4], const u32 (&a)[4],
@@ -667,14 +668,14 @@ struct Wgmma<16, TRANS_B> {
 };
 
 // m64n136k16
-template <int TRANS_B>
-struct Wgmma<17, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<17, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[17][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %70, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n136k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67}, %68, %69, p, 1, 1, 0, %71;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67}, %68, %69, p, 1, 1, %72, %71;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -692,7 +693,7 @@ struct Wgmma<17, TRANS_B> {
           "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
           "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]),
           "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[17][4], const u32 (&a)[4],
@@ -724,14 +725,14 @@ struct Wgmma<17, TRANS_B> {
 };
 
 // m64n144k16
-template <int TRANS_B>
-struct Wgmma<18, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<18, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[18][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %74, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n144k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71}, %72, %73, p, 1, 1, 0, %75;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71}, %72, %73, p, 1, 1, %76, %75;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -750,7 +751,7 @@ struct Wgmma<18, TRANS_B> {
           "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]),
           "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]),
           "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[18][4], const u32 (&a)[4],
@@ -783,14 +784,14 @@ struct Wgmma<18, TRANS_B> {
 };
 
 // m64n152k16
-template <int TRANS_B>
-struct Wgmma<19, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<19, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[19][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %78, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n152k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75}, %76, %77, p, 1, 1, 0, %79;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75}, %76, %77, p, 1, 1, %80, %79;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -810,7 +811,7 @@ struct Wgmma<19, TRANS_B> {
           "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]),
           "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]),
           "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[19][4], const u32 (&a)[4],
@@ -844,14 +845,14 @@ struct Wgmma<19, TRANS_B> {
 };
 
 // m64n160k16
-template <int TRANS_B>
-struct Wgmma<20, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<20, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[20][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %82, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n160k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79}, %80, %81, p, 1, 1, 0, %83;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79}, %80, %81, p, 1, 1, %84, %83;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -872,7 +873,7 @@ struct Wgmma<20, TRANS_B> {
           "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]),
           "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]),
           "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[20][4], const u32 (&a)[4],
@@ -907,14 +908,14 @@ struct Wgmma<20, TRANS_B> {
 };
 
 // m64n168k16
-template <int TRANS_B>
-struct Wgmma<21, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<21, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[21][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %86, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n168k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83}, %84, %85, p, 1, 1, 0, %87;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83}, %84, %85, p, 1, 1, %88, %87;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -936,7 +937,7 @@ struct Wgmma<21, TRANS_B> {
           "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]),
           "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]),
           "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[21][4], const u32 (&a)[4],
@@ -972,14 +973,14 @@ struct Wgmma<21, TRANS_B> {
 };
 
 // m64n176k16
-template <int TRANS_B>
-struct Wgmma<22, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<22, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[22][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n176k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}, %88, %89, p, 1, 1, 0, %91;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}, %88, %89, p, 1, 1, %92, %91;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -1002,7 +1003,7 @@ struct Wgmma<22, TRANS_B> {
           "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]),
           "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]),
           "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[22][4], const u32 (&a)[4],
@@ -1039,14 +1040,14 @@ struct Wgmma<22, TRANS_B> {
 };
 
 // m64n184k16
-template <int TRANS_B>
-struct Wgmma<23, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<23, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[23][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %94, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n184k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91}, %92, %93, p, 1, 1, 0, %95;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91}, %92, %93, p, 1, 1, %96, %95;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -1070,7 +1071,7 @@ struct Wgmma<23, TRANS_B> {
           "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]),
           "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]),
           "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[23][4], const u32 (&a)[4],
@@ -1108,14 +1109,14 @@ struct Wgmma<23, TRANS_B> {
 };
 
 // m64n192k16
-template <int TRANS_B>
-struct Wgmma<24, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<24, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[24][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n192k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, %96, %97, p, 1, 1, 0, %99;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, %96, %97, p, 1, 1, %100, %99;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -1140,7 +1141,7 @@ struct Wgmma<24, TRANS_B> {
           "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]),
           "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]),
           "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[24][4], const u32 (&a)[4],
@@ -1179,14 +1180,14 @@ struct Wgmma<24, TRANS_B> {
 };
 
 // m64n200k16
-template <int TRANS_B>
-struct Wgmma<25, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<25, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[25][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %102, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n200k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99}, %100, %101, p, 1, 1, 0, %103;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99}, %100, %101, p, 1, 1, %104, %103;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -1212,7 +1213,7 @@ struct Wgmma<25, TRANS_B> {
           "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]),
           "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]),
           "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[25][4], const u32 (&a)[4],
@@ -1252,14 +1253,14 @@ struct Wgmma<25, TRANS_B> {
 };
 
 // m64n208k16
-template <int TRANS_B>
-struct Wgmma<26, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<26, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[26][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %106, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n208k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103}, %104, %105, p, 1, 1, 0, %107;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103}, %104, %105, p, 1, 1, %108, %107;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -1286,7 +1287,7 @@ struct Wgmma<26, TRANS_B> {
           "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]),
           "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]),
           "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[26][4], const u32 (&a)[4],
@@ -1327,14 +1328,14 @@ struct Wgmma<26, TRANS_B> {
 };
 
 // m64n216k16
-template <int TRANS_B>
-struct Wgmma<27, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<27, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[27][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %110, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n216k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107}, %108, %109, p, 1, 1, 0, %111;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107}, %108, %109, p, 1, 1, %112, %111;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -1362,7 +1363,7 @@ struct Wgmma<27, TRANS_B> {
           "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]),
           "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]),
           "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[27][4], const u32 (&a)[4],
@@ -1404,14 +1405,14 @@ struct Wgmma<27, TRANS_B> {
 };
 
 // m64n224k16
-template <int TRANS_B>
-struct Wgmma<28, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<28, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[28][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %114, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n224k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111}, %112, %113, p, 1, 1, 0, %115;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111}, %112, %113, p, 1, 1, %116, %115;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -1440,7 +1441,7 @@ struct Wgmma<28, TRANS_B> {
           "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]),
           "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]),
           "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[28][4], const u32 (&a)[4],
@@ -1483,14 +1484,14 @@ struct Wgmma<28, TRANS_B> {
 };
 
 // m64n232k16
-template <int TRANS_B>
-struct Wgmma<29, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<29, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[29][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %118, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n232k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115}, %116, %117, p, 1, 1, 0, %119;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115}, %116, %117, p, 1, 1, %120, %119;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -1520,7 +1521,7 @@ struct Wgmma<29, TRANS_B> {
           "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]),
           "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]),
           "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[29][4], const u32 (&a)[4],
@@ -1564,14 +1565,14 @@ struct Wgmma<29, TRANS_B> {
 };
 
 // m64n240k16
-template <int TRANS_B>
-struct Wgmma<30, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<30, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[30][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %122, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n240k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119}, %120, %121, p, 1, 1, 0, %123;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119}, %120, %121, p, 1, 1, %124, %123;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -1602,7 +1603,7 @@ struct Wgmma<30, TRANS_B> {
           "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]),
           "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]),
           "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[30][4], const u32 (&a)[4],
@@ -1647,14 +1648,14 @@ struct Wgmma<30, TRANS_B> {
 };
 
 // m64n248k16
-template <int TRANS_B>
-struct Wgmma<31, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<31, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[31][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %126, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n248k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123}, %124, %125, p, 1, 1, 0, %127;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123}, %124, %125, p, 1, 1, %128, %127;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -1686,7 +1687,7 @@ struct Wgmma<31, TRANS_B> {
           "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]),
           "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]),
           "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[31][4], const u32 (&a)[4],
@@ -1732,14 +1733,14 @@ struct Wgmma<31, TRANS_B> {
 };
 
 // m64n256k16
-template <int TRANS_B>
-struct Wgmma<32, TRANS_B> {
+template <int TRANS_B, int TRANS_A>
+struct Wgmma<32, TRANS_B, TRANS_A> {
     __device__ __forceinline__ static void ss(float (&d)[32][4], u64 desc_a, u64 desc_b,
                                               int scale_d) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n256k16.f32." LADDER_WGMMA_AB "." LADDER_WGMMA_AB
-            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+            " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, %132, %131;\n}\n"
           : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -1772,7 +1773,7 @@ struct Wgmma<32, TRANS_B> {
           "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]),
           "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]),
           "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
-          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
     }
 
     __device__ __forceinline__ static void rs(float (&d)[32][4], const u32 (&a)[4],

@@ -34,6 +34,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("fp8.cuh", include_str!("../cuda/fp8.cuh")),
     ("pdl.cuh", include_str!("../cuda/pdl.cuh")),
     ("varlen.cuh", include_str!("../cuda/varlen.cuh")),
+    ("backward.cuh", include_str!("../cuda/backward.cuh")),
 ];
 
 /// One compilable kernel: a rung's source plus the macro constants that pick the variant.
@@ -406,6 +407,60 @@ mod tests {
         }
         assert!(checked > 0, "no FA3 variant");
         println!("{checked} FA3 variants: TMA, wgmma and the softmax under P·V in their SASS");
+    }
+
+    /// What FA3's backward kernel is made of, in its machine code: TMA loads of Q, K, V, dO
+    /// (UTMALDG) and bulk copies of lse2 and D (UBLKCP); every product a warpgroup product issued
+    /// once per query tile (HGMMA: Sᵀ and dPᵀ over d, dV and dK over the tile's 64 queries, and,
+    /// unless deterministic, dQ over the block's 128 keys in the two consumers' branches); dQ added
+    /// by the copy engine (UTMAREDG) rather than by atomics; and no generic loads or stores
+    /// (LD.E/ST.E): the consumers' own shared-memory accesses must be LDS/STS, which they stop
+    /// being when the compiler loses track of the shared tiles' address space.
+    #[test]
+    fn fa3_backward_machine_code_has_its_copies_and_products() {
+        let settings = settings_from_env();
+        let variants: Vec<Variant> =
+            crate::variants("sm_90a").into_iter().filter(|v| v.file == "fa3_backward").collect();
+        let define = |v: &Variant, name: &str| -> usize {
+            v.defines
+                .iter()
+                .find(|(k, _)| *k == name)
+                .and_then(|(_, x)| x.parse().ok())
+                .unwrap_or(0)
+        };
+        let required = std::env::var("LADDER_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+        let mut checked = 0;
+        for v in &variants {
+            let compiled = match compile(v, "sm_90a", &settings) {
+                Ok(c) => c,
+                Err(e) if !required => {
+                    eprintln!("skipped: {e}");
+                    return;
+                }
+                Err(e) => panic!("LADDER_REQUIRE_NVRTC=1 but {e}"),
+            };
+            let Some(code) = sass(&compiled.cubin, &format!("bwd{checked}")) else {
+                assert!(!required, "LADDER_REQUIRE_NVRTC=1 needs LADDER_NVDISASM (an nvdisasm)");
+                eprintln!("skipped: LADDER_NVDISASM is not set");
+                return;
+            };
+            let label = v.label();
+            let count = |op: &str| code.iter().filter(|i| i.contains(op)).count();
+            let deterministic = define(v, "FA3B_DETERMINISTIC") == 1;
+            let dk = define(v, "FA3B_D").next_multiple_of(16);
+            let products = 2 * dk / 16 + 2 * 64 / 16 + if deterministic { 0 } else { 2 * 128 / 16 };
+            assert_eq!(count("HGMMA"), products, "{label}: HGMMA instructions");
+            assert!(count("UTMALDG") > 0 && count("UBLKCP") > 0, "{label}: no TMA or bulk copy");
+            assert_eq!(count("UTMAREDG") > 0, !deterministic, "{label}: dQ's TMA reduction");
+            let generic = code.iter().filter(|i| {
+                let op = i.split_whitespace().find(|t| !t.starts_with('@')).unwrap_or("");
+                op.starts_with("LD.") || op.starts_with("ST.")
+            });
+            assert_eq!(generic.count(), 0, "{label}: generic loads or stores");
+            checked += 1;
+        }
+        assert!(checked > 0, "no FA3 backward variant");
+        println!("{checked} FA3 backward variants: TMA, wgmma, dQ by TMA reduction in their SASS");
     }
 
     /// Every kernel variant compiles with NVRTC for Hopper (sm_90a) and Ampere (sm_80), and

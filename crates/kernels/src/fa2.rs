@@ -391,19 +391,20 @@ fn forward_problem(
     Ok(Output { o, lse })
 }
 
-/// Mirror of `Fa2BackwardParams` in `cuda/fa2_backward.cu`: one struct for its entry points.
+/// Mirror of `BackwardParams` in `cuda/backward.cuh`: one struct for the backward's entry points,
+/// FA2's and FA3's main kernel alike.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-struct BackwardParams {
-    q: u64,
-    k: u64,
-    v: u64,
+pub(crate) struct BackwardParams {
+    pub(crate) q: u64,
+    pub(crate) k: u64,
+    pub(crate) v: u64,
     o: u64,
-    d_o: u64,
+    pub(crate) d_o: u64,
     lse: u64,
     delta: u64,
     lse2: u64,
-    dq_acc: u64,
+    pub(crate) dq_acc: u64,
     dk_acc: u64,
     dv_acc: u64,
     dq: u64,
@@ -447,7 +448,7 @@ pub fn backward(
     opts: &Options,
 ) -> Result<Gradients> {
     let p = Problem::new(gpu, q, k, v, opts)?;
-    backward_problem(gpu, &p, (q, k, v), (out, d_o), None, opts.deterministic)
+    backward_problem(gpu, &p, (q, k, v), (out, d_o), None, opts.deterministic, None)
 }
 
 /// [`backward`] on a packed variable-length batch: the inputs of [`forward_varlen`], its
@@ -467,17 +468,28 @@ pub fn backward_varlen(
     opts: &Options,
 ) -> Result<Gradients> {
     let p = Problem::packed(gpu, (q, k, v), lens, opts)?;
-    backward_problem(gpu, &p, (q, k, v), (out, d_o), Some(lens), opts.deterministic)
+    backward_problem(gpu, &p, (q, k, v), (out, d_o), Some(lens), opts.deterministic, None)
 }
 
-/// The backward kernels on the checked problem `p` (packed when `lens` is given).
-fn backward_problem(
+/// Another rung's main kernel in place of FA2's (FA3's, `crate::fa3::backward`): it takes the
+/// same parameter block and fills the same accumulators, between FA2's preparation and finish.
+pub(crate) struct MainPass<'a> {
+    /// Query rows per step of its walk: lse2 and D are padded to whole tiles of them.
+    pub(crate) br: usize,
+    /// Launches it (after the preparation, on the same stream).
+    pub(crate) launch: &'a dyn Fn(&BackwardParams) -> Result<()>,
+}
+
+/// The backward kernels on the checked problem `p` (packed when `lens` is given), with FA2's
+/// main kernel or `main`'s.
+pub(crate) fn backward_problem(
     gpu: &Gpu,
     p: &Problem,
     (q, k, v): (&Tensor, &Tensor, &Tensor),
     (out, d_o): (&Output, &Tensor),
     lens: Option<&SeqLens>,
     deterministic: bool,
+    main_pass: Option<MainPass>,
 ) -> Result<Gradients> {
     p.require_dtype("fa2 backward", DTYPES, "fp16, bf16")?;
     p.require_like(gpu, "out.o", &out.o, q.shape(), p.dtype)?;
@@ -495,7 +507,9 @@ fn backward_problem(
     let smem = t.shared_bytes(p.d, deterministic);
     let dq_smem = t.dq_shared_bytes(p.d);
     gpu.prepare(&prep, 0)?;
-    gpu.prepare(&main, smem)?;
+    if main_pass.is_none() {
+        gpu.prepare(&main, smem)?;
+    }
     if deterministic {
         gpu.prepare(&dq_pass, dq_smem)?;
     }
@@ -509,7 +523,7 @@ fn backward_problem(
     let heads = batch * p.heads_q;
     // Query rows padded to whole tiles of both passes, so that a fixed-length batch's tiles of
     // lse2 and D are copied without checks.
-    let pad = t.br.max(t.dq_br());
+    let pad = t.br.max(t.dq_br()).max(main_pass.as_ref().map_or(1, |m| m.br));
     let n_q_pad = n_q.div_ceil(pad) * pad;
     let n_q_pad_i = i32::try_from(n_q_pad)
         .map_err(|_| KernelError::Shape(format!("{n_q} query rows are too many")))?;
@@ -595,7 +609,10 @@ fn backward_problem(
             Some(table) => grid(table.len(), p.heads_q, 1)?,
             None => grid(p.n_kv.div_ceil(t.bc()), p.heads_q, p.batch)?,
         };
-        gpu.launch(&main, main_grid, 32 * t.warps as u32, smem, &params)?;
+        match &main_pass {
+            Some(pass) => (pass.launch)(&params)?,
+            None => gpu.launch(&main, main_grid, 32 * t.warps as u32, smem, &params)?,
+        }
 
         // 2b. Deterministic dQ: one block per (query block, query head[, batch]).
         if deterministic {

@@ -50,7 +50,10 @@ use crate::problem::{Options, Output, Problem, Strides, grid, multiples_of_8};
 use crate::tensor::{DType, Tensor};
 use crate::varlen::{SeqLens, VarlenParams};
 
+pub mod backward;
 pub mod fp8;
+
+pub use backward::{BACKWARD_HEAD_DIMS, backward};
 
 const SRC: &str = include_str!("../cuda/fa3_forward.cu");
 
@@ -481,7 +484,7 @@ pub(crate) fn tensor_map(spec: &MapSpec) -> Result<CUtensorMap> {
 
 /// The map of a `[batch, heads, n, d]` 16-bit tensor (`shape`, `dtype`) at `ptr` whose rows lie
 /// at `strides` ([`Strides::of`] of it), in tiles of `rows` rows.
-fn tensor_map_16(
+pub(crate) fn tensor_map_16(
     name: &'static str,
     (shape, dtype): (&[usize], DType),
     strides: Strides,

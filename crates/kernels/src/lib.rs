@@ -67,6 +67,7 @@ pub(crate) fn variants(arch: &str) -> Vec<compile::Variant> {
     all.extend(fa2::variants(arch));
     all.extend(fa3::variants(arch));
     all.extend(fa3::fp8::variants(arch));
+    all.extend(fa3::backward::variants(arch));
     all.extend(decode::variants());
     all
 }

@@ -20,10 +20,12 @@ use ladder_compare::results::{self, Row};
 use super::report::{impl_rank, is_peer, render_side_by_side};
 
 /// Line colours of the known implementations; others take [`SPARE_COLORS`].
-const COLORS: [(&str, RGBColor); 10] = [
+const COLORS: [(&str, RGBColor); 12] = [
     ("fa1", RGBColor(148, 103, 189)),              // purple
     ("fa2", RGBColor(214, 39, 40)),                // red
     ("fa2-det", RGBColor(227, 119, 194)),          // pink
+    ("fa3", RGBColor(0, 0, 0)),                    // black
+    ("fa3-det", RGBColor(96, 96, 96)),             // dark grey
     ("flash-decoding", RGBColor(214, 39, 40)),     // red
     ("flash-decoding-pp", RGBColor(188, 189, 34)), // olive
     ("sdpa-flash", RGBColor(31, 119, 180)),        // blue

@@ -99,8 +99,8 @@ impl FromStr for CacheLayout {
 /// `ladder bench` flags.
 #[derive(Args, Debug)]
 pub struct BenchArgs {
-    /// GPU rungs to time, comma-separated (fa1, fa2, fa3, fa3-fp8, fa2-det, flash-decoding,
-    /// flash-decoding-pp) [default: all]. fa3-fp8 times the attention on inputs quantised to
+    /// GPU rungs to time, comma-separated (fa1, fa2, fa3, fa3-fp8, fa2-det, fa3-det,
+    /// flash-decoding, flash-decoding-pp) [default: all]; fa2 and fa3 name both directions. fa3-fp8 times the attention on inputs quantised to
     /// e4m3 beforehand (untimed), as FP8 peers take e4m3 inputs.
     #[arg(long, value_delimiter = ',')]
     pub(super) rung: Vec<String>,
@@ -637,8 +637,12 @@ mod tests {
         let at = |n| p.rungs_at(128, n);
         let (det, atomic) = (GpuRung::Fa2BackwardDeterministic, GpuRung::Fa2Backward);
         let fp8 = GpuRung::Fa3Fp8;
-        assert_eq!(at(2048), [GpuRung::Fa1, GpuRung::Fa2, GpuRung::Fa3, fp8, atomic, det]);
-        assert_eq!(at(4096), [GpuRung::Fa2, GpuRung::Fa3, fp8, atomic, det]);
+        let (fa3, fa3_det) = (GpuRung::Fa3Backward, GpuRung::Fa3BackwardDeterministic);
+        assert_eq!(
+            at(2048),
+            [GpuRung::Fa1, GpuRung::Fa2, GpuRung::Fa3, fp8, atomic, det, fa3, fa3_det]
+        );
+        assert_eq!(at(4096), [GpuRung::Fa2, GpuRung::Fa3, fp8, atomic, det, fa3, fa3_det]);
         assert!(!p.rungs_at(64, 4096).contains(&fp8), "fa3-fp8 has no d = 64 kernel");
         assert_eq!((p.repeats_of(GpuRung::Fa1), p.repeats_of(GpuRung::Fa2)), (3, 30));
         assert!(p.notes().iter().any(|n| n.contains("n <= 2048")));
