@@ -58,11 +58,11 @@ if [ -n "$gpu_bin" ] && command -v compute-sanitizer >/dev/null; then
     sanitize decode-varlen "$decode_varlen_bin" gpu_decode_varlen_drawn gpu_decode_varlen_more
   fi
   if [ -n "$fp8_bin" ]; then  # FA3's FP8 path: the quantisation kernels and the e4m3 attention
-    sanitize fp8 "$fp8_bin" gpu_fa3_fp8_fp16 gpu_fp8_rejects
+    sanitize fp8 "$fp8_bin" gpu_fa3_fp8_fp16 gpu_fp8_rejects gpu_fp8_quantisation
   fi
-  if [ -n "$varlen_bin" ]; then  # packed variable-length batches: FA2, FA3 forward, FA2 backward
-    sanitize varlen "$varlen_bin" gpu_fa2_varlen_fp16 gpu_fa3_varlen_fp16 \
-      gpu_fa2_varlen_backward_fp16 gpu_fa2_varlen_deterministic
+  if [ -n "$varlen_bin" ]; then  # packed variable-length batches: FA2, FA3 (and FP8) forward, FA2 backward
+    sanitize varlen "$varlen_bin" gpu_fa2_varlen_fp16 gpu_fa3_varlen_fp16 gpu_fa3_fp8_varlen \
+      gpu_fp8_varlen_quantisation gpu_fa2_varlen_backward_fp16 gpu_fa2_varlen_deterministic
   fi
 else
   summary+=("compute-sanitizer: not run (no gpu test binary or no sanitizer)")

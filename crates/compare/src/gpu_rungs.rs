@@ -60,6 +60,21 @@ pub type QuantizeFn =
 /// The FP8 path's attention on quantised inputs.
 pub type QuantizedForwardFn = fn(&Gpu, &Fp8Inputs) -> ladder_kernels::Result<Output>;
 
+/// The FP8 path's quantisation of a packed variable-length batch.
+pub type VarlenQuantizeFn = fn(
+    &Gpu,
+    &Tensor,
+    &Tensor,
+    &Tensor,
+    &ladder_kernels::varlen::SeqLens,
+    &Options,
+    &Fp8Options,
+) -> ladder_kernels::Result<Fp8Inputs>;
+
+/// The FP8 path's attention on a quantised packed batch.
+pub type VarlenQuantizedForwardFn =
+    fn(&Gpu, &Fp8Inputs, &ladder_kernels::varlen::SeqLens) -> ladder_kernels::Result<Output>;
+
 /// A decoding kernel: `O, lse` of a few new tokens `Q` against a KV cache, contiguous or paged.
 pub type DecodeFn = fn(&Gpu, &Tensor, Cache<'_>, &DecodeOptions) -> ladder_kernels::Result<Output>;
 
@@ -363,14 +378,14 @@ impl GpuRung {
     }
 
     /// Whether the kernel takes Q, K, V (and dO, or a decoding call's cache) in any batch, head
-    /// and sequence strides, e.g. as `[batch, seq, heads, d]` views (FA2 forward and backward, FA3
-    /// in 16 bits, FlashDecoding and FlashDecoding++); the others take contiguous
-    /// `[batch, heads, seq, d]` tensors only.
+    /// and sequence strides, e.g. as `[batch, seq, heads, d]` views (all but FA1); the others take
+    /// contiguous `[batch, heads, seq, d]` tensors only.
     pub fn takes_strides(self) -> bool {
         matches!(
             self,
             GpuRung::Fa2
                 | GpuRung::Fa3
+                | GpuRung::Fa3Fp8
                 | GpuRung::Fa2Backward
                 | GpuRung::Fa2BackwardDeterministic
                 | GpuRung::Fa3Backward
@@ -414,6 +429,14 @@ impl GpuRung {
         match self {
             GpuRung::Fa2 => Some(fa2::forward_varlen),
             GpuRung::Fa3 => Some(fa3::forward_varlen),
+            _ => None,
+        }
+    }
+
+    /// The FP8 rung's quantisation and attention on packed variable-length batches.
+    pub fn varlen_fp8(self) -> Option<(VarlenQuantizeFn, VarlenQuantizedForwardFn)> {
+        match self {
+            GpuRung::Fa3Fp8 => Some((fp8::quantize_varlen, fp8::forward_quantized_varlen)),
             _ => None,
         }
     }
@@ -539,7 +562,7 @@ mod tests {
         assert_eq!("flash-decoding-pp-gpu".parse::<GpuRung>(), Ok(pp));
         let f8 = GpuRung::Fa3Fp8;
         assert_eq!((f8.label(), f8.cpu()), ("fa3-fp8-gpu", Rung::Fa3Fp8));
-        assert!(f8.supports(128) && !f8.supports(64));
+        assert!(f8.supports(128) && f8.supports(80) && !f8.supports(72));
         assert!(matches!(f8.kernels(), Kernels::ForwardFp8 { .. }));
     }
 

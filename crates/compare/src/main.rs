@@ -201,8 +201,9 @@ fn verify_cmd(args: &VerifyArgs) -> anyhow::Result<bool> {
                 );
             })?;
             rows.extend(gpu_rows);
-            // Say which GPU rungs had no kernel for these problems' head dims (fa3-fp8 at the
-            // default d = 64), rather than leaving their rows out silently.
+            // Say which GPU rungs had no kernel for these problems' head dims (fa1 at d = 96,
+            // fa3-fp8 at a head dim that is not a multiple of 16), rather than leaving their
+            // rows out silently.
             let ds: Vec<usize> = cases.iter().map(|c| c.shape.d).collect();
             for rung in ladder_compare::GpuRung::ALL {
                 if rung.available_on(&gpu) && !ds.iter().any(|&d| rung.supports(d)) {

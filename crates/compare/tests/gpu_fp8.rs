@@ -6,14 +6,17 @@
 //!   same numbers, and the rest of the comparison is about the kernel.
 //! - The attention is within the FP8 tolerance of the oracle (twice the error of per-tensor FP8
 //!   attention, [`Expected::fp8_from_oracle`]) and within the sum of tolerances of the CPU rung,
-//!   on drawn shapes (ragged lengths, GQA, causal with n_q ≠ n_kv, both head dims, fp16 and bf16).
+//!   on drawn shapes (ragged lengths, GQA, causal with n_q ≠ n_kv, every head dim the path takes,
+//!   fp16 and bf16, Q, K, V contiguous, `[b, s, h, d]` or slots of a packed QKV buffer).
 //! - On inputs with outliers (the FA3 paper's N(0,1) + N(0,100)·Bernoulli(0.001), n = 4096),
 //!   incoherent processing lowers the GPU's error as it lowers the CPU rung's.
 //! - Every schedule computes the same bits.
 //!
 //! Without a GPU these tests print a notice and pass; with `LADDER_REQUIRE_GPU=1` they fail.
 
-use ladder_compare::gpu_check::{self, device_inputs, narrow, options, rounded, shared_gpu};
+use ladder_compare::gpu_check::{
+    self, Layout, device_inputs, narrow, options, rounded, shared_gpu, upload_in,
+};
 use ladder_compare::oracle::{Expected, Oracle, check};
 use ladder_compare::{Case, CaseSpace, GpuRung, Inputs, RungConfig, cases, error};
 use ladder_kernels::fa3::{self, fp8};
@@ -59,10 +62,15 @@ fn fail(e: impl std::fmt::Display) -> TestCaseError {
 
 /// The GPU FP8 attention on `x` (rounded to `dtype`) within the FP8 tolerance of the oracle and of
 /// the CPU rung.
-fn check_fp8(case: &Case, x: &Inputs<f64>, dtype: DType, fp8: Fp8Options) -> Result<(), String> {
+fn check_fp8(
+    case: &Case,
+    x: &Inputs<f64>,
+    (dtype, layout): (DType, Layout),
+    fp8: Fp8Options,
+) -> Result<(), String> {
     let Some(gpu) = gpu() else { return Ok(()) };
     let (attention, opts) = options(&case.attention(), case.shape.d);
-    let (got, _) = gpu_check::forward_fp8(gpu, GpuRung::Fa3Fp8, x, &opts, dtype, &fp8)
+    let (got, _) = gpu_check::forward_in(gpu, GpuRung::Fa3Fp8, x, &opts, dtype, &fp8, layout)
         .map_err(|e| e.to_string())?;
     let oracle = Oracle::new(x, &attention).map_err(|e| e.to_string())?;
     let x32 = narrow(x);
@@ -72,7 +80,7 @@ fn check_fp8(case: &Case, x: &Inputs<f64>, dtype: DType, fp8: Fp8Options) -> Res
         .forward(x32.q.view(), x32.k.view(), x32.v.view(), &config)
         .map_err(|e| e.to_string())?;
     check(
-        &format!("fa3-fp8-gpu ({dtype})"),
+        &format!("fa3-fp8-gpu ({dtype}, {layout:?})"),
         &got,
         &expected,
         Some(("fa3-fp8 (CPU)", &cpu_out, &expected)),
@@ -91,19 +99,25 @@ fn fp8_space() -> CaseSpace {
     }
 }
 
+fn layouts() -> impl Strategy<Value = Layout> {
+    prop::sample::select(Layout::ALL.to_vec())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(gpu_check::cases_per_property(32)))]
 
     #[test]
-    fn gpu_fa3_fp8_fp16_matches_cpu_fa3_fp8_and_the_oracle(case in cases(fp8_space()), rotate in any::<bool>()) {
+    fn gpu_fa3_fp8_fp16_matches_cpu_fa3_fp8_and_the_oracle(case in cases(fp8_space()), rotate in any::<bool>(), layout in layouts()) {
         let x = device_inputs(&case, DType::F16);
-        check_fp8(&case, &x, DType::F16, with_seed(rotate.then_some(case.seed))).map_err(fail)?;
+        let fp8 = with_seed(rotate.then_some(case.seed));
+        check_fp8(&case, &x, (DType::F16, layout), fp8).map_err(fail)?;
     }
 
     #[test]
-    fn gpu_fa3_fp8_bf16_matches_cpu_fa3_fp8_and_the_oracle(case in cases(fp8_space()), rotate in any::<bool>()) {
+    fn gpu_fa3_fp8_bf16_matches_cpu_fa3_fp8_and_the_oracle(case in cases(fp8_space()), rotate in any::<bool>(), layout in layouts()) {
         let x = device_inputs(&case, DType::BF16);
-        check_fp8(&case, &x, DType::BF16, with_seed(rotate.then_some(case.seed))).map_err(fail)?;
+        let fp8 = with_seed(rotate.then_some(case.seed));
+        check_fp8(&case, &x, (DType::BF16, layout), fp8).map_err(fail)?;
     }
 }
 
@@ -116,6 +130,9 @@ fn gpu_fa3_fp8_long_sequences() {
         (2, 8, 2, 700, 1500, 128, false),
         (1, 4, 2, 1500, 700, 256, true),
         (1, 2, 2, 1029, 1029, 256, false),
+        (1, 4, 2, 1500, 1500, 80, true),
+        (2, 2, 2, 1029, 1029, 96, false),
+        (1, 2, 1, 700, 1100, 192, true),
     ] {
         let case = Case {
             shape: AttentionShape::new(b, hq, hkv, n_q, n_kv, d).unwrap(),
@@ -126,7 +143,7 @@ fn gpu_fa3_fp8_long_sequences() {
             seed: 11 + d as u64,
         };
         let x = device_inputs(&case, DType::F16);
-        check_fp8(&case, &x, DType::F16, with_seed(Some(5))).unwrap_or_else(|e| {
+        check_fp8(&case, &x, (DType::F16, Layout::Bshd), with_seed(Some(5))).unwrap_or_else(|e| {
             panic!("[{b}, {hq}/{hkv}, {n_q}x{n_kv}, {d}], causal = {causal}: {e}")
         });
     }
@@ -140,12 +157,17 @@ fn gpu_fp8_quantisation_is_the_cpu_rungs_bit_for_bit() {
         b.iter().map(|&x| float8::F8E4M3::from_bits(x).to_f32()).collect()
     };
     // n_kv past fp8::SHORT_KEYS at d = 128: 192-key tiles (V's transposed stage in two blocks).
-    for (dtype, d, incoherent, n_kv) in [
-        (DType::F16, 128, None, 270),
-        (DType::F16, 128, Some(3), 270),
-        (DType::BF16, 256, Some(9), 270),
-        (DType::BF16, 128, None, 270),
-        (DType::F16, 128, Some(5), fp8::SHORT_KEYS + 77),
+    // Head dims off the power-of-two rows: rotation blocks of 32 (96), 16 (80, 16), 64 (192).
+    for (dtype, d, incoherent, n_kv, layout) in [
+        (DType::F16, 128, None, 270, Layout::Bhsd),
+        (DType::F16, 128, Some(3), 270, Layout::Bhsd),
+        (DType::BF16, 256, Some(9), 270, Layout::Bshd),
+        (DType::BF16, 128, None, 270, Layout::Packed),
+        (DType::F16, 128, Some(5), fp8::SHORT_KEYS + 77, Layout::Bhsd),
+        (DType::F16, 96, Some(7), 270, Layout::Bshd),
+        (DType::BF16, 80, Some(2), fp8::SHORT_KEYS + 77, Layout::Packed),
+        (DType::F16, 192, Some(4), 270, Layout::Bhsd),
+        (DType::BF16, 16, Some(1), 270, Layout::Bhsd),
     ] {
         let case = Case {
             shape: AttentionShape::new(2, 4, 2, 333, n_kv, d).unwrap(),
@@ -158,8 +180,8 @@ fn gpu_fp8_quantisation_is_the_cpu_rungs_bit_for_bit() {
         // Outliers, so that the blocks get different scales.
         let x = rounded(&case.inputs_with_outliers::<f64>(0.002, 30.0), dtype);
         let (_, opts) = options(&case.attention(), d);
-        let (q, k, v) =
-            (upload(gpu, &x.q, dtype), upload(gpu, &x.k, dtype), upload(gpu, &x.v, dtype));
+        let up = |t| upload_in(gpu, t, dtype, layout).expect("upload");
+        let (q, k, v) = (up(&x.q), up(&x.k), up(&x.v));
         let inputs =
             fp8::quantize(gpu, &q, &k, &v, &opts, &fp8::Fp8Options { incoherent }).unwrap();
         let [gq, gk, gv] = inputs.to_bytes().unwrap();
@@ -174,7 +196,7 @@ fn gpu_fp8_quantisation_is_the_cpu_rungs_bit_for_bit() {
             None => (x32.q.clone(), x32.k.clone()),
         };
         let (br, bc) = (inputs.tiles().br(), inputs.tiles().bc);
-        let what = format!("{dtype}, d = {d}, incoherent {incoherent:?}");
+        let what = format!("{dtype}, d = {d}, incoherent {incoherent:?}, {layout:?}");
         for (name, gpu_values, gpu_scales, cpu) in [
             ("q", gq, sq, Fp8Tensor::quantize(q32.view(), br, Fp8Scaling::PerBlock)),
             ("k", gk, sk, Fp8Tensor::quantize(k32.view(), bc, Fp8Scaling::PerBlock)),
@@ -316,18 +338,32 @@ fn gpu_fp8_tiny_queries_and_keys_attend_uniformly() {
     }
 }
 
-/// Bad input is an error, not a panic: head dims without an FP8 kernel, f32 inputs.
+/// Bad input is an error, not a panic: head dims without an FP8 kernel, f32 inputs, quantised
+/// inputs run by the other batch kind's attention.
 #[test]
 fn gpu_fp8_rejects_what_it_cannot_run() {
     let Some(gpu) = gpu() else { return };
     let opts = ladder_kernels::Options::default();
     let x = |d: usize, dtype| gpu.upload(&vec![0.5; 2 * 64 * d], &[1, 2, 64, d], dtype).unwrap();
     let none = fp8::Fp8Options::default();
-    let (a, b, c) = (x(64, DType::F16), x(64, DType::F16), x(64, DType::F16));
-    assert!(matches!(
-        fp8::forward(gpu, &a, &b, &c, &opts, &none),
-        Err(KernelError::UnsupportedHeadDim { d: 64, .. })
-    ));
+    for d in [8, 72, 264] {
+        let a = x(d, DType::F16);
+        let err = fp8::forward(gpu, &a, &a, &a, &opts, &none).unwrap_err();
+        assert!(matches!(err, KernelError::UnsupportedHeadDim { d: e, .. } if e == d), "{err}");
+        assert!(err.to_string().contains("multiples of 16 from 16 to 256"), "{err}");
+    }
+    let a = x(64, DType::F16);
+    let inputs = fp8::quantize(gpu, &a, &a, &a, &opts, &none).unwrap();
+    let lens = ladder_kernels::varlen::SeqLens::from_lengths(gpu, &[64], &[64]).unwrap();
+    let err = fp8::forward_quantized_varlen(gpu, &inputs, &lens).unwrap_err().to_string();
+    assert!(err.contains("fixed-length batch"), "{err}");
+    let packed = gpu.upload(&vec![0.5; 64 * 2 * 64], &[64, 2, 64], DType::F16).unwrap();
+    let inputs = fp8::quantize_varlen(gpu, &packed, &packed, &packed, &lens, &opts, &none).unwrap();
+    let err = fp8::forward_quantized(gpu, &inputs).unwrap_err().to_string();
+    assert!(err.contains("packed batch"), "{err}");
+    let other = ladder_kernels::varlen::SeqLens::from_lengths(gpu, &[32, 32], &[32, 32]).unwrap();
+    let err = fp8::forward_quantized_varlen(gpu, &inputs, &other).unwrap_err().to_string();
+    assert!(err.contains("other sequence offsets"), "{err}");
     let (a, b, c) = (x(128, DType::F32), x(128, DType::F32), x(128, DType::F32));
     assert!(matches!(
         fp8::forward(gpu, &a, &b, &c, &opts, &none),

@@ -1,5 +1,5 @@
 //! Packed variable-length batches on the GPU rungs (`fa2::forward_varlen`, `fa3::forward_varlen`,
-//! `fa2::backward_varlen`).
+//! `fa3::fp8::forward_varlen`, `fa2::backward_varlen`).
 //!
 //! Each case draws a ragged batch (lengths 0, 1, a tile ± 1 for the kernels' 64-, 128- and
 //! 176-row tiles, and anything up to a few tiles; sequences with no queries or no keys), GQA, a
@@ -8,7 +8,9 @@
 //! a read outside the view poisons the result). The kernel's outputs are poisoned before launch.
 //! Every sequence's rows of the packed O and lse are then held, as in `gpu.rs`, to the float64
 //! oracle run on that sequence alone and to the rung's CPU counterpart; rows that see no key
-//! must be O = 0, lse = −∞. The backward's gradients are held to the oracle's gradients of each
+//! must be O = 0, lse = −∞. The FP8 path is held to the FP8 tolerance of each sequence's oracle
+//! and to the CPU `fa3-fp8` rung run on that sequence alone, whose e4m3 operands and scales the
+//! packed quantisation must reproduce bit for bit. The backward's gradients are held to the oracle's gradients of each
 //! sequence and the CPU FA2 backward the same way (dO drawn and packed like Q); rows of a sequence
 //! without keys, and keys of one without queries, must get exactly zero. A batch of equal lengths
 //! must give bitwise the fixed-length kernels' results.
@@ -22,10 +24,12 @@ use ladder_compare::gpu_check::{
 use ladder_compare::gpu_rungs::VarlenForwardFn;
 use ladder_compare::oracle::{Expected, GradientOracle, Oracle, check};
 use ladder_compare::packed as packed_rows;
-use ladder_compare::{GpuRung, RungConfig};
+use ladder_compare::{GpuRung, Rung, RungConfig};
+use ladder_kernels::fa3::fp8;
 use ladder_kernels::varlen::SeqLens;
 use ladder_kernels::{DType, Gpu, KernelError, Options, Tensor, fa2, fa3};
-use ladder_reference::{AttentionOptions, Gradients};
+use ladder_reference::fp8::{Fp8Scaling, Fp8Tensor, RandomHadamard};
+use ladder_reference::{AttentionOptions, Fp8Options, Gradients};
 use ndarray::Array3;
 use proptest::prelude::*;
 use rand::SeedableRng;
@@ -184,6 +188,66 @@ fn check_varlen(rung: GpuRung, batch: &Batch, dtype: DType) -> Result<(), TestCa
     Ok(())
 }
 
+/// Ragged batches at the FP8 path's head dims (multiples of 16), a rotation seed or none.
+fn fp8_batches() -> impl Strategy<Value = (Batch, Option<u64>)> {
+    (batches(256), any::<bool>()).prop_map(|(batch, rotate)| {
+        let d = batch.d.next_multiple_of(16);
+        let seed = batch.seed;
+        (Batch { d, ..batch }, rotate.then_some(seed))
+    })
+}
+
+/// Runs the FP8 path on `batch` (rotated by the map of `incoherent`, if any) and checks every
+/// sequence against its oracle (the FP8 tolerance) and the CPU `fa3-fp8` rung on it alone, with
+/// the GPU's tiles.
+fn check_varlen_fp8(
+    batch: &Batch,
+    dtype: DType,
+    incoherent: Option<u64>,
+) -> Result<(), TestCaseError> {
+    let Some(gpu) = gpu() else { return Ok(()) };
+    if !GpuRung::Fa3Fp8.available_on(gpu) {
+        eprintln!("fa3-fp8 skipped: {} is {}", gpu.name(), gpu.arch());
+        return Ok(());
+    }
+    let (d, causal, heads_q) = (batch.d, batch.causal, batch.heads_kv * batch.group);
+    let Drawn { lens, x: [q, k, v, _], t: [qt, kt, vt, _] } = draw(gpu, batch, dtype)?;
+    let total_q = lens.totals().0;
+    let (attention, opts) = options(&AttentionOptions { causal, scale: None }, d);
+    let fp8 = Fp8Options { incoherent, ..RungConfig::default().fp8 };
+    let gpu_fp8 = gpu_check::gpu_fp8(&fp8);
+    let out = fp8::forward_varlen(gpu, &qt, &kt, &vt, &lens, &opts, &gpu_fp8).map_err(fail)?;
+    prop_assert_eq!(out.o.shape(), &[total_q, heads_q, d][..]);
+    let o = download3(&out.o, (total_q, heads_q, d))?;
+    let lse =
+        ndarray::Array2::from_shape_vec((heads_q, total_q), out.lse.to_f32_vec().map_err(fail)?)
+            .map_err(fail)?;
+    let tiles = gpu_check::fp8_cpu_tiles(gpu, d, lens.max_lengths().1).map_err(fail)?;
+    for b in 0..lens.batch() {
+        let (rows, keys) = (lens.q_range(b), lens.k_range(b));
+        if rows.is_empty() {
+            continue;
+        }
+        let got = packed_rows::output(&o, &lse, rows.clone());
+        if keys.is_empty() {
+            let zero = got.o.iter().all(|&x| x == 0.0);
+            let none = got.lse.iter().all(|&x| x == f32::NEG_INFINITY);
+            prop_assert!(zero && none, "sequence {} has no keys: O must be 0, lse -inf", b);
+            continue;
+        }
+        let x = packed_rows::inputs((&q, &k, &v), None, rows, keys);
+        let oracle = Oracle::new(&x, &attention).map_err(fail)?;
+        let x32 = narrow(&x);
+        let expected = Expected::fp8_from_oracle(&oracle, &x32, &fp8).map_err(fail)?;
+        let config = RungConfig { attention, tiles, fp8, ..RungConfig::default() };
+        let cpu = Rung::Fa3Fp8.forward(x32.q.view(), x32.k.view(), x32.v.view(), &config);
+        let cpu = cpu.map_err(fail)?;
+        let label = format!("fa3-fp8-gpu varlen ({dtype}), sequence {b} of {:?}", batch.lens);
+        check(&label, &got, &expected, Some(("fa3-fp8 (CPU)", &cpu, &expected))).map_err(fail)?;
+    }
+    Ok(())
+}
+
 /// Packed `[total, heads, d]` f32 values downloaded from `t`.
 fn download3(t: &Tensor, shape: (usize, usize, usize)) -> Result<Array3<f32>, TestCaseError> {
     Array3::from_shape_vec(shape, t.to_f32_vec().map_err(fail)?).map_err(fail)
@@ -295,6 +359,12 @@ proptest! {
     fn gpu_fa3_varlen_bf16_meets_the_oracle_on_every_sequence(batch in batches(256)) {
         check_varlen(GpuRung::Fa3, &batch, DType::BF16)?;
     }
+
+    #[test]
+    fn gpu_fa3_fp8_varlen_meets_the_oracle_and_cpu_fa3_fp8_on_every_sequence((batch, incoherent) in fp8_batches(), bf16 in any::<bool>()) {
+        let dtype = if bf16 { DType::BF16 } else { DType::F16 };
+        check_varlen_fp8(&batch, dtype, incoherent)?;
+    }
 }
 
 /// Sequences of one length are a fixed-length batch: packed `[b·s, h, d]` must give bitwise what
@@ -371,6 +441,137 @@ fn gpu_varlen_backward_of_equal_lengths_is_the_fixed_length_kernel() {
             assert_eq!(bytes(&got.dv), fixed_bytes(want.dv), "{label}: dV");
             if deterministic {
                 assert_eq!(bytes(&got.dq), fixed_bytes(want.dq), "{label}: dQ");
+            }
+        }
+    }
+}
+
+/// The FP8 path on sequences of one length is its fixed-length path, bit for bit: each sequence's
+/// tiles and scales are those of one batch entry.
+#[test]
+fn gpu_fp8_varlen_of_equal_lengths_is_the_fixed_length_kernel() {
+    let Some(gpu) = gpu() else { return };
+    if !GpuRung::Fa3Fp8.available_on(gpu) {
+        return;
+    }
+    let (b, s, h, d) = (3, 333, 4, 96);
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let x = packed((b * s, h, d), DType::F16, &mut rng);
+    let values: Vec<f32> = x.iter().map(|&v| v as f32).collect();
+    let lens = SeqLens::from_lengths(gpu, &[s; 3], &[s; 3]).unwrap();
+    let rotation = fp8::Fp8Options { incoherent: Some(4) };
+    for opts in [Options::full(), Options::causal()] {
+        let fixed = || gpu.upload(&values, &[b, s, h, d], DType::F16)?.transpose(1, 2);
+        let (q, k, v) = (fixed().unwrap(), fixed().unwrap(), fixed().unwrap());
+        let want = fp8::forward(gpu, &q, &k, &v, &opts, &rotation).unwrap();
+        let flat = || gpu.upload(&values, &[b * s, h, d], DType::F16);
+        let (q, k, v) = (flat().unwrap(), flat().unwrap(), flat().unwrap());
+        let got = fp8::forward_varlen(gpu, &q, &k, &v, &lens, &opts, &rotation).unwrap();
+        // O: [b, h, s, d] laid out like q, [b, s, h, d], is [b·s, h, d] in memory.
+        assert_eq!(
+            got.o.to_bytes().unwrap(),
+            want.o.transpose(1, 2).unwrap().to_bytes().unwrap(),
+            "{opts:?}: O"
+        );
+        let (want_lse, got_lse) = (want.lse.to_f32_vec().unwrap(), got.lse.to_f32_vec().unwrap());
+        for bi in 0..b {
+            for hi in 0..h {
+                for si in 0..s {
+                    assert_eq!(
+                        want_lse[(bi * h + hi) * s + si].to_bits(),
+                        got_lse[hi * b * s + bi * s + si].to_bits(),
+                        "{opts:?}: lse of sequence {bi}, head {hi}, row {si}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The packed quantisation is the CPU rung's on each sequence alone, bit for bit: its e4m3 values
+/// (rotated or not) at its rows, its tiles' scales at their slots (`start / rows + b` on), on
+/// ragged sequences with outliers (so that the tiles' scales differ), empty ones among them.
+#[test]
+fn gpu_fp8_varlen_quantisation_is_the_cpu_rungs_on_each_sequence() {
+    let Some(gpu) = gpu() else { return };
+    if !GpuRung::Fa3Fp8.available_on(gpu) {
+        return;
+    }
+    let lens = [(5, 300), (200, 1), (0, 77), (333, 260), (129, 0), (64, 1200)];
+    for (dtype, d, incoherent, gaps) in [
+        (DType::BF16, 96, Some(3), false),
+        (DType::F16, 128, None, true),
+        (DType::F16, 80, Some(8), true),
+    ] {
+        let batch =
+            Batch { lens: lens.to_vec(), heads_kv: 2, group: 2, d, causal: false, gaps, seed: 17 };
+        let (q_lens, k_lens): (Vec<usize>, Vec<usize>) = lens.iter().copied().unzip();
+        let seqlens = SeqLens::from_lengths(gpu, &q_lens, &k_lens).unwrap();
+        let mut rng = ChaCha8Rng::seed_from_u64(23);
+        let outliers = |x: Array3<f64>, rng: &mut ChaCha8Rng| {
+            let round = |v: f64| ladder_kernels::round_to(&[v as f32], dtype)[0] as f64;
+            x.mapv(|v| if rand::RngExt::random::<f64>(rng) < 0.003 { round(v * 30.0) } else { v })
+        };
+        let (total_q, total_k) = seqlens.totals();
+        let x = [(total_q, 4), (total_k, 2), (total_k, 2)].map(|(rows, heads)| {
+            let values = packed((rows, heads, d), dtype, &mut rng);
+            outliers(values, &mut rng)
+        });
+        let t = x.clone().map(|a| upload(gpu, &a, dtype, batch.gaps).unwrap());
+        let opts = Options::full();
+        let inputs = fp8::quantize_varlen(
+            gpu,
+            &t[0],
+            &t[1],
+            &t[2],
+            &seqlens,
+            &opts,
+            &fp8::Fp8Options { incoherent },
+        )
+        .unwrap();
+        let [gq, gk, gv] = inputs.to_bytes().unwrap();
+        let scales = inputs.scales().unwrap();
+        let (br, bc) = (inputs.tiles().br(), inputs.tiles().bc);
+        let decode = |b: u8| float8::F8E4M3::from_bits(b).to_f32();
+        let what = format!("{dtype}, d = {d}, incoherent {incoherent:?}, gaps {gaps}");
+        for (i, (name, total, heads, rows, bytes)) in
+            [("q", total_q, 4, br, &gq), ("k", total_k, 2, bc, &gk), ("v", total_k, 2, bc, &gv)]
+                .into_iter()
+                .enumerate()
+        {
+            let slots = total / rows + lens.len();
+            assert_eq!(scales[i].len(), heads * slots, "{name} scale slots, {what}");
+            let mut start = 0;
+            for (b, &(n_q, n_k)) in lens.iter().enumerate() {
+                let len = if i == 0 { n_q } else { n_k };
+                let seq = packed_rows::rows(&x[i].mapv(|v| v as f32), start..start + len);
+                let seq = match incoherent {
+                    Some(seed) if i < 2 => RandomHadamard::new(d, seed).apply(seq.view()),
+                    _ => seq,
+                };
+                let cpu = Fp8Tensor::quantize(seq.view(), rows, Fp8Scaling::PerBlock);
+                for h in 0..heads {
+                    for tile in 0..len.div_ceil(rows) {
+                        let got = scales[i][h * slots + start / rows + b + tile];
+                        let want = cpu.scales[[0, h, tile]];
+                        assert_eq!(
+                            got, want,
+                            "{name} scale, sequence {b}, head {h}, tile {tile}, {what}"
+                        );
+                    }
+                    for r in 0..len {
+                        for c in 0..d {
+                            let got = decode(bytes[(h * total + start + r) * d + c]);
+                            let want = cpu.values[[0, h, r, c]];
+                            assert_eq!(
+                                got.to_bits(),
+                                want.to_bits(),
+                                "{name}, sequence {b}, head {h}, row {r}, column {c}, {what}"
+                            );
+                        }
+                    }
+                }
+                start += len;
             }
         }
     }

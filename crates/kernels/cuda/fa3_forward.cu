@@ -308,6 +308,11 @@ __device__ __forceinline__ int next_tile(int index) {
 // A position in the K/V pipeline, counted across the block's tiles (barrier.cuh).
 typedef PipelineState<STAGES> KvPosition;
 
+// Where K/V tile j of the sequence starts in Vᵀ's columns (FP8: each tile at its slot).
+__device__ __forceinline__ int vt_column(const SeqBlock& seq, int j) {
+    return (fp8_first_slot(packed, seq, seq.k_start, BC) + j) * BC;
+}
+
 // ---- producer ---------------------------------------------------------------------------------
 
 // One thread issues every copy in the consumers' order; a stage is reused once every consumer
@@ -336,9 +341,9 @@ __device__ void producer(const Fa3ForwardParams& p, SharedTiles& t) {
             tma_load_tile<BC, COLS>(t.k[stage], &p.k, &t.k_full[stage], 0, k0, kv_head, seq.batch);
             mbar_wait(&t.v_empty[stage], free);
             mbar_expect_tx(&t.v_full[stage], sizeof(t.v[0]));
-#if FA3_FP8  // Vᵀ: keys are the columns
-            tma_load_tile<D, VT_KEYS>(t.v[stage], &p.v, &t.v_full[stage], k0, 0, kv_head,
-                                      seq.batch);
+#if FA3_FP8  // Vᵀ: keys are the columns, each K/V tile at its scale's slot (fp8.cuh)
+            tma_load_tile<D, VT_KEYS>(t.v[stage], &p.v, &t.v_full[stage], vt_column(seq, j), 0,
+                                      kv_head, seq.batch);
 #else
             tma_load_tile<BC, COLS>(t.v[stage], &p.v, &t.v_full[stage], 0, k0, kv_head, seq.batch);
 #endif
@@ -378,6 +383,14 @@ __device__ __forceinline__ void issue_pv(float (&o)[DT][4], const PRegs& pk, con
 #endif
 }
 
+// FP8: how many tiles' scales each head has (fp8_tile_slot in fp8.cuh): a fixed-length batch's
+// tiles, or a packed batch's slots.
+__device__ __forceinline__ int scale_slots(const Fa3ForwardParams& p, int rows, int total, int n) {
+    return packed ? total / rows + p.batch : (n + rows - 1) / rows;
+}
+__device__ __forceinline__ int kv_slots(const Fa3ForwardParams& p) {
+    return scale_slots(p, BC, p.varlen.total_k, p.n_kv);
+}
 // Where one head's scales are (FP8): the softmax scale times Q's for this query block, and where
 // its K/V tiles' scales start in k_scale and p_lift (one index, not two pointers: registers are
 // short in the consumers).
@@ -390,13 +403,15 @@ __device__ __forceinline__ Scales scales_of(const Fa3ForwardParams& p, const Til
                                             int kv_head) {
     Scales sc;
     if (FA3_FP8) {
-        const int k_tiles = (p.n_kv + BC - 1) / BC;
-        const int kv = tile.seq.batch * p.heads_kv + kv_head;
+        const SeqBlock& seq = tile.seq;
+        const int q_slots = scale_slots(p, BR, p.varlen.total_q, p.n_q);
         sc.q = p.scale_log2 *
-               p.q_scale[((size_t)tile.seq.batch * p.heads_q + tile.head) * q_blocks(p) +
-                         tile.q0 / BR];
-        sc.kv_tile0 = kv * k_tiles;
-        sc.o = p.o_scale[kv];
+               p.q_scale[fp8_tile_slot(packed, seq, seq.q_start, BR, tile.head, p.heads_q, q_slots)];
+        SeqBlock first = seq;
+        first.block = 0;
+        sc.kv_tile0 =
+            (int)fp8_tile_slot(packed, first, seq.k_start, BC, kv_head, p.heads_kv, kv_slots(p));
+        sc.o = p.o_scale[(size_t)seq.seq * p.heads_kv + kv_head];
     }
     return sc;
 }

@@ -18,6 +18,7 @@
 #define LADDER_FP8_CUH
 
 #include "types.cuh"
+#include "varlen.cuh"
 
 typedef unsigned char u8;
 
@@ -89,6 +90,22 @@ __device__ __forceinline__ void pack_p_fp8(const float (&s)[NT][4], u32 (&p)[NT 
             const int nt = 4 * c + 2 * (r / 2), e = 2 * (r % 2);
             p[c][r] = pack4_e4m3(s[nt][e], s[nt][e + 1], s[nt + 1][e], s[nt + 1][e + 1]);
         }
+}
+
+// Where the scale of tile `s.block` (of `rows` rows) of a sequence's head `head` lies, in arrays
+// of `slots` per head: [batch, heads, slots] for a fixed-length batch (slots = its tiles). In a
+// packed batch every sequence is quantised on its own, its tiles starting at its first row
+// `start`; sequence s's tiles take slots start / rows + s on, which needs no table and never
+// overlaps the next sequence's: ⌊(start + len) / rows⌋ + 1 ≥ ⌊start / rows⌋ + ⌈len / rows⌉.
+// So slots = total / rows + batch, and V's transposed rows hold slots · BC keys, each tile at
+// its slot's columns.
+__device__ __forceinline__ int fp8_first_slot(bool packed, const SeqBlock& s, int start, int rows) {
+    return packed ? start / rows + s.seq : 0;
+}
+__device__ __forceinline__ long long fp8_tile_slot(bool packed, const SeqBlock& s, int start,
+                                                   int rows, int head, int heads, int slots) {
+    return ((long long)s.batch * heads + head) * slots + fp8_first_slot(packed, s, start, rows) +
+           s.block;
 }
 
 #endif  // LADDER_FP8_CUH

@@ -23,6 +23,7 @@ struct Varlen {
 // One block of rows of one sequence, and where that sequence lies.
 struct SeqBlock {
     int batch;    // the batch index the strides take (0 in a packed batch, one tensor of rows)
+    int seq;      // the sequence: its index in the packed batch, or the batch index
     int block;    // which block of the sequence's query rows (or, backward, of its keys)
     int q_start;  // the sequence's first row of Q, O and lse (0 in a fixed-length batch)
     int k_start;  // its first row of K and V
@@ -35,6 +36,7 @@ __device__ __forceinline__ SeqBlock packed_block(const Varlen& v, int index) {
     const int2 t = reinterpret_cast<const int2*>(v.tiles)[index];
     SeqBlock s;
     s.batch = 0;
+    s.seq = t.x;
     s.block = t.y;
     s.q_start = v.cu_q[t.x];
     s.n_q = v.cu_q[t.x + 1] - s.q_start;
@@ -47,6 +49,7 @@ __device__ __forceinline__ SeqBlock packed_block(const Varlen& v, int index) {
 __device__ __forceinline__ SeqBlock fixed_block(int batch, int block, int n_q, int n_kv) {
     SeqBlock s;
     s.batch = batch;
+    s.seq = batch;
     s.block = block;
     s.q_start = 0;
     s.k_start = 0;

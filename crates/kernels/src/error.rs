@@ -126,11 +126,13 @@ impl KernelError {
 }
 
 /// A list of head dimensions as a reader wants it: "multiples of 8 from 8 to 256" for a run of
-/// them, the numbers otherwise.
+/// them (of 16 likewise), the numbers otherwise.
 fn describe_dims(dims: &[usize]) -> String {
-    let run = dims.len() > 2 && dims.iter().enumerate().all(|(i, &d)| d == 8 * (i + 1));
+    let step = dims.first().copied().unwrap_or(0);
+    let run =
+        dims.len() > 2 && step > 0 && dims.iter().enumerate().all(|(i, &d)| d == step * (i + 1));
     match dims.last() {
-        Some(last) if run => format!("multiples of 8 from 8 to {last}"),
+        Some(last) if run => format!("multiples of {step} from {step} to {last}"),
         _ => format!("{dims:?}"),
     }
 }

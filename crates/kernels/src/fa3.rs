@@ -68,7 +68,7 @@ pub const ARCH: &str = "sm_90a";
 /// Dynamic shared memory a block may opt in to on Hopper (227 KiB).
 pub const MAX_SHARED_BYTES: usize = 227 * 1024;
 
-/// The packed variant's `Tile` slot in shared memory (nine `int`s, padded to the 8-byte
+/// The packed variant's `Tile` slot in shared memory (ten `int`s, at the 8-byte
 /// alignment of the mbarriers before it), where the producer hands the consumers their tiles.
 const TILE_SLOT_BYTES: usize = 40;
 
@@ -549,7 +549,8 @@ pub fn forward_with(
 /// does not apply). The copy engine reads whole tiles, so a sequence's last K/V tile holds the
 /// next sequence's first keys: they are masked out of S, but a NaN or infinity among them still
 /// reaches O through `0 · V` (as in FlashAttention-3); [`crate::fa2::forward_varlen`] zero-fills
-/// them instead. FP8 takes fixed-length batches only.
+/// them instead, and so does the FP8 path ([`fp8::forward_varlen`]), whose quantiser pads each
+/// sequence's last V tile with zeros.
 pub fn forward_varlen(
     gpu: &Gpu,
     q: &Tensor,

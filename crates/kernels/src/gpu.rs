@@ -457,10 +457,18 @@ impl Gpu {
     /// order of `like`'s strides with no gaps: the output of a `[batch, seq, heads, d]` input is
     /// `[batch, seq, heads, d]` in memory too.
     pub(crate) fn output_like(&self, like: &Tensor, dtype: DType) -> Result<Tensor> {
-        // Axes from the largest stride down (ties in axis order): the memory order of `like`.
-        let mut order: Vec<usize> = (0..like.shape().len()).collect();
-        order.sort_by_key(|&a| std::cmp::Reverse(like.strides()[a]));
-        let in_memory: Vec<usize> = order.iter().map(|&a| like.shape()[a]).collect();
+        self.output_in_order(like.shape(), &memory_order(like), dtype)
+    }
+
+    /// A tensor of `shape` for a kernel to overwrite, with no gaps, its axes laid out in memory
+    /// in `order` (outermost first; [`memory_order`]).
+    pub(crate) fn output_in_order(
+        &self,
+        shape: &[usize],
+        order: &[usize],
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let in_memory: Vec<usize> = order.iter().map(|&a| shape[a]).collect();
         let mut t = self.output(&in_memory, dtype)?;
         let dense = t.strides.clone();
         for (position, &axis) in order.iter().enumerate() {
@@ -742,6 +750,14 @@ impl Gpu {
         end.synchronize().map_err(KernelError::driver("waiting for an event"))?;
         start.elapsed_ms(&end).map_err(err)
     }
+}
+
+/// The axes of `t` from the largest stride down (ties in axis order): the order they lie in
+/// memory, outermost first.
+pub(crate) fn memory_order(t: &Tensor) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..t.shape().len()).collect();
+    order.sort_by_key(|&a| std::cmp::Reverse(t.strides()[a]));
+    order
 }
 
 #[cfg(test)]

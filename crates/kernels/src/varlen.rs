@@ -23,7 +23,8 @@
 //! query blocks for its deterministic dQ pass.
 //!
 //! Rungs: [`crate::fa2::forward_varlen`] and [`crate::fa2::backward_varlen`],
-//! [`crate::fa3::forward_varlen`] (16-bit). The CPU rungs' definition of the same batches is
+//! [`crate::fa3::forward_varlen`] and [`crate::fa3::fp8::forward_varlen`] (which quantises each
+//! sequence on its own). The CPU rungs' definition of the same batches is
 //! `ladder_reference::varlen`.
 //!
 //! ```no_run
@@ -179,6 +180,11 @@ impl SeqLens {
     /// The device offsets, `(cu_seqlens_q, cu_seqlens_k)`.
     pub fn as_cuda_slices(&self) -> (&CudaSlice<i32>, &CudaSlice<i32>) {
         (&self.cu_q, &self.cu_k)
+    }
+
+    /// The checked host copies of the offsets: `cu_seqlens_q`, `cu_seqlens_k`.
+    pub(crate) fn offsets(&self) -> (&[usize], &[usize]) {
+        (&self.host_q, &self.host_k)
     }
 
     /// Fails unless the offsets live where `gpu` runs.

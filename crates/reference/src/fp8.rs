@@ -10,7 +10,9 @@
 //! - **Incoherent processing**: multiply `Q` and `K` by the same random orthogonal matrix
 //!   `M = H · diag(±1) / √n` (a Hadamard matrix with random signs). `(QM)(KM)ᵀ = QKᵀ`, so the
 //!   scores do not change, but an outlier in one channel is spread over all `n` channels and
-//!   quantises with far less error. With a Hadamard matrix, `xM` costs `O(n log n)`.
+//!   quantises with far less error. With a Hadamard matrix, `xM` costs `O(n log n)`. Hadamard
+//!   matrices of every order do not exist, so at a head dim that is not a power of two `H` is
+//!   block-diagonal ([`RandomHadamard`]: blocks of 32 at `d = 96`, 16 at `d = 80`).
 //!
 //! Conversion rounds to nearest even and saturates at ±448 (the CUDA `__NV_SATFINITE` mode),
 //! through the [`float8`] crate.
@@ -102,48 +104,56 @@ impl<T: Element> Fp8Tensor<T> {
     }
 }
 
-/// The random orthogonal map of incoherent processing: `x ↦ H (s ∘ x) / √n` on each row, with
-/// `H` the `n × n` Sylvester–Hadamard matrix, `s` random signs and `n` the head dim rounded up
-/// to a power of two (rows are zero-padded, which leaves dot products unchanged).
+/// The random orthogonal map of incoherent processing: `x ↦ H (s ∘ x) / √b` on each row, with
+/// `s` random signs and `H` block-diagonal, one `b × b` Sylvester–Hadamard matrix per `b`
+/// consecutive columns, `b` the largest power of two that divides the head dim `d`: the whole
+/// row when `d` is a power of two (128, 256), three blocks of 32 at `d = 96`, five of 16 at
+/// `d = 80`. The rows keep their width, so the kernels' tiles do not change, and an outlier
+/// channel is spread over the `b` channels of its block (a head dim of `2^k · odd` spreads over
+/// `2^k`; an odd one only has its signs flipped).
 #[derive(Debug, Clone, PartialEq)]
 pub struct RandomHadamard {
     signs: Vec<f64>,
 }
 
 impl RandomHadamard {
-    /// Draws the signs for head dim `d` from `seed`.
+    /// Draws the signs for head dim `d` from `seed`: ChaCha8, one random bool per column.
     pub fn new(d: usize, seed: u64) -> Self {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let n = d.max(1).next_power_of_two();
-        Self { signs: (0..n).map(|_| if rng.random::<bool>() { 1.0 } else { -1.0 }).collect() }
+        Self { signs: (0..d).map(|_| if rng.random::<bool>() { 1.0 } else { -1.0 }).collect() }
     }
 
-    /// The random signs (±1), one per column of the transformed rows.
+    /// The random signs (±1), one per column.
     pub fn signs(&self) -> &[f64] {
         &self.signs
     }
 
-    /// Width of the transformed rows.
-    pub fn width(&self) -> usize {
-        self.signs.len()
+    /// Columns per Hadamard block: the largest power of two dividing the head dim.
+    pub fn block(&self) -> usize {
+        hadamard_block(self.signs.len())
     }
 
-    /// Applies the map to every row (last axis) of `x`.
+    /// Applies the map to every row (last axis) of `x`, whose rows have the head dim's width.
     pub fn apply<T: Element>(&self, x: ArrayView4<T>) -> Array4<T> {
-        let (b, h, n, d) = x.dim();
-        let width = self.width();
-        let norm = T::of(1.0 / (width as f64).sqrt());
-        let mut out = Array4::zeros((b, h, n, width));
-        Zip::from(out.lanes_mut(Axis(3))).and(x.lanes(Axis(3))).for_each(|mut o, x| {
-            for c in 0..d {
-                o[c] = x[c] * T::of(self.signs[c]);
+        let block = self.block();
+        let norm = T::of(1.0 / (block as f64).sqrt());
+        let mut out = x.to_owned();
+        Zip::from(out.lanes_mut(Axis(3))).for_each(|mut row| {
+            let row = row.as_slice_mut().expect("rows of a fresh array are contiguous");
+            for (v, &s) in row.iter_mut().zip(&self.signs) {
+                *v = *v * T::of(s);
             }
-            let row = o.as_slice_mut().expect("rows of a fresh array are contiguous");
-            walsh_hadamard(row);
+            row.chunks_mut(block).for_each(walsh_hadamard);
             row.iter_mut().for_each(|v| *v = *v * norm);
         });
         out
     }
+}
+
+/// The largest power of two dividing `d` (1 for an odd `d`, and for 0): the block of
+/// [`RandomHadamard`] at head dim `d`.
+pub fn hadamard_block(d: usize) -> usize {
+    if d == 0 { 1 } else { 1 << d.trailing_zeros() }
 }
 
 /// In-place fast Walsh–Hadamard transform (unnormalised); `x.len()` is a power of two.
@@ -196,16 +206,32 @@ mod tests {
 
     #[test]
     fn random_hadamard_is_orthogonal() {
-        let x = Array4::from_shape_fn((1, 1, 2, 5), |(_, _, i, c)| {
-            ((i + 1) * (c + 3)) as f64 * 0.37 - 1.0
-        });
-        let t = RandomHadamard::new(5, 7);
-        assert_eq!(t.width(), 8);
-        let y = t.apply(x.view());
-        let dot = |a: ArrayView2<f64>, i: usize, j: usize| a.row(i).dot(&a.row(j));
-        let (xs, ys) = (x.slice(s![0, 0, .., ..]), y.slice(s![0, 0, .., ..]));
-        for (i, j) in [(0, 0), (0, 1), (1, 1)] {
-            assert!((dot(xs, i, j) - dot(ys, i, j)).abs() < 1e-12);
+        for (d, block) in [(5, 1), (12, 4), (16, 16), (96, 32)] {
+            let x = Array4::from_shape_fn((1, 1, 3, d), |(_, _, i, c)| {
+                ((i + 1) * (c + 3)) as f64 * 0.37 - 1.0
+            });
+            let t = RandomHadamard::new(d, 7);
+            assert_eq!((t.signs().len(), t.block()), (d, block));
+            let y = t.apply(x.view());
+            assert_eq!(y.dim(), x.dim());
+            let dot = |a: ArrayView2<f64>, i: usize, j: usize| a.row(i).dot(&a.row(j));
+            let (xs, ys) = (x.slice(s![0, 0, .., ..]), y.slice(s![0, 0, .., ..]));
+            for (i, j) in [(0, 0), (0, 1), (1, 2), (2, 2)] {
+                assert!((dot(xs, i, j) - dot(ys, i, j)).abs() < 1e-9, "d = {d}");
+            }
+        }
+    }
+
+    #[test]
+    fn random_hadamard_spreads_a_channel_over_its_block() {
+        // One outlier in column 40 of d = 96 (blocks of 32): the map spreads it over columns
+        // 32 … 63, each |x| / √32, and leaves the other blocks alone.
+        let mut x = Array4::<f64>::zeros((1, 1, 1, 96));
+        x[[0, 0, 0, 40]] = 32.0;
+        let y = RandomHadamard::new(96, 3).apply(x.view());
+        for c in 0..96 {
+            let want = if (32..64).contains(&c) { 32.0 / 32f64.sqrt() } else { 0.0 };
+            assert!((y[[0, 0, 0, c]].abs() - want).abs() < 1e-12, "column {c}");
         }
     }
 }

@@ -643,7 +643,7 @@ mod tests {
             [GpuRung::Fa1, GpuRung::Fa2, GpuRung::Fa3, fp8, atomic, det, fa3, fa3_det]
         );
         assert_eq!(at(4096), [GpuRung::Fa2, GpuRung::Fa3, fp8, atomic, det, fa3, fa3_det]);
-        assert!(!p.rungs_at(64, 4096).contains(&fp8), "fa3-fp8 has no d = 64 kernel");
+        assert!(p.rungs_at(64, 4096).contains(&fp8), "fa3-fp8 takes every multiple of 16");
         assert_eq!((p.repeats_of(GpuRung::Fa1), p.repeats_of(GpuRung::Fa2)), (3, 30));
         assert!(p.notes().iter().any(|n| n.contains("n <= 2048")));
         let notes = p.notes().join("; ");
@@ -763,11 +763,11 @@ mod tests {
         .unwrap();
         assert_eq!(g.decode, [shape(2, 4, 4096), shape(2, 4, 65536)]);
         assert_eq!((g.decode_ds.as_slice(), g.splits), (&[64][..], Some(16)));
-        assert_eq!(g.rungs_at(64, 4096), [GpuRung::Fa2, GpuRung::Fa3], "no fa3-fp8 at d = 64");
+        assert_eq!(g.rungs_at(64, 4096), [GpuRung::Fa2, GpuRung::Fa3, GpuRung::Fa3Fp8]);
         assert_eq!(
             g.case_count(),
-            2 * 2 * 2 + 2 * 2,
-            "fa2, fa3 fwd × 2 masks × 2 lengths, and 2 decode × 2 decoding rungs"
+            3 * 2 * 2 + 2 * 2,
+            "fa2, fa3, fa3-fp8 fwd × 2 masks × 2 lengths, and 2 decode × 2 decoding rungs"
         );
         assert!(g.notes().join(" ").contains("16 (--splits)"));
         let l = plan(&["--direction", "decode", "--n", "1024"]).unwrap();

@@ -7,16 +7,17 @@
 //! attending to itself (causal per sequence, or not), heads = hidden / d. FLOPs are the real ones,
 //! the sum over the sequences (no padding counted). The fixed-length row is `SEQUENCES` sequences
 //! of the mean length. With `bwd` among the directions, FA2's backward (after an untimed forward)
-//! runs on both batches too. Rows go to `varlen.csv`:
+//! runs on both batches too; `fa3-fp8` times its attention on inputs quantised once, untimed. Rows go to `varlen.csv`:
 //! `imp,direction,batching,dtype,causal,sequences,heads,d,tokens,gflop,ms,tflops`.
 
 use std::fmt::Write as _;
 use std::path::Path;
 
 use anyhow::Context;
-use ladder_compare::GpuRung;
+use ladder_compare::gpu_check::gpu_fp8;
 use ladder_compare::gpu_rungs::Kernels;
 use ladder_compare::results::{Direction, attention_flops};
+use ladder_compare::{GpuRung, RungConfig};
 use ladder_kernels::varlen::SeqLens;
 use ladder_kernels::{Gpu, Options, Tensor};
 
@@ -80,7 +81,11 @@ pub(super) fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
         .into_iter()
         .filter(|r| plan.rungs.contains(&r.name()) && plan.directions.contains(&r.direction()))
         .filter(|r| r.available_on(gpu))
-        .filter(|r| r.varlen_forward().is_some() || r.varlen_backward().is_some())
+        .filter(|r| {
+            r.varlen_forward().is_some()
+                || r.varlen_backward().is_some()
+                || r.varlen_fp8().is_some()
+        })
         .collect();
     eprintln!(
         "varlen: {SEQUENCES} sequences of {SHORTEST} … {LONGEST} tokens ({tokens} in all, mean \
@@ -184,6 +189,24 @@ fn steps<'a>(
         });
         let fixed: Step = Box::new(move |_| {
             let o = fixed_run(gpu, &fixed[0], &fixed[1], &fixed[2], &opts)?;
+            Ok(vec![o.o, o.lse])
+        });
+        return Ok([("varlen", varlen), ("fixed", fixed)]);
+    }
+    if let (Some((quantize_varlen, varlen_run)), Kernels::ForwardFp8 { quantize, forward }) =
+        (rung.varlen_fp8(), rung.kernels())
+    {
+        // FP8: quantised once, untimed (as `ladder bench` times the fixed-length FP8 rung).
+        let fp8 = gpu_fp8(&RungConfig::default().fp8);
+        let packed_in =
+            quantize_varlen(gpu, &packed[0], &packed[1], &packed[2], seqlens, &opts, &fp8)?;
+        let fixed_in = quantize(gpu, &fixed[0], &fixed[1], &fixed[2], &opts, &fp8)?;
+        let varlen: Step = Box::new(move |_| {
+            let o = varlen_run(gpu, &packed_in, seqlens)?;
+            Ok(vec![o.o, o.lse])
+        });
+        let fixed: Step = Box::new(move |_| {
+            let o = forward(gpu, &fixed_in)?;
             Ok(vec![o.o, o.lse])
         });
         return Ok([("varlen", varlen), ("fixed", fixed)]);
