@@ -153,32 +153,28 @@ static_assert(sizeof(Fa3BackwardParams) == FA3B_HOST_PARAMS_BYTES,
 
 typedef PipelineState<STAGES> QueryPosition;
 
-// The block's work: its keys, its heads, and the query tiles that see them.
+// The block's work: its keys (key block seq.block of batch entry seq.batch), its heads, and the
+// query tiles that see them.
 struct Work {
+    SeqBlock seq;
     int k0;
     int head;
     int kv_head;
-    int batch;
     int i_begin;  // query tiles i_begin … i_end − 1
     int i_end;
 };
 
 __device__ __forceinline__ Work work_of(const BackwardParams& p) {
     Work w;
-    w.k0 = blockIdx.x * BC;
+    w.seq = fixed_block(blockIdx.z, blockIdx.x, p.n_q, p.n_kv);
+    w.k0 = w.seq.block * BC;
     w.head = blockIdx.y;
     w.kv_head = w.head / (p.heads_q / p.heads_kv);
-    w.batch = blockIdx.z;
     w.i_end = (p.n_q + BR - 1) / BR;
     // Bottom-right causal: query i sees key j when j <= i + shift, so tiles wholly before
     // k0 − shift see none of the block's keys.
     w.i_begin = causal ? max(0, (w.k0 - (p.n_kv - p.n_q)) / BR) : 0;
     return w;
-}
-
-// lse2 and D rows of (batch, head), padded per head to n_q_pad (fixed-length batches only here).
-__device__ __forceinline__ long long stats_of(const BackwardParams& p, const Work& w) {
-    return ((long long)w.batch * p.heads_q + w.head) * p.n_q_pad;
 }
 
 // ---- producer ---------------------------------------------------------------------------------
@@ -187,17 +183,18 @@ __device__ void producer(const Fa3BackwardParams& p, SharedTiles& t, const Work&
     tma_prefetch(&p.q);
     tma_prefetch(&p.d_o);
     mbar_expect_tx(&t.kv_full, sizeof(t.k) + sizeof(t.v));
-    tma_load_tile<BC, COLS>(t.k, &p.k, &t.kv_full, 0, w.k0, w.kv_head, w.batch);
-    tma_load_tile<BC, COLS>(t.v, &p.v, &t.kv_full, 0, w.k0, w.kv_head, w.batch);
-    const long long stats = stats_of(p.b, w);
+    const int batch = w.seq.batch;
+    tma_load_tile<BC, COLS>(t.k, &p.k, &t.kv_full, 0, w.k0, w.kv_head, batch);
+    tma_load_tile<BC, COLS>(t.v, &p.v, &t.kv_full, 0, w.k0, w.kv_head, batch);
+    // lse2 and D rows of (batch, head), padded per head to n_q_pad.
+    const long long stats = stat_rows<false>(p.b, w.seq, w.head);
     QueryPosition pos;
     for (int i = w.i_begin; i < w.i_end; ++i, ++pos.count) {
         const int stage = pos.stage();
         mbar_wait(&t.q_empty[stage], pos.parity() ^ 1);
         mbar_expect_tx(&t.q_full[stage], sizeof(t.q[0]) + sizeof(t.d_o[0]) + 2 * BR * 4);
-        tma_load_tile<BR, COLS>(t.q[stage], &p.q, &t.q_full[stage], 0, i * BR, w.head, w.batch);
-        tma_load_tile<BR, COLS>(t.d_o[stage], &p.d_o, &t.q_full[stage], 0, i * BR, w.head,
-                                w.batch);
+        tma_load_tile<BR, COLS>(t.q[stage], &p.q, &t.q_full[stage], 0, i * BR, w.head, batch);
+        tma_load_tile<BR, COLS>(t.d_o[stage], &p.d_o, &t.q_full[stage], 0, i * BR, w.head, batch);
         // (n_q_pad is a whole number of BR rows: these rows are aligned and inside the arrays)
         bulk_load(t.lse2[stage], p.b.lse2 + stats + i * BR, BR * 4, &t.q_full[stage]);
         bulk_load(t.delta[stage], p.b.delta + stats + i * BR, BR * 4, &t.q_full[stage]);
@@ -327,7 +324,8 @@ __device__ void consumer(const Fa3BackwardParams& p, SharedTiles& t, const Work&
             if (threadIdx.x == DQ_ISSUER) {  // rows past n_q are outside the map: not added
 #pragma unroll
                 for (int cb = 0; cb < DQ_BLOCKS; ++cb)
-                    tma_reduce_add_4d(&p.dq_acc, t.dq + cb * BR * 32, cb * 32, i0, w.head, w.batch);
+                    tma_reduce_add_4d(&p.dq_acc, t.dq + cb * BR * 32, cb * 32, i0, w.head,
+                                      w.seq.batch);
                 tma_store_commit();
             }
         }
@@ -343,7 +341,7 @@ __device__ void consumer(const Fa3BackwardParams& p, SharedTiles& t, const Work&
     if (!deterministic && threadIdx.x == DQ_ISSUER) tma_store_wait_all();
 
     // dK_j, dV_j of this query head, unscaled, f32: finish sums the group and scales dK.
-    const long long key_rows = ((long long)w.batch * b.heads_q + w.head) * b.n_kv;
+    const long long key_rows = key_rows_offset(false, b.varlen, w.seq, b.heads_q, w.head, b.n_kv);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int key = warp_key0 + acc_row(2 * h);

@@ -336,6 +336,37 @@ mod tests {
         )
     }
 
+    /// Every sm_90a variant of the kernel file `file` with its SASS (one instruction per entry),
+    /// or `None` (after saying why) where NVRTC or nvdisasm is missing and not required.
+    fn sass_of(file: &str) -> Option<Vec<(Variant, Vec<String>)>> {
+        let settings = settings_from_env();
+        let required = std::env::var("LADDER_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+        let variants = crate::variants("sm_90a").into_iter().filter(|v| v.file == file);
+        let mut out = Vec::new();
+        for (n, v) in variants.enumerate() {
+            let compiled = match compile(&v, "sm_90a", &settings) {
+                Ok(c) => c,
+                Err(e) if !required => {
+                    eprintln!("skipped: {e}");
+                    return None;
+                }
+                Err(e) => panic!("LADDER_REQUIRE_NVRTC=1 but {e}"),
+            };
+            let Some(code) = sass(&compiled.cubin, &format!("{file}{n}")) else {
+                assert!(!required, "LADDER_REQUIRE_NVRTC=1 needs LADDER_NVDISASM (an nvdisasm)");
+                eprintln!("skipped: LADDER_NVDISASM is not set");
+                return None;
+            };
+            out.push((v, code));
+        }
+        Some(out)
+    }
+
+    /// A numeric compile-time constant of `v` (0 where it is not set).
+    fn define(v: &Variant, name: &str) -> usize {
+        v.defines.iter().find(|(k, _)| *k == name).and_then(|(_, x)| x.parse().ok()).unwrap_or(0)
+    }
+
     /// What the FA3 kernel is made of, checked in its machine code (NVRTC and nvdisasm, no GPU;
     /// `.ci/kernels` installs both): TMA loads (UTMALDG) and, where O goes through shared memory,
     /// TMA stores (UTMASTG); warpgroup products (HGMMA, or QGMMA in FP8); and, where the schedule
@@ -345,32 +376,9 @@ mod tests {
     /// was lost without a test noticing (docs/perf-notes.md, FA3 v9).
     #[test]
     fn fa3_machine_code_overlaps_the_softmax_with_its_product() {
-        let settings = settings_from_env();
-        let variants: Vec<Variant> =
-            crate::variants("sm_90a").into_iter().filter(|v| v.file == "fa3_forward").collect();
-        let define = |v: &Variant, name: &str| -> usize {
-            v.defines
-                .iter()
-                .find(|(k, _)| *k == name)
-                .and_then(|(_, x)| x.parse().ok())
-                .unwrap_or(0)
-        };
-        let required = std::env::var("LADDER_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+        let Some(disassembled) = sass_of("fa3_forward") else { return };
         let mut checked = 0;
-        for v in &variants {
-            let compiled = match compile(v, "sm_90a", &settings) {
-                Ok(c) => c,
-                Err(e) if !required => {
-                    eprintln!("skipped: {e}");
-                    return;
-                }
-                Err(e) => panic!("LADDER_REQUIRE_NVRTC=1 but {e}"),
-            };
-            let Some(code) = sass(&compiled.cubin, &format!("{checked}")) else {
-                assert!(!required, "LADDER_REQUIRE_NVRTC=1 needs LADDER_NVDISASM (an nvdisasm)");
-                eprintln!("skipped: LADDER_NVDISASM is not set");
-                return;
-            };
+        for (v, code) in &disassembled {
             let label = v.label();
             let has = |op: &str| code.iter().any(|i| i.contains(op));
             let product = if define(v, "FA3_FP8") == 1 { "QGMMA" } else { "HGMMA" };
@@ -418,32 +426,9 @@ mod tests {
     /// being when the compiler loses track of the shared tiles' address space.
     #[test]
     fn fa3_backward_machine_code_has_its_copies_and_products() {
-        let settings = settings_from_env();
-        let variants: Vec<Variant> =
-            crate::variants("sm_90a").into_iter().filter(|v| v.file == "fa3_backward").collect();
-        let define = |v: &Variant, name: &str| -> usize {
-            v.defines
-                .iter()
-                .find(|(k, _)| *k == name)
-                .and_then(|(_, x)| x.parse().ok())
-                .unwrap_or(0)
-        };
-        let required = std::env::var("LADDER_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+        let Some(disassembled) = sass_of("fa3_backward") else { return };
         let mut checked = 0;
-        for v in &variants {
-            let compiled = match compile(v, "sm_90a", &settings) {
-                Ok(c) => c,
-                Err(e) if !required => {
-                    eprintln!("skipped: {e}");
-                    return;
-                }
-                Err(e) => panic!("LADDER_REQUIRE_NVRTC=1 but {e}"),
-            };
-            let Some(code) = sass(&compiled.cubin, &format!("bwd{checked}")) else {
-                assert!(!required, "LADDER_REQUIRE_NVRTC=1 needs LADDER_NVDISASM (an nvdisasm)");
-                eprintln!("skipped: LADDER_NVDISASM is not set");
-                return;
-            };
+        for (v, code) in &disassembled {
             let label = v.label();
             let count = |op: &str| code.iter().filter(|i| i.contains(op)).count();
             let deterministic = define(v, "FA3B_DETERMINISTIC") == 1;

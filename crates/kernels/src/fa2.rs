@@ -422,7 +422,7 @@ pub(crate) struct BackwardParams {
     k_strides: Strides,
     v_strides: Strides,
     o_strides: Strides,
-    d_o_strides: Strides,
+    pub(crate) d_o_strides: Strides,
     dq_strides: Strides,
     dk_strides: Strides,
     dv_strides: Strides,

@@ -54,7 +54,7 @@ const THREADS: u32 = 384;
 /// needs. (The kernel checks this against its own layout when it compiles.)
 pub fn shared_bytes(d: usize) -> usize {
     let cols = super::tile_cols(d);
-    let dq_cols = d.next_multiple_of(16).next_multiple_of(32);
+    let dq_cols = d.next_multiple_of(32);
     let tiles = 2 * BC * cols * 2 + 2 * STAGES * BR * cols * 2 + 2 * BC * BR * 2 + BR * dq_cols * 4;
     let stats = 2 * STAGES * BR * 4;
     let barriers = (1 + 2 * STAGES) * 8;
@@ -130,8 +130,6 @@ pub fn backward(
     gpu.prepare(&kernel, smem)?;
     let [qs, ks, vs] = p.strides;
     let launch = |b: &BackwardParams| -> Result<()> {
-        // (d_o is checked to have Q's shape before the main pass runs)
-        let d_o_strides = p.strides_of(d_o, "d_o")?;
         // FA2's dQ accumulator, [batch, heads_q, n_q, d] f32 (contiguous).
         let dq_dims = [p.d, p.n_q, p.heads_q, p.batch];
         let dq_acc = MapSpec {
@@ -147,7 +145,14 @@ pub fn backward(
             q: tensor_map_16("q", (&p.kernel_dims(q), q.dtype()), qs, b.q, BR)?,
             k: tensor_map_16("k", (&p.kernel_dims(k), k.dtype()), ks, b.k, BC)?,
             v: tensor_map_16("v", (&p.kernel_dims(v), v.dtype()), vs, b.v, BC)?,
-            d_o: tensor_map_16("d_o", (&p.kernel_dims(d_o), d_o.dtype()), d_o_strides, b.d_o, BR)?,
+            // (d_o checked to have Q's shape and its strides taken by the time the pass runs)
+            d_o: tensor_map_16(
+                "d_o",
+                (&p.kernel_dims(d_o), d_o.dtype()),
+                b.d_o_strides,
+                b.d_o,
+                BR,
+            )?,
             dq_acc: tensor_map(&dq_acc)?,
             b: *b,
         };
