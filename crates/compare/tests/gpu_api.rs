@@ -436,3 +436,43 @@ fn check_deterministic(gpu: &Gpu, rung: &str, forward: ForwardFn, backward: Back
         );
     }
 }
+
+/// A kernel compiled from edited text (`GpuConfig::kernel_source`) is what the rung launches: FA2's
+/// forward with its rescale of O planted out (`acc *= alpha` made `acc *= 1`) fails the ladder's
+/// check against the float64 oracle where the crate's own kernel passes it, and a `Gpu` without
+/// the edit is unaffected. (What a learner's "fix the kernel" exercise rests on.)
+#[test]
+fn an_edited_kernel_is_the_one_that_runs() {
+    use ladder_compare::gpu_check::{expected_forward, gpu_config_from_env};
+    use ladder_compare::oracle::Oracle;
+    use ladder_compare::{Case, gpu_check};
+    let Some(gpu) = gpu() else { return };
+    let original = ladder_kernels::kernel_source("fa2_forward").expect("the FA2 forward source");
+    let rescale = "acc[mt][dt][e] *= alpha[mt][e / 2];";
+    assert_eq!(original.matches(rescale).count(), 1, "the line the planted bug edits");
+    let planted = original.replace(rescale, "acc[mt][dt][e] *= 1.f;");
+    let config = gpu_config_from_env().expect("config").kernel_source("fa2_forward", planted);
+    let edited = Gpu::with_config(config.expect("a known kernel file")).expect("a second Gpu");
+
+    // Several K/V tiles, so that a row's running max moves after its first tile.
+    let case = Case {
+        shape: ladder_reference::AttentionShape::new(1, 2, 2, 200, 700, 64).unwrap(),
+        causal: false,
+        logit_std: 2.0,
+        tiles: ladder_reference::TileSizes::new(64, 64).unwrap(),
+        splits: 1,
+        seed: 3,
+    };
+    let x = gpu_check::device_inputs(&case, DType::F16);
+    let (attention, opts) = gpu_check::options(&case.attention(), 64);
+    let oracle = Oracle::new(&x, &attention).expect("oracle");
+    let expected = expected_forward(&oracle, &x, DType::F16).expect("tolerance");
+    let run = |gpu: &Gpu| gpu_check::forward(gpu, GpuRung::Fa2, &x, &opts, DType::F16).unwrap().0;
+    let verdict = |gpu: &Gpu| expected.judge(&run(gpu));
+    let ours = verdict(gpu);
+    assert!(ours.pass, "the crate's kernel: O {}, lse {}", ours.o, ours.lse);
+    let planted = verdict(&edited);
+    assert!(!planted.pass, "the planted bug passed the check: O {}", planted.o);
+    assert!(verdict(gpu).pass, "the shared Gpu still runs the crate's kernel");
+    println!("planted bug (no rescale): O {} against the crate's {}", planted.o, ours.o);
+}

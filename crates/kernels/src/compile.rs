@@ -37,6 +37,35 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("backward.cuh", include_str!("../cuda/backward.cuh")),
 ];
 
+/// Every kernel file of the crate, by stem (the `.cu` file under `cuda/`): what
+/// [`crate::GpuConfig::kernel_source`] may replace.
+pub const KERNEL_FILES: &[&str] = &[
+    "fa1",
+    "fa2_forward",
+    "fa2_backward",
+    "fa3_forward",
+    "fa3_backward",
+    "fa3_fp8_quantize",
+    "flash_decoding",
+    "flash_decoding_pp",
+];
+
+/// The crate's own source of the kernel file `file` (one of [`KERNEL_FILES`]), e.g. to edit it
+/// and compile the edit with [`crate::GpuConfig::kernel_source`].
+pub fn kernel_source(file: &str) -> Option<&'static str> {
+    Some(match file {
+        "fa1" => crate::fa1::SRC,
+        "fa2_forward" => crate::fa2::FORWARD_SRC,
+        "fa2_backward" => crate::fa2::BACKWARD_SRC,
+        "fa3_forward" => crate::fa3::SRC,
+        "fa3_backward" => crate::fa3::backward::SRC,
+        "fa3_fp8_quantize" => crate::fa3::fp8::QUANTIZE_SRC,
+        "flash_decoding" => crate::decode::SRC,
+        "flash_decoding_pp" => crate::decode::PP_SRC,
+        _ => return None,
+    })
+}
+
 /// One compilable kernel: a rung's source plus the macro constants that pick the variant.
 ///
 /// Equality and hashing use the file stem and the definitions only: each stem names one source,
@@ -109,11 +138,39 @@ pub struct CompileSettings {
 }
 
 /// Compile `variant` for `arch` (`sm_90a`, `sm_80`, ...), through the disk cache.
+#[cfg(test)]
 pub fn compile(variant: &Variant, arch: &str, settings: &CompileSettings) -> Result<Compiled> {
+    compile_source(variant, variant.source, arch, settings)
+}
+
+/// [`compile`] with `source` in place of the variant's own text (an edited kernel: the same
+/// file, entry points and macro constants), through the same disk cache, whose key hashes the
+/// text. A compile error names the variant as edited.
+pub fn compile_source(
+    variant: &Variant,
+    source: &str,
+    arch: &str,
+    settings: &CompileSettings,
+) -> Result<Compiled> {
+    let edited = !std::ptr::eq(source, variant.source);
+    compile_text(variant, source, arch, settings).map_err(|e| match e {
+        KernelError::Compile { kernel, log } if edited => {
+            KernelError::Compile { kernel: format!("{kernel}, edited source"), log }
+        }
+        e => e,
+    })
+}
+
+fn compile_text(
+    variant: &Variant,
+    source: &str,
+    arch: &str,
+    settings: &CompileSettings,
+) -> Result<Compiled> {
     let version = nvrtc_version(variant)?;
     let options = variant.options(arch, &settings.extra_options);
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    (variant.source, HEADERS, &options, version).hash(&mut hasher);
+    (source, HEADERS, &options, version).hash(&mut hasher);
     let key = format!("{}-{arch}-{:016x}", variant.file, hasher.finish());
     let dir = &settings.cache_dir;
     if let Some(dir) = &dir {
@@ -129,7 +186,7 @@ pub fn compile(variant: &Variant, arch: &str, settings: &CompileSettings) -> Res
             }
         }
     }
-    let compiled = compile_uncached(variant, &options)?;
+    let compiled = compile_uncached(variant, source, &options)?;
     if let Some(dir) = &dir {
         // A cache that cannot be written only costs the next run a compile. Each file is
         // written under a name of its own, then renamed into place, so that threads and processes
@@ -177,7 +234,7 @@ pub fn nvrtc_version(variant: &Variant) -> Result<(i32, i32)> {
     Ok((major, minor))
 }
 
-fn compile_uncached(variant: &Variant, options: &[String]) -> Result<Compiled> {
+fn compile_uncached(variant: &Variant, source: &str, options: &[String]) -> Result<Compiled> {
     // One NVRTC compile at a time per process: with several in flight (two `Gpu`s of one process
     // compiling at once), one compile's log came back empty, ptxas's report lost, while its cubin
     // was fine (seen on the H200 with CUDA 13.0). The compiles are seconds, once per variant.
@@ -185,7 +242,7 @@ fn compile_uncached(variant: &Variant, options: &[String]) -> Result<Compiled> {
     let _one_at_a_time = NVRTC.lock().unwrap_or_else(|p| p.into_inner());
     let fail = |log: String| KernelError::Compile { kernel: variant.label(), log };
     let cstring = |s: &str| CString::new(s).map_err(|e| fail(e.to_string()));
-    let src = cstring(variant.source)?;
+    let src = cstring(source)?;
     let name = cstring(&format!("{}.cu", variant.file))?;
     let header_texts = HEADERS.iter().map(|(_, text)| cstring(text)).collect::<Result<Vec<_>>>()?;
     let header_names = HEADERS.iter().map(|(name, _)| cstring(name)).collect::<Result<Vec<_>>>()?;
@@ -446,6 +503,31 @@ mod tests {
         }
         assert!(checked > 0, "no FA3 backward variant");
         println!("{checked} FA3 backward variants: TMA, wgmma, dQ by TMA reduction in their SASS");
+    }
+
+    /// An edited kernel compiles through the same path as the crate's (`compile_source`, what
+    /// `GpuConfig::kernel_source` runs): a working edit compiles, one with a mistake is a compile
+    /// error that says the source was edited and carries NVRTC's message. Needs libnvrtc, as the
+    /// compile check does.
+    #[test]
+    fn an_edited_kernel_compiles_or_says_why() {
+        let settings = settings_from_env();
+        let variant = crate::fa2::variants("sm_80").into_iter().next().expect("an FA2 variant");
+        let original = crate::kernel_source(variant.file).expect("its source");
+        let edited = format!("{original}\n// an edit\n");
+        match compile_source(&variant, &edited, "sm_80", &settings) {
+            Ok(c) => assert!(c.log.contains("ptxas info"), "{}", c.log),
+            Err(e) if std::env::var("LADDER_REQUIRE_NVRTC").is_ok_and(|v| v == "1") => {
+                panic!("LADDER_REQUIRE_NVRTC=1 but {e}")
+            }
+            Err(e) => {
+                eprintln!("skipped: {e}");
+                return;
+            }
+        }
+        let broken = original.replacen("extern \"C\"", "extern \"C\" this_is_not_cuda", 1);
+        let err = compile_source(&variant, &broken, "sm_80", &settings).unwrap_err().to_string();
+        assert!(err.contains("edited source") && err.contains("this_is_not_cuda"), "{err}");
     }
 
     /// Every kernel variant compiles with NVRTC for Hopper (sm_90a) and Ampere (sm_80), and

@@ -137,6 +137,9 @@ mod shape;
 #[cfg(test)]
 mod tests;
 
+/// FlashDecoding++'s kernel file (`cuda/flash_decoding_pp.cu`), for [`crate::kernel_source`].
+pub(crate) const PP_SRC: &str = pp::SRC;
+
 use cache::TableInfo;
 pub use cache::{Cache, KvCache, PageTable, PagedKvCache};
 #[cfg(test)]
@@ -151,7 +154,7 @@ pub use dispatch::{
 pub use pp::default_safe_range;
 use pp::{PpKernel, PpParams, Window};
 
-const SRC: &str = include_str!("../cuda/flash_decoding.cu");
+pub(crate) const SRC: &str = include_str!("../cuda/flash_decoding.cu");
 
 /// Head dimensions with a FlashDecoding kernel: every multiple of 8 from 8 to 256 (each compiled
 /// for itself, padded to the tensor cores' 16-wide k-steps in registers and to 64-element rows in

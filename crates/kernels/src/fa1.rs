@@ -14,7 +14,7 @@ use crate::gpu::{Gpu, Kernel};
 use crate::problem::{Options, Output, Problem, grid};
 use crate::tensor::{DType, Tensor};
 
-const SRC: &str = include_str!("../cuda/fa1.cu");
+pub(crate) const SRC: &str = include_str!("../cuda/fa1.cu");
 
 /// Head dimensions with an FA1 kernel (its K/V tiles live in 48 KB of static shared memory).
 pub const HEAD_DIMS: &[usize] = &[32, 64, 128];

@@ -33,8 +33,8 @@ use crate::problem::{Gradients, Options, Output, Packed, Problem, Strides, grid,
 use crate::tensor::{DType, Tensor};
 use crate::varlen::{SeqLens, VarlenParams};
 
-const FORWARD_SRC: &str = include_str!("../cuda/fa2_forward.cu");
-const BACKWARD_SRC: &str = include_str!("../cuda/fa2_backward.cu");
+pub(crate) const FORWARD_SRC: &str = include_str!("../cuda/fa2_forward.cu");
+pub(crate) const BACKWARD_SRC: &str = include_str!("../cuda/fa2_backward.cu");
 
 /// Head dimensions of the FA2 forward kernel: every multiple of 8 from 8 to 256.
 pub const HEAD_DIMS: &[usize] = &multiples_of_8::<32>();

@@ -55,7 +55,7 @@ pub mod fp8;
 
 pub use backward::{BACKWARD_HEAD_DIMS, backward};
 
-const SRC: &str = include_str!("../cuda/fa3_forward.cu");
+pub(crate) const SRC: &str = include_str!("../cuda/fa3_forward.cu");
 
 /// Head dimensions with an FA3 kernel: every multiple of 8 from 8 to 256 (the kernel is compiled
 /// for the one it is given).

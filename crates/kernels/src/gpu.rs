@@ -79,6 +79,8 @@ pub struct GpuConfig {
     no_programmatic_launch: bool,
     /// The rungs' knobs ([`GpuConfig::tune`]), at most one of each type.
     tuning: Vec<Arc<dyn AnyTuning>>,
+    /// Kernel files compiled from other text ([`GpuConfig::kernel_source`]).
+    sources: Vec<(&'static str, Arc<str>)>,
 }
 
 /// A tuning knob of one rung, carried by a [`GpuConfig`] ([`GpuConfig::tune`]) and read back by
@@ -153,6 +155,38 @@ impl GpuConfig {
     /// reads in place of its default).
     pub fn tuned<T: Tuning>(&self) -> Option<T> {
         self.tuning.iter().find_map(|t| t.as_any().downcast_ref::<T>().copied())
+    }
+
+    /// Compile the kernel file `file` (one of [`crate::KERNEL_FILES`], e.g.
+    /// `"fa2_forward"`) from `source` instead of the crate's own text
+    /// ([`crate::kernel_source`]): every rung that launches it then runs the edit with
+    /// its own checks, launch and tests — change a kernel and run the suite on it. The edit must
+    /// keep the file's entry points and parameter struct (the host launches them as before). Set
+    /// again for the same file, it replaces the earlier text. An unknown file is an error.
+    ///
+    /// ```no_run
+    /// use ladder_kernels::{Gpu, GpuConfig, kernel_source};
+    ///
+    /// let original = kernel_source("fa2_forward").expect("a kernel file");
+    /// let edited = original.replace("-INFINITY", "-1e30f"); // an experiment
+    /// let gpu = Gpu::with_config(GpuConfig::new().kernel_source("fa2_forward", edited)?)?;
+    /// # Ok::<(), ladder_kernels::KernelError>(())
+    /// ```
+    pub fn kernel_source(mut self, file: &str, source: impl Into<String>) -> Result<GpuConfig> {
+        let Some(&file) = crate::KERNEL_FILES.iter().find(|&&f| f == file) else {
+            return Err(KernelError::Config(format!(
+                "kernel_source: no kernel file {file:?} (the files: {})",
+                crate::KERNEL_FILES.join(", ")
+            )));
+        };
+        self.sources.retain(|(f, _)| *f != file);
+        self.sources.push((file, Arc::from(source.into())));
+        Ok(self)
+    }
+
+    /// The text `file` is compiled from where [`GpuConfig::kernel_source`] replaced it.
+    pub fn kernel_source_of(&self, file: &str) -> Option<&str> {
+        self.sources.iter().find(|(f, _)| *f == file).map(|(_, s)| &**s)
     }
 
     /// Launch the decoding kernel with programmatic dependent launch (Hopper and later; on by
@@ -542,7 +576,9 @@ impl Gpu {
         if let Some(f) = functions.get(&key) {
             return Ok(f.clone());
         }
-        let Compiled { cubin, .. } = compile::compile(variant, &self.arch, &self.compile)?;
+        let source = self.config.kernel_source_of(variant.file).unwrap_or(variant.source);
+        let Compiled { cubin, .. } =
+            compile::compile_source(variant, source, &self.arch, &self.compile)?;
         let module =
             self.ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| KernelError::Compile {
                 kernel: variant.label(),
@@ -766,6 +802,21 @@ mod tests {
     use crate::decode::Stages;
     use crate::fa2::ForwardTiles;
     use crate::fa3::{L2Section, Schedule};
+
+    #[test]
+    fn a_config_compiles_known_kernel_files_from_other_text() {
+        for file in crate::KERNEL_FILES {
+            let source = crate::kernel_source(file).expect("every kernel file has its source");
+            assert!(source.contains("extern \"C\" __global__"), "{file}: no entry point");
+        }
+        assert_eq!(crate::kernel_source("fa2"), None);
+        let config = GpuConfig::new().kernel_source("fa2_forward", "first").unwrap();
+        let config = config.kernel_source("fa2_forward", "second").unwrap();
+        assert_eq!(config.kernel_source_of("fa2_forward"), Some("second"), "the last text wins");
+        assert_eq!(config.kernel_source_of("fa3_forward"), None);
+        let err = GpuConfig::new().kernel_source("fa2.cu", "x").unwrap_err().to_string();
+        assert!(err.contains("no kernel file \"fa2.cu\"") && err.contains("fa2_forward"), "{err}");
+    }
 
     #[test]
     fn a_config_carries_one_knob_of_each_rung_type() {

@@ -35,7 +35,9 @@
 //!
 //! **Configuration.** The library reads no environment variables: the device, synchronous
 //! launches, NVRTC options, the kernel cache and tile overrides are fields of [`GpuConfig`].
-//! Kernels are compiled once per process and cached on disk ([`KernelCache`]).
+//! Kernels are compiled once per process and cached on disk ([`KernelCache`]). A kernel file
+//! can be compiled from edited text instead of the crate's ([`GpuConfig::kernel_source`], with
+//! the original from [`kernel_source`]): every rung that launches it then runs the edit.
 
 #![warn(missing_docs)]
 
@@ -50,6 +52,7 @@ mod problem;
 mod tensor;
 pub mod varlen;
 
+pub use compile::{KERNEL_FILES, kernel_source};
 pub use error::{KernelError, Result};
 pub use gpu::{Gpu, GpuConfig, KernelCache, Tuning};
 pub use problem::{Gradients, Options, Output, Packed, Problem};

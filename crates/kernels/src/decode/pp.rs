@@ -9,7 +9,7 @@ use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::tensor::DType;
 
-const SRC: &str = include_str!("../../cuda/flash_decoding_pp.cu");
+pub(crate) const SRC: &str = include_str!("../../cuda/flash_decoding_pp.cu");
 
 /// The GEMM shape of a FlashDecoding++ split kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -33,7 +33,7 @@ use crate::gpu::{Gpu, Kernel};
 use crate::problem::{Gradients, Options, Output, Problem, grid, multiples_of_8};
 use crate::tensor::{DType, Tensor};
 
-const SRC: &str = include_str!("../../cuda/fa3_backward.cu");
+pub(crate) const SRC: &str = include_str!("../../cuda/fa3_backward.cu");
 
 /// Head dimensions of [`backward`]: every multiple of 8 up to 128.
 pub const BACKWARD_HEAD_DIMS: &[usize] = &multiples_of_8::<16>();

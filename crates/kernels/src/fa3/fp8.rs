@@ -40,7 +40,7 @@ use crate::problem::{Options, Output, Packed, Problem, Strides, grid};
 use crate::tensor::{DType, Tensor};
 use crate::varlen::{SeqLens, TileTable, VarlenParams};
 
-const QUANTIZE_SRC: &str = include_str!("../../cuda/fa3_fp8_quantize.cu");
+pub(crate) const QUANTIZE_SRC: &str = include_str!("../../cuda/fa3_fp8_quantize.cu");
 
 /// Head dimensions with an FP8 kernel: every multiple of 16 from 16 to 256. The copy engine
 /// moves rows in 16-byte granules, so an e4m3 row must be a whole number of them; the products
