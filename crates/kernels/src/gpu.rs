@@ -80,7 +80,18 @@ pub struct GpuConfig {
     /// The rungs' knobs ([`GpuConfig::tune`]), at most one of each type.
     tuning: Vec<Arc<dyn AnyTuning>>,
     /// Kernel files compiled from other text ([`GpuConfig::kernel_source`]).
-    sources: Vec<(&'static str, Arc<str>)>,
+    sources: Vec<(&'static str, SourceText)>,
+}
+
+/// A kernel file's replacement text, shown by its size in a configuration's `Debug` output
+/// rather than in full.
+#[derive(Clone)]
+struct SourceText(Arc<str>);
+
+impl Debug for SourceText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "<{} bytes of edited source>", self.0.len())
+    }
 }
 
 /// A tuning knob of one rung, carried by a [`GpuConfig`] ([`GpuConfig::tune`]) and read back by
@@ -168,7 +179,8 @@ impl GpuConfig {
     /// use ladder_kernels::{Gpu, GpuConfig, kernel_source};
     ///
     /// let original = kernel_source("fa2_forward").expect("a kernel file");
-    /// let edited = original.replace("-INFINITY", "-1e30f"); // an experiment
+    /// // The online softmax's rescale of O, planted out (a bug for the checks to catch).
+    /// let edited = original.replace("*= alpha[mt][e / 2];", "*= 1.f;");
     /// let gpu = Gpu::with_config(GpuConfig::new().kernel_source("fa2_forward", edited)?)?;
     /// # Ok::<(), ladder_kernels::KernelError>(())
     /// ```
@@ -180,13 +192,13 @@ impl GpuConfig {
             )));
         };
         self.sources.retain(|(f, _)| *f != file);
-        self.sources.push((file, Arc::from(source.into())));
+        self.sources.push((file, SourceText(Arc::from(source.into()))));
         Ok(self)
     }
 
     /// The text `file` is compiled from where [`GpuConfig::kernel_source`] replaced it.
     pub fn kernel_source_of(&self, file: &str) -> Option<&str> {
-        self.sources.iter().find(|(f, _)| *f == file).map(|(_, s)| &**s)
+        self.sources.iter().find(|(f, _)| *f == file).map(|(_, s)| &*s.0)
     }
 
     /// Launch the decoding kernel with programmatic dependent launch (Hopper and later; on by
@@ -814,6 +826,7 @@ mod tests {
         let config = config.kernel_source("fa2_forward", "second").unwrap();
         assert_eq!(config.kernel_source_of("fa2_forward"), Some("second"), "the last text wins");
         assert_eq!(config.kernel_source_of("fa3_forward"), None);
+        assert!(format!("{config:?}").contains("<6 bytes of edited source>"), "{config:?}");
         let err = GpuConfig::new().kernel_source("fa2.cu", "x").unwrap_err().to_string();
         assert!(err.contains("no kernel file \"fa2.cu\"") && err.contains("fa2_forward"), "{err}");
     }
