@@ -367,6 +367,31 @@ proptest! {
     }
 }
 
+/// The packed output `got` of `b` sequences of `s` rows and `h` heads is, bit for bit, the
+/// fixed-length `want` computed on the same buffer seen as `[b, s, h, d]`: O (`[b, h, s, d]` laid
+/// out `[b, s, h, d]` is `[b·s, h, d]` in memory) and lse (`[b, h, s]` against `[h, b·s]`).
+fn assert_packed_is_fixed(
+    label: &str,
+    got: &ladder_kernels::Output,
+    want: ladder_kernels::Output,
+    (b, s, h): (usize, usize, usize),
+) {
+    let want_o = want.o.transpose(1, 2).unwrap().to_bytes().unwrap();
+    assert_eq!(got.o.to_bytes().unwrap(), want_o, "{label}: O");
+    let (want_lse, got_lse) = (want.lse.to_f32_vec().unwrap(), got.lse.to_f32_vec().unwrap());
+    for bi in 0..b {
+        for hi in 0..h {
+            for si in 0..s {
+                assert_eq!(
+                    want_lse[(bi * h + hi) * s + si].to_bits(),
+                    got_lse[hi * b * s + bi * s + si].to_bits(),
+                    "{label}: lse of sequence {bi}, head {hi}, row {si}"
+                );
+            }
+        }
+    }
+}
+
 /// Sequences of one length are a fixed-length batch: packed `[b·s, h, d]` must give bitwise what
 /// the fixed-length kernel gives on the same buffer seen as `[b, s, h, d]`.
 #[test]
@@ -387,25 +412,7 @@ fn gpu_varlen_of_equal_lengths_is_the_fixed_length_kernel() {
             let flat = || gpu.upload(&values, &[b * s, h, d], DType::F16);
             let (q, k, v) = (flat().unwrap(), flat().unwrap(), flat().unwrap());
             let got = varlen_forward(rung)(gpu, &q, &k, &v, &lens, &opts).unwrap();
-            // O: [b, h, s, d] laid out [b, s, h, d] is [b·s, h, d] in memory.
-            assert_eq!(
-                got.o.to_bytes().unwrap(),
-                want.o.transpose(1, 2).unwrap().to_bytes().unwrap(),
-                "{rung} {opts:?}: O"
-            );
-            // lse: [b, h, s] against [h, b·s].
-            let (want_lse, got_lse) =
-                (want.lse.to_f32_vec().unwrap(), got.lse.to_f32_vec().unwrap());
-            for ((bi, hi), si) in (0..b)
-                .flat_map(|bi| (0..h).map(move |hi| (bi, hi)))
-                .flat_map(|p| (0..s).map(move |si| (p, si)))
-            {
-                assert_eq!(
-                    want_lse[(bi * h + hi) * s + si].to_bits(),
-                    got_lse[hi * b * s + bi * s + si].to_bits(),
-                    "{rung} {opts:?}: lse of sequence {bi}, head {hi}, row {si}"
-                );
-            }
+            assert_packed_is_fixed(&format!("{rung} {opts:?}"), &got, want, (b, s, h));
         }
     }
 }
@@ -467,24 +474,7 @@ fn gpu_fp8_varlen_of_equal_lengths_is_the_fixed_length_kernel() {
         let flat = || gpu.upload(&values, &[b * s, h, d], DType::F16);
         let (q, k, v) = (flat().unwrap(), flat().unwrap(), flat().unwrap());
         let got = fp8::forward_varlen(gpu, &q, &k, &v, &lens, &opts, &rotation).unwrap();
-        // O: [b, h, s, d] laid out like q, [b, s, h, d], is [b·s, h, d] in memory.
-        assert_eq!(
-            got.o.to_bytes().unwrap(),
-            want.o.transpose(1, 2).unwrap().to_bytes().unwrap(),
-            "{opts:?}: O"
-        );
-        let (want_lse, got_lse) = (want.lse.to_f32_vec().unwrap(), got.lse.to_f32_vec().unwrap());
-        for bi in 0..b {
-            for hi in 0..h {
-                for si in 0..s {
-                    assert_eq!(
-                        want_lse[(bi * h + hi) * s + si].to_bits(),
-                        got_lse[hi * b * s + bi * s + si].to_bits(),
-                        "{opts:?}: lse of sequence {bi}, head {hi}, row {si}"
-                    );
-                }
-            }
-        }
+        assert_packed_is_fixed(&format!("fa3-fp8 {opts:?}"), &got, want, (b, s, h));
     }
 }
 
