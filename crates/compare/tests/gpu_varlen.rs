@@ -24,12 +24,12 @@ use ladder_compare::gpu_check::{
 use ladder_compare::gpu_rungs::VarlenForwardFn;
 use ladder_compare::oracle::{Expected, GradientOracle, Oracle, check};
 use ladder_compare::packed as packed_rows;
-use ladder_compare::{GpuRung, Rung, RungConfig};
+use ladder_compare::{GpuRung, Inputs, Rung, RungConfig};
 use ladder_kernels::fa3::fp8;
 use ladder_kernels::varlen::SeqLens;
 use ladder_kernels::{DType, Gpu, KernelError, Options, Tensor, fa2, fa3};
 use ladder_reference::fp8::{Fp8Scaling, Fp8Tensor, RandomHadamard};
-use ladder_reference::{AttentionOptions, Fp8Options, Gradients};
+use ladder_reference::{AttentionOptions, AttentionOutput, Fp8Options, Gradients};
 use ndarray::Array3;
 use proptest::prelude::*;
 use rand::SeedableRng;
@@ -143,18 +143,17 @@ fn draw(gpu: &Gpu, batch: &Batch, dtype: DType) -> Result<Drawn, TestCaseError> 
     Ok(Drawn { lens, x, t })
 }
 
-/// Runs `rung`'s varlen forward on `batch` and checks every sequence.
-fn check_varlen(rung: GpuRung, batch: &Batch, dtype: DType) -> Result<(), TestCaseError> {
-    let Some(gpu) = gpu() else { return Ok(()) };
-    if !rung.available_on(gpu) {
-        eprintln!("{rung} skipped: {} is {}", gpu.name(), gpu.arch());
-        return Ok(());
-    }
-    let (d, causal, heads_q) = (batch.d, batch.causal, batch.heads_kv * batch.group);
-    let Drawn { lens, x: [q, k, v, _], t: [qt, kt, vt, _] } = draw(gpu, batch, dtype)?;
-    let total_q = lens.totals().0;
-    let (attention, opts) = options(&AttentionOptions { causal, scale: None }, d);
-    let out = varlen_forward(rung)(gpu, &qt, &kt, &vt, &lens, &opts).map_err(fail)?;
+/// Checks a packed forward's `out` on the batch `lens` of packed `q, k, v` sequence by sequence:
+/// O `[total_q, heads_q, d]` and lse `[heads_q, total_q]`, the rows of a sequence without keys
+/// O = 0 and lse = −∞, and every other sequence's rows by `judge`, given the sequence's index,
+/// its inputs alone and its rows of the output.
+fn check_sequences(
+    lens: &SeqLens,
+    (q, k, v): (&Array3<f64>, &Array3<f64>, &Array3<f64>),
+    out: &ladder_kernels::Output,
+    mut judge: impl FnMut(usize, &Inputs<f64>, &AttentionOutput<f32>) -> Result<(), TestCaseError>,
+) -> Result<(), TestCaseError> {
+    let (total_q, heads_q, d) = q.dim();
     prop_assert_eq!(out.o.shape(), &[total_q, heads_q, d][..]);
     prop_assert_eq!(out.lse.shape(), &[heads_q, total_q][..]);
     let o = download3(&out.o, (total_q, heads_q, d))?;
@@ -173,19 +172,35 @@ fn check_varlen(rung: GpuRung, batch: &Batch, dtype: DType) -> Result<(), TestCa
             prop_assert!(zero && none, "sequence {} has no keys: O must be 0, lse -inf", b);
             continue;
         }
-        let x = packed_rows::inputs((&q, &k, &v), None, rows, keys);
-        let oracle = Oracle::new(&x, &attention).map_err(fail)?;
-        let expected = expected_forward(&oracle, &x, dtype).map_err(fail)?;
-        let x32 = narrow(&x);
+        judge(b, &packed_rows::inputs((q, k, v), None, rows, keys), &got)?;
+    }
+    Ok(())
+}
+
+/// Runs `rung`'s varlen forward on `batch` and checks every sequence against its oracle and the
+/// rung's CPU counterpart.
+fn check_varlen(rung: GpuRung, batch: &Batch, dtype: DType) -> Result<(), TestCaseError> {
+    let Some(gpu) = gpu() else { return Ok(()) };
+    if !rung.available_on(gpu) {
+        eprintln!("{rung} skipped: {} is {}", gpu.name(), gpu.arch());
+        return Ok(());
+    }
+    let (d, causal) = (batch.d, batch.causal);
+    let Drawn { lens, x: [q, k, v, _], t: [qt, kt, vt, _] } = draw(gpu, batch, dtype)?;
+    let (attention, opts) = options(&AttentionOptions { causal, scale: None }, d);
+    let out = varlen_forward(rung)(gpu, &qt, &kt, &vt, &lens, &opts).map_err(fail)?;
+    check_sequences(&lens, (&q, &k, &v), &out, |b, x, got| {
+        let oracle = Oracle::new(x, &attention).map_err(fail)?;
+        let expected = expected_forward(&oracle, x, dtype).map_err(fail)?;
+        let x32 = narrow(x);
         let config = RungConfig { attention, ..RungConfig::default() };
         let cpu = rung.cpu().forward(x32.q.view(), x32.k.view(), x32.v.view(), &config);
         let cpu = cpu.map_err(fail)?;
         let cpu_expected = Expected::from_oracle(&oracle, &x32).map_err(fail)?;
         let label = format!("{} varlen ({dtype}), sequence {b} of {:?}", rung.label(), batch.lens);
         let cpu_label = format!("{} (CPU)", rung.cpu_label());
-        check(&label, &got, &expected, Some((&cpu_label, &cpu, &cpu_expected))).map_err(fail)?;
-    }
-    Ok(())
+        check(&label, got, &expected, Some((&cpu_label, &cpu, &cpu_expected))).map_err(fail)
+    })
 }
 
 /// Ragged batches at the FP8 path's head dims (multiples of 16), a rotation seed or none.
@@ -210,42 +225,23 @@ fn check_varlen_fp8(
         eprintln!("fa3-fp8 skipped: {} is {}", gpu.name(), gpu.arch());
         return Ok(());
     }
-    let (d, causal, heads_q) = (batch.d, batch.causal, batch.heads_kv * batch.group);
+    let (d, causal) = (batch.d, batch.causal);
     let Drawn { lens, x: [q, k, v, _], t: [qt, kt, vt, _] } = draw(gpu, batch, dtype)?;
-    let total_q = lens.totals().0;
     let (attention, opts) = options(&AttentionOptions { causal, scale: None }, d);
     let fp8 = Fp8Options { incoherent, ..RungConfig::default().fp8 };
     let gpu_fp8 = gpu_check::gpu_fp8(&fp8);
     let out = fp8::forward_varlen(gpu, &qt, &kt, &vt, &lens, &opts, &gpu_fp8).map_err(fail)?;
-    prop_assert_eq!(out.o.shape(), &[total_q, heads_q, d][..]);
-    let o = download3(&out.o, (total_q, heads_q, d))?;
-    let lse =
-        ndarray::Array2::from_shape_vec((heads_q, total_q), out.lse.to_f32_vec().map_err(fail)?)
-            .map_err(fail)?;
     let tiles = gpu_check::fp8_cpu_tiles(gpu, d, lens.max_lengths().1).map_err(fail)?;
-    for b in 0..lens.batch() {
-        let (rows, keys) = (lens.q_range(b), lens.k_range(b));
-        if rows.is_empty() {
-            continue;
-        }
-        let got = packed_rows::output(&o, &lse, rows.clone());
-        if keys.is_empty() {
-            let zero = got.o.iter().all(|&x| x == 0.0);
-            let none = got.lse.iter().all(|&x| x == f32::NEG_INFINITY);
-            prop_assert!(zero && none, "sequence {} has no keys: O must be 0, lse -inf", b);
-            continue;
-        }
-        let x = packed_rows::inputs((&q, &k, &v), None, rows, keys);
-        let oracle = Oracle::new(&x, &attention).map_err(fail)?;
-        let x32 = narrow(&x);
+    check_sequences(&lens, (&q, &k, &v), &out, |b, x, got| {
+        let oracle = Oracle::new(x, &attention).map_err(fail)?;
+        let x32 = narrow(x);
         let expected = Expected::fp8_from_oracle(&oracle, &x32, &fp8).map_err(fail)?;
         let config = RungConfig { attention, tiles, fp8, ..RungConfig::default() };
         let cpu = Rung::Fa3Fp8.forward(x32.q.view(), x32.k.view(), x32.v.view(), &config);
         let cpu = cpu.map_err(fail)?;
         let label = format!("fa3-fp8-gpu varlen ({dtype}), sequence {b} of {:?}", batch.lens);
-        check(&label, &got, &expected, Some(("fa3-fp8 (CPU)", &cpu, &expected))).map_err(fail)?;
-    }
-    Ok(())
+        check(&label, got, &expected, Some(("fa3-fp8 (CPU)", &cpu, &expected))).map_err(fail)
+    })
 }
 
 /// Packed `[total, heads, d]` f32 values downloaded from `t`.

@@ -37,33 +37,34 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("backward.cuh", include_str!("../cuda/backward.cuh")),
 ];
 
+/// The crate's kernel files, by stem (the `.cu` file under `cuda/`), with their text.
+const SOURCES: [(&str, &str); 8] = [
+    ("fa1", crate::fa1::SRC),
+    ("fa2_forward", crate::fa2::FORWARD_SRC),
+    ("fa2_backward", crate::fa2::BACKWARD_SRC),
+    ("fa3_forward", crate::fa3::SRC),
+    ("fa3_backward", crate::fa3::backward::SRC),
+    ("fa3_fp8_quantize", crate::fa3::fp8::QUANTIZE_SRC),
+    ("flash_decoding", crate::decode::SRC),
+    ("flash_decoding_pp", crate::decode::PP_SRC),
+];
+
 /// Every kernel file of the crate, by stem (the `.cu` file under `cuda/`): what
 /// [`crate::GpuConfig::kernel_source`] may replace.
-pub const KERNEL_FILES: &[&str] = &[
-    "fa1",
-    "fa2_forward",
-    "fa2_backward",
-    "fa3_forward",
-    "fa3_backward",
-    "fa3_fp8_quantize",
-    "flash_decoding",
-    "flash_decoding_pp",
-];
+pub const KERNEL_FILES: &[&str] = &{
+    let mut files = [""; SOURCES.len()];
+    let mut i = 0;
+    while i < files.len() {
+        files[i] = SOURCES[i].0;
+        i += 1;
+    }
+    files
+};
 
 /// The crate's own source of the kernel file `file` (one of [`KERNEL_FILES`]), e.g. to edit it
 /// and compile the edit with [`crate::GpuConfig::kernel_source`].
 pub fn kernel_source(file: &str) -> Option<&'static str> {
-    Some(match file {
-        "fa1" => crate::fa1::SRC,
-        "fa2_forward" => crate::fa2::FORWARD_SRC,
-        "fa2_backward" => crate::fa2::BACKWARD_SRC,
-        "fa3_forward" => crate::fa3::SRC,
-        "fa3_backward" => crate::fa3::backward::SRC,
-        "fa3_fp8_quantize" => crate::fa3::fp8::QUANTIZE_SRC,
-        "flash_decoding" => crate::decode::SRC,
-        "flash_decoding_pp" => crate::decode::PP_SRC,
-        _ => return None,
-    })
+    SOURCES.iter().find(|(f, _)| *f == file).map(|(_, text)| *text)
 }
 
 /// One compilable kernel: a rung's source plus the macro constants that pick the variant.

@@ -159,7 +159,7 @@ pub(crate) const SRC: &str = include_str!("../cuda/flash_decoding.cu");
 /// Head dimensions with a FlashDecoding kernel: every multiple of 8 from 8 to 256 (each compiled
 /// for itself, padded to the tensor cores' 16-wide k-steps in registers and to 64-element rows in
 /// shared memory; the padding is never read from or written to memory).
-pub const HEAD_DIMS: &[usize] = &crate::problem::multiples_of_8::<32>();
+pub const HEAD_DIMS: &[usize] = &crate::problem::multiples::<32>(8);
 /// Element types of the FlashDecoding kernels.
 pub const DTYPES: &[DType] = &[DType::F16, DType::BF16];
 /// Keys per K/V tile of the split kernel (16 per warp).

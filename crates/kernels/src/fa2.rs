@@ -29,7 +29,7 @@ use cudarc::driver::DeviceRepr;
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, Kernel, parse_counts};
-use crate::problem::{Gradients, Options, Output, Packed, Problem, Strides, grid, multiples_of_8};
+use crate::problem::{Gradients, Options, Output, Packed, Problem, Strides, grid, multiples};
 use crate::tensor::{DType, Tensor};
 use crate::varlen::{SeqLens, VarlenParams};
 
@@ -37,11 +37,11 @@ pub(crate) const FORWARD_SRC: &str = include_str!("../cuda/fa2_forward.cu");
 pub(crate) const BACKWARD_SRC: &str = include_str!("../cuda/fa2_backward.cu");
 
 /// Head dimensions of the FA2 forward kernel: every multiple of 8 from 8 to 256.
-pub const HEAD_DIMS: &[usize] = &multiples_of_8::<32>();
+pub const HEAD_DIMS: &[usize] = &multiples::<32>(8);
 /// Head dimensions of the FA2 backward kernels: every multiple of 8 from 8 to 128. Past 128 the
 /// dK and dV accumulators of a warp's 16 keys (d / 2 registers each per thread) and the two score
 /// tiles no longer fit in 255 registers: d = 256 would take all of them for dK and dV alone.
-pub const BACKWARD_HEAD_DIMS: &[usize] = &multiples_of_8::<16>();
+pub const BACKWARD_HEAD_DIMS: &[usize] = &multiples::<16>(8);
 /// Element types of the FA2 kernels.
 pub const DTYPES: &[DType] = &[DType::F16, DType::BF16];
 

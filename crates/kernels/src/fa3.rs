@@ -46,7 +46,7 @@ use cudarc::driver::sys::{
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, Kernel, parse_counts};
-use crate::problem::{Options, Output, Problem, Strides, grid, multiples_of_8};
+use crate::problem::{Options, Output, Problem, Strides, grid, multiples};
 use crate::tensor::{DType, Tensor};
 use crate::varlen::{SeqLens, VarlenParams};
 
@@ -59,7 +59,7 @@ pub(crate) const SRC: &str = include_str!("../cuda/fa3_forward.cu");
 
 /// Head dimensions with an FA3 kernel: every multiple of 8 from 8 to 256 (the kernel is compiled
 /// for the one it is given).
-pub const HEAD_DIMS: &[usize] = &multiples_of_8::<32>();
+pub const HEAD_DIMS: &[usize] = &multiples::<32>(8);
 /// Element types of the FA3 kernels.
 pub const DTYPES: &[DType] = &[DType::F16, DType::BF16];
 /// The architecture the kernels need (wgmma and setmaxnreg exist only in `sm_90a`).

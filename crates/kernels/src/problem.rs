@@ -478,12 +478,13 @@ pub(crate) fn grid(blocks: usize, heads: usize, batch: usize) -> Result<(u32, u3
     ))
 }
 
-/// `[8, 16, …, 8·N]`: the head dimensions of a kernel compiled for whatever it is given.
-pub(crate) const fn multiples_of_8<const N: usize>() -> [usize; N] {
+/// `[step, 2·step, …, N·step]`: the head dimensions of a kernel compiled for whatever it is given
+/// (every multiple of its granule).
+pub(crate) const fn multiples<const N: usize>(step: usize) -> [usize; N] {
     let mut dims = [0; N];
     let mut i = 0;
     while i < N {
-        dims[i] = 8 * (i + 1);
+        dims[i] = step * (i + 1);
         i += 1;
     }
     dims

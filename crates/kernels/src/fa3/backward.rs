@@ -30,13 +30,13 @@ use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::fa2::{self, BackwardParams, MainPass};
 use crate::gpu::{Gpu, Kernel};
-use crate::problem::{Gradients, Options, Output, Problem, grid, multiples_of_8};
+use crate::problem::{Gradients, Options, Output, Problem, grid, multiples};
 use crate::tensor::{DType, Tensor};
 
 pub(crate) const SRC: &str = include_str!("../../cuda/fa3_backward.cu");
 
 /// Head dimensions of [`backward`]: every multiple of 8 up to 128.
-pub const BACKWARD_HEAD_DIMS: &[usize] = &multiples_of_8::<16>();
+pub const BACKWARD_HEAD_DIMS: &[usize] = &multiples::<16>(8);
 
 /// Keys per thread block: 64 per consumer warpgroup (wgmma's M), two consumers.
 pub const BC: usize = 128;

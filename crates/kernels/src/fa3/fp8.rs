@@ -36,7 +36,7 @@ use super::{
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, Kernel};
-use crate::problem::{Options, Output, Packed, Problem, Strides, grid};
+use crate::problem::{Options, Output, Packed, Problem, Strides, grid, multiples};
 use crate::tensor::{DType, Tensor};
 use crate::varlen::{SeqLens, TileTable, VarlenParams};
 
@@ -48,17 +48,7 @@ pub(crate) const QUANTIZE_SRC: &str = include_str!("../../cuda/fa3_fp8_quantize.
 /// copy engine, never read from memory). At head dims that are not a power of two, incoherent
 /// processing rotates blocks of the largest power of two dividing `d` (32 at 96, 16 at 80:
 /// `ladder_reference::fp8::RandomHadamard`).
-pub const HEAD_DIMS: &[usize] = &multiples_of_16();
-
-const fn multiples_of_16() -> [usize; 16] {
-    let mut dims = [0; 16];
-    let mut i = 0;
-    while i < dims.len() {
-        dims[i] = 16 * (i + 1);
-        i += 1;
-    }
-    dims
-}
+pub const HEAD_DIMS: &[usize] = &multiples::<16>(16);
 
 /// Options of the FP8 path (block scales are always on).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -250,13 +240,21 @@ fn quantize_variant(d: usize, dtype: DType, bc: usize, hadamard: bool, packed: b
     }
 }
 
-/// A device buffer of `len` zeros.
-fn zeros<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+/// A device buffer of `len` elements for the quantisation kernels: zeros where `zeroed` (a
+/// packed batch, which leaves the scale slots past a sequence's tiles and their columns of Vᵀ
+/// unwritten, so that nothing read back is uninitialised), otherwise as it is.
+fn alloc<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     gpu: &Gpu,
     len: usize,
+    zeroed: bool,
 ) -> Result<CudaSlice<T>> {
     let bytes = len.saturating_mul(size_of::<T>());
-    gpu.stream().alloc_zeros::<T>(len).map_err(KernelError::alloc(bytes))
+    if zeroed {
+        return gpu.stream().alloc_zeros::<T>(len).map_err(KernelError::alloc(bytes));
+    }
+    // SAFETY: a fixed-length batch's buffers are written in full by the quantisation kernels
+    // before anything reads them (every row of Q and K, every key slot of Vᵀ, every scale).
+    unsafe { gpu.stream().alloc::<T>(len) }.map_err(KernelError::alloc(bytes))
 }
 
 /// The tiles the FP8 path takes on `gpu` at head dim `d` with `n_kv` keys (its block scales' blocks
@@ -333,6 +331,7 @@ fn quantize_problem(
     };
     let n_pad = k_slots * bc;
     let (heads_q, heads_kv) = (batch * p.heads_q, batch * p.heads_kv);
+    let zeroed = lens.is_some();
     let mut out = Fp8Inputs {
         problem: p,
         tiles,
@@ -341,17 +340,15 @@ fn quantize_problem(
             (q.to_vec(), k.to_vec())
         }),
         o_order: crate::gpu::memory_order(q),
-        // Zeros where a packed batch leaves slots unused (its scales, V's columns past a
-        // sequence's last tile), so that nothing read back is uninitialised.
-        q: zeros(gpu, heads_q * q_rows * p.d)?,
-        k: zeros(gpu, heads_kv * k_rows * p.d)?,
-        vt: zeros(gpu, heads_kv * p.d * n_pad)?,
+        q: alloc(gpu, heads_q * q_rows * p.d, zeroed)?,
+        k: alloc(gpu, heads_kv * k_rows * p.d, zeroed)?,
+        vt: alloc(gpu, heads_kv * p.d * n_pad, zeroed)?,
         n_pad,
-        q_scale: zeros(gpu, heads_q * q_slots)?,
-        k_scale: zeros(gpu, heads_kv * k_slots)?,
-        v_scale: zeros(gpu, heads_kv * k_slots)?,
-        p_lift: zeros(gpu, heads_kv * k_slots)?,
-        o_scale: zeros(gpu, p.batch * p.heads_kv)?,
+        q_scale: alloc(gpu, heads_q * q_slots, zeroed)?,
+        k_scale: alloc(gpu, heads_kv * k_slots, zeroed)?,
+        v_scale: alloc(gpu, heads_kv * k_slots, zeroed)?,
+        p_lift: alloc(gpu, heads_kv * k_slots, zeroed)?,
+        o_scale: alloc(gpu, p.batch * p.heads_kv, zeroed)?,
     };
     let signs = match fp8.incoherent {
         Some(seed) => Some(
@@ -390,7 +387,8 @@ fn quantize_problem(
     let [rows_kernel, v_kernel, scales_kernel] = &kernels;
     // The grid of one quantisation launch over tiles of `rows` rows (`keys`: of K or V) and
     // `heads` heads, and its view of a packed batch.
-    let launch_shape = |keys: bool, rows: usize, n: usize, heads: usize| {
+    let launch_shape = |keys: bool, rows: usize, heads: usize| {
+        let n = if keys { p.n_kv } else { p.n_q };
         let table: Option<(&SeqLens, &TileTable)> =
             tables.as_ref().map(|(lens, q, k)| (*lens, if keys { &**k } else { &**q }));
         let blocks = table.map_or(n.div_ceil(rows), |(_, t)| t.len());
@@ -407,8 +405,7 @@ fn quantize_problem(
         let (x_ptr, _g1) = x.read_ptr(s);
         let (dst_ptr, _g2) = dst.device_ptr_mut(s);
         let (scale_ptr, _g3) = scale.device_ptr_mut(s);
-        let (grid, varlen, _g4) =
-            launch_shape(keys, tile_rows, if keys { p.n_kv } else { p.n_q }, heads);
+        let (grid, varlen, _g4) = launch_shape(keys, tile_rows, heads);
         let params = QuantizeParams {
             x: x_ptr,
             out: dst_ptr,
@@ -431,7 +428,7 @@ fn quantize_problem(
         let (scale_ptr, _g3) = out.v_scale.device_ptr_mut(s);
         let (p_ptr, _g4) = out.p_lift.device_ptr_mut(s);
         let (o_ptr, _g5) = out.o_scale.device_ptr_mut(s);
-        let (grid, varlen, _g6) = launch_shape(true, bc, p.n_kv, p.heads_kv);
+        let (grid, varlen, _g6) = launch_shape(true, bc, p.heads_kv);
         let params = QuantizeParams {
             x: x_ptr,
             out: vt_ptr,
