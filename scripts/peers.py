@@ -4,7 +4,8 @@
 Peers: PyTorch SDPA's flash, cuDNN and memory-efficient backends, and the Triton tutorial's
 fused-attention kernel (vendored in scripts/triton_fused_attention.py), forward and backward, and
 its FP8 forward (`triton-fp8`: e5m2 inputs, V transposed, converted untimed; the CSV's dtype is
-the fp16 the inputs came in, as for `ladder bench`'s fa3-fp8 rows).
+the fp16 the inputs came in, as for `ladder bench`'s fa3-fp8 rows), and cuDNN's FP8 forward
+(`cudnn-fp8`, below; its rows likewise carry the dtype the inputs came in).
 Timing as in `ladder bench`: one untimed call (compiles / autotunes), warm-up calls, then CUDA
 events around each sample (several calls back to back when one is under a millisecond), median
 per call; inputs rotate among several sets when they fit in L2. The backward pass is timed alone
@@ -33,11 +34,53 @@ sequence across thread blocks), so it reads the same bytes as the SDPA rows; its
 checked against SDPA. Its kernels are compiled at first use with the machine's nvcc (ninja; about
 a minute per dtype, cached under FLASHINFER_WORKSPACE_BASE, /tmp/flashinfer by default).
 
+`cudnn-fp8` (forward only; the nvidia-cudnn-frontend package, imported only when asked for) is
+cuDNN's FP8 attention forward through the frontend's graph API (`pygraph.sdpa_fp8`), run by the
+cuDNN library that torch bundles: one graph per case (shape, mask; the causal mask top-left, which
+is the ladder's bottom-right one since n_q == n_kv), built outside the timed region. Q, K, V are
+quantised untimed to e4m3 with one scale per tensor (scale = 448 / amax, descale = 1 / scale, as
+float32 one-element GPU tensors), softmax probabilities with scale 448 (the frontend's bound for
+E4M3 without dropout). O comes out in e4m3 (scale_o = 1 / descale_v, since |O| <= amax |V|) on
+Hopper: cuDNN takes an fp16/bf16 O only on Blackwell with cuDNN >= 9.13 (the frontend's own rule),
+where O comes out in the input dtype. Its first call is checked against SDPA (relative L2 at most
+CUDNN_FP8_MAX_REL). `--fp8-outlier-error` also runs the FA3 paper's FP8 accuracy test (section 4.3)
+on cudnn-fp8 and triton-fp8 and writes OUT/fp8-error.csv (see fp8_outlier_error).
+
+`flex` (forward and backward) is PyTorch's FlexAttention (torch.nn.attention.flex_attention under
+torch.compile, its Triton kernels generated and autotuned at the first call, untimed) with a
+`mask_mod` for the mask: none for a full case, `kv_idx <= q_idx` for causal, and for a sliding window
+(--window LEFT,RIGHT, flash-attention's window_size, bottom-right aligned as the ladder's masks)
+`q_idx - LEFT <= kv_idx <= q_idx + RIGHT`; its BlockMask is made once per shape and mask
+(create_block_mask), outside the timed region, so that it skips the tiles the mask empties. Its
+first call is checked against SDPA on one (batch, head) slice (with a dense mask for a window).
+A windowed case counts TFLOP/s on the query-key pairs the window attends, as `ladder bench` does;
+only `flex` takes a window.
+
+The frontend is not on the GPU machine's index: its wheel (cp312, manylinux x86_64, ~12 MB) is
+downloaded here into .whl/ (kept out of git by .git/info/exclude), carried to the machine with the
+working tree (carry .whl), and installed there into a scratch folder, without its dependencies
+(nvidia-cutlass-dsl and apache-tvm-ffi feed only the frontend's own CuTe DSL engines, which the
+frontend declines when they are absent; none serves per-tensor FP8 attention on sm_90, which the
+cuDNN library's engines serve). It also imports cuda.bindings (cuda-bindings, in the GPU image):
+
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl nvidia-cudnn-frontend
+    # on the GPU machine (carry .whl):
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/nvidia_cudnn_frontend-*.whl && export PYTHONPATH=/tmp/site
+    python3 scripts/peers.py --out /tmp/r --direction fwd --impl cudnn-fp8,triton-fp8
+
+The frontend loads the libcudnn it finds (LD_LIBRARY_PATH, then site-packages' nvidia/cudnn/lib,
+where torch's nvidia-cudnn-cu13 lives); a version other than torch's is reported on stderr.
+
 Run on the GPU machine from the repo root (torch and triton installed, no network needed):
 
     python3 scripts/peers.py --out bench-results              # the full sweep
     python3 scripts/peers.py --out /tmp/r --quick --impl sdpa-flash,triton
     python3 scripts/peers.py --out bench-results --direction decode  # decoding, TB/s
+    PYTHONPATH=/tmp/site python3 scripts/peers.py --out /tmp/r --quick --impl cudnn-fp8 --fp8-outlier-error
 """
 import argparse
 import contextlib
@@ -55,8 +98,13 @@ import warnings
 # file by column name: keep the two in step.
 HEADER = ["impl", "direction", "dtype", "causal", "batch", "heads_q", "heads_kv",
           "n_q", "n_kv", "d", "ms", "tflops", "tbps", "page_size",  # page_size: empty (no paged peers)
-          "layout"]  # empty for [b, h, s, d]; bshd: [b, s, h, d] in memory, a transposed view
-IMPLS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "triton", "triton-fp8", "flashinfer"]
+          "layout",  # empty for [b, h, s, d]; bshd: [b, s, h, d] in memory, a transposed view
+          "window"]  # empty for none; LEFT:RIGHT (-1 open) for a sliding window
+IMPLS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "triton", "triton-fp8", "cudnn-fp8", "flex",
+         "flashinfer"]
+# Peers that take a sliding window (--window): FlexAttention's mask_mod. SDPA's backends have no
+# window but a dense boolean mask, which is another algorithm (and n² bytes): skipped.
+WINDOW_IMPLS = ["flex"]
 L2_BYTES = 50 << 20  # H100/H200 L2: inputs smaller than this rotate among several sets
 SAMPLE_MS = 1.0      # a timed sample spans at least this long
 # The decoding shapes of `ladder bench --direction decode` (crates/compare/src/bench/plan.rs):
@@ -76,10 +124,50 @@ FLASHINFER_BASE = "/tmp/flashinfer"  # FLASHINFER_WORKSPACE_BASE unless set (JIT
 # ‖out − ref‖ / ‖ref‖ (both fp16/bf16 with float32 accumulation; they differ by roundings, ~1e-3).
 FLASHINFER_MAX_ABS = 2e-2
 FLASHINFER_MAX_REL = 2e-2
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+# cudnn-fp8's first call against SDPA (fp16/bf16): ‖out − ref‖ / ‖ref‖ at most this. e4m3 keeps 3
+# mantissa bits (roundings of up to 6 %), on Q, K, V, P and on Hopper O: ~5 % is expected, a wrong
+# layout or scale gives ~100 %.
+CUDNN_FP8_MAX_REL = 0.25
+CUDNN_HINT = "install the nvidia-cudnn-frontend wheel: see scripts/peers.py header"
+# flex's first call against SDPA on one (batch, head) slice, a dense mask for a window: max abs error
+# (both fp16/bf16 with float32 accumulation: roundings, ~1e-3; a wrong mask gives ~1).
+FLEX_MAX_ABS = 2e-2
+# --fp8-outlier-error: the FA3 paper's FP8 accuracy test (section 4.3), one fixed shape.
+OUTLIER_SHAPE = (1, 16, 4096, 128)  # batch, heads, n, d; not causal
+OUTLIER_P, OUTLIER_STD, OUTLIER_SEED = 0.001, 10.0, 0
 
 
 class Skip(Exception):
     """This implementation does not run this case (the reason is the message)."""
+
+
+def parse_window(text):
+    """`none` -> None; `LEFT,RIGHT` -> (left, right), each a count of keys or None (-1: open)."""
+    if text.strip() == "none":
+        return None
+    parts = text.split(",")
+    try:
+        sides = [int(x) for x in parts]
+    except ValueError:
+        sides = []
+    if len(sides) != 2 or min(sides) < -1:
+        raise argparse.ArgumentTypeError(f"a window is LEFT,RIGHT (e.g. 4095,0 or 128,-1), got {text!r}")
+    window = tuple(None if x == -1 else x for x in sides)
+    return None if window == (None, None) else window
+
+
+def window_field(window):
+    """The CSV's window field: empty for none, LEFT:RIGHT (-1 open) otherwise."""
+    if window is None:
+        return ""
+    return ":".join("-1" if x is None else str(x) for x in window)
+
+
+def band(causal, window):
+    """(left, right) of the visible band around the diagonal (None: open) after the causal mask."""
+    left, right = window or (None, None)
+    return left, (0 if causal else right)
 
 
 def csv_list(convert, choices=None):
@@ -107,6 +195,10 @@ def parse_args(argv=None):
                         "as a transposed view, as `ladder bench --layout`) [bhsd]")
     p.add_argument("--causal", choices=["both", "true", "false"], default="both",
                    help="masks [both; false with --quick]")
+    p.add_argument("--window", action="append", type=parse_window,
+                   help="a sliding window LEFT,RIGHT (-1 open; 4095,0 is Mistral's; write --window=-1,0 "
+                        "when LEFT is open) or none; once per window [none]; windowed cases run on "
+                        "the peers that take one (flex)")
     p.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
     p.add_argument("--repeats", type=int, help="timed samples per case [30; 5 with --quick]")
     p.add_argument("--warmup", type=int, help="warm-up calls per case [5; 2 with --quick]")
@@ -122,12 +214,17 @@ def parse_args(argv=None):
     p.add_argument("--page-size", help="ignored: ladder bench's paged KV caches (the peers' are contiguous)")
     p.add_argument("--triton-warp-specialize", action="store_true",
                    help="run the Triton kernel with warp_specialize=True (default False)")
+    p.add_argument("--fp8-outlier-error", action="store_true",
+                   help="also run the FA3 paper's FP8 accuracy test (Q, K, V ~ N(0,1) + N(0,100)·"
+                        "Bernoulli(0.001), b=1, h=16, n=4096, d=128, not causal) on cudnn-fp8 and "
+                        "triton-fp8 among --impl: RMSE against a float64 reference, into OUT/fp8-error.csv")
     a = p.parse_args(argv)
     a.decode_d = a.d or [128]
     a.decode = decode_shapes(a) if "decode" in a.direction else []
     a.d = a.d or ([128] if a.quick else [64, 128])
     a.n = a.n or ([1024, 4096] if a.quick else [512, 1024, 2048, 4096, 8192, 16384])
     a.causals = {"true": [True], "false": [False]}.get(a.causal, [False] if a.quick else [False, True])
+    a.windows = a.window or [None]
     a.repeats = max(1, a.repeats if a.repeats is not None else (5 if a.quick else 30))
     a.warmup = max(1, a.warmup if a.warmup is not None else (2 if a.quick else 5))
     for d in a.d:
@@ -158,10 +255,26 @@ def decode_shapes(a, elem_bytes=2):
     return [s for s in shapes if 2 * s[0] * s[2] * s[3] * d * elem_bytes <= DECODE_MAX_KV_BYTES]
 
 
-def flops(direction, batch, heads_q, n_q, n_kv, d, causal):
+def attended_pairs(n_q, n_kv, causal, window):
+    """The query-key pairs visible under the mask, row by row (row i's diagonal is key
+    i + n_kv - n_q; it sees the keys within (left, right) of it, inside 0..n_kv)."""
+    left, right = band(causal, window)
+    total = 0
+    for i in range(n_q):
+        diag = i + n_kv - n_q
+        end = n_kv if right is None else min(n_kv, max(0, diag + right + 1))
+        start = 0 if left is None else min(end, max(0, diag - left))
+        total += end - start
+    return total
+
+
+def flops(direction, batch, heads_q, n_q, n_kv, d, causal, window=None):
     """The ladder's convention: forward 4·B·Hq·n_q·n_kv·d, halved for causal with n_q == n_kv
-    (bottom-right causal with n_q != n_kv counts the visible pairs); backward 2.5× forward."""
-    if not causal:
+    (bottom-right causal with n_q != n_kv, and any window, count the visible pairs); backward
+    2.5× forward."""
+    if window is not None:
+        pairs = attended_pairs(n_q, n_kv, causal, window)
+    elif not causal:
         pairs = n_q * n_kv
     elif n_q == n_kv:
         pairs = n_q * n_kv / 2
@@ -183,12 +296,12 @@ def sets_for(bytes_per_set):
     return min(32, max(2, -(-2 * L2_BYTES // max(1, bytes_per_set))))
 
 
-def csv_row(impl, direction, dtype, causal, batch, heads, n, d, ms, layout="bhsd"):
-    tflops = flops(direction, batch, heads, n, n, d, causal) / (ms * 1e-3) / 1e12
+def csv_row(impl, direction, dtype, causal, batch, heads, n, d, ms, layout="bhsd", window=None):
+    tflops = flops(direction, batch, heads, n, n, d, causal, window) / (ms * 1e-3) / 1e12
     return {"impl": impl, "direction": direction, "dtype": dtype, "causal": str(causal).lower(),
             "batch": batch, "heads_q": heads, "heads_kv": heads, "n_q": n, "n_kv": n, "d": d,
             "ms": f"{ms:.6f}", "tflops": f"{tflops:.3f}", "tbps": "",
-            "layout": "" if layout == "bhsd" else layout}
+            "layout": "" if layout == "bhsd" else layout, "window": window_field(window)}
 
 
 def decode_row(impl, dtype, batch, heads_q, heads_kv, n_q, n_kv, d, ms, elem_bytes=2):
@@ -233,9 +346,8 @@ def render(results):
     """One line per case: time and throughput (and TB/s for decode), or why it was skipped."""
     lines = [f"{'impl':<15} {'dir':<6} {'dtype':<5} {'d':>4} {'n':>12} {'mask':<8} {'ms':>10} "
              f"{'TFLOP/s':>9} {'TB/s':>7}"]
-    for (impl, direction, dtype, d, n, causal), outcome in results:
-        head = (f"{impl:<15} {direction:<6} {dtype:<5} {d:>4} {n:>12} "
-                f"{'causal' if causal else 'full':<8}")
+    for (impl, direction, dtype, d, n, mask), outcome in results:
+        head = f"{impl:<15} {direction:<6} {dtype:<5} {d:>4} {n:>12} {mask:<8}"
         if isinstance(outcome, str):
             lines.append(f"{head} skipped: {outcome}")
         else:
@@ -285,11 +397,86 @@ def measure(torch, call_on, nsets, warmup, repeats, budget_ms):
     return statistics.median(samples)
 
 
-def make_step(torch, impl, sets, causal, direction, d, args):
+def mask_label(causal, window):
+    """full, causal, or w{LEFT}:{RIGHT} after the causal mask (as `ladder bench` labels it)."""
+    if window is None:
+        return "causal" if causal else "full"
+    return "w" + window_field(band(causal, window))
+
+
+_flex = []  # [flex_attention compiled, create_block_mask] once imported
+
+
+def make_flex_step(torch, sets, causal, window, direction):
+    """FlexAttention on the input sets: its BlockMask made here (untimed), its first call checked
+    against SDPA on the first (batch, head) slice of set 0."""
+    if not _flex:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        _flex.extend([torch.compile(flex_attention, dynamic=False), create_block_mask])
+    flex, create_block_mask = _flex
+    q0, k0 = sets[0][0], sets[0][1]
+    n_q, n_kv = q0.shape[2], k0.shape[2]
+    shift = n_kv - n_q
+    left, right = band(causal, window)
+    block_mask = None
+    if left is not None or right is not None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            diag = q_idx + shift
+            keep = kv_idx >= 0
+            if right is not None:
+                keep = keep & (kv_idx <= diag + right)
+            if left is not None:
+                keep = keep & (kv_idx >= diag - left)
+            return keep
+        block_mask = create_block_mask(mask_mod, B=None, H=None, Q_LEN=n_q, KV_LEN=n_kv, device="cuda")
+
+    def attend(q, k, v):
+        return flex(q, k, v, block_mask=block_mask)
+    with torch.no_grad():  # the first call compiles; check it against SDPA on one slice
+        got = attend(*sets[0][:3])[:1, :1].float()
+        q, k, v = (t[:1, :1] for t in sets[0][:3])
+        i = torch.arange(n_q, device="cuda")[:, None] + shift
+        j = torch.arange(n_kv, device="cuda")[None, :]
+        dense = torch.ones(n_q, n_kv, dtype=torch.bool, device="cuda")
+        if right is not None:
+            dense &= j <= i + right
+        if left is not None:
+            dense &= j >= i - left
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense).float()
+        err = (got - ref).abs().amax().item()
+    if not err <= FLEX_MAX_ABS:  # NaN fails too
+        raise RuntimeError(f"FlexAttention's output differs from SDPA's: max abs {err:.3g} "
+                           f"(tolerance {FLEX_MAX_ABS})")
+    if direction == "fwd":
+        def forward(i):
+            q, k, v, _ = sets[i]
+            with torch.no_grad():
+                return attend(q, k, v)
+        return forward
+    graphs = []
+    for q, k, v, d_o in sets:
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        graphs.append((attend(*leaves), leaves, d_o))
+
+    def backward(i):
+        o, leaves, d_o = graphs[i]
+        return torch.autograd.grad(o, leaves, d_o, retain_graph=True)
+    return backward
+
+
+def make_step(torch, impl, sets, causal, direction, d, args, window=None):
     """A function of the input set index that runs one call of `impl`."""
     F = torch.nn.functional
+    if window is not None and impl not in WINDOW_IMPLS:
+        raise Skip(f"{impl} takes no sliding window (only {', '.join(WINDOW_IMPLS)} here)")
+    if impl == "flex":
+        return make_flex_step(torch, sets, causal, window, direction)
     if impl == "flashinfer":
         raise Skip("FlashInfer is timed in decode only (--direction decode)")
+    if impl == "cudnn-fp8":
+        if direction != "fwd":
+            raise Skip("cuDNN's FP8 attention is timed forward only")
+        return CudnnFp8(torch, sets, causal, args)
     # The sweep's shapes are square (n_q == n_kv), where PyTorch's top-left `is_causal=True` and
     # the ladder's bottom-right causal mask (docs/conventions.md) are the same mask.
     if impl in ("triton", "triton-fp8"):
@@ -481,7 +668,187 @@ def make_flashinfer_decode_step(torch, sets, grouped, dtype_name):
     return decode
 
 
-def time_case(torch, backend, impl, sets, causal, direction, d, args):
+_cudnn = []  # [module, handle] once imported, [Skip] once it failed
+
+
+def import_cudnn(torch):
+    """(cudnn, handle): the cuDNN frontend, imported on first use, and one cuDNN handle on torch's
+    current stream; raises Skip (with why) where the frontend is absent."""
+    if not _cudnn:
+        torch.backends.cudnn.version()  # torch's libcudnn loaded first: the frontend then finds it
+        try:
+            import cudnn
+            handle = cudnn.create_handle()
+            cudnn.set_stream(handle, torch.cuda.current_stream().cuda_stream)
+            _cudnn.extend([cudnn, handle])
+        except Exception as e:  # noqa: BLE001 - any import failure means no cuDNN FP8 peer
+            why = f"{type(e).__name__}: {e}".splitlines()[0]
+            _cudnn.append(Skip(f"cudnn (nvidia-cudnn-frontend) not importable: {why}; {CUDNN_HINT}"))
+    if isinstance(_cudnn[0], Skip):
+        raise _cudnn[0]
+    return _cudnn[0], _cudnn[1]
+
+
+def cudnn_version(torch):
+    """The frontend's version and the cuDNN library it runs, or why it cannot be imported; warns on
+    stderr when that library is not torch's."""
+    try:
+        cudnn = import_cudnn(torch)[0]
+    except Skip as e:
+        return str(e)
+    if cudnn.backend_version() != torch.backends.cudnn.version():
+        print(f"warning: the cuDNN frontend runs cuDNN {cudnn.backend_version()}, torch "
+              f"{torch.backends.cudnn.version()}", file=sys.stderr)
+    return f"{cudnn.__version__} (cuDNN {cudnn.backend_version_string()})"
+
+
+def cudnn_fp8_half_out(torch, cudnn):
+    """Whether cuDNN's FP8 forward can write O in fp16/bf16: on Blackwell (sm_100+) with cuDNN
+    >= 9.13 only (the frontend refuses it elsewhere); otherwise O is e4m3."""
+    return torch.cuda.get_device_capability()[0] >= 10 and cudnn.backend_version() >= 91300
+
+
+def quantize_e4m3(torch, x):
+    """x in float8_e4m3fn with one scale for the tensor (448 / amax; strides kept), and its descale
+    (1 / scale, a float32 [1, 1, 1, 1] tensor on x's device)."""
+    scale = E4M3_MAX / x.abs().amax().float().clamp_min(1e-30)
+    q = torch.empty_like(x, dtype=torch.float8_e4m3fn)
+    q.copy_((x.float() * scale).clamp_(-E4M3_MAX, E4M3_MAX))
+    return q, (1.0 / scale).reshape(1, 1, 1, 1)
+
+
+class CudnnFp8:
+    """cuDNN's FP8 attention forward on the input sets `sets` ((q, k, v, _) each, [b, h, n, d]
+    views): a call `step(i)` runs set i. The graph is built once here, the inputs quantised
+    (untimed), and (`check`) the first call checked against SDPA (raises when it is wrong)."""
+
+    SCALARS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+
+    def __init__(self, torch, sets, causal, args, check=True):
+        cudnn, handle = import_cudnn(torch)
+        self.torch, self.cudnn, self.handle = torch, cudnn, handle
+        q0 = sets[0][0]
+        d = q0.shape[-1]
+        if d % 16:
+            raise Skip(f"cuDNN's FP8 attention takes head dims that are multiples of 16, not {d}")
+        dt = cudnn.data_type
+        self.half_out = cudnn_fp8_half_out(torch, cudnn)
+        out_type = {"fp16": dt.HALF, "bf16": dt.BFLOAT16}[args.dtype] if self.half_out else dt.FP8_E4M3
+        out_torch = q0.dtype if self.half_out else torch.float8_e4m3fn
+        g = cudnn.pygraph(io_data_type=dt.FP8_E4M3, intermediate_data_type=dt.FLOAT,
+                          compute_data_type=dt.FLOAT, handle=handle)
+        qkv = [g.tensor(name=name, dim=list(t.shape), stride=list(t.stride()), data_type=dt.FP8_E4M3)
+               for name, t in zip("qkv", sets[0][:3])]
+        scalars = {name: g.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.FLOAT)
+                   for name in self.SCALARS}
+        o, _, amax_s, amax_o = g.sdpa_fp8(
+            *qkv, **scalars, attn_scale=1.0 / math.sqrt(d), use_causal_mask=causal,
+            generate_stats=False, name="sdpa_fp8")
+        o.set_output(True).set_dim(list(q0.shape)).set_stride(list(q0.stride())).set_data_type(out_type)
+        for amax in (amax_s, amax_o):
+            amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(dt.FLOAT)
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+        self.graph, self.o = g, o
+        self.workspace = torch.empty(max(1, g.get_workspace_size()), dtype=torch.uint8, device=q0.device)
+
+        def one(v):
+            return torch.full((1, 1, 1, 1), v, dtype=torch.float32, device=q0.device)
+        self.packs = []
+        for q, k, v, _ in sets:
+            (q8, dq), (k8, dk), (v8, dv) = (quantize_e4m3(torch, t) for t in (q, k, v))
+            values = {"descale_q": dq, "descale_k": dk, "descale_v": dv,
+                      "descale_s": one(1.0 / E4M3_MAX), "scale_s": one(E4M3_MAX),
+                      # An e4m3 O scaled so that amax |V| (which bounds |O|) maps to 448.
+                      "scale_o": one(1.0) if self.half_out else 1.0 / dv}
+            pack = {t: x for t, x in zip(qkv, (q8, k8, v8))}
+            pack.update({scalars[name]: x for name, x in values.items()})
+            pack.update({o: torch.empty_like(q8, dtype=out_torch), amax_s: one(0.0), amax_o: one(0.0)})
+            self.packs.append((pack, values["scale_o"]))
+
+        # A wrong peer must not report figures: the first call against SDPA on the same inputs.
+        if not check:
+            return
+        with torch.no_grad():
+            ref = torch.nn.functional.scaled_dot_product_attention(*sets[0][:3], is_causal=causal).float()
+            rel = ((self.output(0) - ref).norm() / ref.norm()).item()
+        if not rel <= CUDNN_FP8_MAX_REL:  # NaN fails too
+            raise RuntimeError(f"cuDNN FP8's output differs from SDPA's: relative L2 {rel:.3g} "
+                               f"(tolerance {CUDNN_FP8_MAX_REL})")
+
+    def __call__(self, i):
+        pack = self.packs[i][0]
+        self.graph.execute(pack, self.workspace, handle=self.handle)
+        return pack[self.o]
+
+    def output(self, i):
+        """O of set i in float32 (descaled when e4m3), after running it."""
+        o, scale_o = self(i), self.packs[i][1]
+        return o.float() if self.half_out else o.float() / scale_o
+
+    def calibrate(self, i):
+        """Delayed scaling of an e4m3 O, as Transformer Engine does: run set i once, then scale_o =
+        448 / amax |O| (with a margin for the e4m3 rounding of that amax)."""
+        if not self.half_out:
+            amax = self.output(i).abs().amax().clamp_min(1e-30)
+            self.packs[i][1].copy_(E4M3_MAX / (amax * 1.0625))
+
+
+def fp8_outlier_error(torch, args):
+    """The FA3 paper's FP8 accuracy test (section 4.3): Q, K, V ~ N(0,1) + N(0,100)·Bernoulli(0.001)
+    (each entry gets an extra N(0, 10²) term with probability 0.1 %, as `Case::inputs_with_outliers`
+    draws them), OUTLIER_SHAPE, not causal, rounded to --dtype as the sweep's inputs come in; RMSE of
+    each FP8 peer's O (float32) against attention in float64 on those rounded inputs.
+    Returns [(impl, n, d, rmse)] for cudnn-fp8 and triton-fp8 among --impl (those that run)."""
+    b, h, n, d = OUTLIER_SHAPE
+    gen = torch.Generator(device="cuda").manual_seed(OUTLIER_SEED)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+
+    def draw():
+        x = torch.randn(OUTLIER_SHAPE, generator=gen, device="cuda", dtype=torch.float64)
+        hit = torch.rand(OUTLIER_SHAPE, generator=gen, device="cuda", dtype=torch.float64) < OUTLIER_P
+        extra = torch.randn(OUTLIER_SHAPE, generator=gen, device="cuda", dtype=torch.float64)
+        return (x + hit * (OUTLIER_STD * extra)).to(dtype)
+    q, k, v = draw(), draw(), draw()
+    ref = torch.empty(OUTLIER_SHAPE, device="cuda", dtype=torch.float64)
+    for j in range(h):  # one head at a time: its n × n float64 scores are 128 MiB
+        s = (q[0, j].double() @ k[0, j].double().T) / math.sqrt(d)
+        ref[0, j] = torch.softmax(s, dim=-1) @ v[0, j].double()
+    out = []
+    impls = [i for i in ("cudnn-fp8", "triton-fp8") if i in args.impl]
+    if not impls:
+        print("fp8 outlier error: neither cudnn-fp8 nor triton-fp8 is in --impl", file=sys.stderr)
+    for impl in impls:
+        try:
+            try:
+                if impl == "cudnn-fp8":  # not checked against SDPA: its error is what is measured
+                    step = CudnnFp8(torch, [(q, k, v, None)], False, args, check=False)
+                    step.calibrate(0)
+                    got = step.output(0)
+                else:
+                    step = make_step(torch, impl, [(q, k, v, None)], False, "fwd", d, args)
+                    got = step(0).float()  # the tutorial's e5m2 O (no scales)
+            except Skip:
+                raise
+            except Exception as e:  # noqa: BLE001 - a peer failing here is reported, not a crash
+                raise Skip(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        except Skip as e:
+            print(f"fp8 outlier error: {impl} skipped: {e}", file=sys.stderr)
+            continue
+        err = got.double() - ref
+        rmse = err.square().mean().sqrt().item()
+        rel = (err.norm() / ref.norm()).item()
+        print(f"fp8 outlier error: {impl:<11} n={n} d={d} b={b} h={h}: RMSE {rmse:.3e} "
+              f"(relative L2 {rel:.3e})", file=sys.stderr)
+        out.append((impl, n, d, rmse))
+        del step, got, err
+    return out
+
+
+def time_case(torch, backend, impl, sets, causal, direction, d, args, window=None):
     """Median ms per call of one case; raises Skip with the reason when it does not run."""
     if direction == "decode" and impl == "flashinfer":
         make = lambda: make_flashinfer_decode_step(  # noqa: E731
@@ -489,7 +856,7 @@ def time_case(torch, backend, impl, sets, causal, direction, d, args):
     elif direction == "decode":
         make = lambda: make_decode_step(torch, sets, sets[0][0].shape[1] != sets[0][1].shape[1])  # noqa: E731
     else:
-        make = lambda: make_step(torch, impl, sets, causal, direction, d, args)  # noqa: E731
+        make = lambda: make_step(torch, impl, sets, causal, direction, d, args, window)  # noqa: E731
     from torch.nn.attention import sdpa_kernel
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -535,6 +902,12 @@ def main(argv=None):
         fields["flashinfer"] = flashinfer_version()
         if not fields["flashinfer"].startswith("flashinfer not importable"):
             torch_desc = torch_desc[:-1] + f", flashinfer {fields['flashinfer']})"
+    cudnn_fp8 = "cudnn-fp8" in args.impl and ("fwd" in args.direction or args.fp8_outlier_error)
+    if cudnn_fp8:
+        # The frontend's version and its cuDNN (or why it is absent), as for FlashInfer.
+        fields["cudnn_frontend"] = cudnn_version(torch)
+        if not fields["cudnn_frontend"].startswith("cudnn (nvidia-cudnn-frontend) not importable"):
+            torch_desc = torch_desc[:-1] + f", cudnn-frontend {fields['cudnn_frontend']})"
     fields["torch"] = torch_desc
     merge_meta(meta_path, fields, {
         "card": card,
@@ -546,9 +919,11 @@ def main(argv=None):
     prefill = [x for x in args.direction if x != "decode"]
     decode_impls = [i for i in args.impl if i in DECODE_IMPLS]
     if args.decode and len(decode_impls) < len(args.impl):
-        print("note: decode leaves out the Triton tutorial (a prefill kernel)", file=sys.stderr)
+        left_out = ", ".join(i for i in args.impl if i not in DECODE_IMPLS)
+        print(f"note: decode leaves out {left_out} (prefill kernels)", file=sys.stderr)
     total = (len(args.layout) * len(args.d) * len(args.n) * len(args.causals) * len(prefill)
-             * len(args.impl)
+             * sum(len(args.impl) if w is None else len([i for i in args.impl if i in WINDOW_IMPLS])
+                   for w in args.windows)
              + len(args.decode_d) * len(args.decode) * len(decode_impls))
     done, rows, results = 0, [], []
     shapes = [(layout, d, n) for layout in args.layout for d in args.d for n in args.n]
@@ -568,23 +943,26 @@ def main(argv=None):
                 ts = [torch.empty(shape, device="cuda", dtype=dtype).uniform_(-1, 1)
                       for _ in range(tensors)]
             sets.append(tuple(ts) if tensors == 4 else (*ts, None))
-        for causal in args.causals:
+        for causal, window in [(c, w) for c in args.causals for w in args.windows]:
             for direction in prefill:
-                for impl in args.impl:
+                for impl in [i for i in args.impl if window is None or i in WINDOW_IMPLS]:
                     done += 1
                     name = impl if layout == "bhsd" else f"{impl}/{layout}"
-                    key = (name, direction, args.dtype, d, n, causal)
+                    mask = mask_label(causal, window)
+                    key = (name, direction, args.dtype, d, n, mask)
                     label = (f"[{done:>3}/{total}] {name:<15} {direction} {args.dtype} d={d:<3} "
-                             f"n={n:<5} {'causal' if causal else 'full':<6} b={batch} h={heads}")
+                             f"n={n:<5} {mask:<6} b={batch} h={heads}")
                     try:
                         if layout != "bhsd" and impl.startswith("triton"):
                             raise Skip("the Triton tutorial kernel takes contiguous [b, h, s, d]")
-                        ms = time_case(torch, backends.get(impl), impl, sets, causal, direction, d, args)
+                        ms = time_case(torch, backends.get(impl), impl, sets, causal, direction, d, args,
+                                       window)
                     except Skip as e:
                         results.append((key, str(e)))
                         print(f"{label}  skipped: {e}", file=sys.stderr)
                         continue
-                    row = csv_row(impl, direction, args.dtype, causal, batch, heads, n, d, ms, layout)
+                    row = csv_row(impl, direction, args.dtype, causal, batch, heads, n, d, ms, layout,
+                                  window)
                     rows.append(row)
                     results.append((key, (ms, float(row["tflops"]))))
                     print(f"{label}  {ms:>9.4f} ms  {float(row['tflops']):>7.1f} TFLOP/s", file=sys.stderr)
@@ -605,7 +983,7 @@ def main(argv=None):
                 oom = f"OutOfMemoryError: {str(e).splitlines()[0]}"
             for impl in decode_impls:
                 done += 1
-                key = (impl, "decode", args.dtype, d, f"1x{n}", False)
+                key = (impl, "decode", args.dtype, d, f"1x{n}", "full")
                 label = (f"[{done:>3}/{total}] {impl:<15} decode {args.dtype} d={d:<3} L={n:<6} "
                          f"b={batch:<2} h={heads_q}/{heads_kv}")
                 try:
@@ -624,11 +1002,23 @@ def main(argv=None):
             del sets
             torch.cuda.empty_cache()
     write_csv(csv_path, rows)
+    if args.fp8_outlier_error:
+        errors = fp8_outlier_error(torch, args)
+        error_path = os.path.join(args.out, "fp8-error.csv")
+        with open(error_path, "w", newline="") as fh:
+            w = csv.writer(fh, lineterminator="\n")
+            w.writerow(["impl", "n", "d", "rmse"])
+            w.writerows([(impl, n, d, f"{rmse:.6e}") for impl, n, d, rmse in errors])
+        print(f"wrote {error_path}", file=sys.stderr)
     # Keep the note's other parts (ladder bench's); replace peers.py's own.
     with open(meta_path) as fh:
         old = json.load(fh).get("note", "")
     note = (f"peers.py: median of {args.repeats} CUDA-event samples after {args.warmup} warm-up calls, "
             f"triton warp_specialize={args.triton_warp_specialize}")
+    if cudnn_fp8 and _cudnn and not isinstance(_cudnn[0], Skip):
+        o_type = args.dtype if cudnn_fp8_half_out(torch, _cudnn[0]) else "e4m3 (scale_o = 1 / descale_v)"
+        note += (f", cudnn-fp8: pygraph.sdpa_fp8 (cudnn-frontend {fields['cudnn_frontend']}), e4m3 Q, K, V "
+                 f"with one scale per tensor (448 / amax), quantised untimed, O in {o_type}")
     if "flashinfer" in decode_impls:
         note += (f", flashinfer: BatchDecodeWithPagedKVCacheWrapper (CUDA-core decode, programmatic "
                  f"dependent launch on sm_90+), HND pages of {FLASHINFER_PAGE_SIZE} over the contiguous cache")

@@ -27,6 +27,7 @@ fn rungs(c: &mut Criterion) {
             let case = Case {
                 shape: AttentionShape::new(1, HEADS, HEADS, n, n, D).expect("valid shape"),
                 causal: false,
+                window: Default::default(),
                 logit_std: 1.0,
                 tiles: TileSizes::default(),
                 splits: 8,

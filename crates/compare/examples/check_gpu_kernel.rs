@@ -33,7 +33,12 @@ fn fa2_on_the_gpu(gpu: &Gpu, x: &Problem) -> anyhow::Result<Output> {
     let (q, k, v) = (upload(&inputs.q)?, upload(&inputs.k)?, upload(&inputs.v)?);
     // The problem's scale is an f32 value for 16-bit precisions: the kernel sees the same one.
     let scale = x.scale() as f32;
-    let opts = Options { causal: x.causal(), scale: Some(scale), deterministic: false };
+    let opts = Options {
+        causal: x.causal(),
+        scale: Some(scale),
+        deterministic: false,
+        ..Options::default()
+    };
     let out = fa2::forward(gpu, &q, &k, &v, &opts)?;
     Ok(Output::from_flat(x, &out.o.to_f32_vec()?, &out.lse.to_f32_vec()?)?)
 }

@@ -177,10 +177,12 @@ fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
                 prepared.elapsed().as_secs_f64()
             );
         }
-        for &causal in &plan.causals {
-            for &rung in &rungs {
+        for (&causal, &window) in
+            plan.causals.iter().flat_map(|c| plan.windows.iter().map(move |w| (c, w)))
+        {
+            for rung in plan.rungs_with(layout, d, n, window) {
                 done += 1;
-                let case = case_of(rung, causal);
+                let case = case_of(rung, causal).windowed(window);
                 let (row, extra) = run_case(gpu, plan, rung, case, &sets);
                 print_progress(done, total, plan.repeats_of(rung), &row, &extra);
                 rows.push(row);
@@ -339,7 +341,8 @@ fn run_case(
         }
     };
     let (warmup, repeats) = (plan.warmup_of(rung), plan.repeats_of(rung));
-    let opts = Options { causal: case.causal, ..Options::default() };
+    let opts = Options { causal: case.causal, ..Options::default() }
+        .with_window(ladder_compare::gpu_check::kernel_window(case.window));
     let timed = timing::step(rung, gpu, sets, opts).and_then(|mut step| {
         timing::measure(gpu, &mut step, sets.len(), warmup, repeats, plan.budget_ms)
     });

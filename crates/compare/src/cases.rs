@@ -7,7 +7,7 @@
 
 use std::ops::RangeInclusive;
 
-use ladder_reference::{AttentionOptions, AttentionShape, Element, TileSizes};
+use ladder_reference::{AttentionOptions, AttentionShape, Element, TileSizes, Window};
 use ndarray::Array4;
 use proptest::prelude::*;
 use rand::{RngExt, SeedableRng};
@@ -19,6 +19,8 @@ use rand_distr::StandardNormal;
 pub struct Case {
     pub shape: AttentionShape,
     pub causal: bool,
+    /// A sliding window around each row's diagonal (none: `Window::default()`).
+    pub window: Window,
     /// Standard deviation of the logits `scale · q · k`: 1 is a trained model's regime,
     /// thousands stress overflow (the scale is `logit_std / √d` on unit-normal inputs).
     pub logit_std: f64,
@@ -52,7 +54,7 @@ impl Case {
     }
 
     pub fn attention(&self) -> AttentionOptions {
-        AttentionOptions { causal: self.causal, scale: Some(self.scale()) }
+        AttentionOptions { causal: self.causal, scale: Some(self.scale()), window: self.window }
     }
 
     /// Unit-normal tensors from the case's seed.
@@ -103,6 +105,10 @@ pub struct CaseSpace {
     pub splits: RangeInclusive<usize>,
     /// Largest logit standard deviation drawn (log-uniformly from 0.1; half the cases use 1).
     pub max_logit_std: f64,
+    /// Whether a quarter of the cases get a sliding window (each side open, or bounded by up to
+    /// a few keys past the longest sequence), for the rungs that take one (off in
+    /// [`CaseSpace::cpu`]: an implementation under check may know only the causal mask).
+    pub windows: bool,
 }
 
 impl CaseSpace {
@@ -119,6 +125,7 @@ impl CaseSpace {
             block: 1..=17,
             splits: 1..=12,
             max_logit_std: 3000.0,
+            windows: false,
         }
     }
 
@@ -131,10 +138,16 @@ impl CaseSpace {
     pub fn moderate_logits(self) -> Self {
         Self { max_logit_std: 3.0, ..self }
     }
+
+    /// Sliding windows in a quarter of the cases ([`CaseSpace::windows`]).
+    pub fn with_windows(self) -> Self {
+        Self { windows: true, ..self }
+    }
 }
 
 /// Cases drawn from `space`.
 pub fn cases(space: CaseSpace) -> impl Strategy<Value = Case> {
+    let window = windows(space.windows, space.n_q.end().max(space.n_kv.end()) + 4);
     let sizes = (
         space.batch,
         space.heads_kv,
@@ -147,12 +160,17 @@ pub fn cases(space: CaseSpace) -> impl Strategy<Value = Case> {
     let logit_std = prop_oneof![Just(1.0), (-1.0..=max_exp).prop_map(|e: f64| 10f64.powf(e))];
     let options =
         (any::<bool>(), logit_std, space.block.clone(), space.block, space.splits, any::<u64>());
-    (sizes, options).prop_map(
-        |((batch, heads_kv, group, n_q, n_kv, d), (causal, logit_std, br, bc, splits, seed))| {
+    (sizes, options, window).prop_map(
+        |(
+            (batch, heads_kv, group, n_q, n_kv, d),
+            (causal, logit_std, br, bc, splits, seed),
+            window,
+        )| {
             Case {
                 shape: AttentionShape::new(batch, heads_kv * group, heads_kv, n_q, n_kv, d)
                     .expect("sizes from ranges ≥ 1"),
                 causal,
+                window,
                 logit_std,
                 tiles: TileSizes::new(br, bc).expect("blocks from a range ≥ 1"),
                 splits,
@@ -160,6 +178,17 @@ pub fn cases(space: CaseSpace) -> impl Strategy<Value = Case> {
             }
         },
     )
+}
+
+/// No window, or (a quarter of the time, when `on`) one whose sides are each open or up to
+/// `longest` keys: from a band of one diagonal to one wider than the sequences.
+pub fn windows(on: bool, longest: usize) -> BoxedStrategy<Window> {
+    if !on {
+        return Just(Window::default()).boxed();
+    }
+    let side = prop::option::of(0..=longest);
+    let window = (side.clone(), side).prop_map(|(left, right)| Window { left, right });
+    prop_oneof![3 => Just(Window::default()), 1 => window].boxed()
 }
 
 /// `len` deterministic values in [-1, 1): the splitmix64 stream of `seed`. The same inputs on

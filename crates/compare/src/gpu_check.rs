@@ -156,9 +156,19 @@ pub fn rounded(x: &Inputs<f64>, dtype: DType) -> Inputs<f64> {
 pub fn options(attention: &AttentionOptions, d: usize) -> (AttentionOptions, Options) {
     let scale = attention.scale.unwrap_or(1.0 / (d as f64).sqrt()) as f32;
     (
-        AttentionOptions { causal: attention.causal, scale: Some(scale as f64) },
-        Options { causal: attention.causal, scale: Some(scale), deterministic: false },
+        AttentionOptions { scale: Some(scale as f64), ..*attention },
+        Options {
+            causal: attention.causal,
+            scale: Some(scale),
+            deterministic: false,
+            window: kernel_window(attention.window),
+        },
     )
+}
+
+/// The reference crate's window as the kernels take it (the same two sides).
+pub fn kernel_window(w: ladder_reference::Window) -> ladder_kernels::Window {
+    ladder_kernels::Window { left: w.left, right: w.right }
 }
 
 /// `x` in `f32` (exact for inputs from [`rounded`]).

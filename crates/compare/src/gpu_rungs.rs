@@ -395,6 +395,12 @@ impl GpuRung {
         )
     }
 
+    /// Whether the kernel takes a sliding window (`Options::window`): FA2, forward and backward;
+    /// the others refuse one with an error.
+    pub fn takes_window(self) -> bool {
+        matches!(self, GpuRung::Fa2 | GpuRung::Fa2Backward | GpuRung::Fa2BackwardDeterministic)
+    }
+
     /// Whether the kernel runs on `gpu` (FA3 needs Hopper, `sm_90a`; the others sm_80+).
     pub fn available_on(self, gpu: &Gpu) -> bool {
         !matches!(

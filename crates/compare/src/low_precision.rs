@@ -123,6 +123,7 @@ mod tests {
         let case = Case {
             shape: ladder_reference::AttentionShape::new(1, 2, 1, 33, 47, 16).unwrap(),
             causal: true,
+            window: Default::default(),
             logit_std: 1.0,
             tiles: ladder_reference::TileSizes::new(8, 8).unwrap(),
             splits: 1,

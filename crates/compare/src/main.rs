@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand};
 use ladder_compare::memory::{PeakAlloc, human_bytes};
 use ladder_compare::verify::{self, VerifyCase};
 use ladder_compare::{Rung, RungConfig};
-use ladder_reference::{AttentionOptions, AttentionShape, Phi, TileSizes};
+use ladder_reference::{AttentionOptions, AttentionShape, Phi, TileSizes, Window};
 
 // Counts heap use so `verify` can report the extra memory each rung allocates.
 #[global_allocator]
@@ -62,6 +62,12 @@ struct RungArgs {
     /// Turn off incoherent processing on the FP8 path.
     #[arg(long)]
     no_incoherent: bool,
+    /// A sliding window LEFT,RIGHT in keys around each query's diagonal (flash-attention's
+    /// window_size, bottom-right aligned): query i sees keys i + n_kv − n_q − LEFT through
+    /// i + n_kv − n_q + RIGHT; -1 leaves a side open, --causal makes RIGHT 0. Every CPU rung; on
+    /// the GPU, fa2 (forward and backward).
+    #[arg(long, allow_hyphen_values = true)]
+    window: Option<Window>,
 }
 
 impl RungArgs {
@@ -74,7 +80,11 @@ impl RungArgs {
             bail!("--phi must be finite, got {phi}");
         }
         Ok(RungConfig {
-            attention: AttentionOptions { causal, scale: self.scale },
+            attention: AttentionOptions {
+                causal,
+                scale: self.scale,
+                window: self.window.unwrap_or_default(),
+            },
             tiles: TileSizes::new(self.br, self.bc)?,
             splits: self.splits,
             phi: self.phi.map_or(defaults.phi, Phi::Given),

@@ -10,8 +10,8 @@
 
 use ladder_reference::fp8::{Fp8Scaling, Fp8Tensor, RandomHadamard, round_e4m3};
 use ladder_reference::{
-    AttentionOptions, AttentionOutput, AttentionShape, Element, Fp8Options, Gradients, Mask,
-    Result, naive,
+    AttentionOptions, AttentionOutput, AttentionShape, Element, Fp8Options, Gradients, Result,
+    naive,
 };
 use ndarray::linalg::general_mat_mul;
 use ndarray::{Array2, Array3, Array4, ArrayView4, Axis, s};
@@ -198,7 +198,7 @@ pub fn fp8_baseline<T: Element>(
     }
     let shape = AttentionShape::new(b, hq, hkv, nq, nkv, d)?;
     let scale = T::of(attention.resolve_scale(&shape)?);
-    let mask = Mask::new(attention.causal, shape.n_q, shape.n_kv);
+    let mask = attention.mask(shape.n_q, shape.n_kv);
     let dequantised =
         |x: ArrayView4<T>| Fp8Tensor::quantize(x, x.dim().2, Fp8Scaling::PerTensor).dequantize();
     let (q, k, v) = (dequantised(q), dequantised(k), dequantised(v));
@@ -212,16 +212,17 @@ pub fn fp8_baseline<T: Element>(
             let mut p = Array2::zeros((shape.n_q, shape.n_kv));
             general_mat_mul(scale, &q, &k.t(), T::zero(), &mut p);
             for (i, row) in p.rows().into_iter().enumerate() {
-                let end = mask.visible_end(i);
-                let m = row.slice(s![..end]).iter().fold(T::neg_infinity(), |m, &x| m.max(x));
-                let l: T = row.slice(s![..end]).iter().map(|&x| (x - m).exp()).sum();
+                let keys = mask.visible(i);
+                let seen = row.slice(s![keys.clone()]);
+                let m = seen.iter().fold(T::neg_infinity(), |m, &x| m.max(x));
+                let l: T = seen.iter().map(|&x| (x - m).exp()).sum();
                 let mut o_row = o.slice_mut(s![b, h, i, ..]);
-                if end == 0 || !m.is_finite() {
-                    lse[[b, h, i]] = if end == 0 { T::neg_infinity() } else { T::nan() };
-                    o_row.fill(if end == 0 { T::zero() } else { T::nan() });
+                if keys.is_empty() || !m.is_finite() {
+                    lse[[b, h, i]] = if keys.is_empty() { T::neg_infinity() } else { T::nan() };
+                    o_row.fill(if keys.is_empty() { T::zero() } else { T::nan() });
                     continue;
                 }
-                for j in 0..end {
+                for j in keys {
                     o_row.scaled_add(round_e4m3((row[j] - m).exp()) / l, &v.row(j));
                 }
                 lse[[b, h, i]] = m + l.ln();

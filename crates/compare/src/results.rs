@@ -15,12 +15,13 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use anyhow::{Context, bail};
+use ladder_reference::{Mask, Window};
 use serde_json::{Map, Value, json};
 
 /// The CSV columns, in the order they are written. `scripts/peers.py` writes the same schema;
 /// other tools read it by column name, so columns are only ever added at the end, and a reader
-/// takes a column added later (`page_size`, `layout`) as empty when a file has none.
-pub const COLUMNS: [&str; 15] = [
+/// takes a column added later (`page_size`, `layout`, `window`) as empty when a file has none.
+pub const COLUMNS: [&str; 16] = [
     "impl",
     "direction",
     "dtype",
@@ -36,14 +37,14 @@ pub const COLUMNS: [&str; 15] = [
     "tbps",
     "page_size",
     "layout",
+    "window",
 ];
 
 /// [`COLUMNS`] as the CSV header line.
-pub const CSV_HEADER: &str =
-    "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps,page_size,layout";
+pub const CSV_HEADER: &str = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps,page_size,layout,window";
 
 /// The columns a file may lack (added to the schema later): read as empty.
-pub const OPTIONAL_COLUMNS: [&str; 2] = ["page_size", "layout"];
+pub const OPTIONAL_COLUMNS: [&str; 3] = ["page_size", "layout", "window"];
 
 /// The keys of `meta.json` (both `ladder bench` and `scripts/peers.py` fill it).
 pub const META_KEYS: [&str; 6] = ["card", "driver", "cuda", "date", "torch", "note"];
@@ -96,14 +97,36 @@ pub fn attention_flops(
     } else if n_q == n_kv {
         n_q as f64 * n_kv as f64 / 2.0
     } else {
-        // Query i sees keys j <= i + n_kv - n_q.
-        (0..n_q).map(|i| (i + n_kv).saturating_sub(n_q - 1).min(n_kv) as f64).sum()
+        attended_pairs(n_q, n_kv, true, Window::default())
     };
-    let forward = 4.0 * (batch * heads_q) as f64 * pairs * d as f64;
+    pairs_flops(direction, batch * heads_q, pairs, d)
+}
+
+/// The query–key pairs a mask leaves visible, counted exactly (row by row of
+/// [`Mask::visible`]): what a sliding window's FLOPs are counted on, so that a window's TFLOP/s
+/// says how fast the kernel runs the work it must do, not the work it skips.
+pub fn attended_pairs(n_q: usize, n_kv: usize, causal: bool, window: Window) -> f64 {
+    let mask = Mask::banded(causal, window, n_q, n_kv);
+    (0..n_q).map(|i| mask.visible(i).len() as f64).sum()
+}
+
+/// `4 · pairs · d` per head for the forward, 2.5× that for the backward.
+fn pairs_flops(direction: Direction, heads: usize, pairs: f64, d: usize) -> f64 {
+    let forward = 4.0 * heads as f64 * pairs * d as f64;
     match direction {
         Direction::Fwd | Direction::Decode => forward,
         Direction::Bwd => 2.5 * forward,
     }
+}
+
+/// A window as the CSV writes it, `LEFT:RIGHT` (`-1` for an open side; empty for no window): a
+/// comma would split the field.
+pub fn window_field(window: Window) -> String {
+    if !window.is_some() {
+        return String::new();
+    }
+    let side = |s: Option<usize>| s.map_or("-1".to_string(), |k| k.to_string());
+    format!("{}:{}", side(window.left), side(window.right))
 }
 
 /// One benchmark case: what ran, on which shape.
@@ -136,6 +159,9 @@ pub struct Case {
     /// d]`: `bshd` for `[batch, seq, heads, d]`, a projection's output, taken as a strided view
     /// without a copy. `None` for `[batch, heads, seq, d]` (and for decoding).
     pub layout: Option<String>,
+    /// Prefill only: a sliding window of keys (`Window::default()`: none). Its FLOPs count the
+    /// pairs it attends ([`attended_pairs`]).
+    pub window: Window,
 }
 
 impl Case {
@@ -164,7 +190,13 @@ impl Case {
             d,
             page_size: None,
             layout: None,
+            window: Window::default(),
         }
+    }
+
+    /// This case with a sliding window of keys (`Window::default()`: none).
+    pub fn windowed(self, window: Window) -> Case {
+        Case { window, ..self }
     }
 
     /// This case with its inputs in `layout` (`None`: `[batch, heads, seq, d]`; see
@@ -200,6 +232,7 @@ impl Case {
             d,
             page_size: None,
             layout: None,
+            window: Window::default(),
         }
     }
 
@@ -234,9 +267,14 @@ impl Case {
             .then(|| 2.0 * (self.batch * self.heads_kv * self.n_kv * self.d) as f64 * size)
     }
 
-    /// FLOPs of this case by the ladder's convention (an unknown direction counts as forward).
+    /// FLOPs of this case by the ladder's convention (an unknown direction counts as forward);
+    /// with a window, on the pairs it attends.
     pub fn flops(&self) -> f64 {
         let direction = Direction::parse(&self.direction).unwrap_or(Direction::Fwd);
+        if self.window.is_some() {
+            let pairs = attended_pairs(self.n_q, self.n_kv, self.causal, self.window);
+            return pairs_flops(direction, self.batch * self.heads_q, pairs, self.d);
+        }
         attention_flops(
             direction,
             self.batch,
@@ -246,6 +284,16 @@ impl Case {
             self.d,
             self.causal,
         )
+    }
+
+    /// The mask in a word: `full`, `causal`, or a window as `w4095:0` (`LEFT:RIGHT` after the
+    /// causal mask's `right = 0`, `-1` open).
+    pub fn mask_label(&self) -> String {
+        if !self.window.is_some() {
+            return if self.causal { "causal" } else { "full" }.to_string();
+        }
+        let right = if self.causal { Some(0) } else { self.window.right };
+        format!("w{}", window_field(Window { right, ..self.window }))
     }
 
     /// `fwd d=128 n=4096 causal` and the like, for progress lines and tables (`decode fp16
@@ -264,7 +312,7 @@ impl Case {
             self.dtype,
             self.d,
             self.n_q,
-            if self.causal { "causal" } else { "full" },
+            self.mask_label(),
             self.batch,
             self.heads_q,
             self.layout.as_ref().map_or(String::new(), |l| format!(" {l}"))
@@ -335,7 +383,7 @@ pub fn to_csv(rows: &[Row]) -> String {
         let c = &row.case;
         let _ = writeln!(
             s,
-            "{},{},{},{},{},{},{},{},{},{},{ms:.6},{tflops:.3},{},{},{}",
+            "{},{},{},{},{},{},{},{},{},{},{ms:.6},{tflops:.3},{},{},{},{}",
             c.imp,
             c.direction,
             c.dtype,
@@ -348,7 +396,8 @@ pub fn to_csv(rows: &[Row]) -> String {
             c.d,
             tbps.map_or(String::new(), |t| format!("{t:.4}")),
             c.page_size.map_or(String::new(), |p| p.to_string()),
-            c.layout.as_deref().unwrap_or("")
+            c.layout.as_deref().unwrap_or(""),
+            window_field(c.window)
         );
     }
     s
@@ -411,6 +460,10 @@ pub fn parse_csv(text: &str) -> anyhow::Result<Vec<Row>> {
                     "" => None,
                     l => Some(l.to_string()),
                 },
+                window: match get(15) {
+                    "" => Window::default(),
+                    w => w.replace(':', ",").parse().map_err(|e: String| anyhow::anyhow!(e))?,
+                },
             };
             Ok(Some(Row { case, outcome: Outcome::Measured { ms, tflops, tbps: float(12)? } }))
         };
@@ -435,6 +488,7 @@ pub fn row_json(row: &Row, extra: &Map<String, Value>) -> Value {
         "impl": c.imp, "direction": c.direction, "dtype": c.dtype, "causal": c.causal,
         "batch": c.batch, "heads_q": c.heads_q, "heads_kv": c.heads_kv,
         "n_q": c.n_q, "n_kv": c.n_kv, "d": c.d, "page_size": c.page_size, "layout": c.layout,
+        "window": window_field(c.window),
     });
     let map = obj.as_object_mut().expect("an object literal");
     match &row.outcome {
@@ -549,7 +603,10 @@ mod tests {
                 .unwrap()
                 .starts_with("fa2,fwd,fp16,false,32,16,16,512,512,128,0.250000,")
         );
-        assert!(text.lines().nth(1).unwrap().ends_with(",,"), "tbps, page and layout are empty");
+        assert!(
+            text.lines().nth(1).unwrap().ends_with(",,,"),
+            "tbps, page, layout and window are empty"
+        );
         let back = parse_csv(&text).unwrap();
         assert_eq!(back.len(), 2);
         for (a, b) in back.iter().zip(&rows) {
@@ -567,13 +624,40 @@ mod tests {
             ("fa3/bshd".into(), "fa3".into())
         );
         let text = to_csv(&[Row::measured(bshd.clone(), 1.0)]);
-        assert!(text.lines().nth(1).unwrap().ends_with(",,bshd"), "{text}");
+        assert!(text.lines().nth(1).unwrap().ends_with(",,bshd,"), "{text}");
         assert_eq!(parse_csv(&text).unwrap()[0].case, bshd);
         // A file written before the column existed reads as [b, h, s, d].
         let old = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps\n\
                    fa3,fwd,fp16,true,4,16,16,4096,4096,128,1.0,500.0,\n";
         assert_eq!(parse_csv(old).unwrap()[0].case.layout, None);
         assert!(bshd.label().ends_with(" bshd"));
+    }
+
+    #[test]
+    fn a_window_counts_the_pairs_it_attends_and_round_trips() {
+        // Mistral's window of 4096 keys, causal, n = 16k: row i sees min(i + 1, 4096) keys.
+        let n = 16384;
+        let w = Window::left(4095);
+        let pairs = 4096.0 * 4097.0 / 2.0 + (n - 4096) as f64 * 4096.0;
+        assert_eq!(attended_pairs(n, n, true, w), pairs);
+        let windowed = case("fa2", "fwd", true, n).windowed(w);
+        assert_eq!(windowed.flops(), 4.0 * 16.0 * pairs * 128.0);
+        assert_eq!(windowed.mask_label(), "w4095:0");
+        assert!(windowed.label().contains("w4095:0"), "{}", windowed.label());
+        // Without a window a causal case keeps the convention (n² / 2), not the exact count.
+        assert_eq!(case("fa2", "fwd", true, n).flops(), 4.0 * 16.0 * (n * n) as f64 / 2.0 * 128.0);
+        // A two-sided window, not causal, and an open side.
+        let two = case("fa2", "bwd", false, 8).windowed(Window::new(1, 2));
+        assert_eq!(attended_pairs(8, 8, false, Window::new(1, 2)), 8.0 * 4.0 - 1.0 - 3.0);
+        assert_eq!(two.mask_label(), "w1:2");
+        assert_eq!(case("fa2", "fwd", false, 8).windowed(Window::left(3)).mask_label(), "w3:-1");
+        let text = to_csv(&[Row::measured(windowed.clone(), 1.0), Row::measured(two.clone(), 1.0)]);
+        // The window as given (the causal mask's right = 0 is in `causal`).
+        assert!(text.lines().nth(1).unwrap().ends_with(",,4095:-1"), "{text}");
+        let back = parse_csv(&text).unwrap();
+        assert_eq!((&back[0].case, &back[1].case), (&windowed, &two));
+        let bad = text.replace("4095:-1", "4095");
+        assert!(parse_csv(&bad).is_err());
     }
 
     #[test]
@@ -596,7 +680,7 @@ mod tests {
             line.starts_with("flash-decoding,decode,fp16,false,1,32,8,1,8192,128,0.010000,"),
             "{line}"
         );
-        assert!(line.ends_with(",3.3554,,"), "{line}");
+        assert!(line.ends_with(",3.3554,,,"), "{line}");
         let back = parse_csv(&text).unwrap();
         assert_eq!(back.len(), 1);
         assert_eq!(back[0].case, case);
@@ -607,7 +691,7 @@ mod tests {
         assert!(paged.causal && paged.label().ends_with("new=4 page=16"), "{}", paged.label());
         assert_eq!(paged.kv_bytes(), case.kv_bytes());
         let text = to_csv(&[Row::measured(paged.clone(), 0.01)]);
-        assert!(text.lines().nth(1).unwrap().ends_with(",16,"), "{text}");
+        assert!(text.lines().nth(1).unwrap().ends_with(",16,,"), "{text}");
         assert_eq!(parse_csv(&text).unwrap()[0].case, paged);
         assert_eq!(row_json(&Row::measured(paged, 0.01), &Map::new())["page_size"], 16);
         // Prefill rows have no TB/s.

@@ -495,6 +495,7 @@ fn gpu(rung: GpuRung, dtype: GpuDType, x: &Tensors, args: &RunArgs) -> anyhow::R
         causal: args.causal,
         scale: args.rung_args.scale.map(|s| s as f32),
         deterministic: args.deterministic,
+        window: ladder_compare::gpu_check::kernel_window(args.rung_args.window.unwrap_or_default()),
     };
     let out = match rung.kernels() {
         Kernels::Forward(forward) => forward(&gpu, &q, &k, &v, &opts),

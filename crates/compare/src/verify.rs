@@ -43,6 +43,7 @@ impl VerifyCase {
         Case {
             shape: self.shape,
             causal: config.attention.causal,
+            window: Default::default(),
             logit_std: 1.0,
             tiles: config.tiles,
             splits: config.splits,

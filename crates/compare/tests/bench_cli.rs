@@ -4,8 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-const HEADER: &str =
-    "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps,page_size,layout";
+const HEADER: &str = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps,page_size,layout,window";
 
 /// The `ladder` binary: cargo's, or where gpu-bundle puts it when this test binary was carried to
 /// another machine (it runs there from the crate folder).
@@ -191,6 +190,9 @@ fn peers_py_writes_the_schema_ladder_reads() {
          assert d.decode[0] == (1, 32, 32, 8192) and len(d.decode) == 42, d.decode\n\
          peers.parse_args(['--direction', 'decode', '--new-tokens', '1,4', '--page-size', 'none,16'])\n\
          rows.append(peers.decode_row('sdpa-flash', 'fp16', 1, 32, 8, 1, 8192, 128, 0.01))\n\
+         w = peers.parse_args(['--window', '4095,-1', '--window', 'none', '--window=-1,3']).windows\n\
+         assert w == [(4095, None), None, (None, 3)], w\n\
+         rows.append(peers.csv_row('flex', 'fwd', 'fp16', True, 1, 16, 16384, 128, 1.0, 'bhsd', w[0]))\n\
          peers.write_csv({csv:?}, rows)\n",
         scripts = path(script.parent().unwrap()),
         csv = path(&dir.path().join("peers.csv")),
@@ -210,6 +212,25 @@ fn peers_py_writes_the_schema_ladder_reads() {
     assert!(csv.contains("sdpa-flash,decode,fp16,false,1,32,8,1,8192,128,0.010000,"), "{csv}");
     assert!(stdout.contains("3.36"), "{stdout}");
     assert!(dir.path().join("decode-fp16-d128-b1.svg").exists());
+    // The windowed row: its window round-trips, and its FLOPs are the pairs `ladder` counts.
+    assert!(csv.lines().any(|l| l.starts_with("flex,") && l.ends_with(",4095:-1")), "{csv}");
+    let windowed = ladder_compare::results::Case::square(
+        "flex",
+        ladder_compare::results::Direction::Fwd,
+        "fp16",
+        true,
+        1,
+        16,
+        16384,
+        128,
+    )
+    .windowed(ladder_reference::Window::left(4095));
+    let tflops = format!("{:.1}", windowed.flops() / 1e-3 / 1e12);
+    assert!(
+        stdout.lines().any(|l| l.contains("w4095:0") && l.contains(&tflops)),
+        "{tflops} {stdout}"
+    );
+    assert!(dir.path().join("fwd-fp16-d128-w4095-0.svg").exists());
 }
 
 /// On a GPU machine: a tiny `--quick` run writes every file with the agreed schema.

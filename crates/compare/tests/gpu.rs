@@ -25,16 +25,18 @@ fn fail(e: impl std::fmt::Display) -> TestCaseError {
     TestCaseError::fail(e.to_string())
 }
 
-/// Shapes for the GPU: longer sequences than the CPU suite (several tiles and a tail), the
-/// head dimensions the rung supports, logits in a trained model's range.
-fn space(head_dims: &[usize]) -> CaseSpace {
+/// Shapes for `rung` on the GPU: longer sequences than the CPU suite (several tiles and a tail),
+/// the head dimensions the rung supports, logits in a trained model's range, sliding windows
+/// where the rung takes them.
+fn space(rung: GpuRung) -> CaseSpace {
     CaseSpace {
         batch: 1..=2,
         heads_kv: 1..=2,
         group: 1..=3,
         n_q: 1..=300,
         n_kv: 1..=300,
-        head_dims: head_dims.to_vec(),
+        head_dims: rung.head_dims().to_vec(),
+        windows: rung.takes_window(),
         ..CaseSpace::cpu().moderate_logits()
     }
 }
@@ -121,67 +123,67 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(gpu_check::cases_per_property(48)))]
 
     #[test]
-    fn gpu_fa2_backward_fp16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa2Backward.head_dims())), layout in layouts()) {
+    fn gpu_fa2_backward_fp16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa2Backward)), layout in layouts()) {
         check_backward(GpuRung::Fa2Backward, &case, DType::F16, layout)?;
     }
 
     #[test]
-    fn gpu_fa2_deterministic_backward_fp16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa2BackwardDeterministic.head_dims())), layout in layouts()) {
+    fn gpu_fa2_deterministic_backward_fp16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa2BackwardDeterministic)), layout in layouts()) {
         check_backward(GpuRung::Fa2BackwardDeterministic, &case, DType::F16, layout)?;
     }
 
     #[test]
-    fn gpu_fa2_deterministic_backward_bf16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa2BackwardDeterministic.head_dims())), layout in layouts()) {
+    fn gpu_fa2_deterministic_backward_bf16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa2BackwardDeterministic)), layout in layouts()) {
         check_backward(GpuRung::Fa2BackwardDeterministic, &case, DType::BF16, layout)?;
     }
 
     #[test]
-    fn gpu_fa2_backward_bf16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa2Backward.head_dims())), layout in layouts()) {
+    fn gpu_fa2_backward_bf16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa2Backward)), layout in layouts()) {
         check_backward(GpuRung::Fa2Backward, &case, DType::BF16, layout)?;
     }
 
     #[test]
-    fn gpu_fa3_backward_fp16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa3Backward.head_dims())), layout in layouts()) {
+    fn gpu_fa3_backward_fp16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa3Backward)), layout in layouts()) {
         check_backward(GpuRung::Fa3Backward, &case, DType::F16, layout)?;
     }
 
     #[test]
-    fn gpu_fa3_backward_bf16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa3Backward.head_dims())), layout in layouts()) {
+    fn gpu_fa3_backward_bf16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa3Backward)), layout in layouts()) {
         check_backward(GpuRung::Fa3Backward, &case, DType::BF16, layout)?;
     }
 
     #[test]
-    fn gpu_fa3_deterministic_backward_fp16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa3BackwardDeterministic.head_dims())), layout in layouts()) {
+    fn gpu_fa3_deterministic_backward_fp16_matches_the_oracle_and_cpu_fa2(case in cases(space(GpuRung::Fa3BackwardDeterministic)), layout in layouts()) {
         check_backward(GpuRung::Fa3BackwardDeterministic, &case, DType::F16, layout)?;
     }
 
     #[test]
-    fn gpu_fa1_fp16_matches_cpu_fa1_and_the_oracle(case in cases(space(GpuRung::Fa1.head_dims()))) {
+    fn gpu_fa1_fp16_matches_cpu_fa1_and_the_oracle(case in cases(space(GpuRung::Fa1))) {
         check_forward(GpuRung::Fa1, &case, DType::F16)?;
     }
 
     #[test]
-    fn gpu_fa1_f32_matches_cpu_fa1_and_the_oracle(case in cases(space(GpuRung::Fa1.head_dims()))) {
+    fn gpu_fa1_f32_matches_cpu_fa1_and_the_oracle(case in cases(space(GpuRung::Fa1))) {
         check_forward(GpuRung::Fa1, &case, DType::F32)?;
     }
 
     #[test]
-    fn gpu_fa2_fp16_matches_cpu_fa2_and_the_oracle(case in cases(space(GpuRung::Fa2.head_dims())), layout in layouts()) {
+    fn gpu_fa2_fp16_matches_cpu_fa2_and_the_oracle(case in cases(space(GpuRung::Fa2)), layout in layouts()) {
         check_forward_in(GpuRung::Fa2, &case, DType::F16, layout)?;
     }
 
     #[test]
-    fn gpu_fa3_fp16_matches_cpu_fa3_and_the_oracle(case in cases(space(GpuRung::Fa3.head_dims())), layout in layouts()) {
+    fn gpu_fa3_fp16_matches_cpu_fa3_and_the_oracle(case in cases(space(GpuRung::Fa3)), layout in layouts()) {
         check_forward_in(GpuRung::Fa3, &case, DType::F16, layout)?;
     }
 
     #[test]
-    fn gpu_fa3_bf16_matches_cpu_fa3_and_the_oracle(case in cases(space(GpuRung::Fa3.head_dims())), layout in layouts()) {
+    fn gpu_fa3_bf16_matches_cpu_fa3_and_the_oracle(case in cases(space(GpuRung::Fa3)), layout in layouts()) {
         check_forward_in(GpuRung::Fa3, &case, DType::BF16, layout)?;
     }
 
     #[test]
-    fn gpu_fa2_bf16_matches_cpu_fa2_and_the_oracle(case in cases(space(GpuRung::Fa2.head_dims())), layout in layouts()) {
+    fn gpu_fa2_bf16_matches_cpu_fa2_and_the_oracle(case in cases(space(GpuRung::Fa2)), layout in layouts()) {
         check_forward_in(GpuRung::Fa2, &case, DType::BF16, layout)?;
     }
 }
@@ -270,6 +272,7 @@ fn long_case(
     Case {
         shape: ladder_reference::AttentionShape::new(b, hq, hkv, n_q, n_kv, d).unwrap(),
         causal,
+        window: Default::default(),
         logit_std: 1.0,
         tiles: ladder_reference::TileSizes::new(tile, tile).unwrap(),
         splits: 1,

@@ -10,7 +10,7 @@ use ladder_compare::GpuRung;
 use ladder_compare::cases::pseudo_random;
 use ladder_compare::gpu_check::shared_gpu;
 use ladder_compare::gpu_rungs::{BackwardFn, ForwardFn};
-use ladder_kernels::{DType, Gpu, KernelError, Options, Output, Tensor, fa1, fa2, fa3};
+use ladder_kernels::{DType, Gpu, KernelError, Options, Output, Tensor, Window, fa1, fa2, fa3};
 
 fn gpu() -> Option<&'static Gpu> {
     shared_gpu("GPU API tests")
@@ -458,6 +458,7 @@ fn an_edited_kernel_is_the_one_that_runs() {
     let case = Case {
         shape: ladder_reference::AttentionShape::new(1, 2, 2, 200, 700, 64).unwrap(),
         causal: false,
+        window: Default::default(),
         logit_std: 2.0,
         tiles: ladder_reference::TileSizes::new(64, 64).unwrap(),
         splits: 1,
@@ -475,4 +476,49 @@ fn an_edited_kernel_is_the_one_that_runs() {
     assert!(!planted.pass, "the planted bug passed the check: O {}", planted.o);
     assert!(verdict(gpu).pass, "the shared Gpu still runs the crate's kernel");
     println!("planted bug (no rescale): O {} against the crate's {}", planted.o, ours.o);
+}
+
+/// A sliding window: the rungs that take none refuse it with an error naming them, and FA2's
+/// windowed kernels, given a window wider than the sequences, compute bit for bit what the kernels
+/// without one do (the band only masks; the tiles and their arithmetic are the same), forward and
+/// deterministic backward, causal or not.
+#[test]
+fn windows_are_refused_where_unsupported_and_a_full_window_changes_no_bit() {
+    let Some(gpu) = gpu() else { return };
+    let (n, d) = (200, 64);
+    let q = tensor(gpu, &[2, 4, n, d], DType::F16, 21);
+    let k = tensor(gpu, &[2, 2, n, d], DType::F16, 22);
+    let v = tensor(gpu, &[2, 2, n, d], DType::F16, 23);
+    let d_o = tensor(gpu, &[2, 4, n, d], DType::F16, 24);
+    let window = Options::full().with_window(Window::new(8, 3));
+    let refused = |rung: &str, r: Result<(), KernelError>| {
+        assert!(
+            matches!(&r, Err(KernelError::Shape(m)) if m.contains(rung) && m.contains("window")),
+            "{rung} with a window: {r:?}"
+        );
+    };
+    refused("fa1", fa1::forward(gpu, &q, &k, &v, &window).map(drop));
+    if GpuRung::Fa3.available_on(gpu) {
+        refused("fa3", fa3::forward(gpu, &q, &k, &v, &window).map(drop));
+        let fp8 = fa3::fp8::Fp8Options::default();
+        refused("fa3-fp8", fa3::fp8::quantize(gpu, &q, &k, &v, &window, &fp8).map(drop));
+        let out = fa2::forward(gpu, &q, &k, &v, &Options::full()).expect("forward");
+        refused("fa3 backward", fa3::backward(gpu, &q, &k, &v, &out, &d_o, &window).map(drop));
+    }
+    let bytes = |t: &Tensor| t.to_bytes().expect("copy");
+    for causal in [false, true] {
+        let plain = if causal { Options::causal() } else { Options::full() }.deterministic();
+        let wide = plain.with_window(Window::new(2 * n, 2 * n));
+        let (a, b) = (
+            fa2::forward(gpu, &q, &k, &v, &plain).expect("forward"),
+            fa2::forward(gpu, &q, &k, &v, &wide).expect("windowed forward"),
+        );
+        assert!(bytes(&a.o) == bytes(&b.o) && bytes(&a.lse) == bytes(&b.lse), "causal {causal}");
+        let ga = fa2::backward(gpu, &q, &k, &v, &a, &d_o, &plain).expect("backward");
+        let gb = fa2::backward(gpu, &q, &k, &v, &b, &d_o, &wide).expect("windowed backward");
+        for (name, x, y) in [("dQ", &ga.dq, &gb.dq), ("dK", &ga.dk, &gb.dk), ("dV", &ga.dv, &gb.dv)]
+        {
+            assert!(bytes(x) == bytes(y), "causal {causal}: windowed {name} differs");
+        }
+    }
 }

@@ -137,6 +137,7 @@ fn gpu_fa3_fp8_long_sequences() {
         let case = Case {
             shape: AttentionShape::new(b, hq, hkv, n_q, n_kv, d).unwrap(),
             causal,
+            window: Default::default(),
             logit_std: 1.0,
             tiles: TileSizes::new(128, 128).unwrap(),
             splits: 1,
@@ -172,6 +173,7 @@ fn gpu_fp8_quantisation_is_the_cpu_rungs_bit_for_bit() {
         let case = Case {
             shape: AttentionShape::new(2, 4, 2, 333, n_kv, d).unwrap(),
             causal: false,
+            window: Default::default(),
             logit_std: 1.0,
             tiles: TileSizes::new(128, 128).unwrap(),
             splits: 1,
@@ -197,12 +199,21 @@ fn gpu_fp8_quantisation_is_the_cpu_rungs_bit_for_bit() {
         };
         let (br, bc) = (inputs.tiles().br(), inputs.tiles().bc);
         let what = format!("{dtype}, d = {d}, incoherent {incoherent:?}, {layout:?}");
-        for (name, gpu_values, gpu_scales, cpu) in [
-            ("q", gq, sq, Fp8Tensor::quantize(q32.view(), br, Fp8Scaling::PerBlock)),
-            ("k", gk, sk, Fp8Tensor::quantize(k32.view(), bc, Fp8Scaling::PerBlock)),
-            ("v", gv, sv, Fp8Tensor::quantize(x32.v.view(), bc, Fp8Scaling::PerBlock)),
+        // V in one block per head: the GPU writes the head's scale into each of its tiles' slots.
+        let n_kv = x32.v.dim().2;
+        for (name, gpu_values, gpu_scales, cpu, tiles) in [
+            ("q", gq, sq, Fp8Tensor::quantize(q32.view(), br, Fp8Scaling::PerBlock), 1),
+            ("k", gk, sk, Fp8Tensor::quantize(k32.view(), bc, Fp8Scaling::PerBlock), 1),
+            (
+                "v",
+                gv,
+                sv,
+                Fp8Tensor::quantize(x32.v.view(), n_kv, Fp8Scaling::PerBlock),
+                n_kv.div_ceil(bc),
+            ),
         ] {
-            let cpu_scales: Vec<f32> = cpu.scales.iter().copied().collect();
+            let cpu_scales: Vec<f32> =
+                cpu.scales.iter().flat_map(|&s| std::iter::repeat_n(s, tiles)).collect();
             assert_eq!(gpu_scales, cpu_scales, "{name} scales, {what}");
             let cpu_values: Vec<f32> = cpu.values.iter().copied().collect();
             let got = decode(&gpu_values);
@@ -222,6 +233,7 @@ fn gpu_fp8_incoherent_processing_lowers_the_error_on_outliers() {
         let case = Case {
             shape: AttentionShape::new(1, 2, 2, 4096, 4096, 128).unwrap(),
             causal: false,
+            window: Default::default(),
             logit_std: 1.0,
             tiles: TileSizes::new(128, 128).unwrap(),
             splits: 1,
@@ -242,9 +254,16 @@ fn gpu_fp8_incoherent_processing_lowers_the_error_on_outliers() {
             (error(&got.o, &oracle.out.o).rel_l2, error(&cpu.o, &oracle.out.o).rel_l2)
         };
         let ((gpu_plain, cpu_plain), (gpu_rot, cpu_rot)) = (err(None), err(Some(seed)));
+        // The FA3 paper reports RMSE: rel L2 times the reference's root mean square.
+        let o = &oracle.out.o;
+        let rms = (o.iter().map(|v| v * v).sum::<f64>() / o.len() as f64).sqrt();
         println!(
             "fp8 outliers seed {seed}: rel L2 of O, no rotation {gpu_plain:.3e} (CPU \
-             {cpu_plain:.3e}), incoherent {gpu_rot:.3e} (CPU {cpu_rot:.3e})"
+             {cpu_plain:.3e}), incoherent {gpu_rot:.3e} (CPU {cpu_rot:.3e}); RMSE no rotation \
+             {:.3e}, incoherent {:.3e}, gain {:.2}x",
+            gpu_plain * rms,
+            gpu_rot * rms,
+            gpu_plain / gpu_rot
         );
         assert!(gpu_rot < gpu_plain, "seed {seed}: incoherent {gpu_rot:.3e} vs {gpu_plain:.3e}");
         ratios.push(gpu_rot / gpu_plain);
@@ -262,6 +281,7 @@ fn gpu_fp8_schedules_give_the_same_bits() {
         let case = Case {
             shape: AttentionShape::new(1, 4, 2, 517, 1029, 128).unwrap(),
             causal,
+            window: Default::default(),
             logit_std: 1.0,
             tiles: TileSizes::new(128, 128).unwrap(),
             splits: 1,

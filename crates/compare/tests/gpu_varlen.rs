@@ -24,12 +24,12 @@ use ladder_compare::gpu_check::{
 use ladder_compare::gpu_rungs::VarlenForwardFn;
 use ladder_compare::oracle::{Expected, GradientOracle, Oracle, check};
 use ladder_compare::packed as packed_rows;
-use ladder_compare::{GpuRung, Inputs, Rung, RungConfig};
+use ladder_compare::{GpuRung, Inputs, Rung, RungConfig, cases};
 use ladder_kernels::fa3::fp8;
 use ladder_kernels::varlen::SeqLens;
 use ladder_kernels::{DType, Gpu, KernelError, Options, Tensor, fa2, fa3};
 use ladder_reference::fp8::{Fp8Scaling, Fp8Tensor, RandomHadamard};
-use ladder_reference::{AttentionOptions, AttentionOutput, Fp8Options, Gradients};
+use ladder_reference::{AttentionOptions, AttentionOutput, Fp8Options, Gradients, Window};
 use ndarray::Array3;
 use proptest::prelude::*;
 use rand::SeedableRng;
@@ -92,31 +92,41 @@ struct Batch {
     group: usize,
     d: usize,
     causal: bool,
+    window: Window,
     gaps: bool,
     seed: u64,
 }
 
-/// Ragged batches with head dims up to `max_d` (every multiple of 8).
-fn batches(max_d: usize) -> impl Strategy<Value = Batch> {
+impl Batch {
+    /// The batch's mask as the CPU rungs and the oracle take it, and as the kernels do.
+    fn options(&self) -> (AttentionOptions, Options) {
+        options(&AttentionOptions { causal: self.causal, scale: None, window: self.window }, self.d)
+    }
+}
+
+/// Ragged batches with head dims up to `max_d` (every multiple of 8), with sliding windows
+/// (sides up to a few tiles) when `windows`.
+fn batches(max_d: usize, windows: bool) -> impl Strategy<Value = Batch> {
     let dims: Vec<usize> = (1..=max_d / 8).map(|i| 8 * i).collect();
     (
         prop::collection::vec((length(), length()), 1..=6),
         1usize..=2,
         1usize..=3,
         prop::sample::select(dims),
-        any::<bool>(),
+        (any::<bool>(), cases::windows(windows, 430)),
         any::<bool>(),
         any::<u64>(),
     )
         .prop_filter("some queries and some keys", |(lens, ..)| {
             lens.iter().any(|l| l.0 > 0) && lens.iter().any(|l| l.1 > 0)
         })
-        .prop_map(|(lens, heads_kv, group, d, causal, gaps, seed)| Batch {
+        .prop_map(|(lens, heads_kv, group, d, (causal, window), gaps, seed)| Batch {
             lens,
             heads_kv,
             group,
             d,
             causal,
+            window,
             gaps,
             seed,
         })
@@ -185,9 +195,8 @@ fn check_varlen(rung: GpuRung, batch: &Batch, dtype: DType) -> Result<(), TestCa
         eprintln!("{rung} skipped: {} is {}", gpu.name(), gpu.arch());
         return Ok(());
     }
-    let (d, causal) = (batch.d, batch.causal);
     let Drawn { lens, x: [q, k, v, _], t: [qt, kt, vt, _] } = draw(gpu, batch, dtype)?;
-    let (attention, opts) = options(&AttentionOptions { causal, scale: None }, d);
+    let (attention, opts) = batch.options();
     let out = varlen_forward(rung)(gpu, &qt, &kt, &vt, &lens, &opts).map_err(fail)?;
     check_sequences(&lens, (&q, &k, &v), &out, |b, x, got| {
         let oracle = Oracle::new(x, &attention).map_err(fail)?;
@@ -205,7 +214,7 @@ fn check_varlen(rung: GpuRung, batch: &Batch, dtype: DType) -> Result<(), TestCa
 
 /// Ragged batches at the FP8 path's head dims (multiples of 16), a rotation seed or none.
 fn fp8_batches() -> impl Strategy<Value = (Batch, Option<u64>)> {
-    (batches(256), any::<bool>()).prop_map(|(batch, rotate)| {
+    (batches(256, false), any::<bool>()).prop_map(|(batch, rotate)| {
         let d = batch.d.next_multiple_of(16);
         let seed = batch.seed;
         (Batch { d, ..batch }, rotate.then_some(seed))
@@ -225,13 +234,12 @@ fn check_varlen_fp8(
         eprintln!("fa3-fp8 skipped: {} is {}", gpu.name(), gpu.arch());
         return Ok(());
     }
-    let (d, causal) = (batch.d, batch.causal);
     let Drawn { lens, x: [q, k, v, _], t: [qt, kt, vt, _] } = draw(gpu, batch, dtype)?;
-    let (attention, opts) = options(&AttentionOptions { causal, scale: None }, d);
+    let (attention, opts) = batch.options();
     let fp8 = Fp8Options { incoherent, ..RungConfig::default().fp8 };
     let gpu_fp8 = gpu_check::gpu_fp8(&fp8);
     let out = fp8::forward_varlen(gpu, &qt, &kt, &vt, &lens, &opts, &gpu_fp8).map_err(fail)?;
-    let tiles = gpu_check::fp8_cpu_tiles(gpu, d, lens.max_lengths().1).map_err(fail)?;
+    let tiles = gpu_check::fp8_cpu_tiles(gpu, batch.d, lens.max_lengths().1).map_err(fail)?;
     check_sequences(&lens, (&q, &k, &v), &out, |b, x, got| {
         let oracle = Oracle::new(x, &attention).map_err(fail)?;
         let x32 = narrow(x);
@@ -257,11 +265,11 @@ fn check_varlen_backward(
     deterministic: bool,
 ) -> Result<(), TestCaseError> {
     let Some(gpu) = gpu() else { return Ok(()) };
-    let (d, causal, heads_kv) = (batch.d, batch.causal, batch.heads_kv);
+    let (d, heads_kv) = (batch.d, batch.heads_kv);
     let heads_q = heads_kv * batch.group;
     let Drawn { lens, x: [q, k, v, d_o], t: [qt, kt, vt, dot] } = draw(gpu, batch, dtype)?;
     let (total_q, total_k) = lens.totals();
-    let (attention, opts) = options(&AttentionOptions { causal, scale: None }, d);
+    let (attention, opts) = batch.options();
     let opts = Options { deterministic, ..opts };
     let out = fa2::forward_varlen(gpu, &qt, &kt, &vt, &lens, &opts).map_err(fail)?;
     let g = fa2::backward_varlen(gpu, &qt, &kt, &vt, &out, &dot, &lens, &opts).map_err(fail)?;
@@ -322,37 +330,37 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(gpu_check::cases_per_property(32)))]
 
     #[test]
-    fn gpu_fa2_varlen_backward_fp16_meets_the_oracle_on_every_sequence(batch in batches(128)) {
+    fn gpu_fa2_varlen_backward_fp16_meets_the_oracle_on_every_sequence(batch in batches(128, true)) {
         check_varlen_backward(&batch, DType::F16, false)?;
     }
 
     #[test]
-    fn gpu_fa2_varlen_backward_bf16_meets_the_oracle_on_every_sequence(batch in batches(128)) {
+    fn gpu_fa2_varlen_backward_bf16_meets_the_oracle_on_every_sequence(batch in batches(128, true)) {
         check_varlen_backward(&batch, DType::BF16, false)?;
     }
 
     #[test]
-    fn gpu_fa2_varlen_deterministic_backward_meets_the_oracle_on_every_sequence(batch in batches(128), bf16 in any::<bool>()) {
+    fn gpu_fa2_varlen_deterministic_backward_meets_the_oracle_on_every_sequence(batch in batches(128, true), bf16 in any::<bool>()) {
         check_varlen_backward(&batch, if bf16 { DType::BF16 } else { DType::F16 }, true)?;
     }
 
     #[test]
-    fn gpu_fa2_varlen_fp16_meets_the_oracle_on_every_sequence(batch in batches(256)) {
+    fn gpu_fa2_varlen_fp16_meets_the_oracle_on_every_sequence(batch in batches(256, true)) {
         check_varlen(GpuRung::Fa2, &batch, DType::F16)?;
     }
 
     #[test]
-    fn gpu_fa2_varlen_bf16_meets_the_oracle_on_every_sequence(batch in batches(256)) {
+    fn gpu_fa2_varlen_bf16_meets_the_oracle_on_every_sequence(batch in batches(256, true)) {
         check_varlen(GpuRung::Fa2, &batch, DType::BF16)?;
     }
 
     #[test]
-    fn gpu_fa3_varlen_fp16_meets_the_oracle_on_every_sequence(batch in batches(256)) {
+    fn gpu_fa3_varlen_fp16_meets_the_oracle_on_every_sequence(batch in batches(256, false)) {
         check_varlen(GpuRung::Fa3, &batch, DType::F16)?;
     }
 
     #[test]
-    fn gpu_fa3_varlen_bf16_meets_the_oracle_on_every_sequence(batch in batches(256)) {
+    fn gpu_fa3_varlen_bf16_meets_the_oracle_on_every_sequence(batch in batches(256, false)) {
         check_varlen(GpuRung::Fa3, &batch, DType::BF16)?;
     }
 
@@ -489,8 +497,16 @@ fn gpu_fp8_varlen_quantisation_is_the_cpu_rungs_on_each_sequence() {
         (DType::F16, 128, None, true),
         (DType::F16, 80, Some(8), true),
     ] {
-        let batch =
-            Batch { lens: lens.to_vec(), heads_kv: 2, group: 2, d, causal: false, gaps, seed: 17 };
+        let batch = Batch {
+            lens: lens.to_vec(),
+            heads_kv: 2,
+            group: 2,
+            d,
+            causal: false,
+            window: Window::default(),
+            gaps,
+            seed: 17,
+        };
         let (q_lens, k_lens): (Vec<usize>, Vec<usize>) = lens.iter().copied().unzip();
         let seqlens = SeqLens::from_lengths(gpu, &q_lens, &k_lens).unwrap();
         let mut rng = ChaCha8Rng::seed_from_u64(23);
@@ -535,11 +551,13 @@ fn gpu_fp8_varlen_quantisation_is_the_cpu_rungs_on_each_sequence() {
                     Some(seed) if i < 2 => RandomHadamard::new(d, seed).apply(seq.view()),
                     _ => seq,
                 };
-                let cpu = Fp8Tensor::quantize(seq.view(), rows, Fp8Scaling::PerBlock);
+                // V in one block per sequence and head, its scale in each of its tiles' slots.
+                let block = if i == 2 { len.max(1) } else { rows };
+                let cpu = Fp8Tensor::quantize(seq.view(), block, Fp8Scaling::PerBlock);
                 for h in 0..heads {
                     for tile in 0..len.div_ceil(rows) {
                         let got = scales[i][h * slots + start / rows + b + tile];
-                        let want = cpu.scales[[0, h, tile]];
+                        let want = cpu.scales[[0, h, tile * rows / block]];
                         assert_eq!(
                             got, want,
                             "{name} scale, sequence {b}, head {h}, tile {tile}, {what}"

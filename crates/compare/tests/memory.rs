@@ -13,6 +13,7 @@ fn extra_bytes(rung: Rung, n: usize, d: usize) -> u64 {
     let case = Case {
         shape: AttentionShape::new(1, 1, 1, n, n, d).unwrap(),
         causal: false,
+        window: Default::default(),
         logit_std: 1.0,
         tiles: TileSizes::default(),
         splits: 1,

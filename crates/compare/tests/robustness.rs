@@ -20,15 +20,14 @@ struct Reach {
 /// group's q heads that sees key `j`; `V[b, kh, j, c]` column `c` of those rows (lse is untouched).
 fn reach(
     shape: &AttentionShape,
-    causal: bool,
+    mask: Mask,
     tensor: usize,
     (b, h, row, col): (usize, usize, usize, usize),
 ) -> Reach {
     let mut o = Array4::from_elem(shape.q_dims(), false);
     let mut lse = Array3::from_elem((shape.batch, shape.heads_q, shape.n_q), false);
-    let mask = Mask::new(causal, shape.n_q, shape.n_kv);
     if tensor == 0 {
-        if mask.visible_end(row) == 0 {
+        if mask.visible(row).is_empty() {
             return Reach { o, lse };
         }
         o.slice_mut(s![b, h, row, ..]).fill(true);
@@ -36,7 +35,7 @@ fn reach(
         return Reach { o, lse };
     }
     for hq in (0..shape.heads_q).filter(|&hq| shape.kv_head(hq) == h) {
-        for i in (0..shape.n_q).filter(|&i| mask.visible_end(i) > row) {
+        for i in (0..shape.n_q).filter(|&i| mask.visible(i).contains(&row)) {
             if tensor == 1 {
                 o.slice_mut(s![b, hq, i, ..]).fill(true);
                 lse[[b, hq, i]] = true;
@@ -56,7 +55,7 @@ proptest! {
     /// computed on the clean inputs, and nothing panics.
     #[test]
     fn non_finite_inputs_stay_in_the_rows_they_reach(
-        case in cases(CaseSpace::cpu().moderate_logits()),
+        case in cases(CaseSpace::cpu().moderate_logits().with_windows()),
         tensor in 0..3usize,
         at in any::<(Index, Index, Index, Index)>(),
         value in prop_oneof![Just(f32::NAN), Just(f32::INFINITY), Just(f32::NEG_INFINITY)],
@@ -69,7 +68,8 @@ proptest! {
         let (b, h, row, col) = target.dim();
         let pos = (at.0.index(b), at.1.index(h), at.2.index(row), at.3.index(col));
         target[[pos.0, pos.1, pos.2, pos.3]] = value;
-        let reached = reach(&case.shape, case.causal, tensor, pos);
+        let mask = case.attention().mask(case.shape.n_q, case.shape.n_kv);
+        let reached = reach(&case.shape, mask, tensor, pos);
 
         // What the oracle says, with the reached entries replaced by "must be NaN".
         let mut want_o = expected.oracle.o.clone();
@@ -109,6 +109,7 @@ fn incoherent_processing_lowers_fp8_error_on_outliers() {
         let case = Case {
             shape: AttentionShape::new(1, 2, 2, 256, 256, 64).unwrap(),
             causal: false,
+            window: Default::default(),
             logit_std: 1.0,
             tiles: TileSizes::new(64, 64).unwrap(),
             splits: 1,

@@ -52,7 +52,15 @@ fn batch(
     let k = normal((total_k, heads_kv, d), &mut rng);
     let v = normal((total_k, heads_kv, d), &mut rng);
     let d_o = normal((total_q, heads_kv * group, d), &mut rng);
-    Batch { lens, seq, q, k, v, d_o, attention: AttentionOptions { causal, scale: None } }
+    Batch {
+        lens,
+        seq,
+        q,
+        k,
+        v,
+        d_o,
+        attention: AttentionOptions { causal, scale: None, window: Default::default() },
+    }
 }
 
 proptest! {
@@ -113,7 +121,7 @@ proptest! {
         let q = normal((total_q, heads_q, d), &mut rng);
         let k = normal((total_k, heads_kv, d), &mut rng);
         let v = normal((total_k, heads_kv, d), &mut rng);
-        let attention = AttentionOptions { causal, scale: None };
+        let attention = AttentionOptions { causal, scale: None, window: Default::default() };
         let opts = Fa2Options::new(attention).with_tiles(TILE, TILE).unwrap();
         let out = varlen::forward(q.view(), k.view(), v.view(), &seq, |q, k, v| {
             fa2::forward(q, k, v, &opts)

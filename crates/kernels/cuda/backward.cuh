@@ -10,6 +10,7 @@
 #define LADDER_BACKWARD_CUH
 
 #include "layout.cuh"
+#include "mask.cuh"
 #include "types.cuh"
 #include "varlen.cuh"
 
@@ -41,6 +42,7 @@ struct BackwardParams {
     int n_q_pad;  // n_q rounded up to a multiple of BR
     float scale;
     float scale_log2;  // scale · log2(e)
+    Band band;         // FA2_WINDOW only: the sliding window (mask.cuh)
     Strides q_strides;
     Strides k_strides;
     Strides v_strides;

@@ -47,6 +47,8 @@
 //   FA2_BR             query rows per step of fa2_backward
 //   FA2_WARPS          warps of fa2_backward (BC = 16·FA2_WARPS keys per block)
 //   FA2_CAUSAL         1 for the causal variant
+//   FA2_WINDOW         1 for a sliding window: the band's sides from p.band (mask.cuh), the
+//                      causal mask folded in; both loops walk only the tiles the band reaches
 //   FA2_DETERMINISTIC  1: dQ by fa2_backward_dq instead of atomics
 //   FA2_DQ_MT, FA2_DQ_WARPS, FA2_DQ_BC   fa2_backward_dq's 16-row tiles per warp, warps, keys per
 //                      K/V tile (BR_DQ = 16·FA2_DQ_MT·FA2_DQ_WARPS query rows per block)
@@ -78,6 +80,9 @@
 #ifndef FA2_CAUSAL
 #define FA2_CAUSAL 0
 #endif
+#ifndef FA2_WINDOW
+#define FA2_WINDOW 0
+#endif
 #ifndef FA2_DETERMINISTIC
 #define FA2_DETERMINISTIC 0
 #endif
@@ -93,6 +98,7 @@ constexpr int WARPS = FA2_WARPS;
 constexpr int THREADS = WARPS * 32;
 constexpr int BC = WARPS * 16;
 constexpr bool causal = FA2_CAUSAL;
+constexpr bool windowed = FA2_WINDOW;
 constexpr bool deterministic = FA2_DETERMINISTIC;
 constexpr bool packed = FA2_VARLEN;
 constexpr int NQ = BR / 8;  // 8-column accumulator tiles across the queries of a tile
@@ -199,10 +205,13 @@ fa2_backward(const __grid_constant__ BackwardParams p) {
     const u16* gV = head_base(p.v, p.v_strides, batch, kv_head) + first.k_start * p.v_strides.row;
 
     // Query tiles that can see this key tile: with bottom-right alignment query i sees key j when
-    // j <= i + shift, so tiles wholly before k0 − shift are skipped.
-    const int t_end = (first.n_q + BR - 1) / BR;
-    int t_begin = 0;
-    if (causal) t_begin = max(0, (k0 - (first.n_kv - first.n_q)) / BR);
+    // i + shift − left <= j <= i + shift + right (mask.cuh), so under the causal mask the tiles
+    // wholly before k0 − shift are skipped, and under a window also those past k_last − shift +
+    // left.
+    const Band band = band_of<causal, windowed>(p.band);
+    const int first_shift = first.n_kv - first.n_q;
+    const TileSpan t_span = query_tile_span<BR>(k0, k0 + BC - 1, first.n_q, first_shift, band);
+    const int t_begin = t_span.first, t_end = t_span.end;
 
     auto load_query_tile = [&](int t, int stage) {
         const long long q_ld = p.q_strides.row, d_o_ld = p.d_o_strides.row;
@@ -257,8 +266,12 @@ fa2_backward(const __grid_constant__ BackwardParams p) {
     // The loop's end, and the stage of tile t, (t − t_begin) mod 2: a packed batch's end read
     // again, its stage toggled (neither kept beside the loop index).
     auto t_stop = [&]() -> int {
-        if constexpr (packed) return (ps.n_q + BR - 1) / BR;
-        else return t_end;
+        if constexpr (packed) {
+            const int n_q = ps.n_q;
+            return query_tile_span<BR>(key0(), key0() + BC - 1, n_q, ps.n_kv - n_q, band).end;
+        } else {
+            return t_end;
+        }
     };
     int toggled = 0;
     for (int t = t_begin; t < t_stop(); ++t, toggled ^= 1) {
@@ -291,18 +304,18 @@ fa2_backward(const __grid_constant__ BackwardParams p) {
 #pragma unroll
             for (int e = 0; e < 4; ++e)
                 pt[nt][e] = fast_exp2(fmaf(pt[nt][e], scale_log2, -tL[acc_col(nt, e)]));
-        // Only tiles crossing the diagonal or a sequence end need the per-entry test.
+        // Only tiles crossing the band's edges or a sequence end need the per-entry test.
         const int k_last = key0() + BC - 1;
         if (i0 + BR > seq_n_q() || k_last >= seq_n_kv() ||
-            crosses_diagonal<causal>(i0, k_last, seq_n_kv() - seq_n_q())) {
+            crosses_band(i0, i0 + BR - 1, key0(), k_last, seq_n_kv() - seq_n_q(), band)) {
             // (read once for the tile: a packed sequence's are volatile reads)
             const int n_q = seq_n_q(), n_kv = seq_n_kv(), warp_key = warp_key0();
 #pragma unroll
             for (int nt = 0; nt < NQ; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    if (masked<causal>(i0 + acc_col(nt, e), warp_key + acc_row(e), n_q, n_kv,
-                                       n_kv - n_q))
+                    if (outside(i0 + acc_col(nt, e), warp_key + acc_row(e), n_q, n_kv, n_kv - n_q,
+                                band))
                         pt[nt][e] = 0.f;
         }
 
@@ -468,18 +481,19 @@ fa2_backward_dq(const __grid_constant__ BackwardParams p) {
     auto gK = [&]() { return kv_base(p.k, p.k_strides); };
     auto gV = [&]() { return kv_base(p.v, p.v_strides); };
 
-    const int shift = w.n_kv - w.n_q;  // bottom-right causal alignment (mask.cuh)
-    const int n_tiles = key_tiles<causal, BC_DQ>(q0 + BR_DQ - 1, w.n_kv, shift);
+    const int shift = w.n_kv - w.n_q;  // bottom-right alignment (mask.cuh)
+    const Band band = band_of<causal, windowed>(p.band);
+    const TileSpan tiles = key_tile_span<BC_DQ>(q0, q0 + BR_DQ - 1, w.n_kv, shift, band);
 
     const u16* gQ = head_base(p.q, p.q_strides, w.batch, head) + w.q_start * p.q_strides.row;
     const u16* gdO =
         head_base(p.d_o, p.d_o_strides, w.batch, head) + w.q_start * p.d_o_strides.row;
     load_tile<BR_DQ, COLS, DK, D, THREADS_DQ>(sQ, gQ, p.q_strides.row, q0, w.n_q);
     load_tile<BR_DQ, COLS, DK, D, THREADS_DQ>(sdO, gdO, p.d_o_strides.row, q0, w.n_q);
-    if (n_tiles > 0) {
-        const int n_kv = w.n_kv;
-        load_tile<BC_DQ, COLS, DK, D, THREADS_DQ>(sK, gK(), p.k_strides.row, 0, n_kv);
-        load_tile<BC_DQ, COLS, DK, D, THREADS_DQ>(sV, gV(), p.v_strides.row, 0, n_kv);
+    if (!tiles.empty()) {
+        const int n_kv = w.n_kv, first = tiles.first * BC_DQ;
+        load_tile<BC_DQ, COLS, DK, D, THREADS_DQ>(sK, gK(), p.k_strides.row, first, n_kv);
+        load_tile<BC_DQ, COLS, DK, D, THREADS_DQ>(sV, gV(), p.v_strides.row, first, n_kv);
     }
     cp_async_commit();
 
@@ -508,9 +522,9 @@ fa2_backward_dq(const __grid_constant__ BackwardParams p) {
     const auto vB = b_operand<COLS>(sV);               // V: B of dP = dO·Vᵀ (rows = keys = n)
     const auto kBt = b_operand_trans<COLS>(sK);        // K: B of dQ += dS·K (rows = keys = k)
 
-    for (int j = 0; j < n_tiles; ++j) {
-        const int stage = j & 1;
-        if (j + 1 < n_tiles) {
+    for (int j = tiles.first; j < tiles.end; ++j) {
+        const int stage = (j - tiles.first) & 1;
+        if (j + 1 < tiles.end) {
             const int n_kv = sequence().n_kv, next = (j + 1) * BC_DQ;
             u16* k_stage = sK + (stage ^ 1) * BC_DQ * COLS;
             u16* v_stage = sV + (stage ^ 1) * BC_DQ * COLS;
@@ -540,13 +554,13 @@ fa2_backward_dq(const __grid_constant__ BackwardParams p) {
                 for (int e = 0; e < 4; ++e)
                     s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -lse2[mt][e / 2]));
         const int n_kv = sequence().n_kv;
-        if (k0 + BC_DQ > n_kv || crosses_diagonal<causal>(q0, k0 + BC_DQ - 1, shift)) {
+        if (k0 + BC_DQ > n_kv || crosses_band(q0, q0 + BR_DQ - 1, k0, k0 + BC_DQ - 1, shift, band)) {
 #pragma unroll
             for (int mt = 0; mt < MT_DQ; ++mt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = q0 + warp_row0 + mt * 16 + acc_row(2 * h);
-                    mask_columns(s[mt], h, key_limit<causal>(row, k0, n_kv, shift), 0.f);
+                    mask_band(s[mt], h, key_columns(row, k0, n_kv, shift, band), band, 0.f);
                 }
         }
 
@@ -584,7 +598,7 @@ fa2_backward_dq(const __grid_constant__ BackwardParams p) {
         // The next iteration's copies overwrite the stage read here.
         __syncthreads();
     }
-    if (n_tiles == 0) cp_async_wait<0>();
+    if (tiles.empty()) cp_async_wait<0>();
 
     // ---- dQ rows to the f32 accumulator (unscaled; finish applies the softmax scale) ------------
     float* gdQ = p.dq_acc + q_rows * D;

@@ -5,9 +5,10 @@
 // softmax statistics (running max m, running sum l) and the unnormalised output accumulator live in
 // that warp's registers for the whole walk and are written once at the end (O / l, and lse).
 //
-// Per K/V tile:  S = Q·Kᵀ  ->  mask (sequence tails, causal diagonal)  ->  online softmax update
-//                (rescale the accumulator by 2^(m_old − m_new))  ->  O += P·V.
-// Tiles wholly right of the causal diagonal are never loaded. The next tile's K and V are copied
+// Per K/V tile:  S = Q·Kᵀ  ->  mask (sequence tails, the band: mask.cuh)  ->  online softmax
+//                update (rescale the accumulator by 2^(m_old − m_new))  ->  O += P·V.
+// Tiles wholly outside the band (right of the causal diagonal, left of a sliding window) are
+// never loaded. The next tile's K and V are copied
 // with cp.async while the current one is computed (two shared-memory stages).
 //
 // Legend (tiles as in the CPU rungs and the paper):
@@ -27,6 +28,8 @@
 //   FA2_WARPS  warps per block
 //   FA2_CAUSAL 1 for the causal variant (a separate compile: the unmasked kernel carries no
 //              diagonal logic and keeps those registers free)
+//   FA2_WINDOW 1 for a sliding window: the band's sides come from the parameters (p.band, with
+//              the causal mask folded in), and the key walk starts at the band's first tile
 //   FA2_Q_ROW, FA2_K_ROW, FA2_V_ROW, FA2_O_ROW
 //              elements between rows of Q, K, V, O (D when contiguous, heads·D for [b, s, h, d]):
 //              compiled in, so that the copies address a tile's rows with immediate offsets; a
@@ -60,6 +63,9 @@
 #ifndef FA2_CAUSAL
 #define FA2_CAUSAL 0
 #endif
+#ifndef FA2_WINDOW
+#define FA2_WINDOW 0
+#endif
 
 constexpr int D = FA2_D;
 #ifndef FA2_Q_ROW
@@ -82,6 +88,7 @@ constexpr int MT = FA2_MT;
 constexpr int BC = FA2_BC;
 constexpr int WARPS = FA2_WARPS;
 constexpr bool causal = FA2_CAUSAL;
+constexpr bool windowed = FA2_WINDOW;
 constexpr int THREADS = WARPS * 32;
 constexpr int BR = WARPS * MT * 16;
 constexpr int NT = BC / 8;  // 8-column accumulator tiles across one row of S
@@ -107,6 +114,7 @@ struct Fa2ForwardParams {
     int n_q;
     int n_kv;
     float scale_log2;  // softmax scale · log2(e)
+    Band band;         // FA2_WINDOW only: the sliding window (mask.cuh)
     Varlen varlen;     // FA2_VARLEN only
 };
 
@@ -139,8 +147,9 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
         return head_offset<u16>(s, block_z(), block_y() / (p.heads_q / p.heads_kv)) + first;
     };
 
-    const int shift = w.n_kv - w.n_q;  // bottom-right causal alignment (mask.cuh)
-    const int n_tiles = key_tiles<causal, BC>(q0 + BR - 1, w.n_kv, shift);
+    const int shift = w.n_kv - w.n_q;  // bottom-right alignment (mask.cuh)
+    const Band band = band_of<causal, windowed>(p.band);
+    const TileSpan tiles = key_tile_span<BC>(q0, q0 + BR - 1, w.n_kv, shift, band);
 
     // ---- per-warp state: the warp's rows of O, m and l, in registers for the whole walk ---------
     float acc[MT][DT][4];  // O, unnormalised
@@ -154,12 +163,12 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
 
     // ---- prologue: Q once, and the first K/V tile into stage 0 ----------------------------------
     load_tile<BR, COLS, DK, D, THREADS>(sQ, gQ, Q_ROW, q0, w.n_q);
-    if (n_tiles > 0) {
-        const int n_kv = w.n_kv;
+    if (!tiles.empty()) {
+        const int n_kv = w.n_kv, first = tiles.first * BC;
         const long long k_off = kv_offset(p.k_strides, K_ROW);
         const long long v_off = FA2_V_STRIDES ? kv_offset(p.v_strides, V_ROW) : k_off;
-        load_tile<BC, COLS, DK, D, THREADS>(sK, p.k + k_off, K_ROW, 0, n_kv);
-        load_tile<BC, COLS, DK, D, THREADS>(sV, p.v + v_off, V_ROW, 0, n_kv);
+        load_tile<BC, COLS, DK, D, THREADS>(sK, p.k + k_off, K_ROW, first, n_kv);
+        load_tile<BC, COLS, DK, D, THREADS>(sV, p.v + v_off, V_ROW, first, n_kv);
     }
     cp_async_commit();
 
@@ -171,9 +180,9 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
     const auto vB = b_operand_trans<COLS>(sV);       // V: B of O = P·V (rows = keys = k)
 
     // ---- the K/V walk: copy tile j + 1 into the other stage while tile j is computed ------------
-    for (int j = 0; j < n_tiles; ++j) {
-        const int stage = j & 1;
-        if (j + 1 < n_tiles) {
+    for (int j = tiles.first; j < tiles.end; ++j) {
+        const int stage = (j - tiles.first) & 1;
+        if (j + 1 < tiles.end) {
             const int n_kv = sequence().n_kv, next = (j + 1) * BC;
             u16* k_stage = sK + (stage ^ 1) * BC * COLS;
             u16* v_stage = sV + (stage ^ 1) * BC * COLS;
@@ -210,19 +219,19 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
             }
         }
 
-        // ---- mask: keys past the end, and keys right of the causal diagonal ---------------------
-        // Only the last tile and the tiles crossing the diagonal need it; the test is uniform
+        // ---- mask: keys past the end, and keys outside the band --------------------------------
+        // Only the last tile and the tiles crossing the band's edges need it; the test is uniform
         // across the block, so unmasked tiles pay one comparison.
         const SeqBlock now = sequence();
-        if (k0 + BC > now.n_kv || crosses_diagonal<causal>(q0, k0 + BC - 1, now.n_kv - now.n_q)) {
+        const int now_shift = now.n_kv - now.n_q;
+        if (k0 + BC > now.n_kv || crosses_band(q0, q0 + BR - 1, k0, k0 + BC - 1, now_shift, band)) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = q0 + warp_row0 + mt * 16 + acc_row(2 * h);
-                    mask_columns(s[mt], h,
-                                 key_limit<causal>(row, k0, now.n_kv, now.n_kv - now.n_q),
-                                 LADDER_NEG_INF);
+                    mask_band(s[mt], h, key_columns(row, k0, now.n_kv, now_shift, band), band,
+                              LADDER_NEG_INF);
                 }
         }
 
@@ -271,7 +280,7 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
         // The next iteration's copies overwrite the stage read here.
         __syncthreads();
     }
-    if (n_tiles == 0) cp_async_wait<0>();
+    if (tiles.empty()) cp_async_wait<0>();
 
     // ---- epilogue: O = acc / l, lse = m·ln2 + ln l; rows that saw no key (l = 0) get O = 0 and
     // lse = −inf, rows that met a NaN (l = NaN) get NaN in both ------------------------------------

@@ -6,11 +6,14 @@
 //                        (H block-diagonal in blocks of b columns, b the largest power of two
 //                        dividing D), which leaves Q·Kᵀ unchanged but spreads an outlier channel
 //                        over its block; then scale = amax / 448 per tile, x / scale to e4m3.
-//   quantize_v           V, per tile of BC keys the same way, written transposed ([D, keys]) with
-//                        the keys of every 32-key group in fp8_key_slot order (fp8.cuh).
-//   v_scales             per head (and sequence): the factors P and O take so that V's scales
-//                        cost nothing in the kernel: log2(2^8 · scale_j / max_j scale_j), added
-//                        to P's exponent, and max_j scale_j / 2^8.
+//   v_amax, v_scales,    V with one scale per head (a packed batch: per sequence), as
+//   quantize_v           flash-attention's FP8 takes it: each tile's largest magnitude (v_amax),
+//                        the head's (v_scales: written as every tile's scale, with the factors
+//                        the kernel reads, 2^8 for P and the scale / 2^8 for O), then V over it,
+//                        written transposed ([D, keys]) with the keys of every 32-key group in
+//                        fp8_key_slot order (fp8.cuh). One scale per head rounds every tile's P
+//                        at the same lift; V's own block scales made P's lift 2^8 · s_j / max s,
+//                        small in a tile of small V, and cost 12–17 % more error on outliers.
 //
 // Each block quantises one tile: a first pass finds its largest magnitude, a second (reading the
 // tile again, from L2) rounds and writes it. The arithmetic is the CPU rung's, step for step
@@ -138,9 +141,9 @@ __device__ __forceinline__ void load_row(const Fp8QuantizeParams& p, int batch, 
     }
 }
 
-// The e4m3 scale of the tile `t` of head `head`; every thread gets it.
+// The largest magnitude in tile `t` of head `head` (NaN if any is); every thread gets it.
 template <bool ROTATE>
-__device__ float tile_scale(const Fp8QuantizeParams& p, const RowTile& t, int head) {
+__device__ float tile_amax(const Fp8QuantizeParams& p, const RowTile& t, int head) {
     __shared__ float warp_amax[WARPS];
     float m = 0.f;
     for (int row = t.row0 + warp_id(); row < t.row_end; row += WARPS) {
@@ -157,7 +160,7 @@ __device__ float tile_scale(const Fp8QuantizeParams& p, const RowTile& t, int he
     m = 0.f;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) m = amax_nan(m, warp_amax[w]);
-    return e4m3_scale(m);
+    return m;
 }
 
 // Grid (tiles, heads, batch), 256 threads: one tile of p.rows rows of Q or K (packed: the tile
@@ -166,7 +169,7 @@ extern "C" __global__ void __launch_bounds__(256) quantize_rows(const Fp8Quantiz
     constexpr bool rotate = FP8Q_HADAMARD;
     const int head = blockIdx.y;
     const RowTile t = row_tile(p, p.rows);
-    const float scale = tile_scale<rotate>(p, t, head);
+    const float scale = e4m3_scale(tile_amax<rotate>(p, t, head));
     if (threadIdx.x == 0) p.scale[t.slot] = scale;
     u8* out = p.out + ((size_t)t.seq.batch * p.heads + head) * p.n * D;
     for (int row = t.row0 + warp_id(); row < t.row_end; row += WARPS) {
@@ -187,8 +190,7 @@ extern "C" __global__ void __launch_bounds__(256) quantize_v(const Fp8QuantizePa
     __shared__ __align__(16) u8 vt[D * PITCH];
     const int head = blockIdx.y;
     const RowTile t = row_tile(p, BC);
-    const float scale = tile_scale<false>(p, t, head);
-    if (threadIdx.x == 0) p.scale[t.slot] = scale;
+    const float scale = p.scale[t.slot];  // the head's (v_scales)
     for (int key = warp_id(); key < BC; key += WARPS) {
         float x[PER_LANE];
         if (t.row0 + key < t.row_end) {
@@ -214,8 +216,18 @@ extern "C" __global__ void __launch_bounds__(256) quantize_v(const Fp8QuantizePa
     }
 }
 
-// Grid (heads_kv, batch), 32 threads: V's factors for the attention kernel (see the top), over the
-// V tiles of head blockIdx.x of batch entry (packed: sequence) blockIdx.y.
+// Grid (tiles, heads_kv, batch), 256 threads: the largest magnitude of one tile of BC keys of V,
+// into the tile's scale slot (v_scales turns the head's largest into its scale).
+extern "C" __global__ void __launch_bounds__(256) v_amax(const Fp8QuantizeParams p) {
+    const int head = blockIdx.y;
+    const RowTile t = row_tile(p, BC);
+    const float m = tile_amax<false>(p, t, head);
+    if (threadIdx.x == 0) p.scale[t.slot] = m;
+}
+
+// Grid (heads_kv, batch), 32 threads: the scale of head blockIdx.x of batch entry (packed:
+// sequence) blockIdx.y from its tiles' largest magnitudes (v_amax), written as every tile's
+// scale, and the factors the attention kernel takes (see the top).
 extern "C" __global__ void __launch_bounds__(32) v_scales(const Fp8QuantizeParams p) {
     const int head = blockIdx.x, b = blockIdx.y;
     SeqBlock seq = fixed_block(b, 0, p.n, p.n);
@@ -227,13 +239,18 @@ extern "C" __global__ void __launch_bounds__(32) v_scales(const Fp8QuantizeParam
     }
     const int tiles = (seq.n_kv + BC - 1) / BC;
     const long long first = fp8_tile_slot(packed, seq, seq.k_start, BC, head, p.heads, p.slots);
-    const float* scale = p.scale + first;
+    float* scale = p.scale + first;
     float m = 0.f;
     for (int j = lane_id(); j < tiles; j += 32) m = amax_nan(m, scale[j]);
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2)
         m = amax_nan(m, __shfl_xor_sync(0xffffffff, m, offset));
-    for (int j = lane_id(); j < tiles; j += 32)
-        p.p_lift[first + j] = 8.f + log2f(ieee_div(scale[j], m));
-    if (lane_id() == 0) p.o_scale[(size_t)b * p.heads + head] = ieee_mul(m, 1.f / 256.f);
+    // The head's scale, as the CPU rung takes it from the head's largest magnitude (an all-zero
+    // head: 1); every tile's P is then lifted by exactly 2^8.
+    const float s = e4m3_scale(m);
+    for (int j = lane_id(); j < tiles; j += 32) {
+        scale[j] = s;
+        p.p_lift[first + j] = 8.f;
+    }
+    if (lane_id() == 0) p.o_scale[(size_t)b * p.heads + head] = ieee_mul(s, 1.f / 256.f);
 }

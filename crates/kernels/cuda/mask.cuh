@@ -1,47 +1,145 @@
-// Masking of score tiles: keys past the end of the sequence, and the causal diagonal.
+// Masking of score tiles: keys past the end of the sequence, and the band of keys each query sees.
 //
-// Causal masking is bottom-right aligned (as in FlashAttention-2 and PyTorch's is_causal with
-// n_q != n_kv): query i sees key j iff j <= i + shift, shift = n_kv − n_q.
+// Query i's diagonal is key i + shift, shift = n_kv − n_q (bottom-right alignment, as in
+// FlashAttention-2 and PyTorch's is_causal with n_q != n_kv), and query i sees the keys of its
+// band, [i + shift − left, i + shift + right]: the causal mask is right = 0, a sliding window
+// (flash-attention's window_size) bounds either side. Both ends of the band move right by one key
+// per row, so a tile's first and last rows decide which tiles are needed and which need masking.
 #ifndef LADDER_MASK_CUH
 #define LADDER_MASK_CUH
 
 #include "mma.cuh"
 
-// Key tiles of BC keys that query rows up to q_last need: all of them, or under the causal mask
-// only those up to q_last's diagonal (tiles wholly right of it are never loaded).
+// Keys a query sees before (left) and after (right) its diagonal. UNBOUNDED only comes from
+// fixed_band, at compile time, so its tests fold away; a window's open side arrives from the host
+// as n_q + n_kv, which no key is that far from.
+struct Band {
+    int left;
+    int right;
+};
+constexpr int UNBOUNDED = 0x40000000;
+
+__device__ __forceinline__ bool bounded(int side) { return side != UNBOUNDED; }
+
+// The band of the kernels compiled without a window: causal or nothing.
+template <bool CAUSAL>
+__device__ __forceinline__ Band fixed_band() {
+    return Band{UNBOUNDED, CAUSAL ? 0 : UNBOUNDED};
+}
+
+// The band a kernel applies: the host's window (which folds the causal mask into right = 0) when
+// compiled WINDOWED, else the fixed one.
+template <bool CAUSAL, bool WINDOWED>
+__device__ __forceinline__ Band band_of(const Band& window) {
+    return WINDOWED ? window : fixed_band<CAUSAL>();
+}
+
+// A range of tiles [first, end), empty when end <= first (not clamped: the clamp would cost the
+// kernels without a window an instruction and, at their register limit, a spill).
+struct TileSpan {
+    int first;
+    int end;
+    __device__ __forceinline__ bool empty() const { return end <= first; }
+};
+
+// Key tiles of BC keys that query rows q0 … q_last need (tiles wholly outside every row's band
+// are never loaded).
+template <int BC>
+__device__ __forceinline__ TileSpan key_tile_span(int q0, int q_last, int n_kv, int shift,
+                                                  Band band) {
+    int end = (n_kv + BC - 1) / BC, first = 0;
+    if (bounded(band.right)) {
+        const int last_key = q_last + shift + band.right;  // the last row's last visible key
+        end = last_key < 0 ? 0 : min(end, last_key / BC + 1);
+    }
+    if (bounded(band.left)) {
+        const int first_key = q0 + shift - band.left;  // the first row's first visible key
+        first = first_key > 0 ? first_key / BC : 0;
+    }
+    return TileSpan{first, end};
+}
+
+// Query tiles of BR rows that see any key of k0 … k_last (the backward's K/V-outer loop).
+template <int BR>
+__device__ __forceinline__ TileSpan query_tile_span(int k0, int k_last, int n_q, int shift,
+                                                    Band band) {
+    int end = (n_q + BR - 1) / BR, first = 0;
+    if (bounded(band.right)) {
+        const int first_row = k0 - shift - band.right;  // the first row whose band reaches k0
+        first = first_row > 0 ? first_row / BR : 0;
+    }
+    if (bounded(band.left)) {
+        const int last_row = k_last - shift + band.left;  // the last row that still sees k_last
+        end = last_row < 0 ? 0 : min(end, last_row / BR + 1);
+    }
+    return TileSpan{first, end};
+}
+
+// Key tiles that query rows up to q_last need: all of them, or under the causal mask only those
+// up to q_last's diagonal.
 template <bool CAUSAL, int BC>
 __device__ __forceinline__ int key_tiles(int q_last, int n_kv, int shift) {
-    int n_tiles = (n_kv + BC - 1) / BC;
-    if (CAUSAL) {
-        const int last_key = q_last + shift;  // the most permissive row's last visible key
-        n_tiles = last_key < 0 ? 0 : min(n_tiles, last_key / BC + 1);
-    }
-    return n_tiles;
+    return key_tile_span<BC>(0, q_last, n_kv, shift, fixed_band<CAUSAL>()).end;
+}
+
+// Whether the tile of rows q0 … q_last and keys k0 … k_last has keys outside some row's band.
+__device__ __forceinline__ bool crosses_band(int q0, int q_last, int k0, int k_last, int shift,
+                                             Band band) {
+    return (bounded(band.right) && k_last > q0 + shift + band.right) ||
+           (bounded(band.left) && k0 < q_last + shift - band.left);
 }
 
 // Whether a tile with keys up to k_last has keys right of the diagonal of its first query q0.
 template <bool CAUSAL>
 __device__ __forceinline__ bool crosses_diagonal(int q0, int k_last, int shift) {
-    return CAUSAL && k_last > q0 + shift;
+    return crosses_band(q0, q0, 0, k_last, shift, fixed_band<CAUSAL>());
 }
 
-// Whether key `key` is hidden from query `query` (past either sequence end, or right of the
-// diagonal).
+// Whether key `key` is hidden from query `query`: past either sequence end, or outside its band.
+__device__ __forceinline__ bool outside(int query, int key, int n_q, int n_kv, int shift,
+                                        Band band) {
+    return query >= n_q || key >= n_kv ||
+           (bounded(band.right) && key > query + shift + band.right) ||
+           (bounded(band.left) && key < query + shift - band.left);
+}
+
 template <bool CAUSAL>
 __device__ __forceinline__ bool masked(int query, int key, int n_q, int n_kv, int shift) {
-    return query >= n_q || key >= n_kv || (CAUSAL && key > query + shift);
+    return outside(query, key, n_q, n_kv, shift, fixed_band<CAUSAL>());
+}
+
+// Columns of the tile starting at k0 that query `query` sees: [lo, hi).
+struct ColumnSpan {
+    int lo;
+    int hi;
+};
+__device__ __forceinline__ ColumnSpan key_columns(int query, int k0, int n_kv, int shift,
+                                                  Band band) {
+    ColumnSpan c{0, n_kv - k0};
+    if (bounded(band.right)) c.hi = min(c.hi, query + shift + band.right + 1 - k0);
+    if (bounded(band.left)) c.lo = query + shift - band.left - k0;
+    return c;
 }
 
 // Keys of the tile starting at k0 that query `query` sees: columns [0, key_limit).
 template <bool CAUSAL>
 __device__ __forceinline__ int key_limit(int query, int k0, int n_kv, int shift) {
-    int limit = n_kv - k0;
-    if (CAUSAL) limit = min(limit, query + shift + 1 - k0);
-    return limit;
+    return key_columns(query, k0, n_kv, shift, fixed_band<CAUSAL>()).hi;
 }
 
 // Set the entries of row half h of an accumulator tile row (NT tiles of 8 columns) whose column
-// is at or past `limit` to `value`.
+// is outside [c.lo, c.hi) to `value`.
+template <int NT>
+__device__ __forceinline__ void mask_outside(float (&s)[NT][4], int h, ColumnSpan c, float value) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e)
+            if (acc_col(nt, e) >= c.hi || acc_col(nt, e) < c.lo) s[nt][e] = value;
+}
+
+// Set the entries of row half h whose column is at or past `limit` to `value` (a band with no
+// left side: one comparison per entry).
 template <int NT>
 __device__ __forceinline__ void mask_columns(float (&s)[NT][4], int h, int limit, float value) {
 #pragma unroll
@@ -49,6 +147,17 @@ __device__ __forceinline__ void mask_columns(float (&s)[NT][4], int h, int limit
 #pragma unroll
         for (int e = 2 * h; e < 2 * h + 2; ++e)
             if (acc_col(nt, e) >= limit) s[nt][e] = value;
+}
+
+// Set the entries of row half h outside the columns `c` it sees to `value`: one comparison per
+// entry for a band with no left side (the causal mask), two for a window.
+template <int NT>
+__device__ __forceinline__ void mask_band(float (&s)[NT][4], int h, ColumnSpan c, Band band,
+                                          float value) {
+    if (bounded(band.left))
+        mask_outside(s, h, c, value);
+    else
+        mask_columns(s, h, c.hi, value);
 }
 
 #endif  // LADDER_MASK_CUH

@@ -84,6 +84,7 @@ unsafe impl DeviceRepr for Params {}
 pub fn forward(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) -> Result<Output> {
     let p = Problem::new(gpu, q, k, v, opts)?;
     p.require_contiguous("fa1")?;
+    p.require_no_window("fa1")?;
     p.require_dtype("fa1", DTYPES, "fp16, bf16, f32")?;
     let kernel = Kernel { variant: variant(p.d, p.dtype)?, entry: "fa1_forward" };
     gpu.prepare(&kernel, 0)?;

@@ -29,7 +29,7 @@ use cudarc::driver::DeviceRepr;
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, Kernel, parse_counts};
-use crate::problem::{Gradients, Options, Output, Packed, Problem, Strides, grid, multiples};
+use crate::problem::{Band, Gradients, Options, Output, Packed, Problem, Strides, grid, multiples};
 use crate::tensor::{DType, Tensor};
 use crate::varlen::{SeqLens, VarlenParams};
 
@@ -184,9 +184,17 @@ impl BackwardTiles {
         Ok(if d > 64 { BackwardTiles { br: 32, ..t } } else { t })
     }
 
-    /// The tiles of a packed batch ([`BackwardTiles::for_packed`]) or a fixed-length one.
-    pub fn of(d: usize, packed: bool) -> Result<BackwardTiles> {
-        if packed { BackwardTiles::for_packed(d) } else { BackwardTiles::for_head_dim(d) }
+    /// The tiles of a packed batch ([`BackwardTiles::for_packed`]) or a fixed-length one, with a
+    /// sliding window or not. A window's band adds its two sides to the per-entry mask test, and
+    /// that too spills at 64 rows and d = 128 (so it takes the packed batch's 32-row steps) and,
+    /// in a packed batch's dQ pass, at 32 rows per warp (so 16).
+    pub fn of(d: usize, packed: bool, windowed: bool) -> Result<BackwardTiles> {
+        let t = if packed || windowed {
+            BackwardTiles::for_packed(d)?
+        } else {
+            BackwardTiles::for_head_dim(d)?
+        };
+        Ok(if packed && windowed { BackwardTiles { dq_m_tiles: 1, ..t } } else { t })
     }
 
     /// Keys per block of the main kernel (16 per warp).
@@ -216,6 +224,21 @@ impl BackwardTiles {
     }
 }
 
+/// What a kernel variant masks: the causal diagonal compiled in, and whether a sliding window's
+/// band comes in the parameters (`FA2_WINDOW`; the kernels without it carry no band logic).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Masking {
+    pub(crate) causal: bool,
+    pub(crate) windowed: bool,
+}
+
+impl Masking {
+    /// The masking of problem `p`.
+    pub(crate) fn of(p: &Problem) -> Masking {
+        Masking { causal: p.causal, windowed: p.window.is_some() }
+    }
+}
+
 /// The forward kernel variant for head dimension `d`, element type `dtype`, masking and tiles,
 /// and the layout: the row strides of Q, K, V and O (all `d` when contiguous) and whether V's
 /// batch and head strides differ from K's. The kernel compiles these in
@@ -223,7 +246,7 @@ impl BackwardTiles {
 pub(crate) fn forward_variant(
     d: usize,
     dtype: DType,
-    causal: bool,
+    mask: Masking,
     t: ForwardTiles,
     rows: [i64; 4],
     v_strides_differ: bool,
@@ -235,7 +258,7 @@ pub(crate) fn forward_variant(
         ("FA2_MT", t.m_tiles.to_string()),
         ("FA2_BC", t.bc.to_string()),
         ("FA2_WARPS", t.warps.to_string()),
-        ("FA2_CAUSAL", (causal as u32).to_string()),
+        ("FA2_CAUSAL", (mask.causal as u32).to_string()),
     ];
     if rows.iter().any(|&x| x != d as i64) {
         let names = ["FA2_Q_ROW", "FA2_K_ROW", "FA2_V_ROW", "FA2_O_ROW"];
@@ -247,25 +270,28 @@ pub(crate) fn forward_variant(
     if packed {
         defines.push(("FA2_VARLEN", "1".into()));
     }
+    if mask.windowed {
+        defines.push(("FA2_WINDOW", "1".into()));
+    }
     Variant { file: "fa2_forward", source: FORWARD_SRC, defines }
 }
 
 /// The backward kernels' variant (the entry points live in one module), for a packed batch or
-/// not.
+/// not, with a sliding window or not.
 pub(crate) fn backward_variant(
     d: usize,
     dtype: DType,
-    causal: bool,
+    mask: Masking,
     deterministic: bool,
     packed: bool,
 ) -> Result<Variant> {
-    let t = BackwardTiles::of(d, packed)?;
+    let t = BackwardTiles::of(d, packed, mask.windowed)?;
     let mut defines = vec![
         ("LADDER_DTYPE", dtype.code().to_string()),
         ("FA2_D", d.to_string()),
         ("FA2_BR", t.br.to_string()),
         ("FA2_WARPS", t.warps.to_string()),
-        ("FA2_CAUSAL", (causal as u32).to_string()),
+        ("FA2_CAUSAL", (mask.causal as u32).to_string()),
         ("FA2_DETERMINISTIC", (deterministic as u32).to_string()),
         ("FA2_HOST_PARAMS_BYTES", std::mem::size_of::<BackwardParams>().to_string()),
     ];
@@ -276,6 +302,9 @@ pub(crate) fn backward_variant(
     }
     if packed {
         defines.push(("FA2_VARLEN", "1".into()));
+    }
+    if mask.windowed {
+        defines.push(("FA2_WINDOW", "1".into()));
     }
     Ok(Variant { file: "fa2_backward", source: BACKWARD_SRC, defines })
 }
@@ -298,6 +327,7 @@ struct ForwardParams {
     n_q: i32,
     n_kv: i32,
     scale_log2: f32,
+    band: Band,
     varlen: VarlenParams,
 }
 
@@ -349,7 +379,8 @@ fn forward_problem(
     let rows = [qs.row, ks.row, vs.row, o_strides.row];
     let v_strides_differ = (vs.batch, vs.head) != (ks.batch, ks.head);
     let packed = lens.is_some();
-    let variant = forward_variant(p.d, p.dtype, p.causal, tiles, rows, v_strides_differ, packed);
+    let mask = Masking::of(p);
+    let variant = forward_variant(p.d, p.dtype, mask, tiles, rows, v_strides_differ, packed);
     let kernel = Kernel { variant, entry: "fa2_forward" };
     let smem = tiles.shared_bytes(p.d);
     gpu.prepare(&kernel, smem)?;
@@ -380,6 +411,7 @@ fn forward_problem(
             n_q: nq,
             n_kv: nkv,
             scale_log2: p.scale_log2(),
+            band: p.band(),
             varlen,
         };
         let grid = match &table {
@@ -418,6 +450,7 @@ pub(crate) struct BackwardParams {
     n_q_pad: i32,
     scale: f32,
     scale_log2: f32,
+    band: Band,
     q_strides: Strides,
     k_strides: Strides,
     v_strides: Strides,
@@ -495,7 +528,7 @@ pub(crate) fn backward_problem(
     p.require_like(gpu, "out.o", &out.o, q.shape(), p.dtype)?;
     p.require_like(gpu, "d_o", d_o, q.shape(), p.dtype)?;
     p.require_like(gpu, "out.lse", &out.lse, &p.lse_shape(), DType::F32)?;
-    let variant = backward_variant(p.d, p.dtype, p.causal, deterministic, lens.is_some())?;
+    let variant = backward_variant(p.d, p.dtype, Masking::of(p), deterministic, lens.is_some())?;
     let entry = |entry| Kernel { variant: variant.clone(), entry };
     let (prep, main, dq_pass, finish) = (
         entry("fa2_backward_prep"),
@@ -503,7 +536,7 @@ pub(crate) fn backward_problem(
         entry("fa2_backward_dq"),
         entry("fa2_backward_finish"),
     );
-    let t = BackwardTiles::of(p.d, lens.is_some())?;
+    let t = BackwardTiles::of(p.d, lens.is_some(), p.window.is_some())?;
     let smem = t.shared_bytes(p.d, deterministic);
     let dq_smem = t.dq_shared_bytes(p.d);
     gpu.prepare(&prep, 0)?;
@@ -589,6 +622,7 @@ pub(crate) fn backward_problem(
             n_q_pad: n_q_pad_i,
             scale: p.scale,
             scale_log2: p.scale_log2(),
+            band: p.band(),
             q_strides: p.strides[0],
             k_strides: p.strides[1],
             v_strides: p.strides[2],
@@ -648,24 +682,30 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
     for &dtype in DTYPES {
         for &d in dims(dtype) {
             for causal in [false, true] {
-                if let Ok(tiles) = ForwardTiles::for_head_dim(d, arch) {
-                    let dense = [d as i64; 4];
-                    all.push(forward_variant(d, dtype, causal, tiles, dense, false, false));
-                    if d == 128 {
-                        // [b, s, h, d] with 8 query and 2 kv heads, and a packed batch of them
-                        let rows = [8 * 128, 2 * 128, 2 * 128, 8 * 128];
-                        all.push(forward_variant(d, dtype, causal, tiles, rows, false, false));
-                        all.push(forward_variant(d, dtype, causal, tiles, rows, false, true));
+                // Windows at the tuned head dims; the band adds registers to every variant alike.
+                let windows: &[bool] =
+                    if matches!(d, 64 | 128) { &[false, true] } else { &[false] };
+                for &windowed in windows {
+                    let mask = Masking { causal, windowed };
+                    if let Ok(tiles) = ForwardTiles::for_head_dim(d, arch) {
+                        let dense = [d as i64; 4];
+                        all.push(forward_variant(d, dtype, mask, tiles, dense, false, false));
+                        if d == 128 {
+                            // [b, s, h, d] with 8 query and 2 kv heads, and a packed batch of them
+                            let rows = [8 * 128, 2 * 128, 2 * 128, 8 * 128];
+                            all.push(forward_variant(d, dtype, mask, tiles, rows, false, false));
+                            all.push(forward_variant(d, dtype, mask, tiles, rows, false, true));
+                        }
+                        if d == 64 || d == 256 {
+                            let rows = [8 * d as i64, 2 * d as i64, 2 * d as i64, 8 * d as i64];
+                            all.push(forward_variant(d, dtype, mask, tiles, rows, false, true));
+                        }
                     }
-                    if d == 64 || d == 256 {
-                        let rows = [8 * d as i64, 2 * d as i64, 2 * d as i64, 8 * d as i64];
-                        all.push(forward_variant(d, dtype, causal, tiles, rows, false, true));
-                    }
-                }
-                for deterministic in [false, true] {
-                    all.extend(backward_variant(d, dtype, causal, deterministic, false));
-                    if d == 64 || d == 128 {
-                        all.extend(backward_variant(d, dtype, causal, deterministic, true));
+                    for deterministic in [false, true] {
+                        all.extend(backward_variant(d, dtype, mask, deterministic, false));
+                        if d == 64 || d == 128 {
+                            all.extend(backward_variant(d, dtype, mask, deterministic, true));
+                        }
                     }
                 }
             }
@@ -721,7 +761,13 @@ mod tests {
         assert_eq!(t.shared_bytes(128, false) - t.shared_bytes(128, true), 128 * 64 * 2);
         assert!(t.shared_bytes(128, false) <= 227 * 1024);
         assert!(matches!(
-            backward_variant(136, DType::F16, false, false, false),
+            backward_variant(
+                136,
+                DType::F16,
+                Masking { causal: false, windowed: false },
+                false,
+                false
+            ),
             Err(KernelError::UnsupportedHeadDim { d: 136, .. })
         ));
         assert_eq!(

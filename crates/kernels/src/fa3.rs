@@ -573,6 +573,7 @@ fn forward_problem(
 ) -> Result<Output> {
     require_hopper(gpu, "fa3")?;
     p.require_dtype("fa3", DTYPES, "fp16, bf16")?;
+    p.require_no_window("fa3")?;
     if !HEAD_DIMS.contains(&p.d) {
         return Err(KernelError::UnsupportedHeadDim { rung: "fa3", d: p.d, supported: HEAD_DIMS });
     }
@@ -967,6 +968,7 @@ mod tests {
             dtype: DType::F16,
             scale: 1.0,
             causal: true,
+            window: Default::default(),
             strides: Default::default(),
             contiguous: true,
             packed: None,

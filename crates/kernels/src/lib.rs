@@ -55,7 +55,7 @@ pub mod varlen;
 pub use compile::{KERNEL_FILES, kernel_source};
 pub use error::{KernelError, Result};
 pub use gpu::{Gpu, GpuConfig, KernelCache, Tuning};
-pub use problem::{Gradients, Options, Output, Packed, Problem};
+pub use problem::{Gradients, Options, Output, Packed, Problem, Window};
 pub use tensor::{DType, Element, Tensor, round_to};
 
 /// Re-exported so that callers can name the buffer types of [`Tensor::from_cuda_slice`] and

@@ -45,6 +45,49 @@ pub struct Options {
     /// identical from run to run (a separate dQ pass over the key tiles; slower). The forward
     /// pass is deterministic either way.
     pub deterministic: bool,
+    /// A sliding window of keys around each query's diagonal ([`Window`]; none by default). FA2
+    /// takes it, forward and backward; the other rungs refuse it with an error.
+    pub window: Window,
+}
+
+/// A sliding window (flash-attention's `window_size = (left, right)`), bottom-right aligned as
+/// the causal mask is: query `i` sees the keys `j` with
+/// `i + n_kv − n_q − left ≤ j ≤ i + n_kv − n_q + right`; `None` leaves a side open
+/// (flash-attention's `-1`), and `causal` makes `right` 0. Mistral's and Gemma's local layers are
+/// `Window::left(w - 1)` with `causal`: each token sees itself and the `w − 1` before it. The
+/// kernels walk only the key tiles a window reaches, so a window of `w` keys costs in proportion
+/// to `w`, not to the sequence.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Window {
+    /// Keys before the diagonal a query may see.
+    pub left: Option<usize>,
+    /// Keys after the diagonal a query may see.
+    pub right: Option<usize>,
+}
+
+impl Window {
+    /// `left` keys before the diagonal, any number after it (with `causal`: none after it).
+    pub fn left(left: usize) -> Window {
+        Window { left: Some(left), right: None }
+    }
+
+    /// `left` keys before the diagonal and `right` after it.
+    pub fn new(left: usize, right: usize) -> Window {
+        Window { left: Some(left), right: Some(right) }
+    }
+
+    /// Whether either side is bounded.
+    pub fn is_some(&self) -> bool {
+        self.left.is_some() || self.right.is_some()
+    }
+}
+
+/// Mirror of `Band` in `cuda/mask.cuh`: the keys a query sees before and after its diagonal.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Band {
+    pub(crate) left: i32,
+    pub(crate) right: i32,
 }
 
 impl Options {
@@ -66,6 +109,11 @@ impl Options {
     /// These options with softmax scale `scale`.
     pub fn with_scale(self, scale: f32) -> Options {
         Options { scale: Some(scale), ..self }
+    }
+
+    /// These options within a sliding window.
+    pub fn with_window(self, window: Window) -> Options {
+        Options { window, ..self }
     }
 }
 
@@ -232,6 +280,8 @@ pub struct Problem {
     pub scale: f32,
     /// Causal mask.
     pub causal: bool,
+    /// Sliding window (none: `Window::default()`).
+    pub window: Window,
     /// Where the rows of Q, K and V lie ([`Strides::of`]; checked by [`Problem::new`]).
     pub(crate) strides: [Strides; 3],
     /// Whether Q, K and V are all row-major with no gaps.
@@ -249,6 +299,10 @@ pub struct Packed {
     /// Rows of K and V.
     pub total_k: usize,
 }
+
+/// Sequences a sliding window takes are shorter than this (2^29 tokens), so that a row index plus
+/// a band's side (each at most `n_q + n_kv`) stays inside an `i32`.
+pub(crate) const WINDOW_MAX_LEN: usize = 1 << 29;
 
 /// The sizes of a problem, before they are checked against each other.
 struct Sizes {
@@ -342,6 +396,16 @@ impl Problem {
         }
         let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
         check_scale(scale)?;
+        // A band's sides travel as ints (mask.cuh) and are added to row indices: keep every sum
+        // inside an int.
+        if opts.window.is_some() && n_q.max(n_kv) >= WINDOW_MAX_LEN {
+            return Err(KernelError::Shape(format!(
+                "sliding windows take sequences shorter than {WINDOW_MAX_LEN} tokens (q {:?}, k \
+                 {:?})",
+                q.shape(),
+                k.shape()
+            )));
+        }
         // Every GPU rung's head dims are multiples of 8; another is reported by the rung as an
         // unsupported head dim, not as the strides of 16-byte chunks it cannot have.
         let strides = if d % 8 == 0 {
@@ -359,6 +423,7 @@ impl Problem {
             dtype: q.dtype(),
             scale,
             causal: opts.causal,
+            window: opts.window,
             strides,
             contiguous: [q, k, v].iter().all(|t| t.is_contiguous()),
             packed,
@@ -381,6 +446,29 @@ impl Problem {
             (Some(_), Ok(packed)) => one_batch(packed).to_vec(),
             _ => t.shape().to_vec(),
         }
+    }
+
+    /// Fails if the options ask for a sliding window, for the rungs that take none yet (`rung`
+    /// names the one that refuses).
+    pub(crate) fn require_no_window(&self, rung: &str) -> Result<()> {
+        if self.window.is_some() {
+            Err(KernelError::Shape(format!(
+                "{rung} takes no sliding window yet ({:?}); fa2 does, forward and backward",
+                self.window
+            )))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// The band the kernels compiled with a window apply ([`Band`]): the window's sides, an
+    /// open one as `n_q + n_kv` (no key is that far from a diagonal), the causal mask as
+    /// `right = 0`.
+    pub(crate) fn band(&self) -> Band {
+        let open = self.n_q + self.n_kv;
+        let side = |s: Option<usize>| s.unwrap_or(open).min(open) as i32;
+        let right = if self.causal { 0 } else { side(self.window.right) };
+        Band { left: side(self.window.left), right }
     }
 
     /// Fails unless Q, K and V are row-major with no gaps, for the rungs that take no strides

@@ -422,7 +422,7 @@ mod tests {
         causal: bool,
         tiles: (usize, usize),
     ) -> (Fa2Options, [Array4<f64>; 4], AttentionOutput<f64>) {
-        let opts = Fa2Options::new(AttentionOptions { causal, scale: None })
+        let opts = Fa2Options::new(AttentionOptions { causal, ..Default::default() })
             .with_tiles(tiles.0, tiles.1)
             .unwrap();
         let x = inputs(shape, 0.0);

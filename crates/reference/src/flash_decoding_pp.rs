@@ -276,7 +276,8 @@ fn estimate_phi<T: Element>(head: &Head<'_, T>, samples: usize, counters: &Count
     counters.read((head.q.nrows() + picks.len()) * head.q.ncols());
     let mut phi = T::neg_infinity();
     for (i, q_row) in head.q.rows().into_iter().enumerate() {
-        for &j in picks.iter().take_while(|&&j| j < head.mask.visible_end(i)) {
+        let seen = head.mask.visible(i);
+        for &j in picks.iter().filter(|&&j| seen.contains(&j)) {
             let score = head.scale * q_row.dot(&head.k.row(j));
             if score.is_finite() {
                 phi = phi.max(score);

@@ -43,7 +43,7 @@
 //! let q = Array4::<f32>::from_shape_fn((1, 2, 5, 8), |(_, h, i, c)| (h + i * c) as f32 * 0.1);
 //! let k = Array4::<f32>::from_shape_fn((1, 1, 7, 8), |(_, _, j, c)| (j as f32 - c as f32) * 0.05);
 //! let v = Array4::<f32>::from_shape_fn((1, 1, 7, 8), |(_, _, j, c)| (j * c) as f32 * 0.01);
-//! let opts = AttentionOptions { causal: true, scale: None };
+//! let opts = AttentionOptions { causal: true, ..Default::default() };
 //!
 //! let exact = naive::attention(q.view(), k.view(), v.view(), &opts)?;
 //! let tiled = fa2::forward(q.view(), k.view(), v.view(), &Fa2Options::new(opts).with_tiles(2, 3)?)?;
@@ -81,4 +81,4 @@ pub use flash_decoding_pp::{FlashDecodingPpOptions, Phi};
 pub use fp8::{Fp8Options, Fp8Scaling};
 pub use options::{AttentionOptions, TileSizes, TiledOptions};
 pub use output::{AttentionOutput, Gradients, HbmTraffic, RunStats, TileCounts};
-pub use shape::{AttentionShape, Mask, TileKind};
+pub use shape::{AttentionShape, Mask, TileKind, Window};

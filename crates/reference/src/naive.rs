@@ -45,9 +45,9 @@ pub fn attention<T: Element>(
         counters.write(n_q * d + n_q);
 
         o.fill(T::zero());
-        if opts.causal {
+        if opts.causal || opts.window.is_some() {
             // Each row multiplies only the V rows it sees: a NaN in a masked V row stays out.
-            let limits: Vec<usize> = (0..n_q).map(|i| head.mask.visible_end(i)).collect();
+            let limits: Vec<_> = (0..n_q).map(|i| head.mask.visible(i)).collect();
             add_pv(&mut o, T::one(), p.view(), head.v, Some(&limits));
         } else {
             general_mat_mul(T::one(), &p, &head.v, T::zero(), &mut o);
@@ -88,9 +88,10 @@ pub(crate) fn probabilities<T: Element>(
     let mut p = Array2::zeros((head.q.nrows(), head.k.nrows()));
     general_mat_mul(head.scale, &head.q, &head.k.t(), T::zero(), &mut p);
     for (i, mut row) in p.rows_mut().into_iter().enumerate() {
-        let end = head.mask.visible_end(i);
-        row.slice_mut(s![end..]).fill(T::zero());
-        let mut visible = row.slice_mut(s![..end]);
+        let seen = head.mask.visible(i);
+        row.slice_mut(s![..seen.start]).fill(T::zero());
+        row.slice_mut(s![seen.end..]).fill(T::zero());
+        let mut visible = row.slice_mut(s![seen]);
         // Pass 1: the row max (NaN-propagating, so a NaN score poisons its row, as it should).
         let m = visible.iter().fold(T::neg_infinity(), |m, &x| nan_max(m, x));
         // Pass 2: exponentials and their sum.

@@ -42,10 +42,10 @@ pub fn attention<T: Element>(
     let (o, lse) = problem.per_head(|head, mut o, mut lse| {
         let (scale, k, v) = (head.scale, head.k, head.v);
         for (i, q_row) in head.q.rows().into_iter().enumerate() {
-            let end = head.mask.visible_end(i);
+            let seen = head.mask.visible(i);
             let (mut m, mut l) = (T::neg_infinity(), T::zero());
             let mut acc = Array1::zeros(d);
-            for j in 0..end {
+            for j in seen.clone() {
                 let score = scale * q_row.dot(&k.row(j));
                 let m_new = nan_max(m, score);
                 let alpha = exp_diff(m, m_new);
@@ -57,7 +57,7 @@ pub fn attention<T: Element>(
             lse[i] = normalise_row(acc.view_mut(), m, l);
             o.row_mut(i).assign(&acc);
             // HBM model: no on-chip reuse, every row streams its keys and values.
-            counters.read(d + 2 * end * d);
+            counters.read(d + 2 * seen.len() * d);
             counters.write(d + 1);
         }
     });

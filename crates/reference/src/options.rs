@@ -1,7 +1,7 @@
 //! Options every rung shares: the mask, the softmax scale and the tile sizes.
 
 use crate::error::{Result, invalid};
-use crate::shape::AttentionShape;
+use crate::shape::{AttentionShape, Mask, Window};
 
 /// What is computed: `softmax(scale · QKᵀ + mask) V`.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -10,12 +10,25 @@ pub struct AttentionOptions {
     pub causal: bool,
     /// Softmax scale; `None` means `1/√d`.
     pub scale: Option<f64>,
+    /// A sliding window of keys around each row's diagonal ([`Window`]; none by default).
+    pub window: Window,
 }
 
 impl AttentionOptions {
     /// Causal attention with the default scale.
     pub fn causal() -> Self {
-        Self { causal: true, scale: None }
+        Self { causal: true, ..Self::default() }
+    }
+
+    /// These options within a sliding window (`Window::left(w - 1)` with [`Self::causal`] is a
+    /// causal window of `w` keys).
+    pub fn with_window(self, window: Window) -> Self {
+        Self { window, ..self }
+    }
+
+    /// The mask these options put on `n_q` queries and `n_kv` keys.
+    pub fn mask(&self, n_q: usize, n_kv: usize) -> Mask {
+        Mask::banded(self.causal, self.window, n_q, n_kv)
     }
 
     /// The scale to use for `shape`; a non-finite scale is an error.

@@ -12,7 +12,7 @@ use crate::error::Result;
 use crate::options::AttentionOptions;
 use crate::output::{AttentionOutput, Counters};
 use crate::shape::{AttentionShape, Mask, TileKind};
-use crate::tile::{OnlineRows, blocks, score_tile};
+use crate::tile::{Limits, OnlineRows, blocks, score_tile};
 
 /// `Q, K, V` with their checked shape, the resolved scale and the mask.
 #[derive(Clone, Copy)]
@@ -35,7 +35,7 @@ impl<'a, T: Element> Problem<'a, T> {
     ) -> Result<Self> {
         let shape = AttentionShape::of(&q, &k, &v)?;
         let scale = T::of(opts.resolve_scale(&shape)?);
-        let mask = Mask::new(opts.causal, shape.n_q, shape.n_kv);
+        let mask = opts.mask(shape.n_q, shape.n_kv);
         Ok(Self { q, k, v, shape, scale, mask })
     }
 
@@ -113,14 +113,17 @@ pub(crate) struct Head<'a, T> {
     pub mask: Mask,
 }
 
+/// The key columns each row of a tile sees (relative to the tile's first key), one range per row.
+pub type RowSpans = Vec<Range<usize>>;
+
 impl<T: Element> Head<'_, T> {
-    /// How tile `rows × cols` meets the mask, and the per-row visible-column counts when it
-    /// must be masked.
+    /// How tile `rows × cols` meets the mask, and the columns each row sees when it must be
+    /// masked.
     pub fn classify(
         &self,
         rows: &Range<usize>,
         cols: &Range<usize>,
-    ) -> (TileKind, Option<Vec<usize>>) {
+    ) -> (TileKind, Option<RowSpans>) {
         let kind = self.mask.tile(rows.clone(), cols.clone());
         let limits =
             (kind == TileKind::Partial).then(|| self.mask.tile_limits(rows.clone(), cols.clone()));
@@ -129,14 +132,14 @@ impl<T: Element> Head<'_, T> {
 
     /// Walks the key tiles of `cols` (`bc` keys each) for the query rows `rows`, skipping the
     /// tiles the mask hides, and hands `f` each masked score tile `S = scale · Q Kᵀ` with its
-    /// `V` tile and per-row visible-column counts. Counts tiles and K/V reads.
+    /// `V` tile and the columns each row sees. Counts tiles and K/V reads.
     pub fn for_each_tile(
         &self,
         rows: &Range<usize>,
         cols: Range<usize>,
         bc: usize,
         counters: &Counters,
-        mut f: impl FnMut(Array2<T>, ArrayView2<'_, T>, Option<&[usize]>),
+        mut f: impl FnMut(Array2<T>, ArrayView2<'_, T>, Option<&Limits>),
     ) {
         let q_i = self.q.slice(s![rows.clone(), ..]);
         for tile in blocks(cols.len(), bc) {

@@ -36,22 +36,31 @@ pub(crate) fn shift_of<T: Element>(m: T) -> T {
     if m == T::neg_infinity() { T::zero() } else { m }
 }
 
-/// `S = scale · Q Kᵀ` for one tile; on a partial tile, row `r` keeps its first `limits[r]`
-/// columns and the rest become `−∞`.
+/// The columns each row of a partial tile sees ([`crate::Mask::tile_limits`]).
+pub(crate) type Limits = [Range<usize>];
+
+/// `S = scale · Q Kᵀ` for one tile; on a partial tile, row `r` keeps the columns `limits[r]`
+/// and the rest become `−∞`.
 pub(crate) fn score_tile<T: Element>(
     q: ArrayView2<T>,
     k: ArrayView2<T>,
     scale: T,
-    limits: Option<&[usize]>,
+    limits: Option<&Limits>,
 ) -> Array2<T> {
     let mut s = Array2::zeros((q.nrows(), k.nrows()));
     general_mat_mul(scale, &q, &k.t(), T::zero(), &mut s);
     if let Some(limits) = limits {
-        for (mut row, &limit) in s.rows_mut().into_iter().zip(limits) {
-            row.slice_mut(s![limit..]).fill(T::neg_infinity());
+        for (row, seen) in s.rows_mut().into_iter().zip(limits) {
+            mask_row(row, seen);
         }
     }
     s
+}
+
+/// Sets the entries of `row` outside `seen` to `−∞`.
+pub(crate) fn mask_row<T: Element>(mut row: ArrayViewMut1<T>, seen: &Range<usize>) {
+    row.slice_mut(s![..seen.start]).fill(T::neg_infinity());
+    row.slice_mut(s![seen.end..]).fill(T::neg_infinity());
 }
 
 /// `acc += alpha · P V`; on a partial tile each row sums only over its visible keys.
@@ -60,17 +69,18 @@ pub(crate) fn add_pv<T: Element>(
     alpha: T,
     p: ArrayView2<T>,
     v: ArrayView2<T>,
-    limits: Option<&[usize]>,
+    limits: Option<&Limits>,
 ) {
     match limits {
         None => general_mat_mul(alpha, &p, &v, T::one(), acc),
         Some(limits) => {
             // A 1-row matrix product reads V row by row, which is faster than a strided gemv.
-            for (r, &limit) in limits.iter().enumerate() {
-                if limit > 0 {
-                    let pr = p.slice(s![r..r + 1, ..limit]);
+            for (r, seen) in limits.iter().enumerate() {
+                if !seen.is_empty() {
+                    let pr = p.slice(s![r..r + 1, seen.clone()]);
                     let mut out = acc.slice_mut(s![r..r + 1, ..]);
-                    general_mat_mul(alpha, &pr, &v.slice(s![..limit, ..]), T::one(), &mut out);
+                    let v = v.slice(s![seen.clone(), ..]);
+                    general_mat_mul(alpha, &pr, &v, T::one(), &mut out);
                 }
             }
         }
@@ -145,7 +155,7 @@ impl<T: Element> OnlineRows<T> {
     }
 
     /// FA2's whole step on one tile: softmax, rescale, accumulate `P V`.
-    pub fn update(&mut self, mut s: Array2<T>, v: ArrayView2<T>, limits: Option<&[usize]>) {
+    pub fn update(&mut self, mut s: Array2<T>, v: ArrayView2<T>, limits: Option<&Limits>) {
         let alpha = self.softmax_step(&mut s);
         self.rescale(&alpha);
         add_pv(&mut self.acc.view_mut(), T::one(), s.view(), v, limits);

@@ -86,7 +86,7 @@ fn naive_f64_is_the_definition() {
                 q.view(),
                 k.view(),
                 v.view(),
-                &AttentionOptions { causal, scale: Some(scale) },
+                &AttentionOptions { causal, scale: Some(scale), ..Default::default() },
             )
             .unwrap();
             assert!(max_diff(&out.o, &o) < 1e-14, "O differs (seed {seed}, causal {causal})");
@@ -152,7 +152,7 @@ fn naive_backward_matches_finite_differences() {
         tensor((b, hq, nq, d), 8),
     );
     for causal in [false, true] {
-        let opts = AttentionOptions { causal, scale: Some(0.9) };
+        let opts = AttentionOptions { causal, scale: Some(0.9), ..Default::default() };
         // The loss whose gradient the backward pass returns: L = Σ O ∘ dO.
         let loss = |q: ArrayView4<f64>, k: ArrayView4<f64>, v: ArrayView4<f64>| {
             (&naive::attention(q, k, v, &opts).unwrap().o * &d_o).sum()
@@ -328,7 +328,7 @@ fn bad_inputs_are_errors_not_panics() {
         )),
         LadderError::EmptyDimension { .. }
     ));
-    let nan_scale = AttentionOptions { causal: false, scale: Some(f64::NAN) };
+    let nan_scale = AttentionOptions { scale: Some(f64::NAN), ..Default::default() };
     assert!(matches!(
         expect_err(naive::attention(ok.view(), kv.view(), kv.view(), &nan_scale)),
         LadderError::InvalidOption { name: "scale", .. }

@@ -518,6 +518,7 @@ mod tests {
         Case {
             shape: AttentionShape::new(1, 2, 1, n_q, n_kv, 4).unwrap(),
             causal,
+            window: Default::default(),
             logit_std: 1.0,
             tiles: TileSizes::new(br, bc).unwrap(),
             splits: 1,

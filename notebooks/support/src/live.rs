@@ -42,7 +42,7 @@ pub fn gpu_live(rung: &str) -> Result<(), Failure> {
     let fail = |e: &dyn std::fmt::Display| Failure(e.to_string());
     let shape = AttentionShape::new(1, 8, 2, 500, 700, 64).map_err(|e| fail(&e))?;
     let tiles = TileSizes::new(64, 64).map_err(|e| fail(&e))?;
-    let case = Case { shape, causal: true, logit_std: 1.0, tiles, splits: 1, seed: 2024 };
+    let case = Case { shape, causal: true, window: Default::default(), logit_std: 1.0, tiles, splits: 1, seed: 2024 };
     let dtype = DType::F16;
     let x = gpu_check::device_inputs(&case, dtype);
     let (attention, opts) = gpu_check::options(&case.attention(), shape.d);
@@ -116,7 +116,7 @@ pub fn gpu_live_fp8() -> Result<(), Failure> {
     let fail = |e: &dyn std::fmt::Display| Failure(e.to_string());
     let shape = AttentionShape::new(1, 4, 2, 1024, 1024, 128).map_err(|e| fail(&e))?;
     let tiles = TileSizes::new(128, 128).map_err(|e| fail(&e))?;
-    let case = Case { shape, causal: false, logit_std: 1.0, tiles, splits: 1, seed: 7 };
+    let case = Case { shape, causal: false, window: Default::default(), logit_std: 1.0, tiles, splits: 1, seed: 7 };
     let dtype = DType::F16;
     let x = gpu_check::rounded(&case.inputs_with_outliers::<f64>(0.001, 10.0), dtype);
     let (attention, opts) = gpu_check::options(&case.attention(), shape.d);

@@ -20,7 +20,7 @@ use ladder_compare::results::{self, Row};
 use super::report::{impl_rank, is_peer, render_side_by_side};
 
 /// Line colours of the known implementations; others take [`SPARE_COLORS`].
-const COLORS: [(&str, RGBColor); 12] = [
+const COLORS: [(&str, RGBColor); 13] = [
     ("fa1", RGBColor(148, 103, 189)),              // purple
     ("fa2", RGBColor(214, 39, 40)),                // red
     ("fa2-det", RGBColor(227, 119, 194)),          // pink
@@ -33,6 +33,7 @@ const COLORS: [(&str, RGBColor); 12] = [
     ("sdpa-efficient", RGBColor(255, 127, 14)),    // orange
     ("triton", RGBColor(23, 190, 207)),            // cyan
     ("flashinfer", RGBColor(140, 86, 75)),         // brown
+    ("flex", RGBColor(148, 103, 189)),             // purple (fa1 never runs at 16k)
 ];
 const SPARE_COLORS: [RGBColor; 2] = [RGBColor(188, 128, 0), RGBColor(127, 127, 127)];
 
@@ -47,39 +48,48 @@ pub const HBM_DATASHEET_TBPS: f64 = 4.8;
 /// measured), drawn as a second line on the decode charts.
 pub const HBM_READ_KEY: &str = "hbm_read_tbps";
 
-/// One chart: the rows of one (direction, dtype, d, causal), by implementation.
+/// One chart: the rows of one (direction, dtype, d, mask), by implementation.
 #[derive(Debug, Default)]
 struct Chart {
     series: BTreeMap<(usize, String), BTreeMap<usize, f64>>,
 }
 
-/// File name of the chart of one group, e.g. `fwd-fp16-d128-causal.svg`.
-pub fn chart_name(direction: &str, dtype: &str, d: usize, causal: bool) -> String {
-    format!("{direction}-{dtype}-d{d}-{}.svg", if causal { "causal" } else { "noncausal" })
+/// File name of the chart of one group, e.g. `fwd-fp16-d128-causal.svg`, or
+/// `fwd-fp16-d128-w4095-0.svg` for a window (`mask` is [`Case::mask_label`]).
+///
+/// [`Case::mask_label`]: ladder_compare::results::Case::mask_label
+pub fn chart_name(direction: &str, dtype: &str, d: usize, mask: &str) -> String {
+    let mask = if mask == "full" { "noncausal".to_string() } else { mask.replace(':', "-") };
+    format!("{direction}-{dtype}-d{d}-{mask}.svg")
 }
 
-/// Draw one chart per (direction, dtype, d, causal) of the measured `rows` into `dir`, titled with
+/// Draw one chart per (direction, dtype, d, mask) of the measured `rows` into `dir`, titled with
 /// `subtitle` (card, driver, date). Returns the files written.
 pub fn draw_all(dir: &Path, rows: &[Row], subtitle: &str) -> anyhow::Result<Vec<PathBuf>> {
-    let mut charts: BTreeMap<(u8, String, usize, bool), Chart> = BTreeMap::new();
+    let mut charts: BTreeMap<(u8, String, usize, (bool, String)), Chart> = BTreeMap::new();
     for row in rows {
         let Some((_, tflops)) = row.timing() else { continue };
         let c = &row.case;
         if c.is_decode() || c.n_q != c.n_kv || !tflops.is_finite() {
             continue; // the sweep is square; other shapes have no place on an n axis
         }
-        let key = (u8::from(c.direction != "fwd"), c.dtype.clone(), c.d, c.causal);
+        let mask = (c.causal, c.mask_label());
+        let key = (u8::from(c.direction != "fwd"), c.dtype.clone(), c.d, mask);
         let chart = charts.entry(key).or_default();
         chart.series.entry(impl_rank(&c.series())).or_default().insert(c.n_q, tflops);
     }
     let mut written = Vec::new();
-    for ((dir_rank, dtype, d, causal), chart) in &charts {
+    for ((dir_rank, dtype, d, (_, mask)), chart) in &charts {
         let direction = if *dir_rank == 0 { "fwd" } else { "bwd" };
-        let path = dir.join(chart_name(direction, dtype, *d, *causal));
+        let path = dir.join(chart_name(direction, dtype, *d, mask));
+        let mask = match mask.as_str() {
+            "full" => "non-causal".to_string(),
+            "causal" => "causal".to_string(),
+            w => format!("window {} (TFLOP/s of the pairs it attends)", &w[1..]),
+        };
         let title = format!(
-            "{} {dtype}, d = {d}, {}: TFLOP/s",
+            "{} {dtype}, d = {d}, {mask}: TFLOP/s",
             if *dir_rank == 0 { "Forward" } else { "Backward" },
-            if *causal { "causal" } else { "non-causal" }
         );
         draw(&path, &title, subtitle, chart)
             .with_context(|| format!("drawing {}", path.display()))?;

@@ -12,6 +12,7 @@ use ladder_compare::GpuRung;
 use ladder_compare::results::Direction;
 use ladder_kernels::DType;
 use ladder_kernels::decode;
+use ladder_reference::Window;
 
 /// Which masks to run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -96,6 +97,11 @@ impl FromStr for CacheLayout {
     }
 }
 
+/// `--window`: `none`, or `LEFT,RIGHT` as [`Window`] parses it.
+fn parse_window(text: &str) -> Result<Window, String> {
+    if text.trim() == "none" { Ok(Window::default()) } else { text.parse() }
+}
+
 /// `ladder bench` flags.
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -153,6 +159,12 @@ pub struct BenchArgs {
     /// Masks: both, true (causal only) or false.
     #[arg(long, value_enum, default_value_t = CausalArg::Both)]
     pub(super) causal: CausalArg,
+    /// A sliding window of keys, `LEFT,RIGHT` (flash-attention's `window_size`, `-1` for an open
+    /// side: `4095,0` or `4095,-1` with the causal mask is Mistral's window of 4096), or `none`;
+    /// give the flag once per window [default: none]. A windowed case runs on the rungs that take
+    /// a window (fa2, forward and backward) and counts TFLOP/s on the pairs it attends.
+    #[arg(long, value_parser = parse_window, allow_hyphen_values = true)]
+    pub(super) window: Vec<Window>,
     /// Element type of Q, K, V.
     #[arg(long, value_enum, default_value_t = DtypeArg::Fp16)]
     pub(super) dtype: DtypeArg,
@@ -251,6 +263,8 @@ pub(super) struct Plan {
     pub(super) ds: Vec<usize>,
     pub(super) ns: Vec<usize>,
     pub(super) causals: Vec<bool>,
+    /// `--window` (default: no window only).
+    pub(super) windows: Vec<Window>,
     /// `--layout` (default `[b, h, s, d]` only).
     pub(super) input_layouts: Vec<LayoutArg>,
     pub(super) dtype: DType,
@@ -332,6 +346,9 @@ impl Plan {
         if ns.contains(&0) {
             bail!("--n: lengths must be positive");
         }
+        if a.varlen && a.window.iter().any(Window::is_some) {
+            bail!("--window: the windowed cases run on the standard shapes, not with --varlen");
+        }
         if a.case_budget_s.is_nan() || a.case_budget_s <= 0.0 {
             bail!("--case-budget-s must be positive");
         }
@@ -402,6 +419,7 @@ impl Plan {
             ds,
             ns,
             causals,
+            windows: if a.window.is_empty() { vec![Window::default()] } else { a.window.clone() },
             input_layouts: if a.layout.is_empty() {
                 vec![LayoutArg::Bhsd]
             } else {
@@ -487,6 +505,21 @@ impl Plan {
         rungs
     }
 
+    /// [`Plan::rungs_in`] that take `window` (every one when it is none).
+    pub(super) fn rungs_with(
+        &self,
+        layout: LayoutArg,
+        d: usize,
+        n: usize,
+        window: Window,
+    ) -> Vec<GpuRung> {
+        let mut rungs = self.rungs_in(layout, d, n);
+        if window.is_some() {
+            rungs.retain(|r| r.takes_window());
+        }
+        rungs
+    }
+
     pub(super) fn rungs_at(&self, d: usize, n: usize) -> Vec<GpuRung> {
         let mut out = Vec::new();
         for &direction in self.directions.iter().filter(|d| **d != Direction::Decode) {
@@ -520,7 +553,8 @@ impl Plan {
                 .iter()
                 .flat_map(|&l| self.ds.iter().map(move |&d| (l, d)))
                 .flat_map(|(l, d)| self.ns.iter().map(move |&n| (l, d, n)))
-                .map(|(l, d, n)| self.rungs_in(l, d, n).len())
+                .flat_map(|(l, d, n)| self.windows.iter().map(move |&w| (l, d, n, w)))
+                .map(|(l, d, n, w)| self.rungs_with(l, d, n, w).len())
                 .sum::<usize>()
             + self.input_layouts.len()
                 * self.decode_ds.len()
@@ -596,6 +630,13 @@ impl Plan {
                 self.splits
                     .map_or("the kernel's heuristic".to_string(), |s| format!("{s} (--splits)"))
             ));
+        }
+        if self.windows.iter().any(Window::is_some) {
+            notes.push(
+                "windowed cases: on the rungs that take a window, TFLOP/s counting only the \
+                 query-key pairs the window attends"
+                    .to_string(),
+            );
         }
         if self.decode_too_large > 0 {
             notes.push(format!(
@@ -694,6 +735,24 @@ mod tests {
         assert!(plan(&["--n", "0"]).is_err());
         // No decoding cases unless asked for.
         assert!(plan(&[]).unwrap().decode.is_empty());
+    }
+
+    #[test]
+    fn windows_add_cases_on_the_rungs_that_take_one() {
+        let args = ["--rung", "fa2,fa3", "--direction", "fwd", "--d", "128", "--n", "16384"];
+        let p = plan(&[&args[..], &["--causal", "true", "--window", "none"]].concat()).unwrap();
+        assert_eq!((p.windows.as_slice(), p.case_count()), (&[Window::default()][..], 2));
+        let w = plan(
+            &[&args[..], &["--causal", "true", "--window", "none", "--window", "4095,-1"]].concat(),
+        )
+        .unwrap();
+        assert_eq!(w.windows, [Window::default(), Window::left(4095)]);
+        assert_eq!(w.rungs_with(LayoutArg::Bhsd, 128, 16384, Window::left(4095)), [GpuRung::Fa2]);
+        assert_eq!(w.case_count(), 3, "fa2 and fa3 plain, fa2 windowed");
+        assert!(w.notes().join("; ").contains("pairs the window attends"));
+        assert_eq!(plan(&args).unwrap().windows, [Window::default()], "no window by default");
+        assert!(plan(&[&args[..], &["--window", "4095"]].concat()).is_err());
+        assert!(plan(&["--varlen", "--window", "128,0"]).is_err());
     }
 
     #[test]

@@ -14,13 +14,26 @@ use ladder_kernels::Gpu;
 
 /// The peers `scripts/peers.py` times, in the order they follow the GPU rungs in tables and chart
 /// legends; other names come last, alphabetically.
-const PEER_ORDER: [&str; 6] =
-    ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "triton", "triton-fp8", "flashinfer"];
+const PEER_ORDER: [&str; 8] = [
+    "sdpa-flash",
+    "sdpa-cudnn",
+    "sdpa-efficient",
+    "triton",
+    "triton-fp8",
+    "cudnn-fp8",
+    "flex",
+    "flashinfer",
+];
 
 /// Whether `name` is a peer measured by `scripts/peers.py` (PyTorch SDPA's backends, the Triton
-/// tutorial's kernels, FlashInfer) rather than one of our kernels or a variant of one.
+/// tutorial's kernels, cuDNN's FP8 attention, FlexAttention, FlashInfer) rather than one of our
+/// kernels or a variant of one.
 pub fn is_peer(name: &str) -> bool {
-    name.starts_with("sdpa") || name.starts_with("triton") || name == "flashinfer"
+    name.starts_with("sdpa")
+        || name.starts_with("triton")
+        || name.starts_with("cudnn")
+        || name == "flex"
+        || name == "flashinfer"
 }
 
 /// Sort key of an implementation name: the GPU rungs in table order, the peers in
@@ -64,7 +77,7 @@ pub fn render_rows(rows: &[Row]) -> String {
             c.dtype,
             c.d,
             n_of(c),
-            if c.causal { "causal" } else { "full" },
+            c.mask_label(),
             c.batch,
             heads_of(c),
             c.page_size.map_or("-".to_string(), |p| p.to_string())
@@ -189,7 +202,7 @@ pub fn render_decode_side_by_side(rows: &[Row]) -> String {
 }
 
 fn render_prefill_side_by_side(rows: &[Row]) -> String {
-    type Key = (u8, String, usize, bool, usize, usize);
+    type Key = (u8, String, usize, (bool, String), usize, usize);
     // Columns: an implementation in one input layout (`fa3/bshd`, `Case::series`), each after
     // the same implementation in [b, h, s, d].
     let mut imps: BTreeSet<((usize, String), Option<String>)> = BTreeSet::new();
@@ -199,7 +212,7 @@ fn render_prefill_side_by_side(rows: &[Row]) -> String {
         let c = &row.case;
         imps.insert((impl_rank(&c.imp), c.layout.clone()));
         let dir_rank = u8::from(c.direction != "fwd");
-        let key = (dir_rank, c.dtype.clone(), c.d, c.causal, c.n_q, c.n_kv);
+        let key = (dir_rank, c.dtype.clone(), c.d, (c.causal, c.mask_label()), c.n_q, c.n_kv);
         table.entry(key).or_default().insert(c.series(), tflops);
     }
     let imps: Vec<String> = imps
@@ -224,9 +237,8 @@ fn render_prefill_side_by_side(rows: &[Row]) -> String {
         let _ = write!(s, " {:>14}", "fa2/sdpa-flash");
     }
     s.push('\n');
-    for ((dir, dtype, d, causal, n_q, n_kv), cells) in &table {
+    for ((dir, dtype, d, (_, mask), n_q, n_kv), cells) in &table {
         let n = if n_q == n_kv { n_q.to_string() } else { format!("{n_q}x{n_kv}") };
-        let mask = if *causal { "causal" } else { "full" };
         let dir = if *dir == 0 { "fwd" } else { "bwd" };
         let _ = write!(s, "{dir:<4} {dtype:<5} {d:>4} {mask:<8} {n:>6}");
         for imp in &imps {

@@ -111,6 +111,9 @@ fn smaller_cases(space: &CaseSpace, causal_fixed: bool, case: &Case) -> Vec<Case
     if case.causal && !causal_fixed {
         out.push(Case { causal: false, ..case.clone() });
     }
+    if case.window.is_some() {
+        out.push(Case { window: Default::default(), ..case.clone() });
+    }
     if case.logit_std != 1.0 {
         out.push(Case { logit_std: 1.0, ..case.clone() });
     }
@@ -139,6 +142,7 @@ mod tests {
         Case {
             shape: AttentionShape::new(1, 1, 1, n_q, n_kv, d).unwrap(),
             causal: true,
+            window: Default::default(),
             logit_std: 1.0,
             tiles: TileSizes::new(3, 3).unwrap(),
             splits: 2,

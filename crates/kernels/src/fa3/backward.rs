@@ -115,6 +115,7 @@ pub fn backward(
     require_hopper(gpu, "fa3 backward")?;
     let p = Problem::new(gpu, q, k, v, opts)?;
     p.require_dtype("fa3 backward", super::DTYPES, "fp16, bf16")?;
+    p.require_no_window("fa3 backward")?;
     if !BACKWARD_HEAD_DIMS.contains(&p.d) {
         return Err(KernelError::UnsupportedHeadDim {
             rung: "fa3 backward",

@@ -4,8 +4,11 @@
 //! FP8 e4m3 has a 3-bit mantissa, so how the numbers are scaled into its range decides the
 //! error. Two tricks from the paper, as the CPU rung `ladder_reference::fa3` has them:
 //!
-//! - **Block quantisation**: one scale per tile of rows (Q per query block of the kernel, K and V
-//!   per key tile), `amax / 448`, so an outlier coarsens only its own tile.
+//! - **Block quantisation**: one scale per tile of rows (Q per query block of the kernel, K per
+//!   key tile), `amax / 448`, so an outlier coarsens only its own tile. V takes one scale per head
+//!   (per sequence in a packed batch), as flash-attention's FP8 does: then every tile's `P` is
+//!   lifted by the same `2⁸` before it is rounded, where V's block scales lifted it less in a tile
+//!   of small V and cost 12–17 % more error on the FA3 paper's outlier inputs.
 //! - **Incoherent processing** ([`Fp8Options::incoherent`]): Q and K are multiplied by the same
 //!   random orthogonal map (a Hadamard matrix times random signs, `/ √d`), which leaves `Q Kᵀ`
 //!   unchanged but spreads an outlier channel over all `d` channels before rounding.
@@ -13,9 +16,9 @@
 //! [`quantize`] runs both on the GPU (`cuda/fa3_fp8_quantize.cu`), writing V transposed: e4m3
 //! wgmma reads its B operand only K-major, and for `P V` the reduction runs over the keys. The
 //! attention kernel (`cuda/fa3_forward.cu` with `FA3_FP8`) folds the scales in where they cost
-//! nothing — Q's and K's into the softmax scale of each tile, V's into `P` before it is rounded
-//! (which also keeps `P` in `[0, 256]`, FA3's trick against underflow) — and writes O in the
-//! inputs' dtype. [`forward`] is both steps; [`forward_quantized`] is the attention alone, on
+//! nothing — Q's and K's into the softmax scale of each tile, V's into O at the end, with `P`
+//! lifted into `[0, 256]` before it is rounded (FA3's trick against underflow) — and writes O in
+//! the inputs' dtype. [`forward`] is both steps; [`forward_quantized`] is the attention alone, on
 //! inputs quantised once (what the benchmark times, as FP8 peers take e4m3 inputs).
 //!
 //! Every head dim that is a multiple of 16 up to 256 ([`HEAD_DIMS`]); inputs in any batch,
@@ -316,6 +319,7 @@ fn quantize_problem(
 ) -> Result<Fp8Inputs> {
     require_hopper(gpu, "fa3-fp8")?;
     p.require_dtype("fa3-fp8", DTYPES, "fp16, bf16")?;
+    p.require_no_window("fa3-fp8")?;
     let tiles = tiles_on(gpu, p.d, p.n_kv)?;
     let (br, bc) = (tiles.br(), tiles.bc);
     // Per head: rows of the dense copies, and scale slots (a fixed-length batch's tiles).
@@ -363,8 +367,9 @@ fn quantize_problem(
     let plain = quantize_variant(p.d, p.dtype, bc, false, packed);
     let kernels = [
         Kernel { variant: rows, entry: "quantize_rows" },
-        Kernel { variant: plain.clone(), entry: "quantize_v" },
-        Kernel { variant: plain, entry: "v_scales" },
+        Kernel { variant: plain.clone(), entry: "v_amax" },
+        Kernel { variant: plain.clone(), entry: "v_scales" },
+        Kernel { variant: plain, entry: "quantize_v" },
     ];
     for kernel in &kernels {
         gpu.prepare(kernel, 0)?;
@@ -384,7 +389,7 @@ fn quantize_problem(
         None => (0, None),
     };
     let base = QuantizeParams { signs: signs_ptr, norm, ..QuantizeParams::default() };
-    let [rows_kernel, v_kernel, scales_kernel] = &kernels;
+    let [rows_kernel, amax_kernel, scales_kernel, v_kernel] = &kernels;
     // The grid of one quantisation launch over tiles of `rows` rows (`keys`: of K or V) and
     // `heads` heads, and its view of a packed batch.
     let launch_shape = |keys: bool, rows: usize, heads: usize| {
@@ -421,7 +426,8 @@ fn quantize_problem(
         };
         gpu.launch(rows_kernel, grid?, 256, 0, &params)?;
     }
-    // V, transposed, then the factors P and O take for V's scales.
+    // V: its tiles' largest magnitudes, the head's scale (and the factors P and O take), then V
+    // over it, transposed.
     {
         let (x_ptr, _g1) = v.read_ptr(s);
         let (vt_ptr, _g2) = out.vt.device_ptr_mut(s);
@@ -445,8 +451,10 @@ fn quantize_problem(
             varlen,
             ..base
         };
-        gpu.launch(v_kernel, grid?, 256, 0, &params)?;
+        let grid = grid?;
+        gpu.launch(amax_kernel, grid, 256, 0, &params)?;
         gpu.launch(scales_kernel, crate::problem::grid(p.heads_kv, p.batch, 1)?, 32, 0, &params)?;
+        gpu.launch(v_kernel, grid, 256, 0, &params)?;
     }
     Ok(out)
 }
