@@ -244,10 +244,16 @@ pub fn gpu_fp8(fp8: &Fp8Options) -> fa3::fp8::Fp8Options {
 }
 
 /// The tiles the CPU `fa3-fp8` rung must quantise in to round exactly the numbers the GPU FP8
-/// kernel rounds on `gpu` at head dim `d` with `n_kv` keys: the kernel's query block and K/V tile
-/// (`fa3::fp8::tiles_on`: the `Gpu` configuration's tiles, `LADDER_FA3_TILES`, where set).
-pub fn fp8_cpu_tiles(gpu: &Gpu, d: usize, n_kv: usize) -> anyhow::Result<TileSizes> {
-    let t = fa3::fp8::tiles_on(gpu, d, n_kv)?;
+/// kernel rounds on `gpu` at head dim `d` with `n_kv` keys and `window`: the kernel's query block
+/// and K/V tile (`fa3::fp8::tiles_on`: the `Gpu` configuration's tiles, `LADDER_FA3_TILES`, where
+/// set).
+pub fn fp8_cpu_tiles(
+    gpu: &Gpu,
+    d: usize,
+    n_kv: usize,
+    window: ladder_reference::Window,
+) -> anyhow::Result<TileSizes> {
+    let t = fa3::fp8::tiles_on(gpu, d, n_kv, window.is_some())?;
     Ok(TileSizes::new(t.br(), t.bc)?)
 }
 

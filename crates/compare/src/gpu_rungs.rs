@@ -395,10 +395,17 @@ impl GpuRung {
         )
     }
 
-    /// Whether the kernel takes a sliding window (`Options::window`): FA2, forward and backward;
-    /// the others refuse one with an error.
+    /// Whether the kernel takes a sliding window (`Options::window`): FA2, forward and backward,
+    /// and the FA3 forward, 16-bit and FP8; the others refuse one with an error.
     pub fn takes_window(self) -> bool {
-        matches!(self, GpuRung::Fa2 | GpuRung::Fa2Backward | GpuRung::Fa2BackwardDeterministic)
+        matches!(
+            self,
+            GpuRung::Fa2
+                | GpuRung::Fa2Backward
+                | GpuRung::Fa2BackwardDeterministic
+                | GpuRung::Fa3
+                | GpuRung::Fa3Fp8
+        )
     }
 
     /// Whether the kernel runs on `gpu` (FA3 needs Hopper, `sm_90a`; the others sm_80+).

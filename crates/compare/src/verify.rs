@@ -394,7 +394,12 @@ pub fn gpu_rows(
                     // The CPU rung quantises in the kernel's blocks, so both round the same
                     // numbers; both are held to the FP8 tolerance.
                     let fp8_config = RungConfig {
-                        tiles: gpu_check::fp8_cpu_tiles(gpu, d, case.shape.n_kv)?,
+                        tiles: gpu_check::fp8_cpu_tiles(
+                            gpu,
+                            d,
+                            case.shape.n_kv,
+                            config.attention.window,
+                        )?,
                         fp8: config.fp8,
                         ..cpu_config
                     };

@@ -251,6 +251,30 @@ fn gpu_fa3_long_sequences() {
     }
 }
 
+/// FA3 with sliding windows on problems of many K/V tiles, so that a query block's walk starts
+/// past the first tile (its first tile partly left of the band) and ends before the last: causal
+/// windows (Mistral's shape, small), two-sided ones, n_q ≠ n_kv, every layout, the 176-key tiles
+/// of d = 128 past 2k keys and d = 64's three consumer warpgroups.
+#[test]
+fn gpu_fa3_windowed_long_sequences() {
+    use ladder_reference::Window;
+    for (n_q, n_kv, d, causal, window, layout) in [
+        (1500, 1500, 128, true, Window::left(300), Layout::Bhsd),
+        (2100, 2100, 128, true, Window::left(511), Layout::Bshd),
+        (700, 2100, 128, false, Window::new(400, 90), Layout::Bhsd),
+        (1500, 700, 64, true, Window::left(200), Layout::Packed),
+        (1029, 1029, 64, false, Window::new(0, 300), Layout::Bhsd),
+        (700, 1500, 256, true, Window::left(333), Layout::Bshd),
+        (900, 900, 96, false, Window::new(150, 150), Layout::Packed),
+    ] {
+        let case =
+            Case { window, ..long_case((1, 4, 2, n_q, n_kv, d), causal, 128, 4000 + d as u64) };
+        check_forward_in(GpuRung::Fa3, &case, DType::F16, layout).unwrap_or_else(|e| {
+            panic!("{n_q}x{n_kv}, d = {d}, causal = {causal}, {window:?}, {layout:?}: {e}")
+        });
+    }
+}
+
 /// The GPU, when it has the FA3 kernels (Hopper); `None` after saying so otherwise.
 fn hopper() -> Option<&'static Gpu> {
     let gpu = gpu()?;

@@ -478,10 +478,10 @@ fn an_edited_kernel_is_the_one_that_runs() {
     println!("planted bug (no rescale): O {} against the crate's {}", planted.o, ours.o);
 }
 
-/// A sliding window: the rungs that take none refuse it with an error naming them, and FA2's
-/// windowed kernels, given a window wider than the sequences, compute bit for bit what the kernels
-/// without one do (the band only masks; the tiles and their arithmetic are the same), forward and
-/// deterministic backward, causal or not.
+/// A sliding window: the rungs that take none refuse it with an error naming them, and the
+/// windowed kernels (FA2 forward and backward, FA3 forward 16-bit and FP8), given a window wider
+/// than the sequences, compute bit for bit what the kernels without one do (the band only masks;
+/// the tiles and their arithmetic are the same), causal or not.
 #[test]
 fn windows_are_refused_where_unsupported_and_a_full_window_changes_no_bit() {
     let Some(gpu) = gpu() else { return };
@@ -498,14 +498,22 @@ fn windows_are_refused_where_unsupported_and_a_full_window_changes_no_bit() {
         );
     };
     refused("fa1", fa1::forward(gpu, &q, &k, &v, &window).map(drop));
+    let bytes = |t: &Tensor| t.to_bytes().expect("copy");
     if GpuRung::Fa3.available_on(gpu) {
-        refused("fa3", fa3::forward(gpu, &q, &k, &v, &window).map(drop));
-        let fp8 = fa3::fp8::Fp8Options::default();
-        refused("fa3-fp8", fa3::fp8::quantize(gpu, &q, &k, &v, &window, &fp8).map(drop));
         let out = fa2::forward(gpu, &q, &k, &v, &Options::full()).expect("forward");
         refused("fa3 backward", fa3::backward(gpu, &q, &k, &v, &out, &d_o, &window).map(drop));
+        let fp8 = fa3::fp8::Fp8Options::default();
+        for causal in [false, true] {
+            let plain = if causal { Options::causal() } else { Options::full() };
+            let wide = plain.with_window(Window::new(2 * n, 2 * n));
+            let a = fa3::forward(gpu, &q, &k, &v, &plain).expect("fa3 forward");
+            let b = fa3::forward(gpu, &q, &k, &v, &wide).expect("fa3 windowed forward");
+            assert!(bytes(&a.o) == bytes(&b.o) && bytes(&a.lse) == bytes(&b.lse), "fa3 {causal}");
+            let a = fa3::fp8::forward(gpu, &q, &k, &v, &plain, &fp8).expect("fa3-fp8 forward");
+            let b = fa3::fp8::forward(gpu, &q, &k, &v, &wide, &fp8).expect("fa3-fp8 windowed");
+            assert!(bytes(&a.o) == bytes(&b.o) && bytes(&a.lse) == bytes(&b.lse), "fp8 {causal}");
+        }
     }
-    let bytes = |t: &Tensor| t.to_bytes().expect("copy");
     for causal in [false, true] {
         let plain = if causal { Options::causal() } else { Options::full() }.deterministic();
         let wide = plain.with_window(Window::new(2 * n, 2 * n));

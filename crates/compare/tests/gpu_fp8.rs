@@ -45,7 +45,7 @@ fn upload(gpu: &Gpu, a: &Array4<f64>, dtype: DType) -> Tensor {
 fn cpu_config(gpu: &Gpu, case: &Case, fp8: Fp8Options) -> RungConfig {
     RungConfig {
         attention: case.attention(),
-        tiles: gpu_check::fp8_cpu_tiles(gpu, case.shape.d, case.shape.n_kv)
+        tiles: gpu_check::fp8_cpu_tiles(gpu, case.shape.d, case.shape.n_kv, case.window)
             .expect("an FP8 head dim"),
         fp8,
         ..RungConfig::default()
@@ -95,6 +95,7 @@ fn fp8_space() -> CaseSpace {
         n_q: 1..=300,
         n_kv: 1..=400,
         head_dims: fp8::HEAD_DIMS.to_vec(),
+        windows: true,
         ..CaseSpace::cpu().moderate_logits()
     }
 }
@@ -147,6 +148,24 @@ fn gpu_fa3_fp8_long_sequences() {
         check_fp8(&case, &x, (DType::F16, Layout::Bshd), with_seed(Some(5))).unwrap_or_else(|e| {
             panic!("[{b}, {hq}/{hkv}, {n_q}x{n_kv}, {d}], causal = {causal}: {e}")
         });
+    }
+    // Sliding windows over many K/V tiles (128-key tiles at every length: fp8::tiles_on).
+    for (n_q, n_kv, causal, window) in [
+        (2048, 2048, true, ladder_reference::Window::left(300)),
+        (700, 1500, false, ladder_reference::Window::new(250, 60)),
+    ] {
+        let case = Case {
+            shape: AttentionShape::new(1, 4, 2, n_q, n_kv, 128).unwrap(),
+            causal,
+            window,
+            logit_std: 1.0,
+            tiles: TileSizes::new(128, 128).unwrap(),
+            splits: 1,
+            seed: 17,
+        };
+        let x = device_inputs(&case, DType::F16);
+        check_fp8(&case, &x, (DType::F16, Layout::Bhsd), with_seed(Some(5)))
+            .unwrap_or_else(|e| panic!("{n_q}x{n_kv}, causal = {causal}, {window:?}: {e}"));
     }
 }
 

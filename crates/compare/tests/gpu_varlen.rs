@@ -214,7 +214,7 @@ fn check_varlen(rung: GpuRung, batch: &Batch, dtype: DType) -> Result<(), TestCa
 
 /// Ragged batches at the FP8 path's head dims (multiples of 16), a rotation seed or none.
 fn fp8_batches() -> impl Strategy<Value = (Batch, Option<u64>)> {
-    (batches(256, false), any::<bool>()).prop_map(|(batch, rotate)| {
+    (batches(256, true), any::<bool>()).prop_map(|(batch, rotate)| {
         let d = batch.d.next_multiple_of(16);
         let seed = batch.seed;
         (Batch { d, ..batch }, rotate.then_some(seed))
@@ -239,7 +239,8 @@ fn check_varlen_fp8(
     let fp8 = Fp8Options { incoherent, ..RungConfig::default().fp8 };
     let gpu_fp8 = gpu_check::gpu_fp8(&fp8);
     let out = fp8::forward_varlen(gpu, &qt, &kt, &vt, &lens, &opts, &gpu_fp8).map_err(fail)?;
-    let tiles = gpu_check::fp8_cpu_tiles(gpu, batch.d, lens.max_lengths().1).map_err(fail)?;
+    let tiles =
+        gpu_check::fp8_cpu_tiles(gpu, batch.d, lens.max_lengths().1, batch.window).map_err(fail)?;
     check_sequences(&lens, (&q, &k, &v), &out, |b, x, got| {
         let oracle = Oracle::new(x, &attention).map_err(fail)?;
         let x32 = narrow(x);
@@ -355,12 +356,12 @@ proptest! {
     }
 
     #[test]
-    fn gpu_fa3_varlen_fp16_meets_the_oracle_on_every_sequence(batch in batches(256, false)) {
+    fn gpu_fa3_varlen_fp16_meets_the_oracle_on_every_sequence(batch in batches(256, true)) {
         check_varlen(GpuRung::Fa3, &batch, DType::F16)?;
     }
 
     #[test]
-    fn gpu_fa3_varlen_bf16_meets_the_oracle_on_every_sequence(batch in batches(256, false)) {
+    fn gpu_fa3_varlen_bf16_meets_the_oracle_on_every_sequence(batch in batches(256, true)) {
         check_varlen(GpuRung::Fa3, &batch, DType::BF16)?;
     }
 

@@ -56,6 +56,8 @@
 //   FA3_O_SMEM (1: O through shared memory and a TMA store; 0: from registers to global memory),
 //   FA3_VARLEN (1: a packed variable-length batch, varlen.cuh; O from registers, since a TMA
 //   store of whole 64-row boxes would write over the next sequence's rows),
+//   FA3_WINDOW (1: a sliding window, the band of mask.cuh in the parameters; each tile then walks
+//   only the K/V tiles its rows' bands reach, from the first, not from 0),
 //   FA3_HOST_SHARED_BYTES, FA3_HOST_PARAMS_BYTES (the host's sizes, checked below)
 
 #include "barrier.cuh"
@@ -99,6 +101,9 @@
 #ifndef FA3_VARLEN
 #define FA3_VARLEN 0
 #endif
+#ifndef FA3_WINDOW
+#define FA3_WINDOW 0
+#endif
 
 constexpr int D = FA3_D;
 constexpr int BC = FA3_BC;
@@ -109,6 +114,7 @@ constexpr bool overlap = FA3_OVERLAP;
 constexpr bool pingpong = FA3_PINGPONG && CONSUMERS > 1;
 constexpr bool o_smem = FA3_O_SMEM;
 constexpr bool packed = FA3_VARLEN;
+constexpr bool windowed = FA3_WINDOW;
 static_assert(!(packed && o_smem), "a packed batch stores O from registers (see FA3_VARLEN)");
 constexpr int BR = 64 * CONSUMERS;
 constexpr int THREADS = 128 * (CONSUMERS + 1);
@@ -175,6 +181,7 @@ struct Fa3ForwardParams {
     int n_q;
     int n_kv;
     float scale_log2;  // softmax scale · log2(e)
+    Band band;          // FA3_WINDOW only: the window's band (the causal mask folded in)
     int section_heads;  // causal tile order: (head, batch) pairs walked together (see below)
     Strides o_strides;  // O's rows, where the epilogue stores them from registers
     Varlen varlen;      // FA3_VARLEN only
@@ -197,7 +204,7 @@ static_assert(BR * O_COLS * 2 % 1024 == 0, "the tiles after O stay 1024-byte ali
 struct Tile {
     int q0;       // first query row, within the sequence
     int head;
-    int n_tiles;  // K/V tiles it needs
+    int n_tiles;  // one past the last K/V tile it needs (the first: first_kv_tile)
     SeqBlock seq;  // the sequence: where its rows lie, and its lengths
 };
 
@@ -258,6 +265,21 @@ static_assert(sizeof(Fa3ForwardParams) == FA3_HOST_PARAMS_BYTES,
 // head, as above), without it one head's list comes after the other's.
 
 __device__ __forceinline__ int q_blocks(const Fa3ForwardParams& p) { return (p.n_q + BR - 1) / BR; }
+
+// The band this variant applies: the host's window, or the causal mask (or none) compiled in.
+__device__ __forceinline__ Band band(const Fa3ForwardParams& p) {
+    return band_of<causal, windowed>(p.band);
+}
+// The K/V tiles that the rows q0 … q0 + BR − 1 of a sequence see.
+__device__ __forceinline__ TileSpan kv_span(const Fa3ForwardParams& p, int q0, const SeqBlock& s) {
+    return key_tile_span<BC>(q0, q0 + BR - 1, s.n_kv, s.n_kv - s.n_q, band(p));
+}
+// Where a tile's walk over K/V starts: 0, or with a window the first tile its band reaches
+// (arithmetic, worked out again where needed rather than carried in Tile, whose size the packed
+// variant's shared slot mirrors).
+__device__ __forceinline__ int first_kv_tile(const Fa3ForwardParams& p, const Tile& t) {
+    return windowed ? kv_span(p, t.q0, t.seq).first : 0;
+}
 __device__ __forceinline__ int tile_count(const Fa3ForwardParams& p) {
     return packed ? p.varlen.n_tiles * p.heads_q : q_blocks(p) * p.heads_q * p.batch;
 }
@@ -268,7 +290,7 @@ __device__ __forceinline__ Tile packed_tile_at(const Fa3ForwardParams& p, int in
     t.head = causal ? index % p.heads_q : index / p.varlen.n_tiles;
     t.seq = packed_block(p.varlen, block);
     t.q0 = t.seq.block * BR;
-    t.n_tiles = key_tiles<causal, BC>(t.q0 + BR - 1, t.seq.n_kv, t.seq.n_kv - t.seq.n_q);
+    t.n_tiles = kv_span(p, t.q0, t.seq).end;
     return t;
 }
 
@@ -291,7 +313,7 @@ __device__ __forceinline__ Tile tile_at(const Fa3ForwardParams& p, int index) {
     t.q0 = q_block * BR;
     t.head = bh % p.heads_q;
     t.seq = fixed_block(bh / p.heads_q, q_block, p.n_q, p.n_kv);
-    t.n_tiles = key_tiles<causal, BC>(t.q0 + BR - 1, p.n_kv, p.n_kv - p.n_q);
+    t.n_tiles = kv_span(p, t.q0, t.seq).end;
     return t;
 }
 
@@ -333,7 +355,7 @@ __device__ void producer(const Fa3ForwardParams& p, SharedTiles& t) {
         const SeqBlock& seq = tile.seq;
         tma_load_tile<BR, COLS>(t.q, &p.q, &t.q_full, 0, seq.q_start + tile.q0, tile.head,
                                 seq.batch);
-        for (int j = 0; j < tile.n_tiles; ++j, ++kv.count) {
+        for (int j = first_kv_tile(p, tile); j < tile.n_tiles; ++j, ++kv.count) {
             const int stage = kv.stage(), free = kv.parity() ^ 1;
             const int k0 = seq.k_start + j * BC;
             mbar_wait(&t.k_empty[stage], free);
@@ -437,18 +459,18 @@ __device__ __forceinline__ void pack(const float (&s)[NT][4], PRegs& pk) {
 #endif
 }
 
-// Mask S_j where needed (the sequence tail, the causal diagonal), then the online softmax in
+// Mask S_j where needed (the sequence tail, the edges of the band), then the online softmax in
 // place: s becomes P = 2^(S·scale_log2 − m) in f32. Returns whether any row's max moved
 // (alpha ≠ 1), in which case O must be rescaled by alpha.
 __device__ __forceinline__ bool softmax_step(float (&s)[NT][4], float (&alpha)[2], RowState& st,
-                                             const SeqBlock& seq, float scale_log2, float lift,
-                                             int row0, int k0) {
+                                             const SeqBlock& seq, Band band, float scale_log2,
+                                             float lift, int row0, int k0) {
     const int shift = seq.n_kv - seq.n_q;
-    if (k0 + BC > seq.n_kv || crosses_diagonal<causal>(row0, k0 + BC - 1, shift)) {
+    if (k0 + BC > seq.n_kv || crosses_band(row0, row0 + 63, k0, k0 + BC - 1, shift, band)) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = row0 + (warp_id() % 4) * 16 + acc_row(2 * h);
-            mask_columns(s, h, key_limit<causal>(row, k0, seq.n_kv, shift), LADDER_NEG_INF);
+            mask_band(s, h, key_columns(row, k0, seq.n_kv, shift, band), band, LADDER_NEG_INF);
         }
     }
 #pragma unroll
@@ -538,7 +560,9 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
     zero(o);
     RowState st = {{LADDER_NEG_INF, LADDER_NEG_INF}, {0.f, 0.f}};
     const int q_row0 = wg * 64;  // the warpgroup's rows inside the Q tile
-    const int n_tiles = tile.n_tiles;
+    // K/V tiles first … first + n_tiles − 1 (first = 0 without a window; n_tiles ≤ 0: none).
+    const int first = first_kv_tile(p, tile);
+    const int n_tiles = tile.n_tiles - first;
     const Scales sc = scales_of(p, tile, tile.head / (p.heads_q / p.heads_kv));
 
     // Algorithm 2. Prologue: S_0 and its softmax (O is still zero: nothing to rescale).
@@ -548,7 +572,7 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
     bool moved = false;  // whether the last softmax moved a row's max: O needs alpha
     KvPosition v_read = kv;  // V lags K by one tile
     if (n_tiles > 0) {
-        const float scale_0 = score_scale(p, sc, 0), lift_0 = p_lift(p, sc, 0);
+        const float scale_0 = score_scale(p, sc, first), lift_0 = p_lift(p, sc, first);
         wait_turn(wg);
         mbar_wait(&t.k_full[kv.stage()], kv.parity());
         wgmma_fence();
@@ -559,14 +583,14 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
         wgmma_hold(s);
         release(&t.k_empty[kv.stage()]);
         ++kv.count;
-        softmax_step(s, alpha, st, tile.seq, scale_0, lift_0, row0, 0);
+        softmax_step(s, alpha, st, tile.seq, band(p), scale_0, lift_0, row0, first * BC);
         if constexpr (!overlap) pack(s, pk);
     }
     for (int j = 1; j < n_tiles; ++j, ++kv.count, ++v_read.count) {
         // FP8: tile j's scales are read from global memory here, before the waits and the
         // products, so that their latency hides under them (after the waits' memory clobbers the
         // compiler could not hoist the loads, and the softmax would stall on them).
-        const float scale_j = score_scale(p, sc, j), lift_j = p_lift(p, sc, j);
+        const float scale_j = score_scale(p, sc, first + j), lift_j = p_lift(p, sc, first + j);
         if constexpr (overlap) land_product(o, pk, s, t, v_read, j >= 2);
         // Both tiles are waited for before the products are issued: ptxas serialises every
         // wgmma of a kernel that waits (branches) between the issues of one batch.
@@ -592,7 +616,8 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
             wgmma_hold(pk);
             release(&t.v_empty[v_read.stage()]);  // V_{j-1}
         }
-        moved = softmax_step(s, alpha, st, tile.seq, scale_j, lift_j, row0, j * BC);
+        moved = softmax_step(s, alpha, st, tile.seq, band(p), scale_j, lift_j, row0,
+                             (first + j) * BC);
         if constexpr (!overlap) pack(s, pk);
     }
     // Every S = Q·Kᵀ of the tile is done: the producer may load the next tile's Q.

@@ -12,7 +12,7 @@
 
 // Keys a query sees before (left) and after (right) its diagonal. UNBOUNDED only comes from
 // fixed_band, at compile time, so its tests fold away; a window's open side arrives from the host
-// as n_q + n_kv, which no key is that far from.
+// as n_q + n_kv (at most UNBOUNDED − 1), which no key is that far from.
 struct Band {
     int left;
     int right;
@@ -28,10 +28,14 @@ __device__ __forceinline__ Band fixed_band() {
 }
 
 // The band a kernel applies: the host's window (which folds the causal mask into right = 0) when
-// compiled WINDOWED, else the fixed one.
+// compiled WINDOWED, else the fixed one. The host's sides are below UNBOUNDED; masking them with
+// UNBOUNDED − 1 says so to the compiler, which then folds every bounded() test of a windowed
+// kernel to true: no branch on the band's shape is left in it (in a wgmma kernel such a branch
+// between the products makes ptxas serialise them).
 template <bool CAUSAL, bool WINDOWED>
 __device__ __forceinline__ Band band_of(const Band& window) {
-    return WINDOWED ? window : fixed_band<CAUSAL>();
+    return WINDOWED ? Band{window.left & (UNBOUNDED - 1), window.right & (UNBOUNDED - 1)}
+                    : fixed_band<CAUSAL>();
 }
 
 // A range of tiles [first, end), empty when end <= first (not clamped: the clamp would cost the

@@ -29,7 +29,9 @@ use cudarc::driver::DeviceRepr;
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, Kernel, parse_counts};
-use crate::problem::{Band, Gradients, Options, Output, Packed, Problem, Strides, grid, multiples};
+use crate::problem::{
+    Band, Gradients, Masking, Options, Output, Packed, Problem, Strides, grid, multiples,
+};
 use crate::tensor::{DType, Tensor};
 use crate::varlen::{SeqLens, VarlenParams};
 
@@ -221,21 +223,6 @@ impl BackwardTiles {
     /// two stages of K and V (16-bit).
     pub fn dq_shared_bytes(&self, d: usize) -> usize {
         (2 * self.dq_br() + 4 * self.dq_bc) * tile_cols(d) * 2
-    }
-}
-
-/// What a kernel variant masks: the causal diagonal compiled in, and whether a sliding window's
-/// band comes in the parameters (`FA2_WINDOW`; the kernels without it carry no band logic).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Masking {
-    pub(crate) causal: bool,
-    pub(crate) windowed: bool,
-}
-
-impl Masking {
-    /// The masking of problem `p`.
-    pub(crate) fn of(p: &Problem) -> Masking {
-        Masking { causal: p.causal, windowed: p.window.is_some() }
     }
 }
 

@@ -46,7 +46,7 @@ use cudarc::driver::sys::{
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, Kernel, parse_counts};
-use crate::problem::{Options, Output, Problem, Strides, grid, multiples};
+use crate::problem::{Band, Masking, Options, Output, Problem, Strides, grid, multiples};
 use crate::tensor::{DType, Tensor};
 use crate::varlen::{SeqLens, VarlenParams};
 
@@ -332,12 +332,13 @@ fn operand_bytes(fp8: bool) -> usize {
     if fp8 { 1 } else { 2 }
 }
 
-/// The kernel variant for head dimension `d`, element type, masking, tiles and schedule, with
-/// 16-bit or (`fp8`) e4m3 operands, for a fixed-length or a `packed` batch.
+/// The kernel variant for head dimension `d`, element type, masking (the causal mask compiled in,
+/// a window's band in the parameters), tiles and schedule, with 16-bit or (`fp8`) e4m3 operands,
+/// for a fixed-length or a `packed` batch.
 pub(crate) fn variant(
     d: usize,
     dtype: DType,
-    causal: bool,
+    mask: Masking,
     (t, s): (Fa3Tiles, Schedule),
     fp8: bool,
     packed: bool,
@@ -353,7 +354,8 @@ pub(crate) fn variant(
             ("FA3_BC", t.bc.to_string()),
             ("FA3_CONSUMERS", t.consumers.to_string()),
             ("FA3_STAGES", t.stages.to_string()),
-            ("FA3_CAUSAL", (causal as u32).to_string()),
+            ("FA3_CAUSAL", (mask.causal as u32).to_string()),
+            ("FA3_WINDOW", (mask.windowed as u32).to_string()),
             ("FA3_OVERLAP", (s.overlap as u32).to_string()),
             ("FA3_PINGPONG", (s.pingpong as u32).to_string()),
             ("FA3_FP8", (fp8 as u32).to_string()),
@@ -401,6 +403,7 @@ struct ForwardParams {
     n_q: i32,
     n_kv: i32,
     scale_log2: f32,
+    band: Band,
     section_heads: i32,
     o_strides: Strides,
     varlen: VarlenParams,
@@ -573,7 +576,6 @@ fn forward_problem(
 ) -> Result<Output> {
     require_hopper(gpu, "fa3")?;
     p.require_dtype("fa3", DTYPES, "fp16, bf16")?;
-    p.require_no_window("fa3")?;
     if !HEAD_DIMS.contains(&p.d) {
         return Err(KernelError::UnsupportedHeadDim { rung: "fa3", d: p.d, supported: HEAD_DIMS });
     }
@@ -737,7 +739,7 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
     let operand_bytes = operand_bytes(fp8);
     let packed = lens.is_some();
     let kernel = Kernel {
-        variant: variant(p.d, p.dtype, p.causal, (tiles, schedule), fp8, packed),
+        variant: variant(p.d, p.dtype, Masking::of(p), (tiles, schedule), fp8, packed),
         entry: "fa3_forward",
     };
     let o_smem = o_through_shared(tiles, p.d, operand_bytes, packed);
@@ -785,6 +787,7 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
             n_q: nq,
             n_kv: nkv,
             scale_log2: p.scale_log2(),
+            band: p.band(),
             section_heads: section_heads(
                 p,
                 (tiles.br(), tiles.bc),
@@ -811,7 +814,8 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
         return all;
     }
     let mut push = |d, dtype, causal, t: Fa3Tiles| {
-        all.push(variant(d, dtype, causal, (t, Schedule::for_head_dim(d, false)), false, false))
+        let mask = Masking { causal, windowed: false };
+        all.push(variant(d, dtype, mask, (t, Schedule::for_head_dim(d, false)), false, false))
     };
     for &dtype in DTYPES {
         for d in [64, 128, 256] {
@@ -837,7 +841,8 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
             for t in [Fa3Tiles::for_head_dim(d, causal), Fa3Tiles::for_problem(d, causal, 1)] {
                 let t = t.expect("d has tiles");
                 let schedule = Schedule::for_head_dim(d, false);
-                all.push(variant(d, DType::F16, causal, (t, schedule), false, true));
+                let mask = Masking { causal, windowed: false };
+                all.push(variant(d, DType::F16, mask, (t, schedule), false, true));
             }
         }
     }
@@ -848,7 +853,22 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
         }
         for causal in [false, true] {
             let t = Fa3Tiles::for_head_dim(128, causal).expect("d = 128 has tiles");
-            all.push(variant(128, DType::F16, causal, (t, schedule), false, false));
+            let mask = Masking { causal, windowed: false };
+            all.push(variant(128, DType::F16, mask, (t, schedule), false, false));
+        }
+    }
+    // Sliding windows (the band in the parameters), fixed-length and packed.
+    for (d, dtype, packed) in [
+        (64, DType::F16, false),
+        (128, DType::F16, false),
+        (128, DType::BF16, false),
+        (256, DType::F16, false),
+        (128, DType::F16, true),
+    ] {
+        for causal in [false, true] {
+            let t = Fa3Tiles::for_head_dim(d, causal).expect("d has tiles");
+            let mask = Masking { causal, windowed: true };
+            all.push(variant(d, dtype, mask, (t, Schedule::for_head_dim(d, false)), false, packed));
         }
     }
     all
@@ -1016,13 +1036,14 @@ mod tests {
     #[test]
     fn params_are_laid_out_as_the_kernel_expects() {
         // Four 128-byte maps (Q, K, V, O), then the pointers at byte 512: o, lse, four scales,
-        // the sizes, O's strides.
+        // the sizes, the window's band, O's strides.
         assert_eq!(std::mem::align_of::<ForwardParams>(), 128);
         assert_eq!(std::mem::offset_of!(ForwardParams, o_map), 384);
-        assert_eq!(std::mem::offset_of!(ForwardParams, section_heads), 512 + 16 + 32 + 24);
         assert_eq!(std::mem::offset_of!(ForwardParams, o), 512);
         assert_eq!(std::mem::offset_of!(ForwardParams, scales), 512 + 16);
         assert_eq!(std::mem::offset_of!(ForwardParams, scale_log2), 512 + 16 + 32 + 20);
-        assert_eq!(std::mem::offset_of!(ForwardParams, o_strides), 512 + 16 + 32 + 32);
+        assert_eq!(std::mem::offset_of!(ForwardParams, band), 512 + 16 + 32 + 24);
+        assert_eq!(std::mem::offset_of!(ForwardParams, section_heads), 512 + 16 + 32 + 32);
+        assert_eq!(std::mem::offset_of!(ForwardParams, o_strides), 512 + 16 + 32 + 40);
     }
 }

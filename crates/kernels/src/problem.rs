@@ -82,6 +82,26 @@ impl Window {
     }
 }
 
+/// What a kernel variant masks: the causal diagonal compiled in, and whether a sliding window's
+/// band comes in the parameters (`FA2_WINDOW`, `FA3_WINDOW`; the kernels without it carry no
+/// band logic).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Masking {
+    pub(crate) causal: bool,
+    pub(crate) windowed: bool,
+}
+
+impl Masking {
+    /// The masking of problem `p`.
+    pub(crate) fn of(p: &Problem) -> Masking {
+        Masking { causal: p.causal, windowed: p.window.is_some() }
+    }
+}
+
+/// The largest band side the kernels take (`UNBOUNDED − 1` in `cuda/mask.cuh`): a
+/// sequence of 2³⁰ keys would need hundreds of GB per head, so no real window is clipped by it.
+const BAND_LIMIT: usize = (1 << 30) - 1;
+
 /// Mirror of `Band` in `cuda/mask.cuh`: the keys a query sees before and after its diagonal.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -453,7 +473,8 @@ impl Problem {
     pub(crate) fn require_no_window(&self, rung: &str) -> Result<()> {
         if self.window.is_some() {
             Err(KernelError::Shape(format!(
-                "{rung} takes no sliding window yet ({:?}); fa2 does, forward and backward",
+                "{rung} takes no sliding window yet ({:?}); fa2 does, forward and backward, and the \
+                 fa3 forward, 16-bit and FP8",
                 self.window
             )))
         } else {
@@ -463,9 +484,9 @@ impl Problem {
 
     /// The band the kernels compiled with a window apply ([`Band`]): the window's sides, an
     /// open one as `n_q + n_kv` (no key is that far from a diagonal), the causal mask as
-    /// `right = 0`.
+    /// `right = 0`. Sides stay below `mask.cuh`'s `UNBOUNDED` (2³⁰), which the kernels assume.
     pub(crate) fn band(&self) -> Band {
-        let open = self.n_q + self.n_kv;
+        let open = (self.n_q + self.n_kv).min(BAND_LIMIT);
         let side = |s: Option<usize>| s.unwrap_or(open).min(open) as i32;
         let right = if self.causal { 0 } else { side(self.window.right) };
         Band { left: side(self.window.left), right }

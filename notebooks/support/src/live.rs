@@ -133,7 +133,7 @@ pub fn gpu_live_fp8() -> Result<(), Failure> {
         let fp8 = Fp8Options { incoherent, ..RungConfig::default().fp8 };
         let (out, _) = gpu_check::forward_fp8(&gpu, GpuRung::Fa3Fp8, &x, &opts, dtype, &fp8)
             .map_err(|e| fail(&e))?;
-        let tiles = gpu_check::fp8_cpu_tiles(&gpu, shape.d, shape.n_kv).map_err(|e| fail(&e))?;
+        let tiles = gpu_check::fp8_cpu_tiles(&gpu, shape.d, shape.n_kv, Default::default()).map_err(|e| fail(&e))?;
         let config = RungConfig { attention, tiles, fp8, ..RungConfig::default() };
         let cpu = Rung::Fa3Fp8
             .forward(x32.q.view(), x32.k.view(), x32.v.view(), &config)

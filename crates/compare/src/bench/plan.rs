@@ -747,8 +747,11 @@ mod tests {
         )
         .unwrap();
         assert_eq!(w.windows, [Window::default(), Window::left(4095)]);
-        assert_eq!(w.rungs_with(LayoutArg::Bhsd, 128, 16384, Window::left(4095)), [GpuRung::Fa2]);
-        assert_eq!(w.case_count(), 3, "fa2 and fa3 plain, fa2 windowed");
+        let windowed = w.rungs_with(LayoutArg::Bhsd, 128, 16384, Window::left(4095));
+        assert_eq!(windowed, [GpuRung::Fa2, GpuRung::Fa3]);
+        assert_eq!(w.case_count(), 4, "fa2 and fa3, plain and windowed");
+        let fa1 = plan(&["--rung", "fa1", "--direction", "fwd", "--n", "512", "--window", "8,0"]);
+        assert_eq!(fa1.unwrap().case_count(), 0, "fa1 takes no window");
         assert!(w.notes().join("; ").contains("pairs the window attends"));
         assert_eq!(plan(&args).unwrap().windows, [Window::default()], "no window by default");
         assert!(plan(&[&args[..], &["--window", "4095"]].concat()).is_err());

@@ -39,6 +39,8 @@ use super::{
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, Kernel};
+#[cfg(test)]
+use crate::problem::Masking;
 use crate::problem::{Options, Output, Packed, Problem, Strides, grid, multiples};
 use crate::tensor::{DType, Tensor};
 use crate::varlen::{SeqLens, TileTable, VarlenParams};
@@ -260,16 +262,19 @@ fn alloc<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     unsafe { gpu.stream().alloc::<T>(len) }.map_err(KernelError::alloc(bytes))
 }
 
-/// The tiles the FP8 path takes on `gpu` at head dim `d` with `n_kv` keys (its block scales' blocks
-/// too): the configuration's (`GpuConfig::tune(tiles)`) where it suits FP8 (an error where
-/// it does not), otherwise [`tiles_for_problem`].
-pub fn tiles_on(gpu: &Gpu, d: usize, n_kv: usize) -> Result<Fa3Tiles> {
+/// The tiles the FP8 path takes on `gpu` at head dim `d` with `n_kv` keys, `windowed` or not (its
+/// block scales' blocks too): the configuration's (`GpuConfig::tune(tiles)`) where it suits FP8
+/// (an error where it does not), otherwise [`tiles_for_problem`], whose 192-key tiles a sliding
+/// window does not take: the band's registers make that variant spill, so a window takes the
+/// 128-key tiles at every length.
+pub fn tiles_on(gpu: &Gpu, d: usize, n_kv: usize, windowed: bool) -> Result<Fa3Tiles> {
     match gpu.config().tuned::<Fa3Tiles>() {
         Some(t) if t.bc % 32 == 0 && t.bc >= 64 && t.consumers >= 2 => Ok(t),
         Some(t) => Err(KernelError::Config(format!(
             "FA3 tiles {t:?} do not suit FP8: it needs bc a multiple of 32 (the e4m3 k-step) from \
              64 and 2 or 3 consumers"
         ))),
+        None if windowed => tiles_for_problem(d, n_kv.min(SHORT_KEYS)),
         None => tiles_for_problem(d, n_kv),
     }
 }
@@ -319,8 +324,7 @@ fn quantize_problem(
 ) -> Result<Fp8Inputs> {
     require_hopper(gpu, "fa3-fp8")?;
     p.require_dtype("fa3-fp8", DTYPES, "fp16, bf16")?;
-    p.require_no_window("fa3-fp8")?;
-    let tiles = tiles_on(gpu, p.d, p.n_kv)?;
+    let tiles = tiles_on(gpu, p.d, p.n_kv, p.window.is_some())?;
     let (br, bc) = (tiles.br(), tiles.bc);
     // Per head: rows of the dense copies, and scale slots (a fixed-length batch's tiles).
     let (batch, q_rows, k_rows, q_slots, k_slots) = match p.packed {
@@ -588,7 +592,8 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
     if arch != super::ARCH {
         return all;
     }
-    let mut push = |d: usize, dtype: DType, causals: &[bool], packed: bool| {
+    let plain = |causal| Masking { causal, windowed: false };
+    let mut push = |d: usize, dtype: DType, masks: &[Masking], packed: bool| {
         let mut tiles: Vec<Fa3Tiles> = [SHORT_KEYS, SHORT_KEYS + 1]
             .iter()
             .map(|&n_kv| tiles_for_problem(d, n_kv).expect("FP8 head dim"))
@@ -596,8 +601,8 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
         tiles.dedup();
         for t in tiles {
             let schedule = Schedule::for_head_dim(d, true);
-            for &causal in causals {
-                all.push(super::variant(d, dtype, causal, (t, schedule), true, packed));
+            for &mask in masks {
+                all.push(super::variant(d, dtype, mask, (t, schedule), true, packed));
             }
             for hadamard in [false, true] {
                 all.push(quantize_variant(d, dtype, t.bc, hadamard, packed));
@@ -606,7 +611,7 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
     };
     for &dtype in DTYPES {
         for d in [128, 256] {
-            push(d, dtype, &[false, true], false);
+            push(d, dtype, &[plain(false), plain(true)], false);
         }
     }
     for (d, dtype, causal) in [
@@ -617,10 +622,23 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
         (192, DType::BF16, false),
         (240, DType::F16, true),
     ] {
-        push(d, dtype, &[causal], false);
+        push(d, dtype, &[plain(causal)], false);
     }
-    push(96, DType::F16, &[true], true);
-    push(128, DType::BF16, &[false, true], true);
+    push(96, DType::F16, &[plain(true)], true);
+    push(128, DType::BF16, &[plain(false), plain(true)], true);
+    // Sliding windows (128-key tiles only, `tiles_on`), fixed-length and packed.
+    let t = tiles_for_problem(128, SHORT_KEYS).expect("FP8 head dim");
+    for (causal, packed) in [(false, false), (true, false), (true, true)] {
+        let mask = Masking { causal, windowed: true };
+        all.push(super::variant(
+            128,
+            DType::F16,
+            mask,
+            (t, Schedule::for_head_dim(128, true)),
+            true,
+            packed,
+        ));
+    }
     all
 }
 
