@@ -397,6 +397,26 @@ def measure(torch, call_on, nsets, warmup, repeats, budget_ms):
     return statistics.median(samples)
 
 
+def step_of(torch, attend, sets, direction):
+    """The timed call of `attend(q, k, v)` on input set i: the forward without autograd, or the
+    backward alone (autograd.grad of a forward output computed here, beforehand)."""
+    if direction == "fwd":
+        def forward(i):
+            q, k, v, _ = sets[i]
+            with torch.no_grad():
+                return attend(q, k, v)
+        return forward
+    graphs = []
+    for q, k, v, d_o in sets:
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        graphs.append((attend(*leaves), leaves, d_o))
+
+    def backward(i):
+        o, leaves, d_o = graphs[i]
+        return torch.autograd.grad(o, leaves, d_o, retain_graph=True)
+    return backward
+
+
 def mask_label(causal, window):
     """full, causal, or w{LEFT}:{RIGHT} after the causal mask (as `ladder bench` labels it)."""
     if window is None:
@@ -447,21 +467,7 @@ def make_flex_step(torch, sets, causal, window, direction):
     if not err <= FLEX_MAX_ABS:  # NaN fails too
         raise RuntimeError(f"FlexAttention's output differs from SDPA's: max abs {err:.3g} "
                            f"(tolerance {FLEX_MAX_ABS})")
-    if direction == "fwd":
-        def forward(i):
-            q, k, v, _ = sets[i]
-            with torch.no_grad():
-                return attend(q, k, v)
-        return forward
-    graphs = []
-    for q, k, v, d_o in sets:
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        graphs.append((attend(*leaves), leaves, d_o))
-
-    def backward(i):
-        o, leaves, d_o = graphs[i]
-        return torch.autograd.grad(o, leaves, d_o, retain_graph=True)
-    return backward
+    return step_of(torch, attend, sets, direction)
 
 
 def make_step(torch, impl, sets, causal, direction, d, args, window=None):
@@ -505,21 +511,7 @@ def make_step(torch, impl, sets, causal, direction, d, args, window=None):
             return tuple(t.to(torch.float8_e5m2) for t in (q, k, vt)) + (d_o,)
         sets = [fp8(*s) for s in sets]
 
-    if direction == "fwd":
-        def forward(i):
-            q, k, v, _ = sets[i]
-            with torch.no_grad():
-                return attend(q, k, v)
-        return forward
-    graphs = []
-    for q, k, v, d_o in sets:
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        graphs.append((attend(*leaves), leaves, d_o))
-
-    def backward(i):
-        o, leaves, d_o = graphs[i]
-        return torch.autograd.grad(o, leaves, d_o, retain_graph=True)
-    return backward
+    return step_of(torch, attend, sets, direction)
 
 
 def make_decode_step(torch, sets, grouped):
