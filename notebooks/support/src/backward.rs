@@ -142,7 +142,15 @@ pub fn gpu_determinism() -> Result<(), Failure> {
     let fail = |e: &dyn std::fmt::Display| Failure(e.to_string());
     let shape = AttentionShape::new(4, 16, 4, 2048, 2048, 128).map_err(|e| fail(&e))?;
     let tiles = TileSizes::new(64, 128).map_err(|e| fail(&e))?;
-    let case = Case { shape, causal: true, window: Default::default(), logit_std: 1.0, tiles, splits: 1, seed: 2048 };
+    let case = Case {
+        shape,
+        causal: true,
+        window: Default::default(),
+        logit_std: 1.0,
+        tiles,
+        splits: 1,
+        seed: 2048,
+    };
     let dtype = DType::BF16;
     let x = gpu_check::device_inputs(&case, dtype);
     let (_, opts) = gpu_check::options(&case.attention(), shape.d);

@@ -42,7 +42,15 @@ pub fn gpu_live(rung: &str) -> Result<(), Failure> {
     let fail = |e: &dyn std::fmt::Display| Failure(e.to_string());
     let shape = AttentionShape::new(1, 8, 2, 500, 700, 64).map_err(|e| fail(&e))?;
     let tiles = TileSizes::new(64, 64).map_err(|e| fail(&e))?;
-    let case = Case { shape, causal: true, window: Default::default(), logit_std: 1.0, tiles, splits: 1, seed: 2024 };
+    let case = Case {
+        shape,
+        causal: true,
+        window: Default::default(),
+        logit_std: 1.0,
+        tiles,
+        splits: 1,
+        seed: 2024,
+    };
     let dtype = DType::F16;
     let x = gpu_check::device_inputs(&case, dtype);
     let (attention, opts) = gpu_check::options(&case.attention(), shape.d);
@@ -116,7 +124,15 @@ pub fn gpu_live_fp8() -> Result<(), Failure> {
     let fail = |e: &dyn std::fmt::Display| Failure(e.to_string());
     let shape = AttentionShape::new(1, 4, 2, 1024, 1024, 128).map_err(|e| fail(&e))?;
     let tiles = TileSizes::new(128, 128).map_err(|e| fail(&e))?;
-    let case = Case { shape, causal: false, window: Default::default(), logit_std: 1.0, tiles, splits: 1, seed: 7 };
+    let case = Case {
+        shape,
+        causal: false,
+        window: Default::default(),
+        logit_std: 1.0,
+        tiles,
+        splits: 1,
+        seed: 7,
+    };
     let dtype = DType::F16;
     let x = gpu_check::rounded(&case.inputs_with_outliers::<f64>(0.001, 10.0), dtype);
     let (attention, opts) = gpu_check::options(&case.attention(), shape.d);
@@ -133,7 +149,8 @@ pub fn gpu_live_fp8() -> Result<(), Failure> {
         let fp8 = Fp8Options { incoherent, ..RungConfig::default().fp8 };
         let (out, _) = gpu_check::forward_fp8(&gpu, GpuRung::Fa3Fp8, &x, &opts, dtype, &fp8)
             .map_err(|e| fail(&e))?;
-        let tiles = gpu_check::fp8_cpu_tiles(&gpu, shape.d, shape.n_kv, Default::default()).map_err(|e| fail(&e))?;
+        let tiles = gpu_check::fp8_cpu_tiles(&gpu, shape.d, shape.n_kv, Default::default())
+            .map_err(|e| fail(&e))?;
         let config = RungConfig { attention, tiles, fp8, ..RungConfig::default() };
         let cpu = Rung::Fa3Fp8
             .forward(x32.q.view(), x32.k.view(), x32.v.view(), &config)
