@@ -65,7 +65,7 @@ struct RungArgs {
     /// A sliding window LEFT,RIGHT in keys around each query's diagonal (flash-attention's
     /// window_size, bottom-right aligned): query i sees keys i + n_kv − n_q − LEFT through
     /// i + n_kv − n_q + RIGHT; -1 leaves a side open, --causal makes RIGHT 0. Every CPU rung; on
-    /// the GPU, fa2 (forward and backward).
+    /// the GPU, fa2 (forward and backward) and fa3, fa3-fp8 (forward).
     #[arg(long, allow_hyphen_values = true)]
     window: Option<Window>,
 }

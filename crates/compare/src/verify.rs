@@ -43,7 +43,7 @@ impl VerifyCase {
         Case {
             shape: self.shape,
             causal: config.attention.causal,
-            window: Default::default(),
+            window: config.attention.window,
             logit_std: 1.0,
             tiles: config.tiles,
             splits: config.splits,

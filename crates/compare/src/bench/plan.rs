@@ -162,7 +162,8 @@ pub struct BenchArgs {
     /// A sliding window of keys, `LEFT,RIGHT` (flash-attention's `window_size`, `-1` for an open
     /// side: `4095,0` or `4095,-1` with the causal mask is Mistral's window of 4096), or `none`;
     /// give the flag once per window [default: none]. A windowed case runs on the rungs that take
-    /// a window (fa2, forward and backward) and counts TFLOP/s on the pairs it attends.
+    /// a window (fa2 forward and backward, fa3 and fa3-fp8 forward) and counts TFLOP/s on the
+    /// pairs it attends.
     #[arg(long, value_parser = parse_window, allow_hyphen_values = true)]
     pub(super) window: Vec<Window>,
     /// Element type of Q, K, V.
