@@ -204,7 +204,7 @@ static_assert(BR * O_COLS * 2 % 1024 == 0, "the tiles after O stay 1024-byte ali
 struct Tile {
     int q0;       // first query row, within the sequence
     int head;
-    int n_tiles;  // one past the last K/V tile it needs (the first: first_kv_tile)
+    int kv_end;   // one past the last K/V tile it needs (the first: first_kv_tile)
     SeqBlock seq;  // the sequence: where its rows lie, and its lengths
 };
 
@@ -290,7 +290,7 @@ __device__ __forceinline__ Tile packed_tile_at(const Fa3ForwardParams& p, int in
     t.head = causal ? index % p.heads_q : index / p.varlen.n_tiles;
     t.seq = packed_block(p.varlen, block);
     t.q0 = t.seq.block * BR;
-    t.n_tiles = kv_span(p, t.q0, t.seq).end;
+    t.kv_end = kv_span(p, t.q0, t.seq).end;
     return t;
 }
 
@@ -313,7 +313,7 @@ __device__ __forceinline__ Tile tile_at(const Fa3ForwardParams& p, int index) {
     t.q0 = q_block * BR;
     t.head = bh % p.heads_q;
     t.seq = fixed_block(bh / p.heads_q, q_block, p.n_q, p.n_kv);
-    t.n_tiles = kv_span(p, t.q0, t.seq).end;
+    t.kv_end = kv_span(p, t.q0, t.seq).end;
     return t;
 }
 
@@ -355,7 +355,7 @@ __device__ void producer(const Fa3ForwardParams& p, SharedTiles& t) {
         const SeqBlock& seq = tile.seq;
         tma_load_tile<BR, COLS>(t.q, &p.q, &t.q_full, 0, seq.q_start + tile.q0, tile.head,
                                 seq.batch);
-        for (int j = first_kv_tile(p, tile); j < tile.n_tiles; ++j, ++kv.count) {
+        for (int j = first_kv_tile(p, tile); j < tile.kv_end; ++j, ++kv.count) {
             const int stage = kv.stage(), free = kv.parity() ^ 1;
             const int k0 = seq.k_start + j * BC;
             mbar_wait(&t.k_empty[stage], free);
@@ -562,7 +562,7 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
     const int q_row0 = wg * 64;  // the warpgroup's rows inside the Q tile
     // K/V tiles first … first + n_tiles − 1 (first = 0 without a window; n_tiles ≤ 0: none).
     const int first = first_kv_tile(p, tile);
-    const int n_tiles = tile.n_tiles - first;
+    const int n_tiles = tile.kv_end - first;
     const Scales sc = scales_of(p, tile, tile.head / (p.heads_q / p.heads_kv));
 
     // Algorithm 2. Prologue: S_0 and its softmax (O is still zero: nothing to rescale).

@@ -79,13 +79,6 @@ __device__ __forceinline__ TileSpan query_tile_span(int k0, int k_last, int n_q,
     return TileSpan{first, end};
 }
 
-// Key tiles that query rows up to q_last need: all of them, or under the causal mask only those
-// up to q_last's diagonal.
-template <bool CAUSAL, int BC>
-__device__ __forceinline__ int key_tiles(int q_last, int n_kv, int shift) {
-    return key_tile_span<BC>(0, q_last, n_kv, shift, fixed_band<CAUSAL>()).end;
-}
-
 // Whether the tile of rows q0 … q_last and keys k0 … k_last has keys outside some row's band.
 __device__ __forceinline__ bool crosses_band(int q0, int q_last, int k0, int k_last, int shift,
                                              Band band) {
@@ -125,12 +118,6 @@ __device__ __forceinline__ ColumnSpan key_columns(int query, int k0, int n_kv, i
     return c;
 }
 
-// Keys of the tile starting at k0 that query `query` sees: columns [0, key_limit).
-template <bool CAUSAL>
-__device__ __forceinline__ int key_limit(int query, int k0, int n_kv, int shift) {
-    return key_columns(query, k0, n_kv, shift, fixed_band<CAUSAL>()).hi;
-}
-
 // Set the entries of row half h of an accumulator tile row (NT tiles of 8 columns) whose column
 // is outside [c.lo, c.hi) to `value`.
 template <int NT>
@@ -143,14 +130,12 @@ __device__ __forceinline__ void mask_outside(float (&s)[NT][4], int h, ColumnSpa
 }
 
 // Set the entries of row half h whose column is at or past `limit` to `value` (a band with no
-// left side: one comparison per entry).
+// left side: the lower bound is the smallest int, whose test folds away, leaving one comparison
+// per entry).
 template <int NT>
 __device__ __forceinline__ void mask_columns(float (&s)[NT][4], int h, int limit, float value) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 2 * h; e < 2 * h + 2; ++e)
-            if (acc_col(nt, e) >= limit) s[nt][e] = value;
+    constexpr int NO_LOWER_BOUND = -0x7fffffff - 1;
+    mask_outside(s, h, ColumnSpan{NO_LOWER_BOUND, limit}, value);
 }
 
 // Set the entries of row half h outside the columns `c` it sees to `value`: one comparison per

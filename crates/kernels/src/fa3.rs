@@ -673,7 +673,8 @@ struct TileOrder {
 }
 
 impl TileOrder {
-    /// K/V tiles of query block `q_block` under the causal mask (the kernel's `key_tiles`).
+    /// K/V tiles of query block `q_block` under the causal mask (the end of the kernel's
+    /// `kv_span`).
     fn key_tiles(&self, q_block: usize) -> usize {
         let last_key = (q_block * self.br + self.br - 1 + self.n_kv) as i64 - self.n_q as i64;
         if last_key < 0 {

@@ -46,7 +46,8 @@ pub struct Options {
     /// pass is deterministic either way.
     pub deterministic: bool,
     /// A sliding window of keys around each query's diagonal ([`Window`]; none by default). FA2
-    /// takes it, forward and backward; the other rungs refuse it with an error.
+    /// takes it, forward and backward, and the FA3 forward, 16-bit and FP8; the other rungs
+    /// refuse it with an error.
     pub window: Window,
 }
 
@@ -98,8 +99,9 @@ impl Masking {
     }
 }
 
-/// The largest band side the kernels take (`UNBOUNDED − 1` in `cuda/mask.cuh`): a
-/// sequence of 2³⁰ keys would need hundreds of GB per head, so no real window is clipped by it.
+/// The largest band side the kernels take (`UNBOUNDED − 1` in `cuda/mask.cuh`). A windowed
+/// problem's sequences are shorter than [`WINDOW_MAX_LEN`], so its open side, `n_q + n_kv`, never
+/// reaches it; it keeps the unused band of an unwindowed problem in range too.
 const BAND_LIMIT: usize = (1 << 30) - 1;
 
 /// Mirror of `Band` in `cuda/mask.cuh`: the keys a query sees before and after its diagonal.
