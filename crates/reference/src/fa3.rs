@@ -37,9 +37,9 @@ use crate::error::Result;
 use crate::fp8::{Fp8Options, Fp8Tensor, RandomHadamard, round_e4m3};
 use crate::options::{AttentionOptions, TileSizes};
 use crate::output::{AttentionOutput, Counters};
-use crate::problem::{Head, Problem, RowSpans};
+use crate::problem::{Head, Problem};
 use crate::shape::TileKind;
-use crate::tile::{OnlineRows, add_pv, blocks, nan_max, score_tile};
+use crate::tile::{OnlineRows, RowSpans, add_pv, blocks, nan_max, score_tile};
 
 /// The number format the tiles are multiplied in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -164,7 +164,7 @@ fn overlapped_rows<T: Element>(
         .collect();
 
     // GEMM 0: S = scale · Q_i K_jᵀ (times the e4m3 scales of both tiles).
-    let scores = |(cols, limits): &(Range<usize>, Option<Vec<Range<usize>>>)| {
+    let scores = |(cols, limits): &(Range<usize>, Option<RowSpans>)| {
         counters.read_bytes(cols.len() * width * input_bytes);
         let factor = fp8.map_or(head.scale, |f| {
             head.scale
@@ -178,7 +178,7 @@ fn overlapped_rows<T: Element>(
     // exact sum.
     let pv = |acc: &mut Array2<T>,
               p: &mut Array2<T>,
-              (cols, limits): &(Range<usize>, Option<Vec<Range<usize>>>)| {
+              (cols, limits): &(Range<usize>, Option<RowSpans>)| {
         counters.read_bytes(cols.len() * d * input_bytes);
         let factor = fp8.map_or(T::one(), |f| {
             let v_max = f.v_max(head.b, head.kh);

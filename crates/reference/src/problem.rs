@@ -12,7 +12,7 @@ use crate::error::Result;
 use crate::options::AttentionOptions;
 use crate::output::{AttentionOutput, Counters};
 use crate::shape::{AttentionShape, Mask, TileKind};
-use crate::tile::{Limits, OnlineRows, blocks, score_tile};
+use crate::tile::{OnlineRows, RowSpans, blocks, score_tile};
 
 /// `Q, K, V` with their checked shape, the resolved scale and the mask.
 #[derive(Clone, Copy)]
@@ -113,9 +113,6 @@ pub(crate) struct Head<'a, T> {
     pub mask: Mask,
 }
 
-/// The key columns each row of a tile sees (relative to the tile's first key), one range per row.
-pub type RowSpans = Vec<Range<usize>>;
-
 impl<T: Element> Head<'_, T> {
     /// How tile `rows × cols` meets the mask, and the columns each row sees when it must be
     /// masked.
@@ -139,7 +136,7 @@ impl<T: Element> Head<'_, T> {
         cols: Range<usize>,
         bc: usize,
         counters: &Counters,
-        mut f: impl FnMut(Array2<T>, ArrayView2<'_, T>, Option<&Limits>),
+        mut f: impl FnMut(Array2<T>, ArrayView2<'_, T>, Option<&[Range<usize>]>),
     ) {
         let q_i = self.q.slice(s![rows.clone(), ..]);
         for tile in blocks(cols.len(), bc) {

@@ -36,8 +36,9 @@ pub(crate) fn shift_of<T: Element>(m: T) -> T {
     if m == T::neg_infinity() { T::zero() } else { m }
 }
 
-/// The columns each row of a partial tile sees ([`crate::Mask::tile_limits`]).
-pub(crate) type Limits = [Range<usize>];
+/// The key columns each row of a partial tile sees, relative to the tile's first key, one range
+/// per row ([`crate::Mask::tile_limits`]).
+pub(crate) type RowSpans = Vec<Range<usize>>;
 
 /// `S = scale · Q Kᵀ` for one tile; on a partial tile, row `r` keeps the columns `limits[r]`
 /// and the rest become `−∞`.
@@ -45,7 +46,7 @@ pub(crate) fn score_tile<T: Element>(
     q: ArrayView2<T>,
     k: ArrayView2<T>,
     scale: T,
-    limits: Option<&Limits>,
+    limits: Option<&[Range<usize>]>,
 ) -> Array2<T> {
     let mut s = Array2::zeros((q.nrows(), k.nrows()));
     general_mat_mul(scale, &q, &k.t(), T::zero(), &mut s);
@@ -69,7 +70,7 @@ pub(crate) fn add_pv<T: Element>(
     alpha: T,
     p: ArrayView2<T>,
     v: ArrayView2<T>,
-    limits: Option<&Limits>,
+    limits: Option<&[Range<usize>]>,
 ) {
     match limits {
         None => general_mat_mul(alpha, &p, &v, T::one(), acc),
@@ -155,7 +156,7 @@ impl<T: Element> OnlineRows<T> {
     }
 
     /// FA2's whole step on one tile: softmax, rescale, accumulate `P V`.
-    pub fn update(&mut self, mut s: Array2<T>, v: ArrayView2<T>, limits: Option<&Limits>) {
+    pub fn update(&mut self, mut s: Array2<T>, v: ArrayView2<T>, limits: Option<&[Range<usize>]>) {
         let alpha = self.softmax_step(&mut s);
         self.rescale(&alpha);
         add_pv(&mut self.acc.view_mut(), T::one(), s.view(), v, limits);
