@@ -302,63 +302,6 @@ fn c_chars_to_string(chars: &[c_char]) -> String {
 mod tests {
     use super::*;
 
-    /// ptxas's resource figures for one kernel, parsed from an NVRTC log.
-    #[derive(Clone, Debug, Default, PartialEq, Eq)]
-    pub struct ResourceReport {
-        /// Registers per thread.
-        pub registers: u32,
-        /// Bytes spilled to local memory by stores plus loads.
-        pub spill_bytes: u32,
-        /// Stack frame bytes.
-        pub stack_bytes: u32,
-        /// Static shared memory bytes (dynamic shared memory is set at launch).
-        pub static_smem: u32,
-    }
-
-    impl ResourceReport {
-        /// Parse the `ptxas info` lines of an NVRTC log: one report per kernel entry, in order.
-        pub fn parse(log: &str) -> Vec<(String, ResourceReport)> {
-            let mut reports: Vec<(String, ResourceReport)> = Vec::new();
-            let number_before = |line: &str, unit: &str| -> Option<u32> {
-                let idx = line.find(unit)?;
-                line[..idx].split_whitespace().last()?.parse().ok()
-            };
-            for line in log.lines() {
-                if let Some(rest) = line.split("Function properties for ").nth(1) {
-                    reports.push((rest.trim().to_string(), ResourceReport::default()));
-                }
-                let Some((_, r)) = reports.last_mut() else { continue };
-                if line.contains("bytes stack frame") {
-                    r.stack_bytes = number_before(line, "bytes stack frame").unwrap_or(0);
-                    r.spill_bytes = number_before(line, "bytes spill stores").unwrap_or(0)
-                        + number_before(line, "bytes spill loads").unwrap_or(0);
-                }
-                if line.contains("Used") && line.contains("registers") {
-                    r.registers = number_before(line, "registers").unwrap_or(0);
-                    r.static_smem = number_before(line, "bytes smem").unwrap_or(0);
-                }
-            }
-            reports
-        }
-    }
-
-    #[test]
-    fn parses_ptxas_report() {
-        let log = "ptxas info    : Compiling entry function 'fa2_forward' for 'sm_90a'\n\
-                   ptxas info    : Function properties for fa2_forward\n    \
-                   8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n\
-                   ptxas info    : Used 168 registers, used 1 barriers, 560 bytes smem\n";
-        let r = ResourceReport::parse(log);
-        assert_eq!(
-            r,
-            vec![(
-                "fa2_forward".to_string(),
-                ResourceReport { registers: 168, spill_bytes: 8, stack_bytes: 8, static_smem: 560 }
-            )]
-        );
-        assert!(ResourceReport::parse("no report here").is_empty());
-    }
-
     /// How the checks below compile: the disk cache at `LADDER_KERNEL_CACHE`, and the options in
     /// `LADDER_NVRTC_OPTIONS` (split at whitespace), as on the GPU (ladder_compare::gpu_check),
     /// e.g. `-DFA3_O_SMEM=0`.
@@ -371,27 +314,11 @@ mod tests {
         }
     }
 
-    /// The instructions of `cubin` as nvdisasm prints them (opcode and operands, one per
-    /// instruction), with the nvdisasm at `LADDER_NVDISASM`; `None` when it is not set.
-    fn sass(cubin: &[u8], name: &str) -> Option<Vec<String>> {
-        let nvdisasm = std::env::var_os("LADDER_NVDISASM")?;
-        let path =
-            std::env::temp_dir().join(format!("ladder-sass-{}-{name}.cubin", std::process::id()));
-        std::fs::write(&path, cubin).expect("write the cubin");
-        let out = std::process::Command::new(nvdisasm).arg("-c").arg(&path).output();
-        let _ = std::fs::remove_file(&path);
-        let out = out.expect("run nvdisasm (LADDER_NVDISASM)");
-        assert!(out.status.success(), "nvdisasm: {}", String::from_utf8_lossy(&out.stderr));
-        // Lines such as `/*0a70*/  @!P0 BRA `(.L_x_12) ;`: the text between the address and `;`.
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        Some(
-            text.lines()
-                .filter_map(|l| l.trim().strip_prefix("/*")?.split_once("*/"))
-                .filter(|(addr, _)| addr.chars().all(|c| c.is_ascii_hexdigit()))
-                .map(|(_, rest)| rest.split(';').next().unwrap_or("").trim().to_string())
-                .filter(|i| !i.is_empty())
-                .collect(),
-        )
+    /// The instructions of `cubin` (inspect::sass) with the nvdisasm at `LADDER_NVDISASM`;
+    /// `None` when it is not set.
+    fn sass(cubin: &[u8]) -> Option<Vec<String>> {
+        let nvdisasm = PathBuf::from(std::env::var_os("LADDER_NVDISASM")?);
+        Some(crate::inspect::sass(cubin, &nvdisasm).expect("run nvdisasm (LADDER_NVDISASM)"))
     }
 
     /// Every sm_90a variant of the kernel file `file` with its SASS (one instruction per entry),
@@ -401,7 +328,7 @@ mod tests {
         let required = std::env::var("LADDER_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
         let variants = crate::variants("sm_90a").into_iter().filter(|v| v.file == file);
         let mut out = Vec::new();
-        for (n, v) in variants.enumerate() {
+        for v in variants {
             let compiled = match compile(&v, "sm_90a", &settings) {
                 Ok(c) => c,
                 Err(e) if !required => {
@@ -410,7 +337,7 @@ mod tests {
                 }
                 Err(e) => panic!("LADDER_REQUIRE_NVRTC=1 but {e}"),
             };
-            let Some(code) = sass(&compiled.cubin, &format!("{file}{n}")) else {
+            let Some(code) = sass(&compiled.cubin) else {
                 assert!(!required, "LADDER_REQUIRE_NVRTC=1 needs LADDER_NVDISASM (an nvdisasm)");
                 eprintln!("skipped: LADDER_NVDISASM is not set");
                 return None;
@@ -574,11 +501,12 @@ mod tests {
                         failures.push(format!("{arch} {}: {line}", v.label()));
                     }
                 }
-                let reports = ResourceReport::parse(&compiled.log);
+                let reports = crate::inspect::Resources::parse(&compiled.log);
                 if reports.is_empty() {
                     failures.push(format!("{arch} {}: no ptxas report in the log", v.label()));
                 }
-                for (entry, r) in reports {
+                for r in reports {
+                    let entry = &r.entry;
                     let defines: Vec<String> =
                         v.defines.iter().map(|(k, x)| format!("{k}={x}")).collect();
                     println!(

@@ -196,6 +196,14 @@ impl GpuConfig {
         Ok(self)
     }
 
+    /// How kernels are compiled under this configuration: its NVRTC options and cache folder.
+    pub(crate) fn compile_settings(&self) -> CompileSettings {
+        CompileSettings {
+            extra_options: self.nvrtc_options.clone(),
+            cache_dir: self.kernel_cache.dir(),
+        }
+    }
+
     /// The text `file` is compiled from where [`GpuConfig::kernel_source`] replaced it.
     pub fn kernel_source_of(&self, file: &str) -> Option<&str> {
         self.sources.iter().find(|(f, _)| *f == file).map(|(_, s)| &*s.0)
@@ -329,10 +337,7 @@ impl Gpu {
         let max_smem_per_block =
             attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
                 as usize;
-        let compile = CompileSettings {
-            extra_options: config.nvrtc_options.clone(),
-            cache_dir: config.kernel_cache.dir(),
-        };
+        let compile = config.compile_settings();
         Ok(Gpu {
             ctx,
             stream,

@@ -38,6 +38,8 @@
 //! Kernels are compiled once per process and cached on disk ([`KernelCache`]). A kernel file
 //! can be compiled from edited text instead of the crate's ([`GpuConfig::kernel_source`], with
 //! the original from [`kernel_source`]): every rung that launches it then runs the edit.
+//! [`inspect`] compiles a rung's kernel (the crate's or an edit) without a GPU and reports what
+//! ptxas made of it: registers, spills, and the machine code's instruction mix.
 
 #![warn(missing_docs)]
 
@@ -48,6 +50,7 @@ pub mod fa1;
 pub mod fa2;
 pub mod fa3;
 mod gpu;
+pub mod inspect;
 mod problem;
 mod tensor;
 pub mod varlen;

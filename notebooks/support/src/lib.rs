@@ -12,6 +12,8 @@
 //!   backward pass) and the H200 backward figures beside the Triton tutorial's;
 //! - [`source`]: excerpts of the kernels and the CPU rungs, chosen by their section markers and
 //!   names, for reading a kernel beside its rung;
+//! - [`pipeline`]: the FA3 kernel's K/V pipeline simulated (mbarriers, parities, a producer,
+//!   consumer warps and a copy engine interleaved at random), notebook 13's exercise check;
 //! - [`block_program`]: a block-program emulator (program ids, masked tile loads and stores,
 //!   bytes counted) and the check that holds a block program to the oracle and to FA2's memory
 //!   model.
@@ -25,6 +27,7 @@ pub mod backward;
 pub mod block_program;
 pub mod exercise;
 pub mod live;
+pub mod pipeline;
 pub mod results;
 pub mod source;
 

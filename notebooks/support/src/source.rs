@@ -44,8 +44,17 @@ const FILES: &[(&str, &str)] = &[
         include_str!("../../../crates/kernels/cuda/flash_decoding_pp.cu"),
     ),
     ("crates/kernels/cuda/kv_cache.cuh", include_str!("../../../crates/kernels/cuda/kv_cache.cuh")),
+    (
+        "crates/kernels/cuda/fa3_forward.cu",
+        include_str!("../../../crates/kernels/cuda/fa3_forward.cu"),
+    ),
+    ("crates/kernels/cuda/barrier.cuh", include_str!("../../../crates/kernels/cuda/barrier.cuh")),
+    ("crates/kernels/cuda/tma.cuh", include_str!("../../../crates/kernels/cuda/tma.cuh")),
+    ("crates/kernels/cuda/wgmma.cuh", include_str!("../../../crates/kernels/cuda/wgmma.cuh")),
+    ("crates/kernels/src/fa3.rs", include_str!("../../../crates/kernels/src/fa3.rs")),
     ("crates/kernels/src/problem.rs", include_str!("../../../crates/kernels/src/problem.rs")),
     ("crates/reference/src/fa2.rs", include_str!("../../../crates/reference/src/fa2.rs")),
+    ("crates/reference/src/fa3.rs", include_str!("../../../crates/reference/src/fa3.rs")),
     (
         "crates/reference/src/flash_decoding.rs",
         include_str!("../../../crates/reference/src/flash_decoding.rs"),
@@ -338,6 +347,49 @@ mod tests {
         assert!(warp.code().contains("struct FlatGemm"), "{warp}");
         let combine = item(PP, "flash_decoding_pp_combine(const").unwrap();
         assert!(combine.code().contains("p.fallback[row]"), "{combine}");
+    }
+
+    #[test]
+    fn the_fa3_kernels_excerpts_are_found() {
+        // What notebook 13 reads.
+        const K: &str = "crates/kernels/cuda/fa3_forward.cu";
+        for t in ["the work: persistent blocks", "producer", "consumer"] {
+            assert!(section(K, t).is_ok(), "{t}");
+        }
+        let entry = item(K, "extern \"C\" __global__").unwrap();
+        assert!(entry.lines[0].starts_with("// Launch:"), "{entry}");
+        assert!(entry.code().contains("warpgroup_reg_alloc") && entry.lines.last() == Some(&"}"));
+        let attend = item(K, "void attend(").unwrap();
+        assert!(attend.code().contains("land_product(o, pk, s, t, v_read, j >= 2)"), "{attend}");
+        assert!(!attend.code().contains("void consumer("), "ends at its own brace");
+        for needle in [
+            "void land_product(",
+            "void wait_turn(",
+            "void pass_turn(",
+            "void consumer(const",
+            "Tile tile_at(const",
+            "int next_tile(int",
+            "void epilogue(const",
+        ] {
+            assert!(item(K, needle).is_ok(), "{needle}");
+        }
+        let state = item("crates/kernels/cuda/barrier.cuh", "struct PipelineState").unwrap();
+        assert!(state.code().contains("parity()") && state.lines[0].starts_with("// A position"));
+        assert!(item("crates/kernels/cuda/barrier.cuh", "void mbar_wait(").is_ok());
+        assert!(item("crates/kernels/cuda/tma.cuh", "void tma_load_tile(").is_ok());
+        assert!(item("crates/kernels/cuda/tma.cuh", "void tma_load_4d(").is_ok());
+        const W: &str = "crates/kernels/cuda/wgmma.cuh";
+        for t in ["register budget", "ordering"] {
+            assert!(section(W, t).is_ok(), "{t}");
+        }
+        for needle in ["u64 smem_desc(", "u64 desc_k_major(", "u64 desc_n_major("] {
+            assert!(item(W, needle).is_ok(), "{needle}");
+        }
+        let host = item("crates/kernels/src/fa3.rs", "pub(crate) fn tensor_map(spec").unwrap();
+        assert!(host.code().contains("CU_TENSOR_MAP_SWIZZLE_128B"), "{host}");
+        assert!(item("crates/kernels/src/fa3.rs", "fn section_heads(").is_ok());
+        let rung = item("crates/reference/src/fa3.rs", "fn overlapped_rows<").unwrap();
+        assert!(rung.code().contains("state.rescale(&alpha)"), "{rung}");
     }
 
     #[test]
