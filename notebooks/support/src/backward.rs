@@ -193,13 +193,15 @@ pub fn gpu_determinism() -> Result<(), Failure> {
 }
 
 /// The FA2 backward pass (dQ by atomics) beside the Triton tutorial's (dQ by a separate loop)
-/// and PyTorch's SDPA back-ends, measured on the H200 in one run (`docs/results/h200`,
+/// and PyTorch's SDPA back-ends, measured on the H200 in one run (`docs/results/history/h200`,
 /// `bench.csv` and `peers.csv`): TFLOP/s per head dimension and length, causal (the only mask
 /// the tutorial's backward pass supports) and not. A line saying so when nothing is committed.
 pub fn h200_backward_table() -> String {
     let results = match results::load_from(&results::results_dir_named("h200")) {
         Ok(Some(r)) => r,
-        Ok(None) => return "No measurements in docs/results/h200 (run `ladder bench`).".into(),
+        Ok(None) => {
+            return "No measurements in docs/results/history/h200 (run `ladder bench`).".into();
+        }
         Err(e) => return format!("The committed results could not be read: {e}"),
     };
     let impls = ["fa2", "triton", "sdpa-flash", "sdpa-cudnn"];

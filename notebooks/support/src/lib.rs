@@ -6,7 +6,7 @@
 //! - [`exercise`]: runs a property over random cases drawn by the project's proptest strategies,
 //!   prints `pass` or returns the shrunk counterexample as a cell error;
 //! - [`live`]: runs a GPU rung live and checks it against the oracle, when there is a GPU;
-//! - [`results`]: reads the GPU measurements committed under `docs/results/h200/` and charts them,
+//! - [`results`]: reads the GPU measurements committed under `docs/results/history/h200/` and charts them,
 //!   or says plainly that none are committed yet;
 //! - [`backward`]: notebook 10's exercise check (the learner's `D` and `dS` inside the FA2
 //!   backward pass) and the H200 backward figures beside the Triton tutorial's;

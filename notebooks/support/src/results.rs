@@ -1,4 +1,4 @@
-//! The GPU measurements committed under `docs/results/h200/`, and their charts.
+//! The GPU measurements committed under `docs/results/history/h200/`, and their charts.
 //!
 //! `ladder bench`, run on a GPU machine, writes two files there:
 //!
@@ -24,7 +24,7 @@ use plotters::prelude::*;
 
 /// What a notebook says where no GPU results are committed.
 pub const NOT_MEASURED: &str = "No results committed yet — run `ladder bench` on a GPU machine; \
-it writes docs/results/h200/bench.csv and meta.json, and `scripts/refresh-notebooks 08` redraws \
+it writes docs/results/history/h200/bench.csv and meta.json, and `scripts/refresh-notebooks 08` redraws \
 the charts. The GPU kernels live in the `ladder-kernels` crate (crates/kernels).";
 
 /// One row of `bench.csv`.
@@ -115,7 +115,7 @@ pub struct Results {
     pub meta: Meta,
 }
 
-/// Where the results are: `$LADDER_RESULTS_DIR`, else `docs/results/h200` in the repository
+/// Where the results are: `$LADDER_RESULTS_DIR`, else `docs/results/history/h200` in the repository
 /// the notebook runs in (found by walking up from the working directory).
 pub fn results_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("LADDER_RESULTS_DIR") {
@@ -124,15 +124,19 @@ pub fn results_dir() -> PathBuf {
     results_dir_named("h200")
 }
 
-/// `docs/results/NAME` in the repository the notebook runs in (e.g. `h200-fa3`, or
-/// `h200-fa3/ablation`), found by walking up from the working directory.
+/// `docs/results/NAME` in the repository the notebook runs in (e.g. `current`, or a lease of the
+/// history by its name, `h200-fa3` or `h200-fa3/ablation`, which lies in
+/// `docs/results/history/NAME`), found by walking up from the working directory.
 pub fn results_dir_named(name: &str) -> PathBuf {
     let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
-    let rel = Path::new("docs/results").join(name);
-    cwd.ancestors()
-        .map(|a| a.join(&rel))
-        .find(|p| p.join("bench.csv").exists())
-        .unwrap_or_else(|| cwd.join("..").join(&rel))
+    let results = cwd
+        .ancestors()
+        .map(|a| a.join("docs/results"))
+        .find(|p| p.is_dir())
+        .unwrap_or_else(|| cwd.join("../docs/results"));
+    let top = results.join(name);
+    let history = results.join("history").join(name);
+    if !top.exists() && history.exists() { history } else { top }
 }
 
 /// `docs/results/NAME` when `dir` is a folder of the committed results, whatever the checkout.
@@ -366,6 +370,8 @@ pub fn color_of(implementation: &str) -> RGBColor {
         "triton" => RGBColor(140, 80, 60),
         "triton-fp8" => RGBColor(205, 150, 20),
         "flashinfer" => RGBColor(140, 86, 75),
+        "cudnn-fp8" => RGBColor(110, 190, 90),
+        "flex" => RGBColor(0, 150, 170),
         // Variants of our kernels (an ablation, a tuning run) and anything else: a dark grey.
         _ => RGBColor(90, 90, 90),
     }
@@ -375,7 +381,14 @@ pub fn color_of(implementation: &str) -> RGBColor {
 pub fn is_ours(implementation: &str) -> bool {
     !implementation.starts_with("sdpa")
         && !implementation.starts_with("triton")
+        && !implementation.starts_with("cudnn")
         && implementation != "flashinfer"
+        && implementation != "flex"
+}
+
+/// Whether `implementation` multiplies in FP8 (e4m3): ours and the peers' FP8 kernels.
+pub fn is_fp8(implementation: &str) -> bool {
+    implementation.ends_with("fp8")
 }
 
 /// The ceilings measured on the card (`docs/conventions.md`, "Measured ceilings on the H200"),
@@ -383,15 +396,26 @@ pub fn is_ours(implementation: &str) -> bool {
 /// at twice its rate), and none can beat the rate at which its inputs and outputs cross HBM.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Roofs {
-    /// fp16 GEMM (8192³, cuBLAS) in TFLOP/s.
+    /// fp16 GEMM (8192³, cuBLAS) in TFLOP/s, measured: a reference line, not a bound (attention
+    /// kernels pass it at large head dimensions).
     pub gemm_tflops: f64,
     /// A device-to-device copy, bytes read + written, in TB/s.
     pub copy_tbps: f64,
+    /// The datasheet's dense fp16/bf16 tensor-core peak in TFLOP/s: the bound of a 16-bit kernel.
+    pub peak_fp16_tflops: f64,
+    /// The datasheet's dense FP8 tensor-core peak in TFLOP/s: the bound of an e4m3 kernel.
+    pub peak_fp8_tflops: f64,
 }
 
 impl Roofs {
-    /// The H200's, measured on 2026-11-29: 679 TFLOP/s and 4.24 TB/s.
-    pub const H200: Roofs = Roofs { gemm_tflops: 679.0, copy_tbps: 4.24 };
+    /// The H200's: GEMM and copy measured on 2026-11-29 (679 TFLOP/s, 4.24 TB/s), the
+    /// datasheet's dense peaks (H200 SXM: 989 TFLOP/s fp16, 1,979 FP8).
+    pub const H200: Roofs = Roofs {
+        gemm_tflops: 679.0,
+        copy_tbps: 4.24,
+        peak_fp16_tflops: 989.0,
+        peak_fp8_tflops: 1979.0,
+    };
 
     /// FLOPs per byte of HBM traffic of one attention call (fp16, `n_q = n_kv = n`): forward
     /// `4n²d` FLOPs (half under a causal mask) over `Q, K, V, O` (`8nd` bytes); backward 2.5× the
@@ -444,7 +468,27 @@ pub fn against_n(title: &str, rows: &[&Row], direction: &str, style: AgainstN) -
     let (panel_w, panel_h) = (460u32, 300u32);
     let mut legend: Vec<(String, RGBColor, bool)> =
         impls.iter().map(|name| (name.to_string(), color_of(name), false)).collect();
+    // FP8 rows (e4m3 products) are bounded by the FP8 peak, the others by the fp16 one.
+    let fp8 = impls.iter().any(|name| is_fp8(name));
+    let peaks: Vec<(String, f64, RGBColor)> = style.roofs.map_or(Vec::new(), |r| {
+        let mut peaks = vec![(
+            format!("fp16 peak, datasheet ({:.0})", r.peak_fp16_tflops),
+            r.peak_fp16_tflops,
+            RGBColor(90, 90, 200),
+        )];
+        if fp8 {
+            peaks.push((
+                format!("FP8 peak, datasheet ({:.0})", r.peak_fp8_tflops),
+                r.peak_fp8_tflops,
+                RGBColor(170, 60, 170),
+            ));
+        }
+        peaks
+    });
     if let Some(roofs) = style.roofs {
+        for (label, _, color) in &peaks {
+            legend.push((label.clone(), *color, true));
+        }
         legend.push((
             format!("fp16 GEMM, measured ({:.0} TFLOP/s)", roofs.gemm_tflops),
             BLACK,
@@ -465,7 +509,8 @@ pub fn against_n(title: &str, rows: &[&Row], direction: &str, style: AgainstN) -
     // On a log axis the values drawn are log10(TFLOP/s), labelled back as TFLOP/s: whole decades.
     let log_y = style.log_y;
     let y_of = |v: f64| if log_y { v.log10() } else { v };
-    let ceiling = style.roofs.map_or(0.0, |r| r.gemm_tflops);
+    let ceiling =
+        peaks.iter().map(|p| p.1).fold(style.roofs.map_or(0.0, |r| r.gemm_tflops), f64::max);
     let (y_range, y_labels) = if log_y {
         let lo = values.iter().cloned().fold(f64::INFINITY, f64::min).log10().floor();
         let hi = top_value.max(ceiling).log10().ceil();
@@ -528,6 +573,15 @@ pub fn against_n(title: &str, rows: &[&Row], direction: &str, style: AgainstN) -
                         }
                     })
                     .draw()?;
+                for (_, peak, color) in &peaks {
+                    let y = y_of(*peak);
+                    chart.draw_series(DashedLineSeries::new(
+                        [(x_range.start, y), (x_range.end, y)],
+                        4,
+                        4,
+                        color.stroke_width(1),
+                    ))?;
+                }
                 if let Some(roofs) = style.roofs {
                     let gemm = y_of(roofs.gemm_tflops);
                     chart.draw_series(DashedLineSeries::new(
@@ -602,15 +656,73 @@ impl Results {
                 })
             })
             .filter_map(|dir| {
-                let title = match *dir {
-                    "fwd" => "forward, fp16: TFLOP/s against n",
-                    "bwd" => "backward, fp16: TFLOP/s against n",
-                    other => other,
+                let dtype = rows.first().map_or("fp16", |r| r.dtype.as_str());
+                let fp8 = rows.iter().any(|r| r.direction == *dir && is_fp8(&r.implementation));
+                let inputs = if fp8 {
+                    format!("{dtype} inputs (FP8 rows: e4m3 products)")
+                } else {
+                    dtype.to_string()
                 };
-                against_n(title, &rows, dir, style)
+                let title = match *dir {
+                    "fwd" => format!("forward, {inputs}: TFLOP/s against n"),
+                    "bwd" => format!("backward, {inputs}: TFLOP/s against n"),
+                    other => other.to_string(),
+                };
+                against_n(&title, &rows, dir, style)
             })
             .collect();
         Figures(figures)
+    }
+
+    /// TFLOP/s of the square prefill problems at the sequence lengths `ns` (all when empty): one
+    /// row per direction, head dimension, mask and `n`, one column per implementation of `impls`
+    /// (in that order), then one column `a / b` per pair of `ratios`, each of two
+    /// implementations on the same problem.
+    pub fn comparison_table(&self, ns: &[usize], impls: &[&str], ratios: &[(&str, &str)]) -> Table {
+        let rows: Vec<&Row> = self
+            .rows
+            .iter()
+            .filter(|r| !r.is_decode() && r.n_q == r.n_kv && (ns.is_empty() || ns.contains(&r.n_q)))
+            .filter(|r| impls.contains(&r.implementation.as_str()))
+            .collect();
+        let mut keys: Vec<(String, usize, bool, usize)> =
+            rows.iter().map(|r| (r.direction.clone(), r.d, r.causal, r.n_q)).collect();
+        keys.sort_by_key(|(dir, d, causal, n)| (dir != "fwd", *d, *causal, *n));
+        keys.dedup();
+        let mut header: Vec<String> =
+            ["pass", "d", "mask", "n"].iter().map(|h| h.to_string()).collect();
+        header.extend(impls.iter().map(|i| i.to_string()));
+        header.extend(ratios.iter().map(|(a, b)| format!("{a} / {b}")));
+        let number = |v: f64| if v < 10.0 { format!("{v:.1}") } else { format!("{v:.0}") };
+        let body = keys
+            .iter()
+            .map(|(dir, d, causal, n)| {
+                let tflops = |imp: &str| {
+                    rows.iter()
+                        .find(|r| {
+                            r.implementation == imp
+                                && r.direction == *dir
+                                && r.d == *d
+                                && r.causal == *causal
+                                && r.n_q == *n
+                        })
+                        .map(|r| r.tflops)
+                };
+                let mut line = vec![
+                    dir.clone(),
+                    d.to_string(),
+                    if *causal { "causal" } else { "none" }.to_string(),
+                    if *n >= 1024 { format!("{}k", n / 1024) } else { n.to_string() },
+                ];
+                line.extend(impls.iter().map(|i| tflops(i).map_or("–".into(), number)));
+                line.extend(ratios.iter().map(|(a, b)| match (tflops(a), tflops(b)) {
+                    (Some(x), Some(y)) => format!("{:.2}×", x / y),
+                    _ => "–".into(),
+                }));
+                line
+            })
+            .collect();
+        Table { header, rows: body }
     }
 
     /// TFLOP/s of the square prefill problems at the sequence lengths `ns`: one row per
@@ -808,7 +920,7 @@ pub fn committed_sweep(folder: &str, file: &str) -> Result<Option<Vec<SweepRow>>
 
 /// The "on the GPU" cell of a rung notebook: the H200 figures of `impls` (the rung first, then
 /// what to compare it with), one figure of [`against_n`] per direction in `directions` in which
-/// the rung was measured, when `docs/results/h200/bench.csv` has rows of the rung itself; else
+/// the rung was measured, when `docs/results/history/h200/bench.csv` has rows of the rung itself; else
 /// the message saying the rung has not been measured (the peers alone would chart other problems).
 pub fn gpu_section_against_n(impls: &[&str], directions: &[&str], style: AgainstN) -> Figures {
     match load() {
@@ -881,14 +993,16 @@ pub fn committed_text(folder: &str, file: &str) -> String {
         .unwrap_or_else(|_| format!("No {file} committed in docs/results/{folder}."))
 }
 
-/// The FA3 ablation measured on the H200 (`docs/results/h200-fa3/ablation`) beside the schedule
+/// The FA3 ablation measured on the H200 (`docs/results/history/h200-fa3/ablation`) beside the schedule
 /// simulation's tensor-core utilisation (`ladder_reference::fa3::timeline`, H100 stage costs at
 /// d = 128) for the schedule each variant comes closest to: one line per variant, TFLOP/s per
 /// measured case and relative to the full kernel.
 pub fn fa3_ablation() -> Result<String, String> {
     use ladder_reference::fa3::{Schedule, StageCosts, tensor_core_utilisation, timeline};
     let Some(r) = load_from(&results_dir_named("h200-fa3/ablation"))? else {
-        return Ok("No ablation measurements committed (docs/results/h200-fa3/ablation).".into());
+        return Ok(
+            "No ablation measurements committed (docs/results/history/h200-fa3/ablation).".into()
+        );
     };
     let costs = StageCosts::hopper(128);
     let simulated = |s: Schedule| tensor_core_utilisation(&timeline(s, 64, costs));
@@ -941,13 +1055,13 @@ pub fn fa3_ablation() -> Result<String, String> {
     Ok(out)
 }
 
-/// FlashDecoding++ on the H200 against its unified max φ (`docs/results/h200-decode-pp-phi`):
+/// FlashDecoding++ on the H200 against its unified max φ (`docs/results/history/h200-decode-pp-phi`):
 /// the share of rows sent to the FlashDecoding fallback, and the time of the call relative to
 /// FlashDecoding's on the same shape, per φ. Prints the table and returns the chart.
 pub fn fd_pp_phi_sweep() -> Result<Figures, String> {
     let path = results_dir_named("h200-decode-pp-phi").join("phi-sweep.csv");
     let Ok(text) = std::fs::read_to_string(&path) else {
-        println!("No φ sweep committed (docs/results/h200-decode-pp-phi).");
+        println!("No φ sweep committed (docs/results/history/h200-decode-pp-phi).");
         return Ok(Figures(vec![]));
     };
     // impl,phi,batch,heads_q,heads_kv,n_kv,rows,fallback_rows,ms,tbps
@@ -1073,8 +1187,9 @@ mod tests {
 
     #[test]
     fn the_committed_results_parse() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/results/h200");
-        let results = load_from(&dir).unwrap().expect("docs/results/h200/bench.csv is committed");
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/results/history/h200");
+        let results =
+            load_from(&dir).unwrap().expect("docs/results/history/h200/bench.csv is committed");
         assert!(results.rows.iter().any(|r| r.implementation == "fa2"));
         assert!(results.rows.iter().any(|r| r.implementation == "sdpa-flash"), "peers.csv too");
         assert!(results.meta.card.contains("H200"), "{:?}", results.meta);
@@ -1089,12 +1204,12 @@ mod tests {
     fn committed_folders_are_named_from_the_repository_root() {
         let named = |p: &str| committed_name(Path::new(p));
         assert_eq!(
-            named("/any/checkout/docs/results/h200-fa3"),
-            Some("docs/results/h200-fa3".into())
+            named("/any/checkout/docs/results/history/h200-fa3"),
+            Some("docs/results/history/h200-fa3".into())
         );
         assert_eq!(
-            named("../docs/results/h200-fa3/ablation").as_deref(),
-            Some("docs/results/h200-fa3/ablation")
+            named("../docs/results/history/h200-fa3/ablation").as_deref(),
+            Some("docs/results/history/h200-fa3/ablation")
         );
         assert_eq!(named("/tmp/bench"), None);
         assert_eq!(named("/x/docs/results"), None);
@@ -1102,7 +1217,7 @@ mod tests {
 
     #[test]
     fn charts_against_n_have_a_panel_per_head_dim_and_mask_and_only_measured_directions() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/results/h200");
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/results/history/h200");
         let results = load_from(&dir).unwrap().expect("committed");
         // FA1 has no backward kernel: its section draws the forward figure only.
         let fa1 = results.charts_against_n(
@@ -1166,7 +1281,7 @@ mod tests {
 
     #[test]
     fn the_committed_sweeps_parse() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/results");
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/results/history");
         let sweep = |file: &str| parse_sweep(&std::fs::read_to_string(dir.join(file)).unwrap());
         let split = sweep("h200-decode/split-sweep.txt").unwrap();
         assert_eq!(split.len(), 25);
