@@ -48,6 +48,15 @@ const FILES: &[(&str, &str)] = &[
         "crates/kernels/cuda/fa3_forward.cu",
         include_str!("../../../crates/kernels/cuda/fa3_forward.cu"),
     ),
+    (
+        "crates/kernels/cuda/fa3_backward.cu",
+        include_str!("../../../crates/kernels/cuda/fa3_backward.cu"),
+    ),
+    ("crates/kernels/cuda/backward.cuh", include_str!("../../../crates/kernels/cuda/backward.cuh")),
+    (
+        "crates/kernels/src/fa3/backward.rs",
+        include_str!("../../../crates/kernels/src/fa3/backward.rs"),
+    ),
     ("crates/kernels/cuda/barrier.cuh", include_str!("../../../crates/kernels/cuda/barrier.cuh")),
     ("crates/kernels/cuda/tma.cuh", include_str!("../../../crates/kernels/cuda/tma.cuh")),
     ("crates/kernels/cuda/wgmma.cuh", include_str!("../../../crates/kernels/cuda/wgmma.cuh")),
@@ -390,6 +399,32 @@ mod tests {
         assert!(item("crates/kernels/src/fa3.rs", "fn section_heads(").is_ok());
         let rung = item("crates/reference/src/fa3.rs", "fn overlapped_rows<").unwrap();
         assert!(rung.code().contains("state.rescale(&alpha)"), "{rung}");
+    }
+
+    #[test]
+    fn the_fa3_backward_excerpts_are_found() {
+        // What notebook 14 reads.
+        const K: &str = "crates/kernels/cuda/fa3_backward.cu";
+        let producer = section(K, "producer").unwrap();
+        assert!(producer.code().contains("bulk_load(t.lse2[stage]"), "{producer}");
+        for needle in ["void store_ds(", "void issue_dq(", "void dq_step("] {
+            assert!(item(K, needle).is_ok(), "{needle}");
+        }
+        let first =
+            lines(K, "// Sᵀ = K Q_iᵀ and dPᵀ = V dO_iᵀ, issued together", "pack_p(dp, dst);");
+        assert!(first.unwrap().code().contains("wgmma_wait<1>()"));
+        let second =
+            lines(K, "// dV += Pᵀ dO_i and dK += dSᵀ Q_i", "mbar_arrive(&t.q_empty[stage]);");
+        assert!(second.unwrap().code().contains("tma_reduce_add_4d"));
+        let shared = lines(
+            "crates/kernels/cuda/backward.cuh",
+            "// FA2's backward (fa2_backward.cu) is four kernels",
+            "same block, so the two main kernels",
+        );
+        assert!(shared.is_ok());
+        assert!(item("crates/kernels/src/fa3/backward.rs", "pub fn backward(").is_ok());
+        assert!(item("crates/kernels/cuda/softmax.cuh", "void pack_p(").is_ok());
+        assert!(item("crates/reference/src/fa2.rs", "pub fn ds_tile<").is_ok());
     }
 
     #[test]
