@@ -130,9 +130,13 @@ E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 # layout or scale gives ~100 %.
 CUDNN_FP8_MAX_REL = 0.25
 CUDNN_HINT = "install the nvidia-cudnn-frontend wheel: see scripts/peers.py header"
-# flex's first call against SDPA on one (batch, head) slice, a dense mask for a window: max abs error
-# (both fp16/bf16 with float32 accumulation: roundings, ~1e-3; a wrong mask gives ~1).
+# flex's and the Triton tutorial's first call against SDPA on one (batch, head) slice, a dense mask
+# for a window: max abs error (both fp16/bf16 with float32 accumulation: roundings, ~1e-3; a wrong
+# mask gives ~1).
 FLEX_MAX_ABS = 2e-2
+# The Triton tutorial's autotuned forward configuration per (d, n, causal, warp_specialize),
+# recorded after its first call: written to triton-configs.csv beside peers.csv.
+TRITON_CONFIGS = []
 # --fp8-outlier-error: the FA3 paper's FP8 accuracy test (section 4.3), one fixed shape.
 OUTLIER_SHAPE = (1, 16, 4096, 128)  # batch, heads, n, d; not causal
 OUTLIER_P, OUTLIER_STD, OUTLIER_SEED = 0.001, 10.0, 0
@@ -213,7 +217,9 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", help="ignored: ladder bench's decode new tokens (the peers time one)")
     p.add_argument("--page-size", help="ignored: ladder bench's paged KV caches (the peers' are contiguous)")
     p.add_argument("--triton-warp-specialize", action="store_true",
-                   help="run the Triton kernel with warp_specialize=True (default False)")
+                   help="run the Triton kernel with warp_specialize=True (default False: with triton "
+                        "3.6 on sm_90 the tutorial kernel then fails to compile, in the "
+                        "NVGPUWarpSpecialization pass; docs/results/history/h200-triton-ws)")
     p.add_argument("--fp8-outlier-error", action="store_true",
                    help="also run the FA3 paper's FP8 accuracy test (Q, K, V ~ N(0,1) + N(0,100)·"
                         "Bernoulli(0.001), b=1, h=16, n=4096, d=128, not causal) on cudnn-fp8 and "
@@ -499,6 +505,19 @@ def make_step(torch, impl, sets, causal, direction, d, args, window=None):
 
         def attend(q, k, v):
             return tfa.attention(q, k, v, causal, scale, ws)
+        if impl == "triton":  # the first call autotunes on the real shape; check it, record its pick
+            with torch.no_grad():
+                got = attend(*sets[0][:3])[:1, :1].float()
+                q, k, v = (t[:1, :1] for t in sets[0][:3])
+                ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal).float()
+                err = (got - ref).abs().amax().item()
+            if not err <= FLEX_MAX_ABS:  # NaN fails too
+                raise RuntimeError(f"the Triton tutorial's output differs from SDPA's: max abs "
+                                   f"{err:.3g} (tolerance {FLEX_MAX_ABS})")
+            best = getattr(tfa._attn_fwd, "best_config", None)
+            config = (d, sets[0][0].shape[2], causal, ws, str(best).replace(",", ";"))
+            if config not in TRITON_CONFIGS:  # the backward's case runs the same forward
+                TRITON_CONFIGS.append(config)
     else:
         def attend(q, k, v):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -994,6 +1013,13 @@ def main(argv=None):
             del sets
             torch.cuda.empty_cache()
     write_csv(csv_path, rows)
+    if TRITON_CONFIGS:
+        config_path = os.path.join(args.out, "triton-configs.csv")
+        with open(config_path, "w", newline="") as fh:
+            w = csv.writer(fh, lineterminator="\n")
+            w.writerow(["d", "n", "causal", "warp_specialize", "forward_config"])
+            w.writerows(TRITON_CONFIGS)
+        print(f"wrote {config_path}", file=sys.stderr)
     if args.fp8_outlier_error:
         errors = fp8_outlier_error(torch, args)
         error_path = os.path.join(args.out, "fp8-error.csv")
@@ -1007,6 +1033,9 @@ def main(argv=None):
         old = json.load(fh).get("note", "")
     note = (f"peers.py: median of {args.repeats} CUDA-event samples after {args.warmup} warm-up calls, "
             f"triton warp_specialize={args.triton_warp_specialize}")
+    if TRITON_CONFIGS:
+        note += (", triton: first call checked against SDPA (max abs), its autotuned forward "
+                 "configurations in triton-configs.csv")
     if cudnn_fp8 and _cudnn and not isinstance(_cudnn[0], Skip):
         o_type = args.dtype if cudnn_fp8_half_out(torch, _cudnn[0]) else "e4m3 (scale_o = 1 / descale_v)"
         note += (f", cudnn-fp8: pygraph.sdpa_fp8 (cudnn-frontend {fields['cudnn_frontend']}), e4m3 Q, K, V "

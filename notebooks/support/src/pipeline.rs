@@ -3,8 +3,8 @@
 //! The kernel's producer thread and its consumer warps share `STAGES` shared-memory stages. Each
 //! stage has two mbarriers (`barrier.cuh`): `full` (the copy engine has delivered the tile the
 //! producer announced) and `empty` (every consumer warp has released the stage). A waiter never
-//! names a phase by its number, only by its *parity*: `mbarrier.try_wait.parity` returns once
-//! the phase of that parity before the current one has completed. Which parity to wait on at
+//! names a phase by its number, only by its *parity*: `mbarrier.try_wait.parity p` succeeds when
+//! the barrier's current phase has the other parity (the phase of parity `p` has completed). Which parity to wait on at
 //! each position of the pipeline is the whole of the protocol, and a wrong one does on the GPU
 //! what it does here: the block hangs, or a warp multiplies a tile that has not landed yet, or
 //! the copy engine overwrites a tile a warp is still reading.
@@ -233,13 +233,21 @@ pub fn simulate(
             0 => {
                 let Step::Wait(pos) = producer else { unreachable!("the producer was ready") };
                 let w = waits(pos, stages);
-                if let Some(i) = consumers
-                    .iter()
-                    .position(|c| matches!(*c, Step::Read(p) if waits(p, stages).stage == w.stage))
-                {
-                    let Step::Read(p) = consumers[i] else { unreachable!() };
+                // A warp still reading the stage's tile, or yet to read an earlier tile of it.
+                let pending = |c: &Step| match *c {
+                    Step::Read(p) => waits(p, stages).stage == w.stage,
+                    Step::Wait(p) => p < pos && waits(p, stages).stage == w.stage,
+                    Step::Done => false,
+                };
+                if let Some(i) = consumers.iter().position(pending) {
+                    let (Step::Read(p) | Step::Wait(p)) = consumers[i] else { unreachable!() };
+                    let doing = if matches!(consumers[i], Step::Read(_)) {
+                        "reads"
+                    } else {
+                        "has yet to read"
+                    };
                     let why = format!(
-                        "tile {pos} is copied into stage {} while warp {i} reads tile {p} there",
+                        "tile {pos} is copied into stage {} while warp {i} {doing} tile {p} there",
                         w.stage
                     );
                     return Err((Violation::Overwrite(why), log));
@@ -302,15 +310,28 @@ pub fn kernel_waits(count: usize, stages: usize) -> Waits {
     Waits { stage: count % stages, full_parity: round & 1, empty_parity: (round & 1) ^ 1 }
 }
 
-/// Notebook 13's check: `waits` must run every pipeline of 1–4 stages, 1–8 warps and up to 40
-/// tiles, in 256 random interleavings, without a hang, an early read or an overwrite.
+/// Notebook 13's check: `waits` must put the `c`-th tile in stage `c mod stages` (the ring's
+/// order), and run every pipeline of 1–8 stages, 1–8 warps and up to 40 tiles, in 256 random
+/// interleavings, without a hang, an early read or an overwrite.
 pub fn check(waits: impl Fn(usize, usize) -> Waits) -> Result<(), crate::Failure> {
     use proptest::prelude::*;
-    let setups = (1..=4usize, 1..=8usize, 0..=40usize, any::<u64>())
+    for stages in 1..=8 {
+        for count in 0..64 {
+            let stage = waits(count, stages).stage;
+            if stage != count % stages {
+                return Err(crate::Failure(format!(
+                    "FAIL: waits\nwaits({count}, {stages}) puts the tile in stage {stage}: the \
+                     {count}-th tile goes to stage {count} mod {stages} = {}, the ring's order",
+                    count % stages
+                )));
+            }
+        }
+    }
+    let setups = (1..=8usize, 1..=8usize, 0..=40usize, any::<u64>())
         .prop_map(|(stages, warps, tiles, seed)| Setup { stages, warps, tiles, seed });
     crate::exercise::property("waits", 256, setups, |setup| {
         simulate(setup, &waits).map(|_| ()).map_err(|(violation, log)| {
-            let tail: Vec<&String> = log.iter().rev().take(8).collect();
+            let tail: Vec<&String> = log.iter().rev().take(12).collect();
             let tail: Vec<&str> = tail.into_iter().rev().map(String::as_str).collect();
             crate::exercise::fail(format!("{violation}\nthe last events:\n  {}", tail.join("\n  ")))
         })

@@ -419,7 +419,7 @@ mod tests {
         let shared = lines(
             "crates/kernels/cuda/backward.cuh",
             "// FA2's backward (fa2_backward.cu) is four kernels",
-            "same block, so the two main kernels",
+            "block, so the two main kernels read",
         );
         assert!(shared.is_ok());
         assert!(item("crates/kernels/src/fa3/backward.rs", "pub fn backward(").is_ok());
