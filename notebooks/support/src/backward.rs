@@ -14,7 +14,7 @@ use ladder_compare::metrics::{error, error_between_in_units_of, worst_entry};
 use ladder_compare::oracle::{ExpectedGradients, GradientOracle};
 use ladder_compare::results::Direction;
 use ladder_compare::{Case, GpuRung, gpu_check};
-use ladder_kernels::DType;
+use ladder_kernels::{DType, Gpu};
 use ladder_reference::fa2::{self, BackwardSteps};
 use ladder_reference::{AttentionShape, Fa2Options, Gradients, TileSizes, naive};
 use ndarray::{Array1, Array2, Array4, ArrayView1, ArrayView2, s};
@@ -132,13 +132,15 @@ where
 /// over 4 kv heads, n = 2048, d = 128, causal, bf16); `live::gpu_live("fa2")` checks the
 /// gradients themselves against the float64 oracle.
 pub fn gpu_determinism() -> Result<(), Failure> {
-    let gpu = match gpu_check::open_gpu() {
-        Ok(gpu) => gpu,
-        Err(e) => {
-            println!("No GPU on this machine ({e}): nothing to rerun here.");
-            return Ok(());
-        }
-    };
+    let Some(gpu) = crate::live::gpu_for("fa2-determinism", None) else { return Ok(()) };
+    let mut report = crate::live::Report::default();
+    let checked = check_determinism(&gpu, &mut report);
+    print!("{}", report.0);
+    checked
+}
+
+/// [`gpu_determinism`]'s runs on `gpu`, into `report` (what `record-live` records).
+pub fn check_determinism(gpu: &Gpu, report: &mut crate::live::Report) -> Result<(), Failure> {
     let fail = |e: &dyn std::fmt::Display| Failure(e.to_string());
     let shape = AttentionShape::new(4, 16, 4, 2048, 2048, 128).map_err(|e| fail(&e))?;
     let tiles = TileSizes::new(64, 128).map_err(|e| fail(&e))?;
@@ -154,28 +156,28 @@ pub fn gpu_determinism() -> Result<(), Failure> {
     let dtype = DType::BF16;
     let x = gpu_check::device_inputs(&case, dtype);
     let (_, opts) = gpu_check::options(&case.attention(), shape.d);
-    println!(
+    report.say(format_args!(
         "{} ({}), bf16, batch 4, 16 query heads over 4 kv heads, n 2048, d 128, causal",
         gpu.name(),
         gpu.arch()
-    );
+    ));
     for (mode, name) in [("dQ by atomics", "fa2"), ("deterministic", "fa2-det")] {
         let Some(rung) = GpuRung::find(name, Direction::Bwd) else {
             return Err(Failure(format!("no GPU backward kernel {name:?}")));
         };
-        if !rung.available_on(&gpu) {
-            println!("{mode}: not available on {}", gpu.arch());
+        if !rung.available_on(gpu) {
+            report.say(format_args!("{mode}: not available on {}", gpu.arch()));
             continue;
         }
         // The first call compiles the kernels (untimed here); the next two are compared.
-        gpu_check::backward(&gpu, rung, &x, &opts, dtype).map_err(|e| fail(&e))?;
-        let (a, ms_a) = gpu_check::backward(&gpu, rung, &x, &opts, dtype).map_err(|e| fail(&e))?;
-        let (b, ms_b) = gpu_check::backward(&gpu, rung, &x, &opts, dtype).map_err(|e| fail(&e))?;
+        gpu_check::backward(gpu, rung, &x, &opts, dtype).map_err(|e| fail(&e))?;
+        let (a, ms_a) = gpu_check::backward(gpu, rung, &x, &opts, dtype).map_err(|e| fail(&e))?;
+        let (b, ms_b) = gpu_check::backward(gpu, rung, &x, &opts, dtype).map_err(|e| fail(&e))?;
         let differ = |x: &Array4<f32>, y: &Array4<f32>| {
             x.iter().zip(y).filter(|(p, q)| p.to_bits() != q.to_bits()).count()
         };
         let counts = [differ(&a.dq, &b.dq), differ(&a.dk, &b.dk), differ(&a.dv, &b.dv)];
-        println!(
+        report.say(format_args!(
             "{mode:<14} {:.3} ms, {:.3} ms; entries whose bits differ between the two runs: dQ \
              {} of {}, dK {}, dV {}",
             ms_a.as_secs_f64() * 1e3,
@@ -184,7 +186,7 @@ pub fn gpu_determinism() -> Result<(), Failure> {
             a.dq.len(),
             counts[1],
             counts[2]
-        );
+        ));
         if name == "fa2-det" && counts.iter().any(|&c| c > 0) {
             return Err(Failure("the deterministic backward pass gave different bits".into()));
         }

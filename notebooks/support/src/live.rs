@@ -26,7 +26,7 @@ use crate::Failure;
 pub struct Report(pub String);
 
 impl Report {
-    fn say(&mut self, line: impl std::fmt::Display) {
+    pub(crate) fn say(&mut self, line: impl std::fmt::Display) {
         let _ = writeln!(self.0, "{line}");
     }
 }
@@ -36,7 +36,8 @@ impl Report {
 pub const FA3_RESCALE: &str = "if (__any_sync(0xffffffff, moved)) rescale(o, alpha);";
 
 /// The recorded checks: (file name under `docs/results/notebook-live/`, what it runs).
-pub const RECORDED: &[&str] = &["fa1", "fa2", "fa3", "fa3-fp8", "fa3-no-rescale"];
+pub const RECORDED: &[&str] =
+    &["fa1", "fa2", "fa3", "fa3-fp8", "fa3-no-rescale", "fa2-determinism"];
 
 /// Where the recordings are: `docs/results/notebook-live` of the repository the notebook runs in.
 pub fn recordings_dir() -> PathBuf {
@@ -65,7 +66,7 @@ fn show_recorded(why: &str, name: &str) {
 }
 
 /// The GPU, or `None` after saying why there is none here and showing recording `name`.
-fn gpu_for(name: &str, config: Option<&GpuConfig>) -> Option<Gpu> {
+pub(crate) fn gpu_for(name: &str, config: Option<&GpuConfig>) -> Option<Gpu> {
     let opened = match config {
         Some(c) => Gpu::with_config(c.clone()).map_err(|e| e.to_string()),
         None => gpu_check::open_gpu().map_err(|e| e.to_string()),
@@ -352,6 +353,10 @@ pub fn record(dir: &Path, date: &str) -> Result<Vec<PathBuf>, Failure> {
         let mut report = Report::default();
         match *name {
             "fa3-fp8" => check_fp8(&gpu, &mut report)?,
+            "fa2-determinism" => {
+                crate::backward::check_determinism(&gpu, &mut report)?;
+                true
+            }
             "fa3-no-rescale" => {
                 let edited = Gpu::with_config(without_rescale()?).map_err(|e| fail(&e))?;
                 check_edit(&edited, "fa3", &mut report)?
