@@ -683,10 +683,13 @@ impl Results {
             .rows
             .iter()
             .filter(|r| !r.is_decode() && r.n_q == r.n_kv && (ns.is_empty() || ns.contains(&r.n_q)))
-            .filter(|r| impls.contains(&r.implementation.as_str()))
             .collect();
-        let mut keys: Vec<(String, usize, bool, usize)> =
-            rows.iter().map(|r| (r.direction.clone(), r.d, r.causal, r.n_q)).collect();
+        // The problems of the implementations shown (a ratio may name others).
+        let mut keys: Vec<(String, usize, bool, usize)> = rows
+            .iter()
+            .filter(|r| impls.contains(&r.implementation.as_str()))
+            .map(|r| (r.direction.clone(), r.d, r.causal, r.n_q))
+            .collect();
         keys.sort_by_key(|(dir, d, causal, n)| (dir != "fwd", *d, *causal, *n));
         keys.dedup();
         let mut header: Vec<String> =
@@ -722,69 +725,6 @@ impl Results {
                 line
             })
             .collect();
-        Table { header, rows: body }
-    }
-
-    /// TFLOP/s of the square prefill problems at the sequence lengths `ns`: one row per
-    /// direction, head dimension, mask and `n`, one column per implementation, then `ours`
-    /// against the best peer and against the GEMM ceiling of `roofs`.
-    pub fn tflops_table(&self, ns: &[usize], ours: &str, roofs: Roofs) -> Table {
-        let rows: Vec<&Row> = self
-            .rows
-            .iter()
-            .filter(|r| !r.is_decode() && r.n_q == r.n_kv && ns.contains(&r.n_q))
-            .collect();
-        let mut impls: Vec<&str> = rows.iter().map(|r| r.implementation.as_str()).collect();
-        impls.sort_by_key(|name| (!is_ours(name), *name));
-        impls.dedup();
-        let mut keys: Vec<(String, usize, bool, usize)> =
-            rows.iter().map(|r| (r.direction.clone(), r.d, r.causal, r.n_q)).collect();
-        // Forward first, then by head dimension, mask and length.
-        keys.sort_by_key(|(dir, d, causal, n)| (dir != "fwd", *d, *causal, *n));
-        keys.dedup();
-        let mut header: Vec<String> =
-            ["pass", "d", "mask", "n"].iter().map(|h| h.to_string()).collect();
-        header.extend(impls.iter().map(|i| i.to_string()));
-        header.push(format!("{ours} / best peer"));
-        header.push(format!("{ours} / GEMM ceiling"));
-        let number = |v: f64| if v < 10.0 { format!("{v:.1}") } else { format!("{v:.0}") };
-        let body =
-            keys.iter()
-                .map(|(dir, d, causal, n)| {
-                    let tflops = |imp: &str| {
-                        rows.iter()
-                            .find(|r| {
-                                r.implementation == imp
-                                    && r.direction == *dir
-                                    && r.d == *d
-                                    && r.causal == *causal
-                                    && r.n_q == *n
-                            })
-                            .map(|r| r.tflops)
-                    };
-                    let mut line = vec![
-                        dir.clone(),
-                        d.to_string(),
-                        if *causal { "causal" } else { "none" }.to_string(),
-                        if *n >= 1024 { format!("{}k", n / 1024) } else { n.to_string() },
-                    ];
-                    line.extend(impls.iter().map(|i| tflops(i).map_or("–".into(), number)));
-                    let best_peer = impls
-                        .iter()
-                        .filter(|i| !is_ours(i))
-                        .filter_map(|i| tflops(i))
-                        .fold(None, |a: Option<f64>, v| Some(a.map_or(v, |a| a.max(v))));
-                    let mine = tflops(ours);
-                    line.push(match (mine, best_peer) {
-                        (Some(m), Some(p)) => format!("{:.2}×", m / p),
-                        _ => "–".into(),
-                    });
-                    line.push(mine.map_or("–".into(), |m| {
-                        format!("{:.0} %", 100.0 * m / roofs.gemm_tflops)
-                    }));
-                    line
-                })
-                .collect();
         Table { header, rows: body }
     }
 }
@@ -1261,7 +1201,7 @@ mod tests {
     }
 
     #[test]
-    fn the_table_keeps_the_asked_lengths_and_compares_with_the_best_peer() {
+    fn the_table_keeps_the_asked_lengths_and_implementations_and_takes_the_ratios() {
         let text = format!(
             "{}\nfa2,fwd,fp16,false,1,16,16,2048,2048,128,1.0,300.0,\n\
              sdpa-flash,fwd,fp16,false,1,16,16,2048,2048,128,1.0,250.0,\n\
@@ -1271,12 +1211,21 @@ mod tests {
         );
         let results =
             Results { dir: PathBuf::new(), rows: parse_csv(&text).unwrap(), meta: Meta::default() };
-        let table = results.tflops_table(&[2048], "fa2", Roofs::H200);
-        assert_eq!(table.header[4..7], ["fa2", "sdpa-cudnn", "sdpa-flash"]);
+        let impls = ["fa2", "sdpa-cudnn", "sdpa-flash"];
+        let ratios = [("fa2", "sdpa-cudnn"), ("fa2", "sdpa-flash")];
+        let table = results.comparison_table(&[2048], &impls, &ratios);
+        assert_eq!(
+            table.header[4..9],
+            ["fa2", "sdpa-cudnn", "sdpa-flash", "fa2 / sdpa-cudnn", "fa2 / sdpa-flash"]
+        );
         assert_eq!(table.rows.len(), 1, "n = 4096 was not asked for");
-        assert_eq!(table.rows[0][7], "0.50×", "against cuDNN, the best peer");
-        assert_eq!(table.rows[0][8], "44 %");
+        assert_eq!(table.rows[0][7..9], ["0.50×", "1.20×"]);
         assert!(table.to_html().contains("<td style=\"text-align:right\">300</td>"));
+        // Every length when none is asked for, and only the implementations named.
+        let all = results.comparison_table(&[], &["fa2"], &[("fa2", "sdpa-cudnn")]);
+        assert_eq!((all.rows.len(), all.header.len()), (2, 6));
+        assert_eq!(all.rows[0][5], "0.50×", "a ratio may name an implementation not shown");
+        assert_eq!(all.rows[1][5], "–", "no cuDNN row at n = 4096");
     }
 
     #[test]
