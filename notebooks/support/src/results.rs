@@ -427,9 +427,10 @@ impl Roofs {
         if direction == "bwd" { 10.0 * n * mask / 16.0 } else { 4.0 * n * mask / 8.0 }
     }
 
-    /// The roofline: the lower of the GEMM ceiling and the memory roof at this intensity.
+    /// The roofline of a 16-bit kernel: the lower of the fp16 peak and the memory roof at this
+    /// intensity.
     pub fn bound(&self, direction: &str, causal: bool, n: usize) -> f64 {
-        self.gemm_tflops.min(self.copy_tbps * Self::intensity(direction, causal, n))
+        self.peak_fp16_tflops.min(self.copy_tbps * Self::intensity(direction, causal, n))
     }
 }
 
@@ -1189,15 +1190,16 @@ mod tests {
     }
 
     #[test]
-    fn the_roofline_takes_the_lower_ceiling() {
+    fn the_roofline_takes_the_lower_of_the_peak_and_the_memory_roof() {
         let r = Roofs::H200;
-        // Forward, no mask: n/2 FLOP per byte, so the memory roof passes the GEMM ceiling
-        // between n = 256 and 512; causal halves the FLOPs and moves the crossing to twice n.
+        // Forward, no mask: n/2 FLOP per byte, so the memory roof passes the fp16 peak (989)
+        // between n = 256 and 512 (at 233 FLOP per byte); causal halves the FLOPs and moves the
+        // crossing to twice n.
         assert_eq!(Roofs::intensity("fwd", false, 512), 256.0);
         assert_eq!(Roofs::intensity("fwd", true, 512), 128.0);
-        assert_eq!(r.bound("fwd", false, 512), 679.0);
+        assert_eq!(r.bound("fwd", false, 512), 989.0);
         assert!((r.bound("fwd", true, 512) - 4.24 * 128.0).abs() < 1e-9);
-        assert!(r.bound("bwd", false, 256) < 679.0 && r.bound("bwd", false, 1024) == 679.0);
+        assert!(r.bound("bwd", false, 256) < 989.0 && r.bound("bwd", false, 1024) == 989.0);
     }
 
     #[test]
