@@ -16,6 +16,8 @@
 
 use std::fmt;
 
+use plotters::prelude::*;
+
 /// What one side waits on at a position of the pipeline (a count of the K/V tiles the block has
 /// streamed): the stage, the parity the consumers wait on at the stage's `full` barrier, and the
 /// parity the producer waits on at its `empty` barrier before it copies into the stage.
@@ -112,6 +114,39 @@ impl fmt::Display for Violation {
     }
 }
 
+/// One step of the simulation, in the order they ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// The producer passed `empty[stage]` on `parity` and issued the copy of `tile`.
+    Issue { tile: usize, stage: usize, parity: u32 },
+    /// The copy engine delivered `tile` into `stage`.
+    Landed { tile: usize, stage: usize },
+    /// Consumer `warp` passed `full[stage]` on `parity` and reads `tile`.
+    Read { warp: usize, tile: usize, stage: usize, parity: u32 },
+    /// Consumer `warp` released `stage` (its read of `tile` is done).
+    Release { warp: usize, tile: usize, stage: usize },
+}
+
+impl fmt::Display for Event {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Event::Issue { tile, stage, parity } => write!(
+                f,
+                "producer: empty[{stage}] parity {parity} passed, copy of tile {tile} issued"
+            ),
+            Event::Landed { tile, stage } => {
+                write!(f, "copy engine: tile {tile} landed in stage {stage}")
+            }
+            Event::Read { warp, tile, stage, parity } => {
+                write!(f, "warp {warp}: full[{stage}] parity {parity} passed, reads tile {tile}")
+            }
+            Event::Release { warp, tile, stage } => {
+                write!(f, "warp {warp}: releases stage {stage} (tile {tile})")
+            }
+        }
+    }
+}
+
 /// Where one actor is in its loop.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Step {
@@ -150,7 +185,7 @@ impl Draw {
 pub fn simulate(
     setup: Setup,
     waits: impl Fn(usize, usize) -> Waits,
-) -> Result<Vec<String>, (Violation, Vec<String>)> {
+) -> Result<Vec<Event>, (Violation, Vec<Event>)> {
     let Setup { stages, warps, tiles, seed } = setup;
     let mut pipe = Pipeline {
         full: vec![Mbarrier::new(1); stages],
@@ -163,7 +198,7 @@ pub fn simulate(
     let mut consumers = vec![start(tiles); warps];
     let mut log = Vec::new();
     let mut draw = Draw(seed);
-    let stage_of = |pos: usize, log: &Vec<String>| {
+    let stage_of = |pos: usize, log: &Vec<Event>| {
         let w = waits(pos, stages);
         if w.stage < stages {
             Ok(w)
@@ -255,17 +290,14 @@ pub fn simulate(
                 pipe.full[w.stage].arrive_expect_tx(TILE_BYTES);
                 pipe.holds[w.stage] = None; // the copy engine writes the stage from now on
                 pipe.in_flight.push((w.stage, pos));
-                log.push(format!(
-                    "producer: empty[{}] parity {} passed, copy of tile {pos} issued",
-                    w.stage, w.empty_parity
-                ));
+                log.push(Event::Issue { tile: pos, stage: w.stage, parity: w.empty_parity });
                 producer = if pos + 1 < tiles { Step::Wait(pos + 1) } else { Step::Done };
             }
             1 => {
                 let (stage, pos) = pipe.in_flight.remove(draw.below(pipe.in_flight.len()));
                 pipe.holds[stage] = Some(pos);
                 pipe.full[stage].complete_tx(TILE_BYTES);
-                log.push(format!("copy engine: tile {pos} landed in stage {stage}"));
+                log.push(Event::Landed { tile: pos, stage });
             }
             n => {
                 let i = n - 2;
@@ -284,16 +316,18 @@ pub fn simulate(
                             );
                             return Err((Violation::ReadBeforeLanded(why), log));
                         }
-                        log.push(format!(
-                            "warp {i}: full[{}] parity {} passed, reads tile {pos}",
-                            w.stage, w.full_parity
-                        ));
+                        log.push(Event::Read {
+                            warp: i,
+                            tile: pos,
+                            stage: w.stage,
+                            parity: w.full_parity,
+                        });
                         consumers[i] = Step::Read(pos);
                     }
                     Step::Read(pos) => {
                         let w = waits(pos, stages);
                         pipe.empty[w.stage].arrive();
-                        log.push(format!("warp {i}: releases stage {} (tile {pos})", w.stage));
+                        log.push(Event::Release { warp: i, tile: pos, stage: w.stage });
                         consumers[i] =
                             if pos + 1 < tiles { Step::Wait(pos + 1) } else { Step::Done };
                     }
@@ -302,6 +336,72 @@ pub fn simulate(
             }
         }
     }
+}
+
+/// The events as a picture: one row per actor (the producer, the copy engine, each consumer
+/// warp), one column per step in the order they ran, each step coloured by the stage it used and
+/// labelled with its tile: the ring of stages going round, and who waits for whom.
+pub fn timeline(setup: Setup, events: &[Event]) -> crate::results::Figures {
+    let rows = 2 + setup.warps;
+    let (cell_w, cell_h, left, top) = (16i32, 22i32, 118i32, 30i32);
+    let width = (left + cell_w * events.len().max(1) as i32 + 12) as u32;
+    let height = (top + cell_h * rows as i32 + 30) as u32;
+    let colours = [
+        RGBColor(66, 133, 244),
+        RGBColor(234, 134, 0),
+        RGBColor(52, 168, 83),
+        RGBColor(171, 71, 188),
+    ];
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (width, height)).into_drawing_area();
+        let drawn: Result<(), Box<dyn std::error::Error>> = (|| {
+            root.fill(&WHITE)?;
+            let title = format!(
+                "{} stages, {} warps, {} tiles: each step coloured by its stage, labelled by its tile",
+                setup.stages, setup.warps, setup.tiles
+            );
+            root.draw(&Text::new(title, (8, 8), ("sans-serif", 13)))?;
+            for r in 0..rows {
+                let name = match r {
+                    0 => "producer".to_string(),
+                    1 => "copy engine".to_string(),
+                    w => format!("warp {}", w - 2),
+                };
+                root.draw(&Text::new(name, (8, top + r as i32 * cell_h + 5), ("sans-serif", 12)))?;
+            }
+            for (x, e) in events.iter().enumerate() {
+                let (row, tile, stage, open) = match *e {
+                    Event::Issue { tile, stage, .. } => (0, tile, stage, true),
+                    Event::Landed { tile, stage } => (1, tile, stage, true),
+                    Event::Read { warp, tile, stage, .. } => (2 + warp, tile, stage, true),
+                    Event::Release { warp, tile, stage } => (2 + warp, tile, stage, false),
+                };
+                let (x0, y0) = (left + x as i32 * cell_w, top + row as i32 * cell_h);
+                let colour = colours[stage % colours.len()];
+                // A read is a filled cell, a release an outlined one.
+                let style = if open { colour.filled() } else { colour.stroke_width(2) };
+                root.draw(&Rectangle::new(
+                    [(x0 + 1, y0), (x0 + cell_w - 1, y0 + cell_h - 4)],
+                    style,
+                ))?;
+                let ink = if open { WHITE } else { BLACK };
+                root.draw(&Text::new(
+                    tile.to_string(),
+                    (x0 + 3, y0 + 4),
+                    ("sans-serif", 10).into_font().color(&ink),
+                ))?;
+            }
+            let legend = "filled: a copy issued or landed, a read; outlined: a release";
+            root.draw(&Text::new(legend, (8, top + rows as i32 * cell_h + 8), ("sans-serif", 12)))?;
+            Ok(())
+        })();
+        if let Err(e) = drawn {
+            return crate::results::Figures(vec![format!("<p>chart failed: {e}</p>")]);
+        }
+        let _ = root.present();
+    }
+    crate::results::Figures(vec![svg])
 }
 
 /// The kernel's own rule (`PipelineState` in `barrier.cuh`), for comparison.
@@ -331,8 +431,8 @@ pub fn check(waits: impl Fn(usize, usize) -> Waits) -> Result<(), crate::Failure
         .prop_map(|(stages, warps, tiles, seed)| Setup { stages, warps, tiles, seed });
     crate::exercise::property("waits", 256, setups, |setup| {
         simulate(setup, &waits).map(|_| ()).map_err(|(violation, log)| {
-            let tail: Vec<&String> = log.iter().rev().take(12).collect();
-            let tail: Vec<&str> = tail.into_iter().rev().map(String::as_str).collect();
+            let tail: Vec<String> = log.iter().rev().take(12).map(Event::to_string).collect();
+            let tail: Vec<String> = tail.into_iter().rev().collect();
             crate::exercise::fail(format!("{violation}\nthe last events:\n  {}", tail.join("\n  ")))
         })
     })
@@ -397,6 +497,16 @@ mod tests {
             simulate(Setup { stages: 2, warps: 2, tiles: 8, seed }, never_wait).is_err()
         });
         assert!(failed);
+    }
+
+    #[test]
+    fn the_timeline_draws_every_step_in_its_actors_row() {
+        let setup = Setup { stages: 2, warps: 2, tiles: 5, seed: 5 };
+        let events = simulate(setup, kernel_waits).unwrap();
+        let svg = &timeline(setup, &events).0[0];
+        assert!(svg.starts_with("<svg") && svg.contains("copy engine") && svg.contains("warp 1"));
+        // One cell per step, on the white background.
+        assert_eq!(svg.matches("<rect").count(), events.len() + 1, "{svg}");
     }
 
     #[test]
