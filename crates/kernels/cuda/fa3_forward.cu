@@ -104,6 +104,9 @@
 #ifndef FA3_WINDOW
 #define FA3_WINDOW 0
 #endif
+#ifndef FA3_DYNAMIC
+#define FA3_DYNAMIC 0
+#endif
 
 constexpr int D = FA3_D;
 constexpr int BC = FA3_BC;
@@ -115,6 +118,11 @@ constexpr bool pingpong = FA3_PINGPONG && CONSUMERS > 1;
 constexpr bool o_smem = FA3_O_SMEM;
 constexpr bool packed = FA3_VARLEN;
 constexpr bool windowed = FA3_WINDOW;
+// Whether the blocks take their tiles from a counter (next_dynamic_tile) rather than in a fixed
+// order (FA3_DYNAMIC, an experiment: see next_dynamic_tile): under a window, whose tiles are all
+// about as long, and without the intra-warpgroup overlap (with it, the consumers' data-dependent
+// end of the walk makes ptxas serialise every wgmma, C7518, even behind a vote).
+constexpr bool dynamic = FA3_DYNAMIC && windowed && !overlap;
 static_assert(!(packed && o_smem), "a packed batch stores O from registers (see FA3_VARLEN)");
 constexpr int BR = 64 * CONSUMERS;
 constexpr int THREADS = 128 * (CONSUMERS + 1);
@@ -185,6 +193,9 @@ struct Fa3ForwardParams {
     int section_heads;  // causal tile order: (head, batch) pairs walked together (see below)
     Strides o_strides;  // O's rows, where the epilogue stores them from registers
     Varlen varlen;      // FA3_VARLEN only
+    // FA3_WINDOW only: [0] the tiles taken past the first wave, [1] the blocks done; zero at
+    // launch, and the last block out puts them back to zero.
+    unsigned* tile_counter;
 };
 
 // Shared memory (dynamic, 1024-byte aligned for the swizzle), in this order: with FA3_O_SMEM,
@@ -221,8 +232,9 @@ struct PipelineTiles : OTile<o_smem> {
 };
 
 // A packed batch's variant has one more slot: its current tile, which the producer looks up and
-// hands to the consumers (see consumer). The fixed-length variants work their tiles out with
-// arithmetic alone and keep the layout without it.
+// hands to the consumers (see consumer); so does a windowed one, whose producer takes its tiles
+// from a counter. The other variants work their tiles out with arithmetic alone and keep the
+// layout without it.
 struct PackedTiles : PipelineTiles {
     Tile tile;
 };
@@ -234,7 +246,7 @@ template <>
 struct Shared<true> {
     typedef PackedTiles type;
 };
-typedef Shared<packed>::type SharedTiles;
+typedef Shared<packed || dynamic>::type SharedTiles;
 __device__ __forceinline__ Tile* tile_slot(PackedTiles& t) { return &t.tile; }
 __device__ __forceinline__ Tile* tile_slot(PipelineTiles&) { return nullptr; }
 
@@ -318,6 +330,14 @@ __device__ __forceinline__ Tile tile_at(const Fa3ForwardParams& p, int index) {
 }
 
 // This block's first tile and the one after `index` (snake order for causal, see above).
+//
+// Under a window the tiles are all about as long, and the static order that evens out the falling
+// lengths of causal tiles leaves the blocks uneven at run time instead (the SMs' active cycles
+// spread ±11 % at n = 16k). With FA3_DYNAMIC, after the first wave each producer takes the next
+// untaken tile from a counter (as FA3's dynamic tile scheduler does), and a block that finishes
+// early takes more; the producer hands each tile to its consumers in the tile slot, and a tile
+// with q0 = −1 tells them the walk is over. It balances the SMs but has not yet been measured
+// faster (docs/perf-notes.md, seventeenth session), so it is off unless the schedule asks.
 __device__ __forceinline__ int first_tile() { return blockIdx.x; }
 __device__ __forceinline__ int next_tile(int index) {
     if (!causal) return index + gridDim.x;
@@ -325,6 +345,10 @@ __device__ __forceinline__ int next_tile(int index) {
     const int block = round % 2 == 0 ? lane : gridDim.x - 1 - lane;
     const int next = round + 1;
     return next * gridDim.x + (next % 2 == 0 ? block : gridDim.x - 1 - block);
+}
+
+__device__ __forceinline__ int next_dynamic_tile(const Fa3ForwardParams& p) {
+    return gridDim.x + (int)atomicAdd(&p.tile_counter[0], 1u);
 }
 
 // A position in the K/V pipeline, counted across the block's tiles (barrier.cuh).
@@ -346,11 +370,11 @@ __device__ void producer(const Fa3ForwardParams& p, SharedTiles& t) {
     tma_prefetch(&p.v);
     KvPosition kv;
     int tiles_done = 0;
-    for (int index = first_tile(); index < tile_count(p); index = next_tile(index), ++tiles_done) {
+    for (int index = first_tile(); index < tile_count(p); ++tiles_done) {
         const Tile tile = tile_at(p, index);
         const int kv_head = tile.head / (p.heads_q / p.heads_kv);
         mbar_wait(&t.q_empty, (tiles_done & 1) ^ 1);
-        if (packed) *tile_slot(t) = tile;  // published by the arrival on q_full below
+        if (packed || dynamic) *tile_slot(t) = tile;  // published by the arrival on q_full below
         mbar_expect_tx(&t.q_full, sizeof(t.q));
         const SeqBlock& seq = tile.seq;
         tma_load_tile<BR, COLS>(t.q, &p.q, &t.q_full, 0, seq.q_start + tile.q0, tile.head,
@@ -369,6 +393,17 @@ __device__ void producer(const Fa3ForwardParams& p, SharedTiles& t) {
 #else
             tma_load_tile<BC, COLS>(t.v[stage], &p.v, &t.v_full[stage], 0, k0, kv_head, seq.batch);
 #endif
+        }
+        index = dynamic ? next_dynamic_tile(p) : next_tile(index);
+    }
+    if (dynamic) {
+        // The end of the walk, for the consumers; then the last block out resets the counters.
+        mbar_wait(&t.q_empty, (tiles_done & 1) ^ 1);
+        tile_slot(t)->q0 = -1;
+        mbar_arrive(&t.q_full);
+        if (atomicAdd(&p.tile_counter[1], 1u) == gridDim.x - 1) {
+            p.tile_counter[0] = 0;
+            p.tile_counter[1] = 0;
         }
     }
 }
@@ -642,13 +677,19 @@ __device__ void consumer(const Fa3ForwardParams& p, SharedTiles& t, int wg) {
     if (pingpong && wg == CONSUMERS - 1) named_arrive(SCHEDULE_BARRIER, 256);
     KvPosition kv;
     int tiles_done = 0;
-    for (int index = first_tile(); index < tile_count(p); index = next_tile(index), ++tiles_done) {
+    for (int index = first_tile(); dynamic || index < tile_count(p);
+         index = next_tile(index), ++tiles_done) {
         // A packed batch's tile is read from shared memory, where the producer put it well
         // ahead: looked up here, its dependent loads (the tile table, then the offsets) would
-        // stall every tile's start. (A fixed-length tile is arithmetic, done before the wait.)
-        Tile tile = tile_at(p, index);
+        // stall every tile's start; a windowed one's comes from the producer's counter. (A
+        // fixed-length tile is arithmetic, done before the wait.)
+        Tile tile;
+        if (!dynamic) tile = tile_at(p, index);
         mbar_wait(&t.q_full, tiles_done & 1);
-        if (packed) tile = *tile_slot(t);
+        if (packed || dynamic) tile = *tile_slot(t);
+        // (A vote, so that ptxas sees a warp-uniform branch: a break it cannot prove uniform
+        // makes it serialise every wgmma of the kernel, C7518.)
+        if (dynamic && __any_sync(0xffffffff, tile.q0 < 0)) break;
         attend(p, t, tile, wg, tile.q0 + wg * 64, kv);
     }
     if (pingpong && wg == CONSUMERS - 1) named_sync(SCHEDULE_BARRIER, 256);

@@ -260,11 +260,16 @@ pub struct Schedule {
     /// One block per SM walks many query tiles, loading the next tile while it finishes the last
     /// (off: one block per query tile, scheduled by the hardware).
     pub persistent: bool,
+    /// An experiment, off by default: under a sliding window and without `overlap`, the blocks
+    /// take their tiles past the first wave from a counter instead of the static order (FA3's
+    /// dynamic tile scheduler). Measured on the H200: the SMs finish together, but the calls
+    /// were not faster (docs/perf-notes.md, seventeenth session). Ignored elsewhere.
+    pub dynamic: bool,
 }
 
 impl Default for Schedule {
     fn default() -> Schedule {
-        Schedule { pingpong: true, overlap: true, persistent: true }
+        Schedule { pingpong: true, overlap: true, persistent: true, dynamic: false }
     }
 }
 
@@ -288,13 +293,14 @@ impl Schedule {
         gpu.config().tuned::<Schedule>().unwrap_or(Schedule::for_head_dim(d, fp8))
     }
 
-    /// `full`, or the ideas switched off joined by commas (`no-pingpong,no-overlap`): the form
-    /// [`std::str::FromStr`] reads.
+    /// `full`, or the ideas switched off (and the experiment switched on) joined by commas
+    /// (`no-pingpong,no-overlap`, `no-overlap,dynamic`): the form [`std::str::FromStr`] reads.
     pub fn label(&self) -> String {
         let off: Vec<&str> = [
             (self.pingpong, "no-pingpong"),
             (self.overlap, "no-overlap"),
             (self.persistent, "no-persistent"),
+            (!self.dynamic, "dynamic"),
         ]
         .into_iter()
         .filter(|(on, _)| !on)
@@ -307,7 +313,8 @@ impl Schedule {
 impl std::str::FromStr for Schedule {
     type Err = KernelError;
 
-    /// `full`, or a comma-separated list of `no-pingpong`, `no-overlap`, `no-persistent`.
+    /// `full`, or a comma-separated list of `no-pingpong`, `no-overlap`, `no-persistent`,
+    /// `dynamic`.
     fn from_str(spec: &str) -> Result<Schedule> {
         let mut s = Schedule::default();
         for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty() && *p != "full") {
@@ -315,10 +322,11 @@ impl std::str::FromStr for Schedule {
                 "no-pingpong" => s.pingpong = false,
                 "no-overlap" => s.overlap = false,
                 "no-persistent" => s.persistent = false,
+                "dynamic" => s.dynamic = true,
                 other => {
                     return Err(KernelError::Config(format!(
                         "FA3 schedule {spec:?}: unknown part {other:?} (expected full, or any of \
-                         no-pingpong, no-overlap, no-persistent)"
+                         no-pingpong, no-overlap, no-persistent, dynamic)"
                     )));
                 }
             }
@@ -356,6 +364,7 @@ pub(crate) fn variant(
             ("FA3_STAGES", t.stages.to_string()),
             ("FA3_CAUSAL", (mask.causal as u32).to_string()),
             ("FA3_WINDOW", (mask.windowed as u32).to_string()),
+            ("FA3_DYNAMIC", (dynamic_tiles(mask, s) as u32).to_string()),
             ("FA3_OVERLAP", (s.overlap as u32).to_string()),
             ("FA3_PINGPONG", (s.pingpong as u32).to_string()),
             ("FA3_FP8", (fp8 as u32).to_string()),
@@ -364,11 +373,18 @@ pub(crate) fn variant(
             // Checked against the kernel's own sizes when it compiles.
             (
                 "FA3_HOST_SHARED_BYTES",
-                shared_bytes(t, d, operand_bytes, o_smem, packed).to_string(),
+                shared_bytes(t, d, operand_bytes, o_smem, packed || dynamic_tiles(mask, s))
+                    .to_string(),
             ),
             ("FA3_HOST_PARAMS_BYTES", std::mem::size_of::<ForwardParams>().to_string()),
         ],
     }
+}
+
+/// Whether the kernel's blocks take their tiles from a counter (the kernel's `dynamic`): where the
+/// schedule asks for it ([`Schedule::dynamic`]), under a window, without the overlap.
+fn dynamic_tiles(mask: Masking, schedule: Schedule) -> bool {
+    schedule.dynamic && mask.windowed && !schedule.overlap
 }
 
 /// Whether O goes through shared memory: where it fits ([`Fa3Tiles::o_in_shared`]), and not for a
@@ -377,12 +393,13 @@ fn o_through_shared(t: Fa3Tiles, d: usize, operand_bytes: usize, packed: bool) -
     !packed && t.o_in_shared(d, operand_bytes)
 }
 
-/// The launch's dynamic shared memory: the pipeline's, O's tile if `o_smem`, and a packed
-/// batch's tile slot.
-fn shared_bytes(t: Fa3Tiles, d: usize, operand_bytes: usize, o_smem: bool, packed: bool) -> usize {
+/// The launch's dynamic shared memory: the pipeline's, O's tile if `o_smem`, and the slot in
+/// which the producer hands each tile to the consumers (`tile_slot`: a packed batch's, and a
+/// windowed problem's, whose tiles come from a counter).
+fn shared_bytes(t: Fa3Tiles, d: usize, operand_bytes: usize, o_smem: bool, slot: bool) -> usize {
     t.pipeline_bytes(d, operand_bytes)
         + if o_smem { t.o_bytes(d) } else { 0 }
-        + if packed { TILE_SLOT_BYTES } else { 0 }
+        + if slot { TILE_SLOT_BYTES } else { 0 }
 }
 
 /// Mirror of `Fa3ForwardParams` in `cuda/fa3_forward.cu`: four tensor maps (128-byte aligned,
@@ -407,6 +424,7 @@ struct ForwardParams {
     section_heads: i32,
     o_strides: Strides,
     varlen: VarlenParams,
+    tile_counter: u64,
 }
 
 /// Device addresses of the FP8 path's scales (`q, k, p, o` in the kernel's order); zero on the
@@ -744,7 +762,8 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
         entry: "fa3_forward",
     };
     let o_smem = o_through_shared(tiles, p.d, operand_bytes, packed);
-    let smem = shared_bytes(tiles, p.d, operand_bytes, o_smem, packed);
+    let dynamic = dynamic_tiles(Masking::of(p), schedule);
+    let smem = shared_bytes(tiles, p.d, operand_bytes, o_smem, packed || dynamic);
     gpu.prepare(&kernel, smem)?;
     let o_strides = p.strides_of(&o, "o")?;
     let o_layout = (p.kernel_dims(&o), o.dtype());
@@ -774,7 +793,7 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
         let blocks = if schedule.persistent { work.min(gpu.sm_count() as usize) } else { work };
         let packed_batch = lens.zip(table.as_deref());
         let (varlen, _g_varlen) = VarlenParams::of(gpu, packed_batch);
-        let params = ForwardParams {
+        let params = |tile_counter: u64| ForwardParams {
             q,
             k,
             v,
@@ -798,8 +817,18 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
             ),
             o_strides,
             varlen,
+            tile_counter,
         };
-        gpu.launch(&kernel, grid(blocks, 1, 1)?, tiles.threads() as u32, smem, &params)?;
+        // A windowed problem's blocks take their tiles from two counters (the kernel's
+        // next_dynamic_tile), zero at launch and left zero by the kernel's last block.
+        let shape = (grid(blocks, 1, 1)?, tiles.threads() as u32, smem);
+        if dynamic {
+            gpu.with_scratch(2, 0, |scratch| {
+                gpu.launch(&kernel, shape.0, shape.1, shape.2, &params(scratch.counters))
+            })?;
+        } else {
+            gpu.launch(&kernel, shape.0, shape.1, shape.2, &params(0))?;
+        }
     }
     Ok(Output { o, lse })
 }
@@ -848,7 +877,7 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
         }
     }
     for (pingpong, overlap) in [(true, true), (false, true), (true, false), (false, false)] {
-        let schedule = Schedule { pingpong, overlap, persistent: true };
+        let schedule = Schedule { pingpong, overlap, ..Schedule::default() };
         if schedule == Schedule::for_head_dim(128, false) {
             continue; // compiled above
         }
@@ -871,6 +900,13 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
             let mask = Masking { causal, windowed: true };
             all.push(variant(d, dtype, mask, (t, Schedule::for_head_dim(d, false)), false, packed));
         }
+    }
+    // The dynamic tile order (an experiment, Schedule::dynamic), fixed-length and packed.
+    for packed in [false, true] {
+        let t = Fa3Tiles::for_head_dim(128, true).expect("d = 128 has tiles");
+        let mask = Masking { causal: true, windowed: true };
+        let s = Schedule { dynamic: true, ..Schedule::for_head_dim(128, false) };
+        all.push(variant(128, DType::F16, mask, (t, s), false, packed));
     }
     all
 }
@@ -958,9 +994,18 @@ mod tests {
     fn schedules_parse_and_print() {
         assert_eq!("full".parse::<Schedule>().unwrap(), Schedule::default());
         let s: Schedule = "no-pingpong, no-persistent".parse().unwrap();
-        assert_eq!(s, Schedule { pingpong: false, overlap: true, persistent: false });
+        assert_eq!(s, Schedule { pingpong: false, persistent: false, ..Schedule::default() });
         assert_eq!(s.label(), "no-pingpong,no-persistent");
         assert_eq!(s.label().parse::<Schedule>().unwrap(), s);
+        let experiment: Schedule = "no-overlap,dynamic".parse().unwrap();
+        assert!(experiment.dynamic && !experiment.overlap && !Schedule::default().dynamic);
+        assert_eq!(experiment.label(), "no-overlap,dynamic");
+        // The counter is used under a window without the overlap, and nowhere else.
+        let (windowed, plain) =
+            (Masking { causal: true, windowed: true }, Masking { causal: true, windowed: false });
+        assert!(dynamic_tiles(windowed, experiment) && !dynamic_tiles(plain, experiment));
+        assert!(!dynamic_tiles(windowed, Schedule { dynamic: true, ..Schedule::default() }));
+        assert!(!dynamic_tiles(windowed, Schedule::for_head_dim(128, false)));
         assert_eq!(Schedule::default().label(), "full");
         assert!(matches!("no-tma".parse::<Schedule>(), Err(KernelError::Config(_))));
     }
