@@ -330,7 +330,12 @@ fn gpu_fa3_ablation_variants_equal_the_full_kernel() {
         (false, false, true),
         (true, true, false),
     ]
-    .map(|(pingpong, overlap, persistent)| fa3::Schedule { pingpong, overlap, persistent });
+    .map(|(pingpong, overlap, persistent)| fa3::Schedule {
+        pingpong,
+        overlap,
+        persistent,
+        dynamic: false,
+    });
     let mut failures = Vec::new();
     for causal in [false, true] {
         let case = fa3_case(2, causal, 77);
