@@ -37,7 +37,7 @@ use crate::rungs::RungConfig;
 /// | `LADDER_KERNEL_CACHE=DIR` or `off` | kernel cache folder, or none |
 /// | `LADDER_FA2_TILES=m_tiles,bc,warps` | FA2 forward tiles for every head dimension (tuning) |
 /// | `LADDER_FA3_TILES=bc,consumers,stages` | FA3 tiles for every head dimension and mask (tuning) |
-/// | `LADDER_FA3_SCHEDULE=no-pingpong,...` | FA3 schedule: `full`, or what to switch off (`no-pingpong`, `no-overlap`, `no-persistent`) |
+/// | `LADDER_FA3_SCHEDULE=no-pingpong,...` | FA3 schedule: `full`, or what to switch off (`no-pingpong`, `no-overlap`, `no-persistent`) and the experiment to switch on (`dynamic`: windowed tiles from a counter, with `no-overlap`) |
 /// | `LADDER_FA3_L2_SECTION_MB=N` | K and V megabytes the causal FA3 tile order keeps in L2 at a time (tuning) |
 /// | `LADDER_DECODE_STAGES=N` | K/V stages of the decoding kernels (tuning) |
 pub fn gpu_config_from_env() -> anyhow::Result<GpuConfig> {
