@@ -193,7 +193,7 @@ struct Fa3ForwardParams {
     int section_heads;  // causal tile order: (head, batch) pairs walked together (see below)
     Strides o_strides;  // O's rows, where the epilogue stores them from registers
     Varlen varlen;      // FA3_VARLEN only
-    // FA3_WINDOW only: [0] the tiles taken past the first wave, [1] the blocks done; zero at
+    // FA3_DYNAMIC only: [0] the tiles taken past the first wave, [1] the blocks done; zero at
     // launch, and the last block out puts them back to zero.
     unsigned* tile_counter;
 };
@@ -232,9 +232,9 @@ struct PipelineTiles : OTile<o_smem> {
 };
 
 // A packed batch's variant has one more slot: its current tile, which the producer looks up and
-// hands to the consumers (see consumer); so does a windowed one, whose producer takes its tiles
-// from a counter. The other variants work their tiles out with arithmetic alone and keep the
-// layout without it.
+// hands to the consumers (see consumer); so does one whose producer takes its tiles from a
+// counter (FA3_DYNAMIC). The other variants work their tiles out with arithmetic alone and keep
+// the layout without it.
 struct PackedTiles : PipelineTiles {
     Tile tile;
 };
@@ -681,7 +681,7 @@ __device__ void consumer(const Fa3ForwardParams& p, SharedTiles& t, int wg) {
          index = next_tile(index), ++tiles_done) {
         // A packed batch's tile is read from shared memory, where the producer put it well
         // ahead: looked up here, its dependent loads (the tile table, then the offsets) would
-        // stall every tile's start; a windowed one's comes from the producer's counter. (A
+        // stall every tile's start; with FA3_DYNAMIC it comes from the producer's counter. (A
         // fixed-length tile is arithmetic, done before the wait.)
         Tile tile;
         if (!dynamic) tile = tile_at(p, index);

@@ -28,7 +28,7 @@ use cudarc::driver::DeviceRepr;
 
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
-use crate::gpu::{Gpu, Kernel, parse_counts};
+use crate::gpu::{Gpu, GpuConfig, Kernel, parse_counts};
 use crate::problem::{
     Band, Gradients, Masking, Options, Output, Packed, Problem, Strides, grid, multiples,
 };
@@ -101,6 +101,16 @@ impl ForwardTiles {
             65..=128 => ForwardTiles { m_tiles: 2, bc: 64, warps: 4 },
             _ => ForwardTiles { m_tiles: 1, bc: 64, warps: 4 },
         })
+    }
+
+    /// The tiles the forward pass takes under `config` on architecture `arch`: the
+    /// configuration's (`GpuConfig::tune(tiles)`) where one is set, otherwise
+    /// [`ForwardTiles::for_head_dim`].
+    pub(crate) fn for_config(config: &GpuConfig, d: usize, arch: &str) -> Result<ForwardTiles> {
+        match config.tuned::<ForwardTiles>() {
+            Some(t) => Ok(t),
+            None => ForwardTiles::for_head_dim(d, arch),
+        }
     }
 
     /// Query rows per block.
@@ -356,10 +366,7 @@ fn forward_problem(
     if !HEAD_DIMS.contains(&p.d) {
         return Err(KernelError::UnsupportedHeadDim { rung: "fa2", d: p.d, supported: HEAD_DIMS });
     }
-    let tiles = match gpu.config().tuned::<ForwardTiles>() {
-        Some(t) => t,
-        None => ForwardTiles::for_head_dim(p.d, gpu.arch())?,
-    };
+    let tiles = ForwardTiles::for_config(gpu.config(), p.d, gpu.arch())?;
     let mut o = gpu.output_like(q, p.dtype)?;
     let o_strides = p.strides_of(&o, "o")?;
     let [qs, ks, vs] = p.strides;

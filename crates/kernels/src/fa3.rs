@@ -45,7 +45,7 @@ use cudarc::driver::sys::{
 
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
-use crate::gpu::{Gpu, Kernel, parse_counts};
+use crate::gpu::{Gpu, GpuConfig, Kernel, parse_counts};
 use crate::problem::{Band, Masking, Options, Output, Problem, Strides, grid, multiples};
 use crate::tensor::{DType, Tensor};
 use crate::varlen::{SeqLens, VarlenParams};
@@ -154,7 +154,17 @@ impl Fa3Tiles {
     /// `n_kv` keys: the configuration's (`GpuConfig::tune(tiles)`) where one is set,
     /// otherwise [`Fa3Tiles::for_problem`]. (The FP8 path's: [`fp8::tiles_on`].)
     pub fn on(gpu: &Gpu, d: usize, causal: bool, n_kv: usize) -> Result<Fa3Tiles> {
-        match gpu.config().tuned::<Fa3Tiles>() {
+        Fa3Tiles::for_config(gpu.config(), d, causal, n_kv)
+    }
+
+    /// [`Fa3Tiles::on`] for a configuration, without a device (what `inspect` compiles).
+    pub(crate) fn for_config(
+        config: &GpuConfig,
+        d: usize,
+        causal: bool,
+        n_kv: usize,
+    ) -> Result<Fa3Tiles> {
+        match config.tuned::<Fa3Tiles>() {
             Some(t) => Ok(t),
             None => Fa3Tiles::for_problem(d, causal, n_kv),
         }
@@ -290,7 +300,12 @@ impl Schedule {
     /// configuration's (`GpuConfig::tune(schedule)`, the ablation) where one is set, otherwise
     /// [`Schedule::for_head_dim`].
     pub fn on(gpu: &Gpu, d: usize, fp8: bool) -> Schedule {
-        gpu.config().tuned::<Schedule>().unwrap_or(Schedule::for_head_dim(d, fp8))
+        Schedule::for_config(gpu.config(), d, fp8)
+    }
+
+    /// [`Schedule::on`] for a configuration, without a device (what `inspect` compiles).
+    pub(crate) fn for_config(config: &GpuConfig, d: usize, fp8: bool) -> Schedule {
+        config.tuned::<Schedule>().unwrap_or(Schedule::for_head_dim(d, fp8))
     }
 
     /// `full`, or the ideas switched off (and the experiment switched on) joined by commas
@@ -353,6 +368,7 @@ pub(crate) fn variant(
 ) -> Variant {
     let operand_bytes = operand_bytes(fp8);
     let o_smem = o_through_shared(t, d, operand_bytes, packed);
+    let dynamic = dynamic_tiles(mask, s);
     Variant {
         file: "fa3_forward",
         source: SRC,
@@ -364,7 +380,7 @@ pub(crate) fn variant(
             ("FA3_STAGES", t.stages.to_string()),
             ("FA3_CAUSAL", (mask.causal as u32).to_string()),
             ("FA3_WINDOW", (mask.windowed as u32).to_string()),
-            ("FA3_DYNAMIC", (dynamic_tiles(mask, s) as u32).to_string()),
+            ("FA3_DYNAMIC", (dynamic as u32).to_string()),
             ("FA3_OVERLAP", (s.overlap as u32).to_string()),
             ("FA3_PINGPONG", (s.pingpong as u32).to_string()),
             ("FA3_FP8", (fp8 as u32).to_string()),
@@ -373,8 +389,7 @@ pub(crate) fn variant(
             // Checked against the kernel's own sizes when it compiles.
             (
                 "FA3_HOST_SHARED_BYTES",
-                shared_bytes(t, d, operand_bytes, o_smem, packed || dynamic_tiles(mask, s))
-                    .to_string(),
+                shared_bytes(t, d, operand_bytes, o_smem, packed || dynamic).to_string(),
             ),
             ("FA3_HOST_PARAMS_BYTES", std::mem::size_of::<ForwardParams>().to_string()),
         ],
@@ -394,8 +409,8 @@ fn o_through_shared(t: Fa3Tiles, d: usize, operand_bytes: usize, packed: bool) -
 }
 
 /// The launch's dynamic shared memory: the pipeline's, O's tile if `o_smem`, and the slot in
-/// which the producer hands each tile to the consumers (`tile_slot`: a packed batch's, and a
-/// windowed problem's, whose tiles come from a counter).
+/// which the producer hands each tile to the consumers (`tile_slot`: a packed batch's, and one
+/// whose tiles come from a counter, [`Schedule::dynamic`]).
 fn shared_bytes(t: Fa3Tiles, d: usize, operand_bytes: usize, o_smem: bool, slot: bool) -> usize {
     t.pipeline_bytes(d, operand_bytes)
         + if o_smem { t.o_bytes(d) } else { 0 }
@@ -757,12 +772,13 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
     let fp8 = fp8.is_some();
     let operand_bytes = operand_bytes(fp8);
     let packed = lens.is_some();
+    let mask = Masking::of(p);
     let kernel = Kernel {
-        variant: variant(p.d, p.dtype, Masking::of(p), (tiles, schedule), fp8, packed),
+        variant: variant(p.d, p.dtype, mask, (tiles, schedule), fp8, packed),
         entry: "fa3_forward",
     };
     let o_smem = o_through_shared(tiles, p.d, operand_bytes, packed);
-    let dynamic = dynamic_tiles(Masking::of(p), schedule);
+    let dynamic = dynamic_tiles(mask, schedule);
     let smem = shared_bytes(tiles, p.d, operand_bytes, o_smem, packed || dynamic);
     gpu.prepare(&kernel, smem)?;
     let o_strides = p.strides_of(&o, "o")?;
@@ -819,8 +835,8 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
             varlen,
             tile_counter,
         };
-        // A windowed problem's blocks take their tiles from two counters (the kernel's
-        // next_dynamic_tile), zero at launch and left zero by the kernel's last block.
+        // With Schedule::dynamic, a windowed problem's blocks take their tiles from two counters
+        // (the kernel's next_dynamic_tile), zero at launch and left zero by its last block.
         let shape = (grid(blocks, 1, 1)?, tiles.threads() as u32, smem);
         if dynamic {
             gpu.with_scratch(2, 0, |scratch| {

@@ -72,10 +72,7 @@ impl Target {
                     let supported = fa2::HEAD_DIMS;
                     return Err(KernelError::UnsupportedHeadDim { rung: "fa2", d, supported });
                 }
-                let tiles = match config.tuned::<fa2::ForwardTiles>() {
-                    Some(t) => t,
-                    None => fa2::ForwardTiles::for_head_dim(d, &self.arch)?,
-                };
+                let tiles = fa2::ForwardTiles::for_config(config, d, &self.arch)?;
                 let rows = [d as i64; 4];
                 Ok(fa2::forward_variant(d, dtype, mask, tiles, rows, false, false))
             }
@@ -91,13 +88,9 @@ impl Target {
                     let supported = fa3::HEAD_DIMS;
                     return Err(KernelError::UnsupportedHeadDim { rung: "fa3", d, supported });
                 }
-                let tiles = match config.tuned::<fa3::Fa3Tiles>() {
-                    Some(t) => t,
-                    None => fa3::Fa3Tiles::for_head_dim(d, self.causal)?,
-                };
-                let schedule = config
-                    .tuned::<fa3::Schedule>()
-                    .unwrap_or(fa3::Schedule::for_head_dim(d, false));
+                // The tiles of long problems (the short ones' are for at most SHORT_KEYS keys).
+                let tiles = fa3::Fa3Tiles::for_config(config, d, self.causal, usize::MAX)?;
+                let schedule = fa3::Schedule::for_config(config, d, false);
                 Ok(fa3::variant(d, dtype, mask, (tiles, schedule), false, false))
             }
             other => Err(KernelError::Config(format!(
