@@ -132,7 +132,9 @@ where
 /// over 4 kv heads, n = 2048, d = 128, causal, bf16); `live::gpu_live("fa2")` checks the
 /// gradients themselves against the float64 oracle.
 pub fn gpu_determinism() -> Result<(), Failure> {
-    let Some(gpu) = crate::live::gpu_for("fa2-determinism", None) else { return Ok(()) };
+    let Some(gpu) = crate::live::gpu_for("fa2-determinism", GpuRung::Fa2Backward, None) else {
+        return Ok(());
+    };
     let mut report = crate::live::Report::default();
     let checked = check_determinism(&gpu, &mut report);
     print!("{}", report.0);

@@ -35,7 +35,8 @@ impl Report {
 /// notebook 13's planted bug takes out of the loop.
 pub const FA3_RESCALE: &str = "if (__any_sync(0xffffffff, moved)) rescale(o, alpha);";
 
-/// The recorded checks: (file name under `docs/results/notebook-live/`, what it runs).
+/// The recorded checks, by their file name under `docs/results/notebook-live/` ([`record`] says
+/// what each runs).
 pub const RECORDED: &[&str] =
     &["fa1", "fa2", "fa3", "fa3-fp8", "fa3-no-rescale", "fa2-determinism"];
 
@@ -65,19 +66,21 @@ fn show_recorded(why: &str, name: &str) {
     }
 }
 
-/// The GPU, or `None` after saying why there is none here and showing recording `name`.
-pub(crate) fn gpu_for(name: &str, config: Option<&GpuConfig>) -> Option<Gpu> {
+/// A GPU that runs `rung`, or `None` after saying why there is none here and showing recording
+/// `name`.
+pub(crate) fn gpu_for(name: &str, rung: GpuRung, config: Option<&GpuConfig>) -> Option<Gpu> {
     let opened = match config {
         Some(c) => Gpu::with_config(c.clone()).map_err(|e| e.to_string()),
         None => gpu_check::open_gpu().map_err(|e| e.to_string()),
     };
     match opened {
-        Ok(gpu) if gpu.arch() == "sm_90a" || !name.starts_with("fa3") => Some(gpu),
+        Ok(gpu) if rung.available_on(&gpu) => Some(gpu),
         Ok(gpu) => {
             let why = format!(
-                "{} ({}) cannot run FA3: it needs a Hopper GPU (sm_90a).",
+                "{} ({}) cannot run {}: it needs a Hopper GPU (sm_90a).",
                 gpu.name(),
-                gpu.arch()
+                gpu.arch(),
+                rung.name()
             );
             show_recorded(&why, name);
             None
@@ -111,7 +114,10 @@ fn live_case(d: usize, logit_std: f64) -> Result<Case, Failure> {
 /// (or, for FA3, without a Hopper one) it shows the recording of the same check on the H200. An
 /// error when a kernel is outside its tolerance.
 pub fn gpu_live(rung: &str) -> Result<(), Failure> {
-    let Some(gpu) = gpu_for(rung, None) else { return Ok(()) };
+    let Some(forward) = GpuRung::find(rung, Direction::Fwd) else {
+        return Err(Failure(format!("no GPU kernel for {rung:?}")));
+    };
+    let Some(gpu) = gpu_for(rung, forward, None) else { return Ok(()) };
     let mut report = Report::default();
     let pass = check_rung(&gpu, rung, &mut report);
     print!("{}", report.0);
@@ -195,7 +201,10 @@ fn check_rung_on(
 /// tile to tile); prints the verdict either way. Without such a GPU: the recording of notebook
 /// 13's planted bug (the rescale taken out of the loop, [`FA3_RESCALE`]).
 pub fn try_edit(rung: &str, config: &GpuConfig) -> Result<(), Failure> {
-    let Some(gpu) = gpu_for("fa3-no-rescale", Some(config)) else { return Ok(()) };
+    let Some(forward) = GpuRung::find(rung, Direction::Fwd) else {
+        return Err(Failure(format!("no GPU kernel for {rung:?}")));
+    };
+    let Some(gpu) = gpu_for("fa3-no-rescale", forward, Some(config)) else { return Ok(()) };
     let mut report = Report::default();
     check_edit(&gpu, rung, &mut report)?;
     print!("{}", report.0);
@@ -270,7 +279,7 @@ pub fn inspect_edit(
 /// each error against the float64 oracle beside the CPU `fa3-fp8` rung's on the same numbers, and
 /// held to the FP8 tolerance. Without a Hopper GPU: the recording of the same check.
 pub fn gpu_live_fp8() -> Result<(), Failure> {
-    let Some(gpu) = gpu_for("fa3-fp8", None) else { return Ok(()) };
+    let Some(gpu) = gpu_for("fa3-fp8", GpuRung::Fa3Fp8, None) else { return Ok(()) };
     let mut report = Report::default();
     let pass = check_fp8(&gpu, &mut report);
     print!("{}", report.0);
