@@ -133,7 +133,7 @@ CUDNN_HINT = "install the nvidia-cudnn-frontend wheel: see scripts/peers.py head
 # flex's and the Triton tutorial's first call against SDPA on one (batch, head) slice, a dense mask
 # for a window: max abs error (both fp16/bf16 with float32 accumulation: roundings, ~1e-3; a wrong
 # mask gives ~1).
-FLEX_MAX_ABS = 2e-2
+FIRST_CALL_MAX_ABS = 2e-2
 # The Triton tutorial's autotuned forward configuration per (d, n, causal, warp_specialize),
 # recorded after its first call: written to triton-configs.csv beside peers.csv.
 TRITON_CONFIGS = []
@@ -430,6 +430,19 @@ def mask_label(causal, window):
     return "w" + window_field(band(causal, window))
 
 
+def check_first_call(torch, attend, sets, reference, who):
+    """The first call of `attend` on input set 0 (it compiles or autotunes on the real shape,
+    untimed), its first (batch, head) slice checked against `reference` (SDPA) on that slice: max
+    abs error at most FIRST_CALL_MAX_ABS, or a RuntimeError naming `who`."""
+    with torch.no_grad():
+        got = attend(*sets[0][:3])[:1, :1].float()
+        ref = reference(*(t[:1, :1] for t in sets[0][:3])).float()
+        err = (got - ref).abs().amax().item()
+    if not err <= FIRST_CALL_MAX_ABS:  # NaN fails too
+        raise RuntimeError(f"{who}'s output differs from SDPA's: max abs {err:.3g} "
+                           f"(tolerance {FIRST_CALL_MAX_ABS})")
+
+
 _flex = []  # [flex_attention compiled, create_block_mask] once imported
 
 
@@ -458,9 +471,8 @@ def make_flex_step(torch, sets, causal, window, direction):
 
     def attend(q, k, v):
         return flex(q, k, v, block_mask=block_mask)
-    with torch.no_grad():  # the first call compiles; check it against SDPA on one slice
-        got = attend(*sets[0][:3])[:1, :1].float()
-        q, k, v = (t[:1, :1] for t in sets[0][:3])
+
+    def reference(q, k, v):  # SDPA with the same band as a dense mask
         i = torch.arange(n_q, device="cuda")[:, None] + shift
         j = torch.arange(n_kv, device="cuda")[None, :]
         dense = torch.ones(n_q, n_kv, dtype=torch.bool, device="cuda")
@@ -468,11 +480,8 @@ def make_flex_step(torch, sets, causal, window, direction):
             dense &= j <= i + right
         if left is not None:
             dense &= j >= i - left
-        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense).float()
-        err = (got - ref).abs().amax().item()
-    if not err <= FLEX_MAX_ABS:  # NaN fails too
-        raise RuntimeError(f"FlexAttention's output differs from SDPA's: max abs {err:.3g} "
-                           f"(tolerance {FLEX_MAX_ABS})")
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    check_first_call(torch, attend, sets, reference, "FlexAttention")
     return step_of(torch, attend, sets, direction)
 
 
@@ -506,14 +515,9 @@ def make_step(torch, impl, sets, causal, direction, d, args, window=None):
         def attend(q, k, v):
             return tfa.attention(q, k, v, causal, scale, ws)
         if impl == "triton":  # the first call autotunes on the real shape; check it, record its pick
-            with torch.no_grad():
-                got = attend(*sets[0][:3])[:1, :1].float()
-                q, k, v = (t[:1, :1] for t in sets[0][:3])
-                ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal).float()
-                err = (got - ref).abs().amax().item()
-            if not err <= FLEX_MAX_ABS:  # NaN fails too
-                raise RuntimeError(f"the Triton tutorial's output differs from SDPA's: max abs "
-                                   f"{err:.3g} (tolerance {FLEX_MAX_ABS})")
+            check_first_call(torch, attend, sets,
+                             lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                             "the Triton tutorial")
             best = getattr(tfa._attn_fwd, "best_config", None)
             config = (d, sets[0][0].shape[2], causal, ws, str(best).replace(",", ";"))
             if config not in TRITON_CONFIGS:  # the backward's case runs the same forward
