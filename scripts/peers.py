@@ -54,7 +54,10 @@ torch.compile, its Triton kernels generated and autotuned at the first call, unt
 (create_block_mask), outside the timed region, so that it skips the tiles the mask empties. Its
 first call is checked against SDPA on one (batch, head) slice (with a dense mask for a window).
 A windowed case counts TFLOP/s on the query-key pairs the window attends, as `ladder bench` does;
-only `flex` takes a window.
+only `flex` takes a window. `--score-mod` (softcap:CAP, alibi, softcap:CAP+alibi, relative-bias,
+the ladder's modifiers: crates/compare/src/modifiers.rs) gives `flex` the same function as its
+`score_mod`, counting the FLOPs of the unmodified case; its first call is then checked against the
+same modifier applied to the scores of one (batch, head) slice by hand.
 
 The frontend is not on the GPU machine's index: its wheel (cp312, manylinux x86_64, ~12 MB) is
 downloaded here into .whl/ (kept out of git by .git/info/exclude), carried to the machine with the
@@ -99,12 +102,16 @@ import warnings
 HEADER = ["impl", "direction", "dtype", "causal", "batch", "heads_q", "heads_kv",
           "n_q", "n_kv", "d", "ms", "tflops", "tbps", "page_size",  # page_size: empty (no paged peers)
           "layout",  # empty for [b, h, s, d]; bshd: [b, s, h, d] in memory, a transposed view
-          "window"]  # empty for none; LEFT:RIGHT (-1 open) for a sliding window
+          "window",  # empty for none; LEFT:RIGHT (-1 open) for a sliding window
+          "score_mod"]  # empty for none; softcap:CAP, alibi, softcap:CAP+alibi or relative-bias
 IMPLS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "triton", "triton-fp8", "cudnn-fp8", "flex",
          "flashinfer"]
 # Peers that take a sliding window (--window): FlexAttention's mask_mod. SDPA's backends have no
 # window but a dense boolean mask, which is another algorithm (and n² bytes): skipped.
 WINDOW_IMPLS = ["flex"]
+# Peers that take a score modifier (--score-mod): FlexAttention's score_mod.
+SCORE_MOD_IMPLS = ["flex"]
+BIAS_RADIUS = 16  # the relative bias's table: distances clamped to +-16 (as modifiers.rs)
 L2_BYTES = 50 << 20  # H100/H200 L2: inputs smaller than this rotate among several sets
 SAMPLE_MS = 1.0      # a timed sample spans at least this long
 # The decoding shapes of `ladder bench --direction decode` (crates/compare/src/bench/plan.rs):
@@ -174,6 +181,58 @@ def band(causal, window):
     return left, (0 if causal else right)
 
 
+def parse_score_mod(text):
+    """`none`, softcap:CAP, alibi, softcap:CAP+alibi or relative-bias (as `ladder bench --score-mod`)."""
+    text = text.strip()
+    if text == "none":
+        return None
+    if text in ("alibi", "relative-bias"):
+        return text
+    if text.startswith("softcap:"):
+        cap = text[len("softcap:"):].removesuffix("+alibi")
+        try:
+            ok = float(cap) > 0 and math.isfinite(float(cap))
+        except ValueError:
+            ok = False
+        if ok:
+            return text
+    raise argparse.ArgumentTypeError(
+        f"a score_mod is softcap:CAP, alibi, softcap:CAP+alibi or relative-bias, got {text!r}")
+
+
+def alibi_slopes(heads):
+    """The ALiBi paper's slopes (ScoreMod::alibi_slopes in the reference crate)."""
+    def power_of_two(n):
+        return [2 ** (-8 * k / n) for k in range(1, n + 1)]
+    if heads & (heads - 1) == 0:
+        return power_of_two(heads)
+    below = 1 << (heads.bit_length() - 1)
+    return power_of_two(below) + power_of_two(2 * below)[0::2][:heads - below]
+
+
+def score_mod_fn(torch, spec, heads, shift):
+    """The ladder's modifier `spec` as a function of (score, b, h, q_idx, kv_idx) on tensors: a
+    FlexAttention score_mod, and (on whole tensors) the check's reference."""
+    if spec is None:
+        return None
+    slopes = torch.tensor(alibi_slopes(heads), device="cuda", dtype=torch.float32)
+    width = 2 * BIAS_RADIUS + 1
+    table = (torch.rand(heads * width, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+             - 0.5)  # values do not matter for timing; the check uses the same table
+    cap = float(spec[len("softcap:"):].removesuffix("+alibi")) if spec.startswith("softcap:") else None
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if cap is not None:
+            score = cap * torch.tanh(score / cap)
+        if spec == "alibi" or spec.endswith("+alibi"):
+            score = score - slopes[h] * (kv_idx - q_idx - shift).abs()
+        if spec == "relative-bias":
+            r = torch.clamp(kv_idx - q_idx - shift, -BIAS_RADIUS, BIAS_RADIUS) + BIAS_RADIUS
+            score = score + table[h * width + r]
+        return score
+    return score_mod
+
+
 def csv_list(convert, choices=None):
     def parse(text):
         items = [convert(x.strip()) for x in text.split(",") if x.strip()]
@@ -203,6 +262,10 @@ def parse_args(argv=None):
                    help="a sliding window LEFT,RIGHT (-1 open; 4095,0 is Mistral's; write --window=-1,0 "
                         "when LEFT is open) or none; once per window [none]; windowed cases run on "
                         "the peers that take one (flex)")
+    p.add_argument("--score-mod", action="append", type=parse_score_mod,
+                   help="a score modifier (softcap:CAP, alibi, softcap:CAP+alibi, relative-bias) or "
+                        "none; once per modifier [none]; modified cases run on the peers that take "
+                        "one (flex)")
     p.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
     p.add_argument("--repeats", type=int, help="timed samples per case [30; 5 with --quick]")
     p.add_argument("--warmup", type=int, help="warm-up calls per case [5; 2 with --quick]")
@@ -231,6 +294,7 @@ def parse_args(argv=None):
     a.n = a.n or ([1024, 4096] if a.quick else [512, 1024, 2048, 4096, 8192, 16384])
     a.causals = {"true": [True], "false": [False]}.get(a.causal, [False] if a.quick else [False, True])
     a.windows = a.window or [None]
+    a.score_mods = a.score_mod or [None]
     a.repeats = max(1, a.repeats if a.repeats is not None else (5 if a.quick else 30))
     a.warmup = max(1, a.warmup if a.warmup is not None else (2 if a.quick else 5))
     for d in a.d:
@@ -302,12 +366,14 @@ def sets_for(bytes_per_set):
     return min(32, max(2, -(-2 * L2_BYTES // max(1, bytes_per_set))))
 
 
-def csv_row(impl, direction, dtype, causal, batch, heads, n, d, ms, layout="bhsd", window=None):
+def csv_row(impl, direction, dtype, causal, batch, heads, n, d, ms, layout="bhsd", window=None,
+            score_mod=None):
     tflops = flops(direction, batch, heads, n, n, d, causal, window) / (ms * 1e-3) / 1e12
     return {"impl": impl, "direction": direction, "dtype": dtype, "causal": str(causal).lower(),
             "batch": batch, "heads_q": heads, "heads_kv": heads, "n_q": n, "n_kv": n, "d": d,
             "ms": f"{ms:.6f}", "tflops": f"{tflops:.3f}", "tbps": "",
-            "layout": "" if layout == "bhsd" else layout, "window": window_field(window)}
+            "layout": "" if layout == "bhsd" else layout, "window": window_field(window),
+            "score_mod": score_mod or ""}
 
 
 def decode_row(impl, dtype, batch, heads_q, heads_kv, n_q, n_kv, d, ms, elem_bytes=2):
@@ -423,11 +489,11 @@ def step_of(torch, attend, sets, direction):
     return backward
 
 
-def mask_label(causal, window):
-    """full, causal, or w{LEFT}:{RIGHT} after the causal mask (as `ladder bench` labels it)."""
-    if window is None:
-        return "causal" if causal else "full"
-    return "w" + window_field(band(causal, window))
+def mask_label(causal, window, score_mod=None):
+    """full, causal, or w{LEFT}:{RIGHT} after the causal mask, then +MOD for a score modifier (as
+    `ladder bench` labels it)."""
+    mask = ("causal" if causal else "full") if window is None else "w" + window_field(band(causal, window))
+    return mask if score_mod is None else f"{mask}+{score_mod}"
 
 
 def check_first_call(torch, attend, sets, reference, who):
@@ -446,9 +512,10 @@ def check_first_call(torch, attend, sets, reference, who):
 _flex = []  # [flex_attention compiled, create_block_mask] once imported
 
 
-def make_flex_step(torch, sets, causal, window, direction):
+def make_flex_step(torch, sets, causal, window, direction, score_mod_spec=None):
     """FlexAttention on the input sets: its BlockMask made here (untimed), its first call checked
-    against SDPA on the first (batch, head) slice of set 0."""
+    against SDPA on the first (batch, head) slice of set 0 (with a score modifier, against the
+    modifier applied by hand to that slice's scores)."""
     if not _flex:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         _flex.extend([torch.compile(flex_attention, dynamic=False), create_block_mask])
@@ -469,10 +536,12 @@ def make_flex_step(torch, sets, causal, window, direction):
             return keep
         block_mask = create_block_mask(mask_mod, B=None, H=None, Q_LEN=n_q, KV_LEN=n_kv, device="cuda")
 
-    def attend(q, k, v):
-        return flex(q, k, v, block_mask=block_mask)
+    score_mod = score_mod_fn(torch, score_mod_spec, q0.shape[1], shift)
 
-    def reference(q, k, v):  # SDPA with the same band as a dense mask
+    def attend(q, k, v):
+        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+    def reference(q, k, v):  # SDPA with the same band as a dense mask (by hand with a modifier)
         i = torch.arange(n_q, device="cuda")[:, None] + shift
         j = torch.arange(n_kv, device="cuda")[None, :]
         dense = torch.ones(n_q, n_kv, dtype=torch.bool, device="cuda")
@@ -480,18 +549,25 @@ def make_flex_step(torch, sets, causal, window, direction):
             dense &= j <= i + right
         if left is not None:
             dense &= j >= i - left
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+        if score_mod is None:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+        s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        zero = torch.zeros((), dtype=torch.int64, device="cuda")
+        s = score_mod(s, zero, zero, i - shift, j).masked_fill(~dense, float("-inf"))
+        return (torch.softmax(s, dim=-1) @ v.float()).to(q.dtype)
     check_first_call(torch, attend, sets, reference, "FlexAttention")
     return step_of(torch, attend, sets, direction)
 
 
-def make_step(torch, impl, sets, causal, direction, d, args, window=None):
+def make_step(torch, impl, sets, causal, direction, d, args, window=None, score_mod=None):
     """A function of the input set index that runs one call of `impl`."""
     F = torch.nn.functional
     if window is not None and impl not in WINDOW_IMPLS:
         raise Skip(f"{impl} takes no sliding window (only {', '.join(WINDOW_IMPLS)} here)")
+    if score_mod is not None and impl not in SCORE_MOD_IMPLS:
+        raise Skip(f"{impl} takes no score modifier (only {', '.join(SCORE_MOD_IMPLS)} here)")
     if impl == "flex":
-        return make_flex_step(torch, sets, causal, window, direction)
+        return make_flex_step(torch, sets, causal, window, direction, score_mod)
     if impl == "flashinfer":
         raise Skip("FlashInfer is timed in decode only (--direction decode)")
     if impl == "cudnn-fp8":
@@ -863,7 +939,7 @@ def fp8_outlier_error(torch, args):
     return out
 
 
-def time_case(torch, backend, impl, sets, causal, direction, d, args, window=None):
+def time_case(torch, backend, impl, sets, causal, direction, d, args, window=None, score_mod=None):
     """Median ms per call of one case; raises Skip with the reason when it does not run."""
     if direction == "decode" and impl == "flashinfer":
         make = lambda: make_flashinfer_decode_step(  # noqa: E731
@@ -871,7 +947,7 @@ def time_case(torch, backend, impl, sets, causal, direction, d, args, window=Non
     elif direction == "decode":
         make = lambda: make_decode_step(torch, sets, sets[0][0].shape[1] != sets[0][1].shape[1])  # noqa: E731
     else:
-        make = lambda: make_step(torch, impl, sets, causal, direction, d, args, window)  # noqa: E731
+        make = lambda: make_step(torch, impl, sets, causal, direction, d, args, window, score_mod)  # noqa: E731
     from torch.nn.attention import sdpa_kernel
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -889,6 +965,12 @@ def time_case(torch, backend, impl, sets, causal, direction, d, args, window=Non
                     if "because" in str(w.message) or "requires" in str(w.message)][:2]
             torch.cuda.empty_cache()
             raise Skip("; ".join(why)) from None
+
+
+def impls_for(impls, window, score_mod):
+    """The peers among `impls` that take `window` and `score_mod` (all when both are none)."""
+    return [i for i in impls if (window is None or i in WINDOW_IMPLS)
+            and (score_mod is None or i in SCORE_MOD_IMPLS)]
 
 
 def main(argv=None):
@@ -937,8 +1019,7 @@ def main(argv=None):
         left_out = ", ".join(i for i in args.impl if i not in DECODE_IMPLS)
         print(f"note: decode leaves out {left_out} (prefill kernels)", file=sys.stderr)
     total = (len(args.layout) * len(args.d) * len(args.n) * len(args.causals) * len(prefill)
-             * sum(len(args.impl) if w is None else len([i for i in args.impl if i in WINDOW_IMPLS])
-                   for w in args.windows)
+             * sum(len(impls_for(args.impl, w, m)) for w in args.windows for m in args.score_mods)
              + len(args.decode_d) * len(args.decode) * len(decode_impls))
     done, rows, results = 0, [], []
     shapes = [(layout, d, n) for layout in args.layout for d in args.d for n in args.n]
@@ -958,12 +1039,13 @@ def main(argv=None):
                 ts = [torch.empty(shape, device="cuda", dtype=dtype).uniform_(-1, 1)
                       for _ in range(tensors)]
             sets.append(tuple(ts) if tensors == 4 else (*ts, None))
-        for causal, window in [(c, w) for c in args.causals for w in args.windows]:
+        masks = [(c, w, m) for c in args.causals for w in args.windows for m in args.score_mods]
+        for causal, window, score_mod in masks:
             for direction in prefill:
-                for impl in [i for i in args.impl if window is None or i in WINDOW_IMPLS]:
+                for impl in impls_for(args.impl, window, score_mod):
                     done += 1
                     name = impl if layout == "bhsd" else f"{impl}/{layout}"
-                    mask = mask_label(causal, window)
+                    mask = mask_label(causal, window, score_mod)
                     key = (name, direction, args.dtype, d, n, mask)
                     label = (f"[{done:>3}/{total}] {name:<15} {direction} {args.dtype} d={d:<3} "
                              f"n={n:<5} {mask:<6} b={batch} h={heads}")
@@ -971,13 +1053,13 @@ def main(argv=None):
                         if layout != "bhsd" and impl.startswith("triton"):
                             raise Skip("the Triton tutorial kernel takes contiguous [b, h, s, d]")
                         ms = time_case(torch, backends.get(impl), impl, sets, causal, direction, d, args,
-                                       window)
+                                       window, score_mod)
                     except Skip as e:
                         results.append((key, str(e)))
                         print(f"{label}  skipped: {e}", file=sys.stderr)
                         continue
                     row = csv_row(impl, direction, args.dtype, causal, batch, heads, n, d, ms, layout,
-                                  window)
+                                  window, score_mod)
                     rows.append(row)
                     results.append((key, (ms, float(row["tflops"]))))
                     print(f"{label}  {ms:>9.4f} ms  {float(row['tflops']):>7.1f} TFLOP/s", file=sys.stderr)

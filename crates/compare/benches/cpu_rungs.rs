@@ -28,6 +28,7 @@ fn rungs(c: &mut Criterion) {
                 shape: AttentionShape::new(1, HEADS, HEADS, n, n, D).expect("valid shape"),
                 causal: false,
                 window: Default::default(),
+                score_mod: None,
                 logit_std: 1.0,
                 tiles: TileSizes::default(),
                 splits: 8,

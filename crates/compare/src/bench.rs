@@ -39,6 +39,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::Context;
+use ladder_compare::modifiers::ScoreModSpec;
 use ladder_compare::results::{self, Case, Direction, Outcome, Row};
 use ladder_compare::{GpuRung, gpu_check};
 use ladder_kernels::decode::{self, DecodeOptions};
@@ -177,12 +178,14 @@ fn run(gpu: &Gpu, plan: &Plan, out: &Path) -> anyhow::Result<bool> {
                 prepared.elapsed().as_secs_f64()
             );
         }
-        for (&causal, &window) in
-            plan.causals.iter().flat_map(|c| plan.windows.iter().map(move |w| (c, w)))
+        for (&causal, (window, score_mod)) in
+            plan.causals.iter().flat_map(|c| plan.masks().into_iter().map(move |m| (c, m)))
         {
-            for rung in plan.rungs_with(layout, d, n, window) {
+            for rung in plan.rungs_with(layout, d, n, (window, score_mod)) {
                 done += 1;
-                let case = case_of(rung, causal).windowed(window);
+                let case = case_of(rung, causal)
+                    .windowed(window)
+                    .modified(score_mod.map(|m| m.to_string()));
                 let (row, extra) = run_case(gpu, plan, rung, case, &sets);
                 print_progress(done, total, plan.repeats_of(rung), &row, &extra);
                 rows.push(row);
@@ -341,8 +344,14 @@ fn run_case(
         }
     };
     let (warmup, repeats) = (plan.warmup_of(rung), plan.repeats_of(rung));
-    let opts = Options { causal: case.causal, ..Options::default() }
+    let mut opts = Options { causal: case.causal, ..Options::default() }
         .with_window(ladder_compare::gpu_check::kernel_window(case.window));
+    if let Some(name) = &case.score_mod {
+        match name.parse::<ScoreModSpec>() {
+            Ok(spec) => opts = opts.with_score_mod(spec.gpu(case.heads_q)),
+            Err(why) => return (Row { case, outcome: Outcome::Failed(why) }, Map::new()),
+        }
+    }
     let timed = timing::step(rung, gpu, sets, opts).and_then(|mut step| {
         timing::measure(gpu, &mut step, sets.len(), warmup, repeats, plan.budget_ms)
     });

@@ -8,6 +8,8 @@
 use std::ops::RangeInclusive;
 
 use ladder_reference::{AttentionOptions, AttentionShape, Element, TileSizes, Window};
+
+use crate::modifiers::{Cap, ScoreModSpec};
 use ndarray::Array4;
 use proptest::prelude::*;
 use rand::{RngExt, SeedableRng};
@@ -21,6 +23,8 @@ pub struct Case {
     pub causal: bool,
     /// A sliding window around each row's diagonal (none: `Window::default()`).
     pub window: Window,
+    /// A score modifier (none by default).
+    pub score_mod: Option<ScoreModSpec>,
     /// Standard deviation of the logits `scale · q · k`: 1 is a trained model's regime,
     /// thousands stress overflow (the scale is `logit_std / √d` on unit-normal inputs).
     pub logit_std: f64,
@@ -54,7 +58,17 @@ impl Case {
     }
 
     pub fn attention(&self) -> AttentionOptions {
-        AttentionOptions { causal: self.causal, scale: Some(self.scale()), window: self.window }
+        AttentionOptions {
+            causal: self.causal,
+            scale: Some(self.scale()),
+            window: self.window,
+            score_mod: self.score_mod.map(|m| m.cpu(self.shape.heads_q)),
+        }
+    }
+
+    /// The case's score modifier as the kernels take it.
+    pub fn kernel_score_mod(&self) -> Option<ladder_kernels::ScoreMod> {
+        self.score_mod.map(|m| m.gpu(self.shape.heads_q))
     }
 
     /// Unit-normal tensors from the case's seed.
@@ -109,6 +123,9 @@ pub struct CaseSpace {
     /// a few keys past the longest sequence), for the rungs that take one (off in
     /// [`CaseSpace::cpu`]: an implementation under check may know only the causal mask).
     pub windows: bool,
+    /// Whether a quarter of the cases get a score modifier ([`score_mods`]; off in
+    /// [`CaseSpace::cpu`], for the same reason).
+    pub score_mods: bool,
 }
 
 impl CaseSpace {
@@ -126,6 +143,7 @@ impl CaseSpace {
             splits: 1..=12,
             max_logit_std: 3000.0,
             windows: false,
+            score_mods: false,
         }
     }
 
@@ -143,11 +161,17 @@ impl CaseSpace {
     pub fn with_windows(self) -> Self {
         Self { windows: true, ..self }
     }
+
+    /// Score modifiers in a quarter of the cases ([`CaseSpace::score_mods`]).
+    pub fn with_score_mods(self) -> Self {
+        Self { score_mods: true, ..self }
+    }
 }
 
 /// Cases drawn from `space`.
 pub fn cases(space: CaseSpace) -> impl Strategy<Value = Case> {
     let window = windows(space.windows, space.n_q.end().max(space.n_kv.end()) + 4);
+    let window = (window, score_mods(space.score_mods));
     let sizes = (
         space.batch,
         space.heads_kv,
@@ -164,13 +188,14 @@ pub fn cases(space: CaseSpace) -> impl Strategy<Value = Case> {
         |(
             (batch, heads_kv, group, n_q, n_kv, d),
             (causal, logit_std, br, bc, splits, seed),
-            window,
+            (window, score_mod),
         )| {
             Case {
                 shape: AttentionShape::new(batch, heads_kv * group, heads_kv, n_q, n_kv, d)
                     .expect("sizes from ranges ≥ 1"),
                 causal,
                 window,
+                score_mod,
                 logit_std,
                 tiles: TileSizes::new(br, bc).expect("blocks from a range ≥ 1"),
                 splits,
@@ -189,6 +214,23 @@ pub fn windows(on: bool, longest: usize) -> BoxedStrategy<Window> {
     let side = prop::option::of(0..=longest);
     let window = (side.clone(), side).prop_map(|(left, right)| Window { left, right });
     prop_oneof![3 => Just(Window::default()), 1 => window].boxed()
+}
+
+/// No modifier, or (a quarter of the time, when `on`) one of the built-ins or the relative bias,
+/// with caps from well below the drawn logits' range (where softcap bends every score) to above.
+pub fn score_mods(on: bool) -> BoxedStrategy<Option<ScoreModSpec>> {
+    if !on {
+        return Just(None).boxed();
+    }
+    let cap = prop::sample::select(vec![0.5, 5.0, 30.0, 50.0])
+        .prop_map(|c| Cap::new(c).expect("positive"));
+    let spec = prop_oneof![
+        cap.clone().prop_map(ScoreModSpec::Softcap),
+        Just(ScoreModSpec::Alibi),
+        cap.prop_map(ScoreModSpec::SoftcapAlibi),
+        Just(ScoreModSpec::RelativeBias),
+    ];
+    prop_oneof![3 => Just(None), 1 => spec.prop_map(Some)].boxed()
 }
 
 /// `len` deterministic values in [-1, 1): the splitmix64 stream of `seed`. The same inputs on

@@ -209,7 +209,7 @@ impl Problem {
     /// and the FP8 options of an FP8 precision.
     pub fn rung_config(&self) -> RungConfig {
         let mut config = RungConfig {
-            attention: self.attention,
+            attention: self.attention.clone(),
             tiles: self.case.tiles,
             splits: self.case.splits,
             ..RungConfig::default()

@@ -152,18 +152,28 @@ pub fn rounded(x: &Inputs<f64>, dtype: DType) -> Inputs<f64> {
     Inputs { q: round(&x.q), k: round(&x.k), v: round(&x.v), d_o: round(&x.d_o) }
 }
 
-/// Attention options with the scale rounded to the `f32` the kernel uses, and the kernel's options.
+/// Attention options with the scale rounded to the `f32` the kernel uses, and the kernel's options
+/// (without a score modifier: a CPU modifier is a closure the kernels cannot take; see
+/// [`case_options`]).
 pub fn options(attention: &AttentionOptions, d: usize) -> (AttentionOptions, Options) {
     let scale = attention.scale.unwrap_or(1.0 / (d as f64).sqrt()) as f32;
     (
-        AttentionOptions { scale: Some(scale as f64), ..*attention },
+        AttentionOptions { scale: Some(scale as f64), ..attention.clone() },
         Options {
             causal: attention.causal,
             scale: Some(scale),
             deterministic: false,
             window: kernel_window(attention.window),
+            score_mod: None,
         },
     )
+}
+
+/// [`options`] for a case, with its score modifier on both sides (the CPU closure and the CUDA
+/// source of the same function).
+pub fn case_options(case: &Case) -> (AttentionOptions, Options) {
+    let (attention, opts) = options(&case.attention(), case.shape.d);
+    (attention, Options { score_mod: case.kernel_score_mod(), ..opts })
 }
 
 /// The reference crate's window as the kernels take it (the same two sides).
@@ -399,7 +409,7 @@ pub fn backward_in(
     };
     let [q, k, v, d_o] = [&x.q, &x.k, &x.v, &x.d_o].map(|t| upload_in(gpu, t, dtype, layout));
     let (q, k, v, d_o) = (q?, k?, v?, d_o?);
-    let opts = &Options { deterministic, ..*opts };
+    let opts = &Options { deterministic, ..opts.clone() };
     let out = forward(gpu, &q, &k, &v, opts)?;
     let mut grads = None;
     let ms = gpu.time_ms(|| {
@@ -453,7 +463,7 @@ pub fn vs_cpu_backward(
     got: &Gradients<f32>,
     expected: &ExpectedGradients,
 ) -> anyhow::Result<[(ErrorStats, Tolerance); 3]> {
-    let opts = Fa2Options::new(oracle.attention);
+    let opts = Fa2Options::new(oracle.attention.clone());
     let (q, k, v, d_o) = (x32.q.view(), x32.k.view(), x32.v.view(), x32.d_o.view());
     let fwd = cpu_fa2::forward(q, k, v, &opts)?;
     let cpu = cpu_fa2::backward(q, k, v, fwd.o.view(), d_o, fwd.lse.view(), &opts)?;

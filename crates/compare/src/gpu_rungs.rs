@@ -408,6 +408,15 @@ impl GpuRung {
         )
     }
 
+    /// Whether the kernel takes a score modifier (`Options::score_mod`): FA2 forward and
+    /// backward, and the FA3 forward.
+    pub fn takes_score_mod(self) -> bool {
+        matches!(
+            self,
+            GpuRung::Fa2 | GpuRung::Fa2Backward | GpuRung::Fa2BackwardDeterministic | GpuRung::Fa3
+        )
+    }
+
     /// Whether the kernel runs on `gpu` (FA3 needs Hopper, `sm_90a`; the others sm_80+).
     pub fn available_on(self, gpu: &Gpu) -> bool {
         !matches!(

@@ -5,6 +5,7 @@
 //! - [`metrics`]: error against the float64 oracle and the tolerances derived from it;
 //! - [`mod@cases`]: the proptest strategies that draw random attention problems;
 //! - [`rungs`]: every rung by name, behind one call;
+//! - [`modifiers`]: the score modifiers by name (softcap, ALiBi, a relative bias), CPU and GPU forms;
 //! - [`oracle`]: the float64 oracle and the per-case tolerances the suite checks against;
 //! - [`verify`]: the table `ladder verify` prints;
 //! - [`npy`]: `.npy` input and output for `ladder run`;
@@ -19,6 +20,7 @@ pub mod gpu_rungs;
 pub mod low_precision;
 pub mod memory;
 pub mod metrics;
+pub mod modifiers;
 pub mod npy;
 pub mod oracle;
 pub mod packed;

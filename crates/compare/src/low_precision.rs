@@ -9,8 +9,10 @@
 //! FlashAttention's own tests compare against PyTorch run in the low precision.
 
 use half::{bf16, f16};
-use ladder_reference::{AttentionOptions, AttentionOutput, Gradients, LadderError, naive};
-use ndarray::{Array4, ArrayView4, Axis, s};
+use ladder_reference::{
+    AttentionOptions, AttentionOutput, Gradients, LadderError, ScoreIndex, naive,
+};
+use ndarray::{Array2, Array4, ArrayView2, ArrayView4, Axis, s};
 
 /// A 16-bit storage format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,8 +63,26 @@ pub fn attention(
     Ok(out)
 }
 
+/// `∂t/∂s` of the score modifier at every score of head `(b, h)` (ones without a modifier): the
+/// factor from the logits' gradient to the scores'.
+fn slopes(
+    opts: &AttentionOptions,
+    (q, k): (ArrayView2<f64>, ArrayView2<f64>),
+    scale: f64,
+    (b, h): (usize, usize),
+) -> Array2<f64> {
+    let (n_q, n_kv) = (q.nrows(), k.nrows());
+    let Some(m) = &opts.score_mod else { return Array2::ones((n_q, n_kv)) };
+    let s = q.dot(&k.t()) * scale;
+    Array2::from_shape_fn((n_q, n_kv), |(i, j)| {
+        let at = ScoreIndex { batch: b, head: h, q: i, kv: j, n_q, n_kv };
+        m.derivative(s[[i, j]], m.apply(s[[i, j]], &at), &at)
+    })
+}
+
 /// The naive backward pass with the 16-bit roundings of a tensor-core kernel: `P` and
-/// `dS = P ∘ (dP − D)` rounded to `half` (they are matmul operands), `D = rowsum(dO ∘ O)` from the
+/// `dS = P ∘ (dP − D)` (times the score modifier's `∂t/∂s`) rounded to `half` (they are matmul
+/// operands), `D = rowsum(dO ∘ O)` from the
 /// forward's output as it is stored — `O = P V` with `P` rounded to `half` as the forward kernel's
 /// operand, then `O` rounded ([`attention`]'s) — (FlashAttention's `D`: where `dP − D` nearly
 /// cancels, O's roundings are most of dS), the gradients rounded to `half` when stored; `dP` and
@@ -96,7 +116,8 @@ pub fn backward(
             let p_r = p_h.mapv(|x| half.round(x));
             let o_r = p_r.dot(&v_h).mapv(|x| half.round(x));
             let rowsum = (&do_h * &o_r).sum_axis(Axis(1)).insert_axis(Axis(1));
-            let ds = (&p_h * &(&dp - &rowsum)).mapv(|x| half.round(x));
+            let ds = &p_h * &(&dp - &rowsum) * &slopes(opts, (q_h, k_h), scale, (b, h));
+            let ds = ds.mapv(|x| half.round(x));
             let mut dv_h = dv.slice_mut(s![b, kv, .., ..]);
             dv_h += &p_r.t().dot(&do_h);
             let mut dk_h = dk.slice_mut(s![b, kv, .., ..]);
@@ -124,6 +145,7 @@ mod tests {
             shape: ladder_reference::AttentionShape::new(1, 2, 1, 33, 47, 16).unwrap(),
             causal: true,
             window: Default::default(),
+            score_mod: None,
             logit_std: 1.0,
             tiles: ladder_reference::TileSizes::new(8, 8).unwrap(),
             splits: 1,

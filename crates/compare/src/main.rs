@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use anyhow::bail;
 use clap::{Args, Parser, Subcommand};
 use ladder_compare::memory::{PeakAlloc, human_bytes};
+use ladder_compare::modifiers::ScoreModSpec;
 use ladder_compare::verify::{self, VerifyCase};
 use ladder_compare::{Rung, RungConfig};
 use ladder_reference::{AttentionOptions, AttentionShape, Phi, TileSizes, Window};
@@ -68,6 +69,12 @@ struct RungArgs {
     /// the GPU, fa2 (forward and backward) and fa3, fa3-fp8 (forward).
     #[arg(long, allow_hyphen_values = true)]
     window: Option<Window>,
+    /// A score modifier applied to each scaled score before the softmax: softcap:CAP (Gemma-2's
+    /// cap · tanh(s / cap)), alibi (the ALiBi paper's slopes for the heads), softcap:CAP+alibi, or
+    /// relative-bias (a bias table by distance, the user-written example). Every CPU rung (and
+    /// the FA2 backward); on the GPU, the fa2 and fa3 forward. `ladder run` only.
+    #[arg(long = "score-mod")]
+    score_mod: Option<ScoreModSpec>,
 }
 
 impl RungArgs {
@@ -84,6 +91,7 @@ impl RungArgs {
                 causal,
                 scale: self.scale,
                 window: self.window.unwrap_or_default(),
+                score_mod: None,
             },
             tiles: TileSizes::new(self.br, self.bc)?,
             splits: self.splits,
@@ -153,6 +161,12 @@ fn fail(e: anyhow::Error) -> ExitCode {
 }
 
 fn verify_cmd(args: &VerifyArgs) -> anyhow::Result<bool> {
+    if let Some(m) = args.rung.score_mod {
+        bail!(
+            "--score-mod {m}: `ladder verify` checks the plain problems; `ladder run --score-mod` \
+             runs a modifier, and the test suite checks every rung with them"
+        );
+    }
     let config = args.rung.config(!args.no_causal)?;
     let shape_flags = [args.batch, args.heads_q, args.heads_kv, args.n_q, args.n_kv, args.d];
     let cases = if shape_flags.iter().any(Option::is_some) {

@@ -11,7 +11,7 @@
 use ladder_reference::fp8::{Fp8Scaling, Fp8Tensor, RandomHadamard, round_e4m3};
 use ladder_reference::{
     AttentionOptions, AttentionOutput, AttentionShape, Element, Fp8Options, Gradients, Result,
-    naive,
+    ScoreIndex, naive,
 };
 use ndarray::linalg::general_mat_mul;
 use ndarray::{Array2, Array3, Array4, ArrayView4, Axis, s};
@@ -59,10 +59,10 @@ impl Oracle {
         let Inputs { q, k, v, .. } = inputs.widen();
         let out = naive::attention(q.view(), k.view(), v.view(), attention)?;
         let shape = AttentionShape::of(&q.view(), &k.view(), &v.view())?;
-        let bound = logit_bound(q.view(), k.view(), attention.resolve_scale(&shape)?);
+        let bound = modified_logit_bound(&q, &k, attention, &shape)?;
         // The terms behind O: attention over |V|.
         let o_terms = naive::attention(q.view(), k.view(), v.mapv(f64::abs).view(), attention)?.o;
-        Ok(Self { attention: *attention, shape, out, o_terms, logit_bound: bound })
+        Ok(Self { attention: attention.clone(), shape, out, o_terms, logit_bound: bound })
     }
 }
 
@@ -232,6 +232,44 @@ pub fn fp8_baseline<T: Element>(
     Ok(AttentionOutput { o, lse, stats: Default::default() })
 }
 
+/// A bound on every logit ([`logit_bound`]), and with a score modifier, plus the largest modified
+/// logit `|score_mod(s)|` of a visible pair: the modifier's own arithmetic (ALiBi's subtraction of
+/// a bias that grows with the distance) rounds in proportion to it.
+fn modified_logit_bound(
+    q: &Array4<f64>,
+    k: &Array4<f64>,
+    attention: &AttentionOptions,
+    shape: &AttentionShape,
+) -> Result<f64> {
+    let scale = attention.resolve_scale(shape)?;
+    let bound = logit_bound(q.view(), k.view(), scale);
+    let Some(score_mod) = &attention.score_mod else { return Ok(bound) };
+    let mask = attention.mask(shape.n_q, shape.n_kv);
+    let mut largest = 0f64;
+    for b in 0..shape.batch {
+        for h in 0..shape.heads_q {
+            let (q, k) = (q.slice(s![b, h, .., ..]), k.slice(s![b, shape.kv_head(h), .., ..]));
+            for i in 0..shape.n_q {
+                for j in mask.visible(i) {
+                    let at = ScoreIndex {
+                        batch: b,
+                        head: h,
+                        q: i,
+                        kv: j,
+                        n_q: shape.n_q,
+                        n_kv: shape.n_kv,
+                    };
+                    let t = score_mod.apply(scale * q.row(i).dot(&k.row(j)), &at);
+                    if t.is_finite() {
+                        largest = largest.max(t.abs());
+                    }
+                }
+            }
+        }
+    }
+    Ok(bound + largest)
+}
+
 /// Oracle gradients and the tolerances of a backward rung's `dQ, dK, dV`.
 /// The float64 gradients of one problem, and what their tolerances scale with.
 #[derive(Debug, Clone)]
@@ -250,9 +288,9 @@ impl GradientOracle {
         let Inputs { q, k, v, d_o } = inputs.widen();
         let grads = naive::backward(q.view(), k.view(), v.view(), d_o.view(), attention)?;
         let shape = AttentionShape::of(&q.view(), &k.view(), &v.view())?;
-        let logit_bound = logit_bound(q.view(), k.view(), attention.resolve_scale(&shape)?);
+        let logit_bound = modified_logit_bound(&q, &k, attention, &shape)?;
         let magnitudes = term_magnitudes(&q, &k, &v, &d_o, attention)?;
-        Ok(Self { attention: *attention, shape, grads, magnitudes, logit_bound })
+        Ok(Self { attention: attention.clone(), shape, grads, magnitudes, logit_bound })
     }
 }
 

@@ -20,8 +20,9 @@ use serde_json::{Map, Value, json};
 
 /// The CSV columns, in the order they are written. `scripts/peers.py` writes the same schema;
 /// other tools read it by column name, so columns are only ever added at the end, and a reader
-/// takes a column added later (`page_size`, `layout`, `window`) as empty when a file has none.
-pub const COLUMNS: [&str; 16] = [
+/// takes a column added later (`page_size`, `layout`, `window`, `score_mod`) as empty when a file
+/// has none.
+pub const COLUMNS: [&str; 17] = [
     "impl",
     "direction",
     "dtype",
@@ -38,13 +39,14 @@ pub const COLUMNS: [&str; 16] = [
     "page_size",
     "layout",
     "window",
+    "score_mod",
 ];
 
 /// [`COLUMNS`] as the CSV header line.
-pub const CSV_HEADER: &str = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps,page_size,layout,window";
+pub const CSV_HEADER: &str = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps,page_size,layout,window,score_mod";
 
 /// The columns a file may lack (added to the schema later): read as empty.
-pub const OPTIONAL_COLUMNS: [&str; 3] = ["page_size", "layout", "window"];
+pub const OPTIONAL_COLUMNS: [&str; 4] = ["page_size", "layout", "window", "score_mod"];
 
 /// The keys of `meta.json` (both `ladder bench` and `scripts/peers.py` fill it).
 pub const META_KEYS: [&str; 6] = ["card", "driver", "cuda", "date", "torch", "note"];
@@ -162,6 +164,9 @@ pub struct Case {
     /// Prefill only: a sliding window of keys (`Window::default()`: none). Its FLOPs count the
     /// pairs it attends ([`attended_pairs`]).
     pub window: Window,
+    /// Prefill only: a score modifier by name (`softcap:50`, `alibi`, …: a
+    /// [`crate::modifiers::ScoreModSpec`]); `None` for none. It does not change the FLOPs counted.
+    pub score_mod: Option<String>,
 }
 
 impl Case {
@@ -191,12 +196,18 @@ impl Case {
             page_size: None,
             layout: None,
             window: Window::default(),
+            score_mod: None,
         }
     }
 
     /// This case with a sliding window of keys (`Window::default()`: none).
     pub fn windowed(self, window: Window) -> Case {
         Case { window, ..self }
+    }
+
+    /// This case with a score modifier (`None`: none).
+    pub fn modified(self, score_mod: Option<String>) -> Case {
+        Case { score_mod, ..self }
     }
 
     /// This case with its inputs in `layout` (`None`: `[batch, heads, seq, d]`; see
@@ -233,6 +244,7 @@ impl Case {
             page_size: None,
             layout: None,
             window: Window::default(),
+            score_mod: None,
         }
     }
 
@@ -287,13 +299,19 @@ impl Case {
     }
 
     /// The mask in a word: `full`, `causal`, or a window as `w4095:0` (`LEFT:RIGHT` after the
-    /// causal mask's `right = 0`, `-1` open).
+    /// causal mask's `right = 0`, `-1` open), then the score modifier after a `+`
+    /// (`causal+softcap:50`).
     pub fn mask_label(&self) -> String {
-        if !self.window.is_some() {
-            return if self.causal { "causal" } else { "full" }.to_string();
+        let mask = if !self.window.is_some() {
+            if self.causal { "causal" } else { "full" }.to_string()
+        } else {
+            let right = if self.causal { Some(0) } else { self.window.right };
+            format!("w{}", window_field(Window { right, ..self.window }))
+        };
+        match &self.score_mod {
+            Some(m) => format!("{mask}+{m}"),
+            None => mask,
         }
-        let right = if self.causal { Some(0) } else { self.window.right };
-        format!("w{}", window_field(Window { right, ..self.window }))
     }
 
     /// `fwd d=128 n=4096 causal` and the like, for progress lines and tables (`decode fp16
@@ -383,7 +401,7 @@ pub fn to_csv(rows: &[Row]) -> String {
         let c = &row.case;
         let _ = writeln!(
             s,
-            "{},{},{},{},{},{},{},{},{},{},{ms:.6},{tflops:.3},{},{},{},{}",
+            "{},{},{},{},{},{},{},{},{},{},{ms:.6},{tflops:.3},{},{},{},{},{}",
             c.imp,
             c.direction,
             c.dtype,
@@ -397,7 +415,8 @@ pub fn to_csv(rows: &[Row]) -> String {
             tbps.map_or(String::new(), |t| format!("{t:.4}")),
             c.page_size.map_or(String::new(), |p| p.to_string()),
             c.layout.as_deref().unwrap_or(""),
-            window_field(c.window)
+            window_field(c.window),
+            c.score_mod.as_deref().unwrap_or("")
         );
     }
     s
@@ -464,6 +483,10 @@ pub fn parse_csv(text: &str) -> anyhow::Result<Vec<Row>> {
                     "" => Window::default(),
                     w => w.replace(':', ",").parse().map_err(|e: String| anyhow::anyhow!(e))?,
                 },
+                score_mod: match get(16) {
+                    "" => None,
+                    m => Some(m.to_string()),
+                },
             };
             Ok(Some(Row { case, outcome: Outcome::Measured { ms, tflops, tbps: float(12)? } }))
         };
@@ -488,7 +511,7 @@ pub fn row_json(row: &Row, extra: &Map<String, Value>) -> Value {
         "impl": c.imp, "direction": c.direction, "dtype": c.dtype, "causal": c.causal,
         "batch": c.batch, "heads_q": c.heads_q, "heads_kv": c.heads_kv,
         "n_q": c.n_q, "n_kv": c.n_kv, "d": c.d, "page_size": c.page_size, "layout": c.layout,
-        "window": window_field(c.window),
+        "window": window_field(c.window), "score_mod": c.score_mod,
     });
     let map = obj.as_object_mut().expect("an object literal");
     match &row.outcome {
@@ -624,7 +647,7 @@ mod tests {
             ("fa3/bshd".into(), "fa3".into())
         );
         let text = to_csv(&[Row::measured(bshd.clone(), 1.0)]);
-        assert!(text.lines().nth(1).unwrap().ends_with(",,bshd,"), "{text}");
+        assert!(text.lines().nth(1).unwrap().ends_with(",,bshd,,"), "{text}");
         assert_eq!(parse_csv(&text).unwrap()[0].case, bshd);
         // A file written before the column existed reads as [b, h, s, d].
         let old = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps\n\
@@ -653,11 +676,27 @@ mod tests {
         assert_eq!(case("fa2", "fwd", false, 8).windowed(Window::left(3)).mask_label(), "w3:-1");
         let text = to_csv(&[Row::measured(windowed.clone(), 1.0), Row::measured(two.clone(), 1.0)]);
         // The window as given (the causal mask's right = 0 is in `causal`).
-        assert!(text.lines().nth(1).unwrap().ends_with(",,4095:-1"), "{text}");
+        assert!(text.lines().nth(1).unwrap().ends_with(",,4095:-1,"), "{text}");
         let back = parse_csv(&text).unwrap();
         assert_eq!((&back[0].case, &back[1].case), (&windowed, &two));
         let bad = text.replace("4095:-1", "4095");
         assert!(parse_csv(&bad).is_err());
+    }
+
+    #[test]
+    fn a_score_mod_labels_its_mask_and_round_trips_without_changing_the_flops() {
+        let plain = case("fa3", "fwd", true, 4096);
+        let capped = plain.clone().windowed(Window::left(511)).modified(Some("softcap:50".into()));
+        assert_eq!(capped.mask_label(), "w511:0+softcap:50");
+        assert_eq!(plain.clone().modified(Some("alibi".into())).mask_label(), "causal+alibi");
+        assert_eq!(plain.clone().modified(Some("alibi".into())).flops(), plain.flops());
+        let text = to_csv(&[Row::measured(capped.clone(), 1.0)]);
+        assert!(text.lines().nth(1).unwrap().ends_with(",511:-1,softcap:50"), "{text}");
+        assert_eq!(parse_csv(&text).unwrap()[0].case, capped);
+        // A file written before the column existed reads as no modifier.
+        let old = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps\n\
+                   fa3,fwd,fp16,true,4,16,16,4096,4096,128,1.0,500.0,\n";
+        assert_eq!(parse_csv(old).unwrap()[0].case.score_mod, None);
     }
 
     #[test]
@@ -680,7 +719,7 @@ mod tests {
             line.starts_with("flash-decoding,decode,fp16,false,1,32,8,1,8192,128,0.010000,"),
             "{line}"
         );
-        assert!(line.ends_with(",3.3554,,,"), "{line}");
+        assert!(line.ends_with(",3.3554,,,,"), "{line}");
         let back = parse_csv(&text).unwrap();
         assert_eq!(back.len(), 1);
         assert_eq!(back[0].case, case);
@@ -691,7 +730,7 @@ mod tests {
         assert!(paged.causal && paged.label().ends_with("new=4 page=16"), "{}", paged.label());
         assert_eq!(paged.kv_bytes(), case.kv_bytes());
         let text = to_csv(&[Row::measured(paged.clone(), 0.01)]);
-        assert!(text.lines().nth(1).unwrap().ends_with(",16,,"), "{text}");
+        assert!(text.lines().nth(1).unwrap().ends_with(",16,,,"), "{text}");
         assert_eq!(parse_csv(&text).unwrap()[0].case, paged);
         assert_eq!(row_json(&Row::measured(paged, 0.01), &Map::new())["page_size"], 16);
         // Prefill rows have no TB/s.

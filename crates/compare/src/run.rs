@@ -323,7 +323,7 @@ struct Results {
 
 fn run(args: &RunArgs) -> anyhow::Result<()> {
     let (plan, backward) = args.plan()?;
-    let config = args.rung_args.config(args.causal).map_err(usage)?;
+    let mut config = args.rung_args.config(args.causal).map_err(usage)?;
     // Every tensor is held as [b, h, s, d] here; --layout bshd is undone on reading and redone on
     // writing (on the GPU, the strided kernels get bshd buffers as they are).
     let read = |path: &Path| -> anyhow::Result<NpyTensor> {
@@ -346,6 +346,10 @@ fn run(args: &RunArgs) -> anyhow::Result<()> {
         };
         format!("q {:?}, k {:?}, v {:?}{as_read}", q.data.shape(), k.data.shape(), v.data.shape())
     })?;
+    let heads_q = q.data.dim().1;
+    if let Some(spec) = args.rung_args.score_mod {
+        config.attention = config.attention.with_score_mod(spec.cpu(heads_q));
+    }
     let d_o = match &backward {
         Some(paths) => {
             let d_o = read(paths.d_o)?;
@@ -433,7 +437,8 @@ fn cpu<T: Element>(rung: Rung, x: &Tensors, config: &RungConfig) -> anyhow::Resu
             let g = match rung {
                 Rung::Naive => naive::backward(q, k, v, d_o, &config.attention)?,
                 Rung::Fa2 => {
-                    let opts = Fa2Options { attention: config.attention, tiles: config.tiles };
+                    let opts =
+                        Fa2Options { attention: config.attention.clone(), tiles: config.tiles };
                     fa2::backward(q, k, v, out.o.view(), d_o, out.lse.view(), &opts)?
                 }
                 other => bail!("{other} has no backward pass on the CPU"),
@@ -496,6 +501,7 @@ fn gpu(rung: GpuRung, dtype: GpuDType, x: &Tensors, args: &RunArgs) -> anyhow::R
         scale: args.rung_args.scale.map(|s| s as f32),
         deterministic: args.deterministic,
         window: ladder_compare::gpu_check::kernel_window(args.rung_args.window.unwrap_or_default()),
+        score_mod: args.rung_args.score_mod.map(|m| m.gpu(x.q.data.dim().1)),
     };
     let out = match rung.kernels() {
         Kernels::Forward(forward) => forward(&gpu, &q, &k, &v, &opts),

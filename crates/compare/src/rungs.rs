@@ -97,7 +97,7 @@ impl Rung {
         v: ArrayView4<T>,
         config: &RungConfig,
     ) -> Result<AttentionOutput<T>> {
-        let (attention, tiles, splits) = (config.attention, config.tiles, config.splits);
+        let (attention, tiles, splits) = (config.attention.clone(), config.tiles, config.splits);
         match self {
             Rung::Naive => naive::attention(q, k, v, &attention),
             Rung::OnlineSoftmax => online_softmax::attention(q, k, v, &attention),
@@ -135,7 +135,7 @@ impl fmt::Display for Rung {
 }
 
 /// The options of every rung at once; each rung reads the ones it needs.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RungConfig {
     pub attention: AttentionOptions,
     pub tiles: TileSizes,

@@ -44,6 +44,7 @@ impl VerifyCase {
             shape: self.shape,
             causal: config.attention.causal,
             window: config.attention.window,
+            score_mod: None,
             logit_std: 1.0,
             tiles: config.tiles,
             splits: config.splits,
@@ -165,7 +166,7 @@ fn backward_rows<T: Element>(
     forward: &AttentionOutput<T>,
     progress: &mut impl FnMut(&str, &Row),
 ) -> Result<Vec<Row>> {
-    let attention = config.attention;
+    let attention = config.attention.clone();
     let expected = ExpectedGradients::from_oracle(gradients, inputs)?;
     let (q, k, v, d_o) = (inputs.q.view(), inputs.k.view(), inputs.v.view(), inputs.d_o.view());
     let naive_run = measure(|| naive::backward(q, k, v, d_o, &attention));
@@ -355,7 +356,7 @@ pub fn gpu_rows(
         let cpu_expected = Expected::from_oracle(&oracle, &x32)?;
         let gpu_expected = gpu_check::expected_forward(&oracle, &x, dtype)?;
         let (q, k, v) = (x32.q.view(), x32.k.view(), x32.v.view());
-        let cpu_config = RungConfig { attention, ..RungConfig::default() };
+        let cpu_config = RungConfig { attention: attention.clone(), ..RungConfig::default() };
         // A forward-like row: the GPU output against the oracle and against its CPU rung's, each
         // held to its own tolerance.
         let forward_row = |rung: GpuRung,
@@ -401,7 +402,7 @@ pub fn gpu_rows(
                             config.attention.window,
                         )?,
                         fp8: config.fp8,
-                        ..cpu_config
+                        ..cpu_config.clone()
                     };
                     let fp8_expected = Expected::fp8_from_oracle(&oracle, &x32, &config.fp8)?;
                     let cpu_out = rung.cpu().forward(q, k, v, &fp8_config)?;
@@ -434,7 +435,8 @@ pub fn gpu_rows(
                         continue;
                     }
                     let splits = config.splits;
-                    let decode_config = RungConfig { splits, phi: config.phi, ..cpu_config };
+                    let decode_config =
+                        RungConfig { splits, phi: config.phi, ..cpu_config.clone() };
                     let cpu_out = rung.cpu().forward(q, k, v, &decode_config)?;
                     // φ: --phi, or the GPU's default (the CPU rung estimates its own without it).
                     let phi = match config.phi {

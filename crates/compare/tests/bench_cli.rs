@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-const HEADER: &str = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps,page_size,layout,window";
+const HEADER: &str = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps,page_size,layout,window,score_mod";
 
 /// The `ladder` binary: cargo's, or where gpu-bundle puts it when this test binary was carried to
 /// another machine (it runs there from the crate folder).
@@ -193,6 +193,9 @@ fn peers_py_writes_the_schema_ladder_reads() {
          w = peers.parse_args(['--window', '4095,-1', '--window', 'none', '--window=-1,3']).windows\n\
          assert w == [(4095, None), None, (None, 3)], w\n\
          rows.append(peers.csv_row('flex', 'fwd', 'fp16', True, 1, 16, 16384, 128, 1.0, 'bhsd', w[0]))\n\
+         m = peers.parse_args(['--score-mod', 'softcap:50', '--score-mod', 'none']).score_mods\n\
+         assert m == ['softcap:50', None], m\n\
+         rows.append(peers.csv_row('flex', 'fwd', 'fp16', True, 1, 16, 16384, 128, 3.2, 'bhsd', None, m[0]))\n\
          peers.write_csv({csv:?}, rows)\n",
         scripts = path(script.parent().unwrap()),
         csv = path(&dir.path().join("peers.csv")),
@@ -213,7 +216,14 @@ fn peers_py_writes_the_schema_ladder_reads() {
     assert!(stdout.contains("3.36"), "{stdout}");
     assert!(dir.path().join("decode-fp16-d128-b1.svg").exists());
     // The windowed row: its window round-trips, and its FLOPs are the pairs `ladder` counts.
-    assert!(csv.lines().any(|l| l.starts_with("flex,") && l.ends_with(",4095:-1")), "{csv}");
+    assert!(csv.lines().any(|l| l.starts_with("flex,") && l.ends_with(",4095:-1,")), "{csv}");
+    // The modified row: its modifier round-trips and labels its mask; its FLOPs are the plain
+    // causal case's (½ · 4·16·16384²·128 in 3.2 ms).
+    assert!(csv.lines().any(|l| l.starts_with("flex,") && l.ends_with(",,softcap:50")), "{csv}");
+    assert!(
+        stdout.lines().any(|l| l.contains("causal+softcap:50") && l.contains("343.6")),
+        "{stdout}"
+    );
     let windowed = ladder_compare::results::Case::square(
         "flex",
         ladder_compare::results::Direction::Fwd,

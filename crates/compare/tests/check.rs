@@ -420,7 +420,7 @@ fn with_gradients<T: Element>(x: &Problem, sum_the_group: bool) -> Result<Output
         let s = x.shape();
         let group = s.heads_q / s.heads_kv;
         let last_heads = i.q.slice(s![.., group - 1..;group, .., ..]).to_owned();
-        let one = x.attention;
+        let one = x.attention.clone();
         let (k1, v1) = (k.to_owned(), v.to_owned());
         let d_o1 = i.d_o.slice(s![.., group - 1..;group, .., ..]).to_owned();
         g.dv = naive::backward(last_heads.view(), k1.view(), v1.view(), d_o1.view(), &one)?.dv;

@@ -120,6 +120,70 @@ fn run_rejects_bad_inputs_with_one_line_errors() {
     assert_one_line_error(&run, 2, "--splits must be at least 1");
 }
 
+/// `--score-mod` reaches the CPU rungs as the modifier by its definition; a bad one, and `verify`
+/// with one, are one-line errors.
+#[test]
+fn run_takes_a_score_mod_on_the_cpu() {
+    use ladder_compare::modifiers::ScoreModSpec;
+    let dir = tempfile::tempdir().unwrap();
+    let [q, k, v] = write_inputs(dir.path(), DType::F64, 4);
+    let out = dir.path().join("o.npy");
+    let out_s = out.display().to_string();
+    let (qt, kt, vt) =
+        (tensor((2, 4, 7, 8), 1), tensor((2, 2, 11, 8), 2), tensor((2, 2, 11, 8), 3));
+    for spec in ["softcap:0.2", "softcap:0.2+alibi", "relative-bias"] {
+        let run = ladder(&[
+            "run",
+            "--rung",
+            "fa2",
+            "--q",
+            &q,
+            "--k",
+            &k,
+            "--v",
+            &v,
+            "--out",
+            &out_s,
+            "--causal",
+            "--score-mod",
+            spec,
+        ]);
+        assert!(run.status.success(), "{spec}: {}", String::from_utf8_lossy(&run.stderr));
+        let o = npy::read(&out).unwrap();
+        let m: ScoreModSpec = spec.parse().unwrap();
+        let opts = AttentionOptions::causal().with_score_mod(m.cpu(4));
+        let want = naive::attention(qt.view(), kt.view(), vt.view(), &opts).unwrap();
+        let plain =
+            naive::attention(qt.view(), kt.view(), vt.view(), &AttentionOptions::causal()).unwrap();
+        let err = o.data.iter().zip(&want.o).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        let moved = o.data.iter().zip(&plain.o).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        assert!(err < 1e-12 && moved > 1e-3, "{spec}: error {err}, change {moved}");
+    }
+    let bad = ladder(&[
+        "run",
+        "--rung",
+        "fa2",
+        "--q",
+        &q,
+        "--k",
+        &k,
+        "--v",
+        &v,
+        "--out",
+        &out_s,
+        "--score-mod",
+        "softcap:-1",
+    ]);
+    assert_eq!(bad.status.code(), Some(2), "{}", String::from_utf8_lossy(&bad.stderr));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("positive and finite"));
+    let verify = ladder(&["verify", "--score-mod", "alibi"]);
+    assert_one_line_error(
+        &verify,
+        2,
+        "--score-mod alibi: `ladder verify` checks the plain problems",
+    );
+}
+
 /// Asserts that `run` failed with exit status `code` and one line `error: …` containing `message`.
 fn assert_one_line_error(run: &std::process::Output, code: i32, message: &str) {
     let stderr = String::from_utf8_lossy(&run.stderr);

@@ -41,8 +41,9 @@ fn suite(name: &str, space: CaseSpace) -> Check {
 
 /// `rung` on `space`, against the oracle and the rung before it.
 fn ladder(rung: Rung, space: CaseSpace) -> Result<(), CheckError> {
-    // Every CPU rung takes a sliding window: a quarter of the cases draw one.
-    let check = suite(rung.name(), space.with_windows());
+    // Every CPU rung takes a sliding window and a score modifier: a quarter of the cases draw
+    // each.
+    let check = suite(rung.name(), space.with_windows().with_score_mods());
     let check = match rung.previous() {
         Some(previous) => check.against(previous),
         None => check,
@@ -124,7 +125,7 @@ fn rung4_fa3_fp8_within_fp8_tolerance() -> Result<(), CheckError> {
 fn fa2_with_gradients(x: &Problem) -> Result<Output, LadderError> {
     fn run<T: Element>(x: &Problem) -> Result<Output, LadderError> {
         let i = x.inputs::<T>();
-        let opts = Fa2Options { attention: x.attention, tiles: x.case.tiles };
+        let opts = Fa2Options { attention: x.attention.clone(), tiles: x.case.tiles };
         let (q, k, v, d_o) = (i.q.view(), i.k.view(), i.v.view(), i.d_o.view());
         let fwd = fa2::forward(q, k, v, &opts)?;
         let g = fa2::backward(q, k, v, fwd.o.view(), d_o, fwd.lse.view(), &opts)?;
@@ -140,7 +141,8 @@ fn fa2_with_gradients(x: &Problem) -> Result<Output, LadderError> {
 /// error in the same precision.
 #[test]
 fn rung3_fa2_backward_matches_naive_backward() -> Result<(), CheckError> {
-    let passed = suite("fa2 backward", CaseSpace::cpu()).run(fa2_with_gradients)?;
+    let space = CaseSpace::cpu().with_score_mods();
+    let passed = suite("fa2 backward", space).run(fa2_with_gradients)?;
     assert_eq!(passed.gradients, passed.runs, "every run checked its gradients");
     Ok(())
 }
@@ -149,7 +151,8 @@ fn rung3_fa2_backward_matches_naive_backward() -> Result<(), CheckError> {
 /// floating-point operations as FA2, so the results are bit-identical.
 #[test]
 fn rung4_fa3_is_bitwise_fa2() -> Result<(), CheckError> {
-    let check = suite("fa3 (bit for bit fa2)", CaseSpace::cpu()).precisions([Precision::F32]);
+    let space = CaseSpace::cpu().with_score_mods();
+    let check = suite("fa3 (bit for bit fa2)", space).precisions([Precision::F32]);
     check.against(Rung::Fa2).run(|x| {
         let fa3 = x.run(Rung::Fa3).map_err(|e| e.to_string())?;
         let fa2 = x.run(Rung::Fa2).map_err(|e| e.to_string())?;
@@ -214,6 +217,7 @@ fn fa2_backward_with_one_hot_rows() -> Result<(), CheckError> {
         shape: ladder_reference::AttentionShape::new(1, 1, 1, 3, 8, 2).unwrap(),
         causal: false,
         window: Default::default(),
+        score_mod: None,
         logit_std: 994.6665468482463,
         tiles: ladder_reference::TileSizes::new(1, 1).unwrap(),
         splits: 1,

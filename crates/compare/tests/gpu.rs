@@ -27,7 +27,7 @@ fn fail(e: impl std::fmt::Display) -> TestCaseError {
 
 /// Shapes for `rung` on the GPU: longer sequences than the CPU suite (several tiles and a tail),
 /// the head dimensions the rung supports, logits in a trained model's range, sliding windows
-/// where the rung takes them.
+/// and score modifiers where the rung takes them.
 fn space(rung: GpuRung) -> CaseSpace {
     CaseSpace {
         batch: 1..=2,
@@ -37,6 +37,7 @@ fn space(rung: GpuRung) -> CaseSpace {
         n_kv: 1..=300,
         head_dims: rung.head_dims().to_vec(),
         windows: rung.takes_window(),
+        score_mods: rung.takes_score_mod(),
         ..CaseSpace::cpu().moderate_logits()
     }
 }
@@ -64,7 +65,7 @@ fn check_forward_in(
         return Ok(());
     }
     let x = device_inputs(case, dtype);
-    let (attention, opts) = options(&case.attention(), case.shape.d);
+    let (attention, opts) = gpu_check::case_options(case);
     let fp8 = RungConfig::default().fp8;
     let (got, _) =
         gpu_check::forward_in(gpu, rung, &x, &opts, dtype, &fp8, layout).map_err(fail)?;
@@ -95,7 +96,7 @@ fn check_backward(
         return Ok(());
     }
     let x = device_inputs(case, dtype);
-    let (attention, opts) = options(&case.attention(), case.shape.d);
+    let (attention, opts) = gpu_check::case_options(case);
     let (got, _) = gpu_check::backward_in(gpu, rung, &x, &opts, dtype, layout).map_err(fail)?;
     let oracle = GradientOracle::new(&x, &attention).map_err(fail)?;
     let expected = gpu_check::expected_backward(&oracle, &x, dtype).map_err(fail)?;
@@ -297,6 +298,7 @@ fn long_case(
         shape: ladder_reference::AttentionShape::new(b, hq, hkv, n_q, n_kv, d).unwrap(),
         causal,
         window: Default::default(),
+        score_mod: None,
         logit_std: 1.0,
         tiles: ladder_reference::TileSizes::new(tile, tile).unwrap(),
         splits: 1,
@@ -532,4 +534,120 @@ fn gpu_rungs_reject_bad_input() {
     }
     let err = gpu.upload(&[1.0; 3], &[2, 2], DType::F16).unwrap_err();
     assert!(matches!(err, KernelError::Shape(_)), "{err}");
+}
+
+/// Score modifiers on problems of many tiles, in FA2 and FA3: Gemma-2's softcap (a cap below the
+/// logits' range, where it bends every score), ALiBi after softcap (a bias growing with the
+/// distance: bottom-right aligned with n_q ≠ n_kv), a relative bias read from a table; causal,
+/// windowed and full, every layout (a packed batch gives the modifier its sequence as `b`),
+/// fp16 and bf16, d = 64 (FA3's two consumer warpgroups under a modifier), 128 and 256.
+#[test]
+fn gpu_score_mods_long_sequences() {
+    use ladder_compare::modifiers::{Cap, ScoreModSpec};
+    use ladder_reference::Window;
+    let cap = |c| Cap::new(c).unwrap();
+    let cases = [
+        (1500, 1500, 128, true, ScoreModSpec::Softcap(cap(0.5)), Window::default(), Layout::Bhsd),
+        (700, 2100, 128, false, ScoreModSpec::Softcap(cap(30.0)), Window::default(), Layout::Bshd),
+        (
+            1500,
+            700,
+            64,
+            true,
+            ScoreModSpec::SoftcapAlibi(cap(5.0)),
+            Window::default(),
+            Layout::Bhsd,
+        ),
+        (700, 1500, 256, true, ScoreModSpec::Alibi, Window::default(), Layout::Packed),
+        (1029, 1029, 128, true, ScoreModSpec::RelativeBias, Window::left(300), Layout::Bhsd),
+        (
+            900,
+            900,
+            64,
+            false,
+            ScoreModSpec::Softcap(cap(50.0)),
+            Window::new(150, 150),
+            Layout::Packed,
+        ),
+    ];
+    for rung in [GpuRung::Fa2, GpuRung::Fa3] {
+        for (i, &(n_q, n_kv, d, causal, spec, window, layout)) in cases.iter().enumerate() {
+            let base = long_case((1, 4, 2, n_q, n_kv, d), causal, 128, 5000 + i as u64);
+            let case = Case { window, score_mod: Some(spec), ..base };
+            let dtype = if i % 2 == 0 { DType::F16 } else { DType::BF16 };
+            check_forward_in(rung, &case, dtype, layout).unwrap_or_else(|e| {
+                panic!("{rung}: {n_q}x{n_kv}, d = {d}, causal = {causal}, {spec}, {window:?}, {layout:?}: {e}")
+            });
+        }
+    }
+}
+
+/// The FA2 backward through score modifiers on problems of several key and query tiles: softcap's
+/// derivative `1 − (t / cap)²` (a cap that bends every score), ALiBi after softcap (the chain
+/// rule), the relative bias (derivative 1), under causal, full and windowed masks, every layout,
+/// both dQ modes.
+#[test]
+fn gpu_score_mods_backward_long_sequences() {
+    use ladder_compare::modifiers::{Cap, ScoreModSpec};
+    use ladder_reference::Window;
+    let cap = |c| Cap::new(c).unwrap();
+    let cases = [
+        (300, 700, 128, true, ScoreModSpec::Softcap(cap(0.5)), Window::default(), Layout::Bhsd),
+        (
+            700,
+            300,
+            64,
+            false,
+            ScoreModSpec::SoftcapAlibi(cap(5.0)),
+            Window::default(),
+            Layout::Bshd,
+        ),
+        (500, 500, 96, true, ScoreModSpec::RelativeBias, Window::left(200), Layout::Packed),
+        (400, 600, 128, false, ScoreModSpec::Alibi, Window::new(100, 50), Layout::Bhsd),
+    ];
+    for (i, &(n_q, n_kv, d, causal, spec, window, layout)) in cases.iter().enumerate() {
+        let base = long_case((1, 4, 2, n_q, n_kv, d), causal, 64, 6000 + i as u64);
+        let case = Case { window, score_mod: Some(spec), ..base };
+        for rung in [GpuRung::Fa2Backward, GpuRung::Fa2BackwardDeterministic] {
+            check_backward(rung, &case, DType::F16, layout).unwrap_or_else(|e| {
+                panic!("{rung}, {n_q}x{n_kv}, d = {d}, causal = {causal}, {spec}, {layout:?}: {e}")
+            });
+        }
+    }
+}
+
+/// A score modifier reaches only the rungs that take one; the others, and bad modifiers, are
+/// errors that say why.
+#[test]
+fn gpu_score_mods_are_refused_where_unsupported() {
+    use ladder_kernels::ScoreMod;
+    let Some(gpu) = gpu() else { return };
+    let q = gpu.upload(&vec![0.25; 2 * 64 * 64], &[1, 2, 64, 64], DType::F16).unwrap();
+    let softcap = Options::causal().with_score_mod(ScoreMod::softcap(30.0).unwrap());
+    let err = fa1::forward(gpu, &q, &q, &q, &softcap).unwrap_err().to_string();
+    assert!(err.contains("fa1 takes no score_mod"), "{err}");
+    // A backward pass needs the modifier's derivative.
+    let forward_only =
+        Options::causal().with_score_mod(ScoreMod::new("twice", "return 2.f * score;"));
+    let out = fa2::forward(gpu, &q, &q, &q, &forward_only).unwrap();
+    let err = fa2::backward(gpu, &q, &q, &q, &out, &q, &forward_only).unwrap_err().to_string();
+    assert!(err.contains("twice has no derivative"), "{err}");
+    // ALiBi's slopes must match the query heads.
+    let three = Options::full().with_score_mod(ScoreMod::alibi(vec![0.5; 3]).unwrap());
+    let err = fa2::forward(gpu, &q, &q, &q, &three).unwrap_err().to_string();
+    assert!(err.contains("3 slopes for 2 query heads"), "{err}");
+    assert!(ScoreMod::softcap(-1.0).is_err() && ScoreMod::softcap(f32::NAN).is_err());
+    assert_eq!(Options::full().with_softcap(0.0).unwrap(), Options::full(), "a cap of 0 is off");
+    // A body that does not compile comes back with NVRTC's log, named after the modifier.
+    let broken = Options::full().with_score_mod(ScoreMod::new("my mod", "return score +;"));
+    let err = fa2::forward(gpu, &q, &q, &q, &broken).unwrap_err();
+    assert!(matches!(err, KernelError::Compile { .. }), "{err}");
+    assert!(err.to_string().contains("my mod(1)"), "{err}");
+    if GpuRung::Fa3.available_on(gpu) {
+        let err = fa3::fp8::forward(gpu, &q, &q, &q, &softcap, &Default::default());
+        assert!(err.unwrap_err().to_string().contains("fa3-fp8 takes no score_mod"));
+        let out = fa3::forward(gpu, &q, &q, &q, &softcap).unwrap();
+        let err = fa3::backward(gpu, &q, &q, &q, &out, &q, &softcap).unwrap_err().to_string();
+        assert!(err.contains("fa3 backward takes no score_mod"), "{err}");
+    }
 }

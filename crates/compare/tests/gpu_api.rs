@@ -404,9 +404,9 @@ fn check_deterministic(gpu: &Gpu, rung: &str, forward: ForwardFn, backward: Back
             [&g.dq, &g.dk, &g.dv].map(|t| t.to_bytes().expect("copy"))
         };
         let runs = 5;
-        let first = bits(&base.deterministic());
+        let first = bits(&base.clone().deterministic());
         for run in 1..runs {
-            let again = bits(&base.deterministic());
+            let again = bits(&base.clone().deterministic());
             for (t, name) in ["dQ", "dK", "dV"].iter().enumerate() {
                 assert!(
                     first[t] == again[t],
@@ -459,6 +459,7 @@ fn an_edited_kernel_is_the_one_that_runs() {
         shape: ladder_reference::AttentionShape::new(1, 2, 2, 200, 700, 64).unwrap(),
         causal: false,
         window: Default::default(),
+        score_mod: None,
         logit_std: 2.0,
         tiles: ladder_reference::TileSizes::new(64, 64).unwrap(),
         splits: 1,
@@ -505,7 +506,7 @@ fn windows_are_refused_where_unsupported_and_a_full_window_changes_no_bit() {
         let fp8 = fa3::fp8::Fp8Options::default();
         for causal in [false, true] {
             let plain = if causal { Options::causal() } else { Options::full() };
-            let wide = plain.with_window(Window::new(2 * n, 2 * n));
+            let wide = plain.clone().with_window(Window::new(2 * n, 2 * n));
             let a = fa3::forward(gpu, &q, &k, &v, &plain).expect("fa3 forward");
             let b = fa3::forward(gpu, &q, &k, &v, &wide).expect("fa3 windowed forward");
             assert!(bytes(&a.o) == bytes(&b.o) && bytes(&a.lse) == bytes(&b.lse), "fa3 {causal}");
@@ -516,7 +517,7 @@ fn windows_are_refused_where_unsupported_and_a_full_window_changes_no_bit() {
     }
     for causal in [false, true] {
         let plain = if causal { Options::causal() } else { Options::full() }.deterministic();
-        let wide = plain.with_window(Window::new(2 * n, 2 * n));
+        let wide = plain.clone().with_window(Window::new(2 * n, 2 * n));
         let (a, b) = (
             fa2::forward(gpu, &q, &k, &v, &plain).expect("forward"),
             fa2::forward(gpu, &q, &k, &v, &wide).expect("windowed forward"),

@@ -1095,7 +1095,7 @@ fn check_drawn_strategy(drawn: &Drawn, strategy: DecodeStrategy) -> Result<(), T
     let (lo, hi) = window(case.dtype);
     let pp_opts = FlashDecodingPpOptions {
         safe_range: Some((lo, hi)),
-        ..FlashDecodingPpOptions::new(attention)
+        ..FlashDecodingPpOptions::new(attention.clone())
             .with_phi(Phi::Given(0.0))
             .with_splits(stats.plan.splits)
             .map_err(|e| TestCaseError::fail(e.to_string()))?
@@ -1234,8 +1234,9 @@ fn the_harness_accepts_the_cpu_flash_decoding_rung() {
             }
             let expected = expected_for(&case, &x, b);
             for splits in [1, 3, 7, 64] {
-                let opts =
-                    FlashDecodingOptions::new(attention).with_splits(splits).expect("splits");
+                let opts = FlashDecodingOptions::new(attention.clone())
+                    .with_splits(splits)
+                    .expect("splits");
                 let out = flash_decoding::forward(
                     x.q.slice(s![b..b + 1, .., .., ..]),
                     x.k.slice(s![b..b + 1, .., ..len, ..]),
@@ -1276,7 +1277,7 @@ fn the_harness_accepts_the_cpu_flash_decoding_pp_rung() {
             let fates = row_fates(&case, &x, phi, range);
             let opts = FlashDecodingPpOptions {
                 safe_range: Some(range),
-                ..FlashDecodingPpOptions::new(attention)
+                ..FlashDecodingPpOptions::new(attention.clone())
                     .with_phi(Phi::Given(phi))
                     .with_splits(3)
                     .expect("splits")

@@ -139,6 +139,7 @@ fn gpu_fa3_fp8_long_sequences() {
             shape: AttentionShape::new(b, hq, hkv, n_q, n_kv, d).unwrap(),
             causal,
             window: Default::default(),
+            score_mod: None,
             logit_std: 1.0,
             tiles: TileSizes::new(128, 128).unwrap(),
             splits: 1,
@@ -158,6 +159,7 @@ fn gpu_fa3_fp8_long_sequences() {
             shape: AttentionShape::new(1, 4, 2, n_q, n_kv, 128).unwrap(),
             causal,
             window,
+            score_mod: None,
             logit_std: 1.0,
             tiles: TileSizes::new(128, 128).unwrap(),
             splits: 1,
@@ -193,6 +195,7 @@ fn gpu_fp8_quantisation_is_the_cpu_rungs_bit_for_bit() {
             shape: AttentionShape::new(2, 4, 2, 333, n_kv, d).unwrap(),
             causal: false,
             window: Default::default(),
+            score_mod: None,
             logit_std: 1.0,
             tiles: TileSizes::new(128, 128).unwrap(),
             splits: 1,
@@ -253,6 +256,7 @@ fn gpu_fp8_incoherent_processing_lowers_the_error_on_outliers() {
             shape: AttentionShape::new(1, 2, 2, 4096, 4096, 128).unwrap(),
             causal: false,
             window: Default::default(),
+            score_mod: None,
             logit_std: 1.0,
             tiles: TileSizes::new(128, 128).unwrap(),
             splits: 1,
@@ -266,7 +270,7 @@ fn gpu_fp8_incoherent_processing_lowers_the_error_on_outliers() {
             let fp8 = with_seed(incoherent);
             let (got, _) =
                 gpu_check::forward_fp8(gpu, GpuRung::Fa3Fp8, &x, &opts, DType::F16, &fp8).unwrap();
-            let config = RungConfig { attention, ..cpu_config(gpu, &case, fp8) };
+            let config = RungConfig { attention: attention.clone(), ..cpu_config(gpu, &case, fp8) };
             let cpu = ladder_compare::Rung::Fa3Fp8
                 .forward(x32.q.view(), x32.k.view(), x32.v.view(), &config)
                 .unwrap();
@@ -301,6 +305,7 @@ fn gpu_fp8_schedules_give_the_same_bits() {
             shape: AttentionShape::new(1, 4, 2, 517, 1029, 128).unwrap(),
             causal,
             window: Default::default(),
+            score_mod: None,
             logit_std: 1.0,
             tiles: TileSizes::new(128, 128).unwrap(),
             splits: 1,

@@ -100,7 +100,15 @@ struct Batch {
 impl Batch {
     /// The batch's mask as the CPU rungs and the oracle take it, and as the kernels do.
     fn options(&self) -> (AttentionOptions, Options) {
-        options(&AttentionOptions { causal: self.causal, scale: None, window: self.window }, self.d)
+        options(
+            &AttentionOptions {
+                causal: self.causal,
+                scale: None,
+                window: self.window,
+                score_mod: None,
+            },
+            self.d,
+        )
     }
 }
 
@@ -202,7 +210,7 @@ fn check_varlen(rung: GpuRung, batch: &Batch, dtype: DType) -> Result<(), TestCa
         let oracle = Oracle::new(x, &attention).map_err(fail)?;
         let expected = expected_forward(&oracle, x, dtype).map_err(fail)?;
         let x32 = narrow(x);
-        let config = RungConfig { attention, ..RungConfig::default() };
+        let config = RungConfig { attention: attention.clone(), ..RungConfig::default() };
         let cpu = rung.cpu().forward(x32.q.view(), x32.k.view(), x32.v.view(), &config);
         let cpu = cpu.map_err(fail)?;
         let cpu_expected = Expected::from_oracle(&oracle, &x32).map_err(fail)?;
@@ -245,7 +253,8 @@ fn check_varlen_fp8(
         let oracle = Oracle::new(x, &attention).map_err(fail)?;
         let x32 = narrow(x);
         let expected = Expected::fp8_from_oracle(&oracle, &x32, &fp8).map_err(fail)?;
-        let config = RungConfig { attention, tiles, fp8, ..RungConfig::default() };
+        let config =
+            RungConfig { attention: attention.clone(), tiles, fp8, ..RungConfig::default() };
         let cpu = Rung::Fa3Fp8.forward(x32.q.view(), x32.k.view(), x32.v.view(), &config);
         let cpu = cpu.map_err(fail)?;
         let label = format!("fa3-fp8-gpu varlen ({dtype}), sequence {b} of {:?}", batch.lens);

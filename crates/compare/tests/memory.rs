@@ -14,6 +14,7 @@ fn extra_bytes(rung: Rung, n: usize, d: usize) -> u64 {
         shape: AttentionShape::new(1, 1, 1, n, n, d).unwrap(),
         causal: false,
         window: Default::default(),
+        score_mod: None,
         logit_std: 1.0,
         tiles: TileSizes::default(),
         splits: 1,

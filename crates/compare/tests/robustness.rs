@@ -110,6 +110,7 @@ fn incoherent_processing_lowers_fp8_error_on_outliers() {
             shape: AttentionShape::new(1, 2, 2, 256, 256, 64).unwrap(),
             causal: false,
             window: Default::default(),
+            score_mod: None,
             logit_std: 1.0,
             tiles: TileSizes::new(64, 64).unwrap(),
             splits: 1,
@@ -119,7 +120,7 @@ fn incoherent_processing_lowers_fp8_error_on_outliers() {
         let attention = case.attention();
         let expected = Expected::new(&inputs, &attention).unwrap();
         let fp8_error = |incoherent| {
-            let opts = Fa3Options::new(attention)
+            let opts = Fa3Options::new(attention.clone())
                 .with_fp8(Fp8Options { scaling: Fp8Scaling::PerBlock, incoherent });
             let out =
                 fa3::forward(inputs.q.view(), inputs.k.view(), inputs.v.view(), &opts).unwrap();

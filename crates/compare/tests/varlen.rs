@@ -59,7 +59,12 @@ fn batch(
         k,
         v,
         d_o,
-        attention: AttentionOptions { causal, scale: None, window: Default::default() },
+        attention: AttentionOptions {
+            causal,
+            scale: None,
+            window: Default::default(),
+            score_mod: None,
+        },
     }
 }
 
@@ -76,7 +81,7 @@ proptest! {
         seed: u64,
     ) {
         let x = batch(lens, (heads_kv, group, d), causal, seed);
-        let opts = Fa2Options::new(x.attention).with_tiles(TILE, TILE).unwrap();
+        let opts = Fa2Options::new(x.attention.clone()).with_tiles(TILE, TILE).unwrap();
         let (q, k, v) = (x.q.view(), x.k.view(), x.v.view());
         let out = varlen::forward(q, k, v, &x.seq, |q, k, v| fa2::forward(q, k, v, &opts)).unwrap();
         let g = varlen::backward((q, k, v), (out.o.view(), out.lse.view()), x.d_o.view(), &x.seq, |s| {
@@ -121,8 +126,8 @@ proptest! {
         let q = normal((total_q, heads_q, d), &mut rng);
         let k = normal((total_k, heads_kv, d), &mut rng);
         let v = normal((total_k, heads_kv, d), &mut rng);
-        let attention = AttentionOptions { causal, scale: None, window: Default::default() };
-        let opts = Fa2Options::new(attention).with_tiles(TILE, TILE).unwrap();
+        let attention = AttentionOptions { causal, scale: None, window: Default::default(), score_mod: None };
+        let opts = Fa2Options::new(attention.clone()).with_tiles(TILE, TILE).unwrap();
         let out = varlen::forward(q.view(), k.view(), v.view(), &seq, |q, k, v| {
             fa2::forward(q, k, v, &opts)
         })

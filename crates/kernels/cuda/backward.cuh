@@ -12,6 +12,7 @@
 #include "layout.cuh"
 #include "mask.cuh"
 #include "types.cuh"
+#include "score_mod.cuh"
 #include "varlen.cuh"
 
 // One parameter block for every entry point. Q, O, dO, dQ are [batch, heads_q, n_q, D]; K, V,
@@ -52,6 +53,7 @@ struct BackwardParams {
     Strides dk_strides;
     Strides dv_strides;
     Varlen varlen;  // FA2_VARLEN only
+    ScoreModArgs mods;  // LADDER_SCORE_MOD only (score_mod.cuh)
 };
 
 // Where the rows of (sequence `s`, query head `head`) start in lse2 and D (padded per head to

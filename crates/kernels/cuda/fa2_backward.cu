@@ -57,6 +57,8 @@
 //                      block (the host passes each kernel its table); prep and finish see the
 //                      packed tensors as one batch entry of total_q (total_k) rows, which is what
 //                      they are.
+//   LADDER_SCORE_MOD   a score modifier compiled in (score_mod.cuh): both kernels rewrite their S
+//                      tiles with it before the exponential and scale dS by its derivative
 //   FA2_HOST_PARAMS_BYTES  the host's size of the parameter block, checked against this one's
 
 #include "backward.cuh"
@@ -64,6 +66,7 @@
 #include "layout.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
+#include "score_mod.cuh"
 #include "softmax.cuh"
 #include "types.cuh"
 #include "varlen.cuh"
@@ -193,7 +196,7 @@ fa2_backward(const __grid_constant__ BackwardParams p) {
     const int k0 = key0();
     const int warp = warp_id();
     const size_t bh = (size_t)batch * p.heads_q + head;
-    const float scale_log2 = p.scale_log2;
+    const float scale_log2 = score_scale_log2(p.scale_log2);
 
     // A fixed-length batch's rows, kept; a packed batch's are found again per query tile.
     const u16* gQ = head_base(p.q, p.q_strides, batch, head);
@@ -299,6 +302,15 @@ fa2_backward(const __grid_constant__ BackwardParams p) {
             for (int np = 0; np < NQ / 2; ++np)
                 mma_k16(pt[2 * np], pt[2 * np + 1], a, qB, kk, srow + np * 16);
         }
+        // score_mod(scale · Sᵀ) and its slopes, for dSᵀ below (nothing without a modifier)
+        float slope[NQ][4];  // (unused, and so dropped, without a modifier)
+        if constexpr (has_score_mod) {
+            const ScorePlace place{packed ? (int)ps.seq : batch, head, seq_n_q(), seq_n_kv()};
+            const int warp_key = warp_key0();
+            modify_scores_with_slopes(
+                pt, slope, [&](int nt, int e) { return i0 + acc_col(nt, e); },
+                [&](int, int e) { return warp_key + acc_row(e); }, place, p.mods);
+        }
 #pragma unroll
         for (int nt = 0; nt < NQ; ++nt)
 #pragma unroll
@@ -350,6 +362,7 @@ fa2_backward(const __grid_constant__ BackwardParams p) {
             for (int nt = 0; nt < NQ; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) pt[nt][e] *= dpt[nt][e] - tDelta[acc_col(nt, e)];
+            if constexpr (has_score_mod) chain_slopes(pt, slope);
         }
 
         // ---- dK_j += dSᵀ Q_i, and (atomic mode) dSᵀ to shared memory for dQ ---------------------
@@ -543,6 +556,19 @@ fa2_backward_dq(const __grid_constant__ BackwardParams p) {
         float s[MT_DQ][NT_DQ][4];
         zero(s);
         mma_abt<DK>(s, qA, kB, stage_rows);
+        // score_mod(scale · S) and its slopes, for dS below (nothing without a modifier)
+        float slope[MT_DQ][NT_DQ][4];  // (unused, and so dropped, without a modifier)
+        if constexpr (has_score_mod) {
+            const SeqBlock at = sequence();
+            const ScorePlace place{at.seq, head, at.n_q, at.n_kv};
+#pragma unroll
+            for (int mt = 0; mt < MT_DQ; ++mt) {
+                const int row0 = q0 + warp_row0 + mt * 16;
+                modify_scores_with_slopes(
+                    s[mt], slope[mt], [&](int, int e) { return row0 + acc_row(e); },
+                    [&](int nt, int e) { return k0 + acc_col(nt, e); }, place, p.mods);
+            }
+        }
 
         // ---- P = 2^(S·scale_log2 − lse2), 0 for keys past the end or right of the diagonal ------
         // (set after the exponential: a row that sees no key has lse2 = −inf)
@@ -552,7 +578,8 @@ fa2_backward_dq(const __grid_constant__ BackwardParams p) {
             for (int nt = 0; nt < NT_DQ; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -lse2[mt][e / 2]));
+                    s[mt][nt][e] = fast_exp2(
+                        fmaf(s[mt][nt][e], score_scale_log2(p.scale_log2), -lse2[mt][e / 2]));
         const int n_kv = sequence().n_kv;
         if (k0 + BC_DQ > n_kv || crosses_band(q0, q0 + BR_DQ - 1, k0, k0 + BC_DQ - 1, shift, band)) {
 #pragma unroll
@@ -575,6 +602,9 @@ fa2_backward_dq(const __grid_constant__ BackwardParams p) {
                 for (int nt = 0; nt < NT_DQ; ++nt)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) s[mt][nt][e] *= dP[mt][nt][e] - delta[mt][e / 2];
+            if constexpr (has_score_mod)
+#pragma unroll
+                for (int mt = 0; mt < MT_DQ; ++mt) chain_slopes(s[mt], slope[mt]);
         }
 
         // ---- dQ += dS·K --------------------------------------------------------------------------

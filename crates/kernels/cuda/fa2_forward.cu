@@ -39,11 +39,14 @@
 //              own; 0: K's serves both, which the tightest variants need to stay out of spills)
 //   FA2_VARLEN 1 for a packed variable-length batch (varlen.cuh): block x takes the query block
 //              the tile table names, and every length and offset is its sequence's
+//   LADDER_SCORE_MOD  a score modifier compiled in (score_mod.cuh): S is scaled and rewritten
+//              before the mask, and the softmax runs in base 2 on the result
 
 #include "copy.cuh"
 #include "layout.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
+#include "score_mod.cuh"
 #include "softmax.cuh"
 #include "types.cuh"
 #include "varlen.cuh"
@@ -116,6 +119,7 @@ struct Fa2ForwardParams {
     float scale_log2;  // softmax scale · log2(e)
     Band band;         // FA2_WINDOW only: the sliding window (mask.cuh)
     Varlen varlen;     // FA2_VARLEN only
+    ScoreModArgs mods;  // LADDER_SCORE_MOD only
 };
 
 // Launch: grid (ceil(n_q / BR), heads_q, batch), or (varlen.n_tiles, heads_q, 1) for a packed
@@ -219,6 +223,18 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
             }
         }
 
+        // ---- score_mod(scale · S), before the mask (nothing without a modifier) ----------------
+        if constexpr (has_score_mod) {
+            const SeqBlock at = sequence();
+            const ScorePlace place{at.seq, head, at.n_q, at.n_kv};
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    modify_scores(s[mt], h, q0 + warp_row0 + mt * 16 + acc_row(2 * h), k0, place,
+                                  p.mods);
+        }
+
         // ---- mask: keys past the end, and keys outside the band --------------------------------
         // Only the last tile and the tiles crossing the band's edges need it; the test is uniform
         // across the block, so unmasked tiles pay one comparison.
@@ -242,8 +258,8 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h)
-                alpha[mt][h] =
-                    online_softmax(s[mt], h, p.scale_log2, row_max[mt][h], row_sum[mt][h], pk[mt]);
+                alpha[mt][h] = online_softmax(s[mt], h, score_scale_log2(p.scale_log2),
+                                              row_max[mt][h], row_sum[mt][h], pk[mt]);
 
         // ---- lazy rescale: acc ·= 2^(m_old − m_new), only when a row of the warp moved ----------
         // Rescale the accumulator only when some row of the warp found a new maximum: after the

@@ -58,6 +58,8 @@
 //   store of whole 64-row boxes would write over the next sequence's rows),
 //   FA3_WINDOW (1: a sliding window, the band of mask.cuh in the parameters; each tile then walks
 //   only the K/V tiles its rows' bands reach, from the first, not from 0),
+//   LADDER_SCORE_MOD (a score modifier compiled in, score_mod.cuh: each S_j is scaled and
+//   rewritten in softmax_step, before the mask),
 //   FA3_HOST_SHARED_BYTES, FA3_HOST_PARAMS_BYTES (the host's sizes, checked below)
 
 #include "barrier.cuh"
@@ -65,6 +67,7 @@
 #include "layout.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
+#include "score_mod.cuh"
 #include "softmax.cuh"
 #include "tma.cuh"
 #include "types.cuh"
@@ -196,6 +199,7 @@ struct Fa3ForwardParams {
     // FA3_DYNAMIC only: [0] the tiles taken past the first wave, [1] the blocks done; zero at
     // launch, and the last block out puts them back to zero.
     unsigned* tile_counter;
+    ScoreModArgs mods;  // LADDER_SCORE_MOD only (score_mod.cuh)
 };
 
 // Shared memory (dynamic, 1024-byte aligned for the swizzle), in this order: with FA3_O_SMEM,
@@ -477,7 +481,7 @@ __device__ __forceinline__ Scales scales_of(const Fa3ForwardParams& p, const Til
 // scales are ~1e-23) it falls below f32's range and flushes to 0, and a masked score (−inf) times
 // 0 is NaN; the scores it scales are ~0 either way. A NaN scale (a NaN input) stays NaN.
 __device__ __forceinline__ float score_scale(const Fa3ForwardParams& p, const Scales& sc, int j) {
-    if (!FA3_FP8) return p.scale_log2;
+    if (!FA3_FP8) return score_scale_log2(p.scale_log2);
     constexpr float SMALLEST_NORMAL = 1.17549435e-38f;
     const float c = sc.q * p.k_scale[sc.kv_tile0 + j];
     return c < SMALLEST_NORMAL ? SMALLEST_NORMAL : c;
@@ -494,12 +498,21 @@ __device__ __forceinline__ void pack(const float (&s)[NT][4], PRegs& pk) {
 #endif
 }
 
-// Mask S_j where needed (the sequence tail, the edges of the band), then the online softmax in
-// place: s becomes P = 2^(S·scale_log2 − m) in f32. Returns whether any row's max moved
-// (alpha ≠ 1), in which case O must be rescaled by alpha.
+// score_mod(scale · S_j) where a modifier is compiled in, then mask S_j where needed (the
+// sequence tail, the edges of the band), then the online softmax in place: s becomes
+// P = 2^(S·scale_log2 − m) in f32. Returns whether any row's max moved (alpha ≠ 1), in which
+// case O must be rescaled by alpha.
 __device__ __forceinline__ bool softmax_step(float (&s)[NT][4], float (&alpha)[2], RowState& st,
-                                             const SeqBlock& seq, Band band, float scale_log2,
-                                             float lift, int row0, int k0) {
+                                             const Fa3ForwardParams& p, const Tile& tile,
+                                             float scale_log2, float lift, int row0, int k0) {
+    const SeqBlock& seq = tile.seq;
+    const Band band = ::band(p);
+    if constexpr (has_score_mod) {
+        const ScorePlace place{seq.seq, tile.head, seq.n_q, seq.n_kv};
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            modify_scores(s, h, row0 + (warp_id() % 4) * 16 + acc_row(2 * h), k0, place, p.mods);
+    }
     const int shift = seq.n_kv - seq.n_q;
     if (k0 + BC > seq.n_kv || crosses_band(row0, row0 + 63, k0, k0 + BC - 1, shift, band)) {
 #pragma unroll
@@ -618,7 +631,7 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
         wgmma_hold(s);
         release(&t.k_empty[kv.stage()]);
         ++kv.count;
-        softmax_step(s, alpha, st, tile.seq, band(p), scale_0, lift_0, row0, first * BC);
+        softmax_step(s, alpha, st, p, tile, scale_0, lift_0, row0, first * BC);
         if constexpr (!overlap) pack(s, pk);
     }
     for (int j = 1; j < n_tiles; ++j, ++kv.count, ++v_read.count) {
@@ -651,8 +664,7 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
             wgmma_hold(pk);
             release(&t.v_empty[v_read.stage()]);  // V_{j-1}
         }
-        moved = softmax_step(s, alpha, st, tile.seq, band(p), scale_j, lift_j, row0,
-                             (first + j) * BC);
+        moved = softmax_step(s, alpha, st, p, tile, scale_j, lift_j, row0, (first + j) * BC);
         if constexpr (!overlap) pack(s, pk);
     }
     // Every S = Q·Kᵀ of the tile is done: the producer may load the next tile's Q.

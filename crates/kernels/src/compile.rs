@@ -35,7 +35,12 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("pdl.cuh", include_str!("../cuda/pdl.cuh")),
     ("varlen.cuh", include_str!("../cuda/varlen.cuh")),
     ("backward.cuh", include_str!("../cuda/backward.cuh")),
+    ("score_mod.cuh", include_str!("../cuda/score_mod.cuh")),
 ];
+
+/// The header a variant compiled with a score modifier includes (`cuda/score_mod.cuh` includes it
+/// under `LADDER_SCORE_MOD`): generated from the modifier ([`crate::ScoreMod`]).
+pub const SCORE_MOD_HEADER: &str = "score_mod_body.cuh";
 
 /// The crate's kernel files, by stem (the `.cu` file under `cuda/`), with their text.
 const SOURCES: [(&str, &str); 8] = [
@@ -80,6 +85,9 @@ pub struct Variant {
     pub source: &'static str,
     /// `-D` definitions, in order.
     pub defines: Vec<(&'static str, String)>,
+    /// A score modifier's generated header ([`SCORE_MOD_HEADER`]); a variant with one also
+    /// defines `LADDER_SCORE_MOD` as the header's hash, which equality and hashing see.
+    pub score_mod: Option<std::sync::Arc<str>>,
 }
 
 impl PartialEq for Variant {
@@ -97,6 +105,24 @@ impl Hash for Variant {
 }
 
 impl Variant {
+    /// This variant with the score modifier `m` compiled in.
+    pub fn with_score_mod(mut self, m: Option<&crate::ScoreMod>) -> Variant {
+        if let Some(m) = m {
+            self.defines.push(("LADDER_SCORE_MOD", m.key()));
+            self.score_mod = Some(m.header().into());
+        }
+        self
+    }
+
+    /// The headers NVRTC gets for this variant: [`HEADERS`], and the modifier's.
+    fn headers(&self) -> Vec<(&str, &str)> {
+        let mut headers = HEADERS.to_vec();
+        if let Some(text) = &self.score_mod {
+            headers.push((SCORE_MOD_HEADER, text));
+        }
+        headers
+    }
+
     /// A readable name for logs and errors: `fa2_forward(FA2_D=128, LADDER_DTYPE=0)`.
     pub fn label(&self) -> String {
         let defs: Vec<String> = self.defines.iter().map(|(k, v)| format!("{k}={v}")).collect();
@@ -171,7 +197,7 @@ fn compile_text(
     let version = nvrtc_version(variant)?;
     let options = variant.options(arch, &settings.extra_options);
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    (source, HEADERS, &options, version).hash(&mut hasher);
+    (source, variant.headers(), &options, version).hash(&mut hasher);
     let key = format!("{}-{arch}-{:016x}", variant.file, hasher.finish());
     let dir = &settings.cache_dir;
     if let Some(dir) = &dir {
@@ -245,19 +271,20 @@ fn compile_uncached(variant: &Variant, source: &str, options: &[String]) -> Resu
     let cstring = |s: &str| CString::new(s).map_err(|e| fail(e.to_string()));
     let src = cstring(source)?;
     let name = cstring(&format!("{}.cu", variant.file))?;
-    let header_texts = HEADERS.iter().map(|(_, text)| cstring(text)).collect::<Result<Vec<_>>>()?;
-    let header_names = HEADERS.iter().map(|(name, _)| cstring(name)).collect::<Result<Vec<_>>>()?;
+    let headers = variant.headers();
+    let header_texts = headers.iter().map(|(_, text)| cstring(text)).collect::<Result<Vec<_>>>()?;
+    let header_names = headers.iter().map(|(name, _)| cstring(name)).collect::<Result<Vec<_>>>()?;
     let text_ptrs: Vec<*const c_char> = header_texts.iter().map(|c| c.as_ptr()).collect();
     let name_ptrs: Vec<*const c_char> = header_names.iter().map(|c| c.as_ptr()).collect();
     let mut prog = std::mem::MaybeUninit::uninit();
     // SAFETY: every pointer is a NUL-terminated string alive for the call (NVRTC copies them), and
-    // both arrays hold HEADERS.len() entries.
+    // both arrays hold headers.len() entries.
     unsafe {
         nvrtc_sys::nvrtcCreateProgram(
             prog.as_mut_ptr(),
             src.as_ptr(),
             name.as_ptr(),
-            HEADERS.len() as c_int,
+            headers.len() as c_int,
             text_ptrs.as_ptr(),
             name_ptrs.as_ptr(),
         )

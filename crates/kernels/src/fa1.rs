@@ -41,6 +41,7 @@ pub(crate) fn variant(d: usize, dtype: DType) -> Result<Variant> {
             ("FA1_BC", BC.to_string()),
             ("FA1_WARPS", WARPS.to_string()),
         ],
+        score_mod: None,
     })
 }
 
@@ -85,6 +86,7 @@ pub fn forward(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) ->
     let p = Problem::new(gpu, q, k, v, opts)?;
     p.require_contiguous("fa1")?;
     p.require_no_window("fa1")?;
+    p.require_no_score_mod("fa1")?;
     p.require_dtype("fa1", DTYPES, "fp16, bf16, f32")?;
     let kernel = Kernel { variant: variant(p.d, p.dtype)?, entry: "fa1_forward" };
     gpu.prepare(&kernel, 0)?;

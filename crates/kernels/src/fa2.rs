@@ -32,6 +32,7 @@ use crate::gpu::{Gpu, GpuConfig, Kernel, parse_counts};
 use crate::problem::{
     Band, Gradients, Masking, Options, Output, Packed, Problem, Strides, grid, multiples,
 };
+use crate::score_mod::ScoreModArgs;
 use crate::tensor::{DType, Tensor};
 use crate::varlen::{SeqLens, VarlenParams};
 
@@ -111,6 +112,13 @@ impl ForwardTiles {
             Some(t) => Ok(t),
             None => ForwardTiles::for_head_dim(d, arch),
         }
+    }
+
+    /// The tiles under a score modifier, whose arithmetic needs registers the tuned tiles leave
+    /// none of (softcap then ALiBi spilled 8–104 bytes at d = 64 and 128 with them): one mma tile
+    /// per warp and twice the warps (the same query rows per block), 64 keys per tile.
+    pub fn with_score_mod(self) -> ForwardTiles {
+        ForwardTiles { bc: 32, ..self }
     }
 
     /// Query rows per block.
@@ -199,14 +207,18 @@ impl BackwardTiles {
     /// The tiles of a packed batch ([`BackwardTiles::for_packed`]) or a fixed-length one, with a
     /// sliding window or not. A window's band adds its two sides to the per-entry mask test, and
     /// that too spills at 64 rows and d = 128 (so it takes the packed batch's 32-row steps) and,
-    /// in a packed batch's dQ pass, at 32 rows per warp (so 16).
-    pub fn of(d: usize, packed: bool, windowed: bool) -> Result<BackwardTiles> {
-        let t = if packed || windowed {
+    /// in a packed batch's dQ pass, at 32 rows per warp (so 16). A score modifier (`modified`)
+    /// keeps its slopes `∂t/∂s` beside the score tiles, which at the tuned tiles spilled 64–108
+    /// bytes in the main kernel at d = 128 and 320–340 in the dQ pass at d = 64: it takes 32-row
+    /// steps and 16 rows per warp of the dQ pass.
+    pub fn of(d: usize, packed: bool, windowed: bool, modified: bool) -> Result<BackwardTiles> {
+        let t = if packed || windowed || modified {
             BackwardTiles::for_packed(d)?
         } else {
             BackwardTiles::for_head_dim(d)?
         };
-        Ok(if packed && windowed { BackwardTiles { dq_m_tiles: 1, ..t } } else { t })
+        let narrow_dq = (packed && windowed) || modified;
+        Ok(if narrow_dq { BackwardTiles { dq_m_tiles: 1, ..t } } else { t })
     }
 
     /// Keys per block of the main kernel (16 per warp).
@@ -270,19 +282,21 @@ pub(crate) fn forward_variant(
     if mask.windowed {
         defines.push(("FA2_WINDOW", "1".into()));
     }
-    Variant { file: "fa2_forward", source: FORWARD_SRC, defines }
+    Variant { file: "fa2_forward", source: FORWARD_SRC, defines, score_mod: None }
 }
 
 /// The backward kernels' variant (the entry points live in one module), for a packed batch or
-/// not, with a sliding window or not.
+/// not, with a sliding window or not, with a score modifier compiled in or not (it changes the
+/// tiles: [`BackwardTiles::of`]).
 pub(crate) fn backward_variant(
     d: usize,
     dtype: DType,
     mask: Masking,
-    deterministic: bool,
-    packed: bool,
+    (deterministic, packed): (bool, bool),
+    score_mod: Option<&crate::ScoreMod>,
 ) -> Result<Variant> {
-    let t = BackwardTiles::of(d, packed, mask.windowed)?;
+    let modified = score_mod.is_some();
+    let t = BackwardTiles::of(d, packed, mask.windowed, modified)?;
     let mut defines = vec![
         ("LADDER_DTYPE", dtype.code().to_string()),
         ("FA2_D", d.to_string()),
@@ -303,7 +317,8 @@ pub(crate) fn backward_variant(
     if mask.windowed {
         defines.push(("FA2_WINDOW", "1".into()));
     }
-    Ok(Variant { file: "fa2_backward", source: BACKWARD_SRC, defines })
+    let variant = Variant { file: "fa2_backward", source: BACKWARD_SRC, defines, score_mod: None };
+    Ok(variant.with_score_mod(score_mod))
 }
 
 /// Mirror of `Fa2ForwardParams` in `cuda/fa2_forward.cu` (device pointers as `u64`).
@@ -326,6 +341,7 @@ struct ForwardParams {
     scale_log2: f32,
     band: Band,
     varlen: VarlenParams,
+    mods: ScoreModArgs,
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror.
@@ -366,7 +382,10 @@ fn forward_problem(
     if !HEAD_DIMS.contains(&p.d) {
         return Err(KernelError::UnsupportedHeadDim { rung: "fa2", d: p.d, supported: HEAD_DIMS });
     }
-    let tiles = ForwardTiles::for_config(gpu.config(), p.d, gpu.arch())?;
+    let mut tiles = ForwardTiles::for_config(gpu.config(), p.d, gpu.arch())?;
+    if p.score_mod.is_some() && gpu.config().tuned::<ForwardTiles>().is_none() {
+        tiles = tiles.with_score_mod();
+    }
     let mut o = gpu.output_like(q, p.dtype)?;
     let o_strides = p.strides_of(&o, "o")?;
     let [qs, ks, vs] = p.strides;
@@ -374,7 +393,8 @@ fn forward_problem(
     let v_strides_differ = (vs.batch, vs.head) != (ks.batch, ks.head);
     let packed = lens.is_some();
     let mask = Masking::of(p);
-    let variant = forward_variant(p.d, p.dtype, mask, tiles, rows, v_strides_differ, packed);
+    let variant = forward_variant(p.d, p.dtype, mask, tiles, rows, v_strides_differ, packed)
+        .with_score_mod(p.score_mod.as_ref());
     let kernel = Kernel { variant, entry: "fa2_forward" };
     let smem = tiles.shared_bytes(p.d);
     gpu.prepare(&kernel, smem)?;
@@ -390,6 +410,7 @@ fn forward_problem(
         let [hq, hkv, nq, nkv] = p.dims_i32();
         let packed_batch = lens.zip(table.as_deref());
         let (varlen, _g_varlen) = VarlenParams::of(gpu, packed_batch);
+        let (mods, _tables) = p.score_mod_args(gpu)?;
         let params = ForwardParams {
             q: q_ptr,
             k: k_ptr,
@@ -407,6 +428,7 @@ fn forward_problem(
             scale_log2: p.scale_log2(),
             band: p.band(),
             varlen,
+            mods,
         };
         let grid = match &table {
             Some(table) => grid(table.len(), p.heads_q, 1)?,
@@ -454,6 +476,7 @@ pub(crate) struct BackwardParams {
     dk_strides: Strides,
     dv_strides: Strides,
     varlen: VarlenParams,
+    mods: ScoreModArgs,
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror.
@@ -475,6 +498,7 @@ pub fn backward(
     opts: &Options,
 ) -> Result<Gradients> {
     let p = Problem::new(gpu, q, k, v, opts)?;
+    p.require_score_mod_derivative()?;
     backward_problem(gpu, &p, (q, k, v), (out, d_o), None, opts.deterministic, None)
 }
 
@@ -495,6 +519,7 @@ pub fn backward_varlen(
     opts: &Options,
 ) -> Result<Gradients> {
     let p = Problem::packed(gpu, (q, k, v), lens, opts)?;
+    p.require_score_mod_derivative()?;
     backward_problem(gpu, &p, (q, k, v), (out, d_o), Some(lens), opts.deterministic, None)
 }
 
@@ -522,7 +547,8 @@ pub(crate) fn backward_problem(
     p.require_like(gpu, "out.o", &out.o, q.shape(), p.dtype)?;
     p.require_like(gpu, "d_o", d_o, q.shape(), p.dtype)?;
     p.require_like(gpu, "out.lse", &out.lse, &p.lse_shape(), DType::F32)?;
-    let variant = backward_variant(p.d, p.dtype, Masking::of(p), deterministic, lens.is_some())?;
+    let batching = (deterministic, lens.is_some());
+    let variant = backward_variant(p.d, p.dtype, Masking::of(p), batching, p.score_mod.as_ref())?;
     let entry = |entry| Kernel { variant: variant.clone(), entry };
     let (prep, main, dq_pass, finish) = (
         entry("fa2_backward_prep"),
@@ -530,7 +556,7 @@ pub(crate) fn backward_problem(
         entry("fa2_backward_dq"),
         entry("fa2_backward_finish"),
     );
-    let t = BackwardTiles::of(p.d, lens.is_some(), p.window.is_some())?;
+    let t = BackwardTiles::of(p.d, lens.is_some(), p.window.is_some(), p.score_mod.is_some())?;
     let smem = t.shared_bytes(p.d, deterministic);
     let dq_smem = t.dq_shared_bytes(p.d);
     gpu.prepare(&prep, 0)?;
@@ -592,6 +618,7 @@ pub(crate) fn backward_problem(
         let (dv_ptr, _g13) = dv.write_ptr(s)?;
         let (main_varlen, _g14) = VarlenParams::of(gpu, lens.zip(key_table.as_deref()));
         let (dq_varlen, _g15) = VarlenParams::of(gpu, lens.zip(query_table.as_deref()));
+        let (mods, _tables) = p.score_mod_args(gpu)?;
         // In range: the rows by Problem's checks, the totals by SeqLens's 32-bit offsets.
         let params = BackwardParams {
             q: q_ptr,
@@ -626,6 +653,7 @@ pub(crate) fn backward_problem(
             dk_strides,
             dv_strides,
             varlen: main_varlen,
+            mods,
         };
 
         // 1. D = rowsum(dO ∘ O), lse in base 2, dQ accumulator zeroed: one warp per padded row,
@@ -673,6 +701,28 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
         _ => &[64, 128, 256][..],
     };
     let mut all = Vec::new();
+    // Score modifiers (softcap then ALiBi, the heaviest built-in composition) at the tuned head
+    // dims, with and without a window.
+    let mods = crate::ScoreMod::softcap(30.0)
+        .expect("a valid cap")
+        .then(crate::ScoreMod::alibi(vec![0.5; 8]).expect("valid slopes"));
+    for d in [64, 128, 256] {
+        for (causal, windowed) in [(false, false), (true, false), (true, true)] {
+            let mask = Masking { causal, windowed };
+            for deterministic in [false, true] {
+                for packed in [false, true] {
+                    let batching = (deterministic, packed);
+                    all.extend(backward_variant(d, DType::F16, mask, batching, Some(&mods)));
+                }
+            }
+            if let Ok(tiles) = ForwardTiles::for_head_dim(d, arch) {
+                let tiles = tiles.with_score_mod();
+                let mask = Masking { causal, windowed };
+                let v = forward_variant(d, DType::F16, mask, tiles, [d as i64; 4], false, false);
+                all.push(v.with_score_mod(Some(&mods)));
+            }
+        }
+    }
     for &dtype in DTYPES {
         for &d in dims(dtype) {
             for causal in [false, true] {
@@ -696,9 +746,15 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
                         }
                     }
                     for deterministic in [false, true] {
-                        all.extend(backward_variant(d, dtype, mask, deterministic, false));
+                        all.extend(backward_variant(d, dtype, mask, (deterministic, false), None));
                         if d == 64 || d == 128 {
-                            all.extend(backward_variant(d, dtype, mask, deterministic, true));
+                            all.extend(backward_variant(
+                                d,
+                                dtype,
+                                mask,
+                                (deterministic, true),
+                                None,
+                            ));
                         }
                     }
                 }
@@ -759,8 +815,8 @@ mod tests {
                 136,
                 DType::F16,
                 Masking { causal: false, windowed: false },
-                false,
-                false
+                (false, false),
+                None
             ),
             Err(KernelError::UnsupportedHeadDim { d: 136, .. })
         ));

@@ -47,6 +47,7 @@ use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, GpuConfig, Kernel, parse_counts};
 use crate::problem::{Band, Masking, Options, Output, Problem, Strides, grid, multiples};
+use crate::score_mod::ScoreModArgs;
 use crate::tensor::{DType, Tensor};
 use crate::varlen::{SeqLens, VarlenParams};
 
@@ -168,6 +169,13 @@ impl Fa3Tiles {
             Some(t) => Ok(t),
             None => Fa3Tiles::for_problem(d, causal, n_kv),
         }
+    }
+
+    /// The tiles under a score modifier: two consumer warpgroups where there were three (d ≤ 64),
+    /// whose 160 registers a modifier's arithmetic overflows (ALiBi after softcap spills 72–92
+    /// bytes there; at 240 registers none does).
+    pub fn with_score_mod(self) -> Fa3Tiles {
+        Fa3Tiles { consumers: self.consumers.min(2), ..self }
     }
 
     /// Query rows per block.
@@ -393,6 +401,7 @@ pub(crate) fn variant(
             ),
             ("FA3_HOST_PARAMS_BYTES", std::mem::size_of::<ForwardParams>().to_string()),
         ],
+        score_mod: None,
     }
 }
 
@@ -440,6 +449,7 @@ struct ForwardParams {
     o_strides: Strides,
     varlen: VarlenParams,
     tile_counter: u64,
+    mods: ScoreModArgs,
 }
 
 /// Device addresses of the FP8 path's scales (`q, k, p, o` in the kernel's order); zero on the
@@ -612,7 +622,10 @@ fn forward_problem(
     if !HEAD_DIMS.contains(&p.d) {
         return Err(KernelError::UnsupportedHeadDim { rung: "fa3", d: p.d, supported: HEAD_DIMS });
     }
-    let tiles = Fa3Tiles::on(gpu, p.d, p.causal, p.n_kv)?;
+    let mut tiles = Fa3Tiles::on(gpu, p.d, p.causal, p.n_kv)?;
+    if p.score_mod.is_some() {
+        tiles = tiles.with_score_mod();
+    }
     let o = gpu.output_like(q, p.dtype)?;
     let s = gpu.stream();
     let (q_ptr, _g0) = q.read_ptr(s);
@@ -774,7 +787,8 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
     let packed = lens.is_some();
     let mask = Masking::of(p);
     let kernel = Kernel {
-        variant: variant(p.d, p.dtype, mask, (tiles, schedule), fp8, packed),
+        variant: variant(p.d, p.dtype, mask, (tiles, schedule), fp8, packed)
+            .with_score_mod(p.score_mod.as_ref()),
         entry: "fa3_forward",
     };
     let o_smem = o_through_shared(tiles, p.d, operand_bytes, packed);
@@ -809,6 +823,7 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
         let blocks = if schedule.persistent { work.min(gpu.sm_count() as usize) } else { work };
         let packed_batch = lens.zip(table.as_deref());
         let (varlen, _g_varlen) = VarlenParams::of(gpu, packed_batch);
+        let (mods, _tables) = p.score_mod_args(gpu)?;
         let params = |tile_counter: u64| ForwardParams {
             q,
             k,
@@ -834,6 +849,7 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
             o_strides,
             varlen,
             tile_counter,
+            mods,
         };
         // With Schedule::dynamic, a windowed problem's blocks take their tiles from two counters
         // (the kernel's next_dynamic_tile), zero at launch and left zero by its last block.
@@ -880,6 +896,26 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
         for (d, causal) in [(64, true), (128, true), (128, false)] {
             push(d, dtype, causal, Fa3Tiles::for_problem(d, causal, SHORT_KEYS).expect("tiles"));
         }
+    }
+    // Score modifiers at the tuned head dims: softcap, ALiBi, and both (FA3's ALU-heavy softmax
+    // is where a modifier's arithmetic costs the most), and softcap under a window.
+    let softcap = crate::ScoreMod::softcap(30.0).expect("a valid cap");
+    let alibi = crate::ScoreMod::alibi(vec![0.5; 8]).expect("valid slopes");
+    let both = softcap.clone().then(alibi.clone());
+    for d in [64, 128, 256] {
+        for causal in [false, true] {
+            let t = Fa3Tiles::for_head_dim(d, causal).expect("d has tiles").with_score_mod();
+            let schedule = Schedule::for_head_dim(d, false);
+            for m in [&softcap, &alibi, &both] {
+                let mask = Masking { causal, windowed: false };
+                let v = variant(d, DType::F16, mask, (t, schedule), false, false);
+                all.push(v.with_score_mod(Some(m)));
+            }
+        }
+        let t = Fa3Tiles::for_head_dim(d, true).expect("d has tiles").with_score_mod();
+        let mask = Masking { causal: true, windowed: true };
+        let v = variant(d, DType::BF16, mask, (t, Schedule::for_head_dim(d, false)), false, false);
+        all.push(v.with_score_mod(Some(&softcap)));
     }
     // Packed variable-length batches (O from registers), with the long and the short tiles.
     for d in [64, 128, 256] {
@@ -1051,6 +1087,7 @@ mod tests {
             scale: 1.0,
             causal: true,
             window: Default::default(),
+            score_mod: None,
             strides: Default::default(),
             contiguous: true,
             packed: None,

@@ -25,6 +25,9 @@
 //! FlashAttention-3 on Hopper ([`fa3::forward`]) and its FP8 path ([`fa3::fp8::forward`]: e4m3
 //! operands with block scales and incoherent processing).
 //!
+//! **Score modifiers.** Softcap, ALiBi, or any `score_mod` you write in CUDA ([`ScoreMod`]),
+//! compiled into the kernels: [`Options::with_score_mod`].
+//!
 //! Decoding against a KV cache, contiguous or paged (a few new tokens per sequence, the keys
 //! split across blocks), with FlashDecoding or FlashDecoding++ (a unified max, a flat GEMM, a
 //! GEMV, and a dispatcher that picks): [`decode::forward`].
@@ -52,6 +55,7 @@ pub mod fa3;
 mod gpu;
 pub mod inspect;
 mod problem;
+pub mod score_mod;
 mod tensor;
 pub mod varlen;
 
@@ -59,6 +63,7 @@ pub use compile::{KERNEL_FILES, kernel_source};
 pub use error::{KernelError, Result};
 pub use gpu::{Gpu, GpuConfig, KernelCache, Tuning};
 pub use problem::{Gradients, Options, Output, Packed, Problem, Window};
+pub use score_mod::ScoreMod;
 pub use tensor::{DType, Element, Tensor, round_to};
 
 /// Re-exported so that callers can name the buffer types of [`Tensor::from_cuda_slice`] and

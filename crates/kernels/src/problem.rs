@@ -4,6 +4,7 @@ use cudarc::driver::DeviceRepr;
 
 use crate::error::{KernelError, Result};
 use crate::gpu::Gpu;
+use crate::score_mod::{ScoreMod, ScoreModArgs};
 use crate::tensor::{DType, Tensor};
 use crate::varlen::SeqLens;
 
@@ -32,7 +33,7 @@ pub struct Gradients {
 }
 
 /// Options shared by the GPU rungs.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Options {
     /// Causal mask, aligned to the bottom-right corner when `n_q != n_kv`: query `i` sees keys
     /// `j <= i + n_kv - n_q` (the FlashAttention 2.1+ and KV-cache convention).
@@ -49,6 +50,10 @@ pub struct Options {
     /// takes it, forward and backward, and the FA3 forward, 16-bit and FP8; the other rungs
     /// refuse it with an error.
     pub window: Window,
+    /// A function of each scaled score applied before the softmax ([`ScoreMod`]: softcap,
+    /// ALiBi, your own CUDA), compiled into the kernels. The FA2 forward and the FA3 forward
+    /// (16-bit) take it; the other rungs refuse it with an error.
+    pub score_mod: Option<ScoreMod>,
 }
 
 /// A sliding window (flash-attention's `window_size = (left, right)`), bottom-right aligned as
@@ -136,6 +141,24 @@ impl Options {
     /// These options within a sliding window.
     pub fn with_window(self, window: Window) -> Options {
         Options { window, ..self }
+    }
+
+    /// These options with `score_mod` applied after any modifier they already have.
+    pub fn with_score_mod(self, score_mod: ScoreMod) -> Options {
+        let score_mod = Some(match self.score_mod {
+            Some(first) => first.then(score_mod),
+            None => score_mod,
+        });
+        Options { score_mod, ..self }
+    }
+
+    /// These options with Gemma-2's logit softcap ([`ScoreMod::softcap`]); a cap of 0 is no
+    /// softcap (flash-attention's convention), a negative or non-finite one an error.
+    pub fn with_softcap(self, cap: f32) -> Result<Options> {
+        if cap == 0.0 {
+            return Ok(self);
+        }
+        Ok(self.with_score_mod(ScoreMod::softcap(cap)?))
     }
 }
 
@@ -282,7 +305,7 @@ fn one_batch([total, heads, d]: [usize; 3]) -> [usize; 4] {
 
 /// The dimensions of `softmax(scale · Q Kᵀ) V` with `Q: [batch, heads_q, n_q, d]` and
 /// `K, V: [batch, heads_kv, n_kv, d]`.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Problem {
     /// Batch size.
     pub batch: usize,
@@ -304,6 +327,8 @@ pub struct Problem {
     pub causal: bool,
     /// Sliding window (none: `Window::default()`).
     pub window: Window,
+    /// Score modifier (checked against the heads).
+    pub score_mod: Option<ScoreMod>,
     /// Where the rows of Q, K and V lie ([`Strides::of`]; checked by [`Problem::new`]).
     pub(crate) strides: [Strides; 3],
     /// Whether Q, K and V are all row-major with no gaps.
@@ -418,6 +443,9 @@ impl Problem {
         }
         let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
         check_scale(scale)?;
+        if let Some(m) = &opts.score_mod {
+            m.check(heads_q, false)?;
+        }
         // A band's sides travel as ints (mask.cuh) and are added to row indices: keep every sum
         // inside an int.
         if opts.window.is_some() && n_q.max(n_kv) >= WINDOW_MAX_LEN {
@@ -446,6 +474,7 @@ impl Problem {
             scale,
             causal: opts.causal,
             window: opts.window,
+            score_mod: opts.score_mod.clone(),
             strides,
             contiguous: [q, k, v].iter().all(|t| t.is_contiguous()),
             packed,
@@ -481,6 +510,36 @@ impl Problem {
             )))
         } else {
             Ok(())
+        }
+    }
+
+    /// Fails if the options carry a score modifier, for the rungs that take none yet (`rung`
+    /// names the one that refuses).
+    pub(crate) fn require_no_score_mod(&self, rung: &str) -> Result<()> {
+        match &self.score_mod {
+            Some(m) => Err(KernelError::Shape(format!(
+                "{rung} takes no score_mod yet ({}); fa2 (forward and backward) and the fa3 forward \
+                 (16-bit) do",
+                m.name()
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Fails if the score modifier has no derivative (a backward pass needs one).
+    pub(crate) fn require_score_mod_derivative(&self) -> Result<()> {
+        match &self.score_mod {
+            Some(m) => m.check(self.heads_q, true),
+            None => Ok(()),
+        }
+    }
+
+    /// The score modifier's parameters for a launch (zeros without one) and the tables it reads,
+    /// to keep alive until the launch is queued.
+    pub(crate) fn score_mod_args(&self, gpu: &Gpu) -> Result<(ScoreModArgs, Vec<Tensor>)> {
+        match &self.score_mod {
+            Some(m) => m.args(gpu, self.scale),
+            None => Ok((ScoreModArgs::default(), Vec::new())),
         }
     }
 

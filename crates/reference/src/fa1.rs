@@ -31,7 +31,7 @@ use crate::options::TiledOptions;
 use crate::output::{AttentionOutput, Counters};
 use crate::problem::Problem;
 use crate::shape::TileKind;
-use crate::tile::{add_pv, blocks, exp_diff, lse_of, nan_max, score_tile, shift_of};
+use crate::tile::{add_pv, blocks, exp_diff, lse_of, nan_max, shift_of};
 
 /// Options of the FA1 rung: the problem and the tile sizes.
 pub type Fa1Options = TiledOptions;
@@ -56,8 +56,7 @@ pub fn forward<T: Element>(
         counters.write(shape.n_q * d + 2 * shape.n_q);
 
         for cols in blocks(shape.n_kv, bc) {
-            let (k_j, v_j) =
-                (head.k.slice(s![cols.clone(), ..]), head.v.slice(s![cols.clone(), ..]));
+            let v_j = head.v.slice(s![cols.clone(), ..]);
             counters.read(2 * cols.len() * d);
             for rows in blocks(shape.n_q, br) {
                 let (kind, limits) = match head.classify(&rows, &cols) {
@@ -68,12 +67,8 @@ pub fn forward<T: Element>(
                 counters.tile(kind);
                 counters.read(2 * rows.len() * d + 2 * rows.len());
 
-                let mut p = score_tile(
-                    head.q.slice(s![rows.clone(), ..]),
-                    k_j,
-                    head.scale,
-                    limits.as_deref(),
-                );
+                let q_i = head.q.slice(s![rows.clone(), ..]);
+                let mut p = head.score_tile(q_i, &rows, &cols, head.scale, limits.as_deref());
                 let mut pv = Array2::zeros((rows.len(), d));
                 let mut row_max = Array1::from_elem(rows.len(), T::neg_infinity());
                 let mut row_sum = Array1::zeros(rows.len());

@@ -27,11 +27,12 @@ use ndarray::{
 
 use crate::element::Element;
 use crate::error::{LadderError, Result};
+use crate::naive::chain_score_mod;
 use crate::options::{TileSizes, TiledOptions};
 use crate::output::{AttentionOutput, Counters, Gradients, HbmTraffic};
 use crate::problem::Problem;
 use crate::shape::{AttentionShape, Mask, TileKind};
-use crate::tile::{blocks, score_tile};
+use crate::tile::blocks;
 
 /// Options of the FA2 rung: the problem and the tile sizes.
 pub type Fa2Options = TiledOptions;
@@ -155,7 +156,7 @@ where
     D: Fn(ArrayView2<'_, T>, ArrayView2<'_, T>) -> Array1<T> + Sync,
     S: Fn(ArrayView2<'_, T>, ArrayView2<'_, T>, ArrayView1<'_, T>) -> Array2<T> + Sync,
 {
-    let problem = Problem::new(q, k, v, &opts.attention)?;
+    let problem = Problem::backward(q, k, v, &opts.attention)?;
     let shape = problem.shape;
     shape.expect_like_q("o", &o)?;
     shape.expect_like_q("dO", &d_o)?;
@@ -216,7 +217,7 @@ where
                         counters.read(3 * rows.len() * d + 2 * rows.len());
                         counters.write(rows.len() * d);
 
-                        let mut p = score_tile(q_i, k_j, scale, limits.as_deref());
+                        let mut p = head.score_tile(q_i, &rows, &cols, scale, limits.as_deref());
                         for (mut p_row, i) in p.rows_mut().into_iter().zip(rows.clone()) {
                             let lse_i = lse[[b, h, i]];
                             if lse_i == T::neg_infinity() {
@@ -229,7 +230,7 @@ where
                         let mut dp = Array2::zeros(p.dim());
                         general_mat_mul(T::one(), &do_i, &v_j.t(), T::zero(), &mut dp);
                         let d_i = delta.slice(s![b, h, rows.clone()]);
-                        let ds = (steps.ds)(p.view(), dp.view(), d_i);
+                        let mut ds = (steps.ds)(p.view(), dp.view(), d_i);
                         if ds.dim() != p.dim() {
                             let _ = bad_ds.set(format!(
                                 "the dS step returned shape {:?} for a tile of {:?}",
@@ -238,6 +239,7 @@ where
                             ));
                             continue;
                         }
+                        chain_score_mod(&head, &mut ds, rows.start, cols.start);
                         let mut dq_i = dq.slice_mut(s![g, rows.clone(), ..]);
                         general_mat_mul(scale, &ds, &k_j, T::one(), &mut dq_i);
                         general_mat_mul(scale, &ds.t(), &q_i, T::one(), &mut dk_j);

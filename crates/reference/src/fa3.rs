@@ -39,7 +39,7 @@ use crate::options::{AttentionOptions, TileSizes};
 use crate::output::{AttentionOutput, Counters};
 use crate::problem::{Head, Problem};
 use crate::shape::TileKind;
-use crate::tile::{OnlineRows, RowSpans, add_pv, blocks, nan_max, score_tile};
+use crate::tile::{OnlineRows, RowSpans, add_pv, blocks, nan_max};
 
 /// The number format the tiles are multiplied in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -52,7 +52,7 @@ pub enum Fa3Precision {
 }
 
 /// Options of the FA3 rung.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Fa3Options {
     pub attention: AttentionOptions,
     pub tiles: TileSizes,
@@ -171,7 +171,7 @@ fn overlapped_rows<T: Element>(
                 * f.q.scale(head.b, head.h, rows.start)
                 * f.k.scale(head.b, head.kh, cols.start)
         });
-        score_tile(q_i, head.k.slice(s![cols.clone(), ..]), factor, limits.as_deref())
+        head.score_tile(q_i, &rows, cols, factor, limits.as_deref())
     };
     // GEMM 1: O += P V_j. On the FP8 path P is lifted by 2⁸ · s_j / s_max and rounded to e4m3
     // first (the module docs say why), and the product scaled back by s_max / 2⁸; l keeps the

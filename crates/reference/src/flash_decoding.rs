@@ -30,7 +30,7 @@ use crate::problem::{Head, Problem};
 use crate::tile::{blocks, nan_max};
 
 /// Options of the FlashDecoding rung.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct FlashDecodingOptions {
     pub attention: AttentionOptions,
     pub tiles: TileSizes,

@@ -54,7 +54,7 @@ impl Default for Phi {
 }
 
 /// Options of the FlashDecoding++ rung.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct FlashDecodingPpOptions {
     pub attention: AttentionOptions,
     pub tiles: TileSizes,
@@ -278,7 +278,7 @@ fn estimate_phi<T: Element>(head: &Head<'_, T>, samples: usize, counters: &Count
     for (i, q_row) in head.q.rows().into_iter().enumerate() {
         let seen = head.mask.visible(i);
         for &j in picks.iter().filter(|&&j| seen.contains(&j)) {
-            let score = head.scale * q_row.dot(&head.k.row(j));
+            let score = head.logit(head.scale * q_row.dot(&head.k.row(j)), i, j);
             if score.is_finite() {
                 phi = phi.max(score);
             }
@@ -303,7 +303,8 @@ mod tests {
         let v = k.clone();
         let opts = FlashDecodingPpOptions::new(AttentionOptions::default());
         let given =
-            unified_max(q.view(), k.view(), v.view(), &opts.with_phi(Phi::Given(2.5))).unwrap();
+            unified_max(q.view(), k.view(), v.view(), &opts.clone().with_phi(Phi::Given(2.5)))
+                .unwrap();
         assert_eq!(given.shape(), &[1, 2]);
         assert!(given.iter().all(|&p| p == 2.5));
         let scale = 1.0 / 2f64.sqrt();
@@ -312,7 +313,7 @@ mod tests {
                 q.view(),
                 k.view(),
                 v.view(),
-                &opts.with_phi(Phi::Estimate { samples }),
+                &opts.clone().with_phi(Phi::Estimate { samples }),
             )
             .unwrap();
             for h in 0..2 {

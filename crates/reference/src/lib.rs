@@ -54,6 +54,7 @@
 
 mod element;
 mod error;
+pub mod modifiers;
 mod options;
 mod output;
 mod problem;
@@ -79,6 +80,7 @@ pub use fa3::{Fa3Options, Fa3Precision};
 pub use flash_decoding::FlashDecodingOptions;
 pub use flash_decoding_pp::{FlashDecodingPpOptions, Phi};
 pub use fp8::{Fp8Options, Fp8Scaling};
+pub use modifiers::{ScoreIndex, ScoreMod};
 pub use options::{AttentionOptions, TileSizes, TiledOptions};
 pub use output::{AttentionOutput, Gradients, HbmTraffic, RunStats, TileCounts};
 pub use shape::{AttentionShape, Mask, TileKind, Window};

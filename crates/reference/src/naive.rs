@@ -87,6 +87,7 @@ pub(crate) fn probabilities<T: Element>(
 ) -> Array2<T> {
     let mut p = Array2::zeros((head.q.nrows(), head.k.nrows()));
     general_mat_mul(head.scale, &head.q, &head.k.t(), T::zero(), &mut p);
+    head.modify(&mut p, 0, 0);
     for (i, mut row) in p.rows_mut().into_iter().enumerate() {
         let seen = head.mask.visible(i);
         row.slice_mut(s![..seen.start]).fill(T::zero());
@@ -116,7 +117,8 @@ pub(crate) fn probabilities<T: Element>(
 /// With `P` recomputed as in the forward pass and `dS = P ∘ (dP − D)` where `dP = dO Vᵀ` and
 /// `D_i = Σ_j P_ij dP_ij`:
 /// `dV = Pᵀ dO`, `dQ = scale · dS K`, `dK = scale · dSᵀ Q`. With grouped-query attention the
-/// gradients of the q heads that share a kv head are summed into that head's `dK, dV`.
+/// gradients of the q heads that share a kv head are summed into that head's `dK, dV`. With a
+/// score modifier `t = score_mod(s)`, `dS` is the logits' gradient times `∂t/∂s`.
 pub fn backward<T: Element>(
     q: ArrayView4<T>,
     k: ArrayView4<T>,
@@ -124,7 +126,7 @@ pub fn backward<T: Element>(
     d_o: ArrayView4<T>,
     opts: &AttentionOptions,
 ) -> Result<Gradients<T>> {
-    let problem = Problem::new(q, k, v, opts)?;
+    let problem = Problem::backward(q, k, v, opts)?;
     let shape = problem.shape;
     shape.expect_like_q("dO", &d_o)?;
     let (n_q, n_kv, d, group) = (shape.n_q, shape.n_kv, shape.d, shape.group());
@@ -156,6 +158,7 @@ pub fn backward<T: Element>(
                         Zip::from(&ds_row).and(&p_row).fold(T::zero(), |acc, &dp, &p| acc + dp * p);
                     Zip::from(&mut ds_row).and(&p_row).for_each(|ds, &p| *ds = p * (*ds - d_i));
                 }
+                chain_score_mod(&head, &mut ds, 0, 0);
                 general_mat_mul(scale, &ds, &k, T::zero(), &mut dq.index_axis_mut(Axis(0), g));
                 general_mat_mul(scale, &ds.t(), &q, T::one(), &mut dk);
                 // HBM model: recompute S and P as the forward does, then P, dP, dS round-trip.
@@ -172,4 +175,28 @@ pub fn backward<T: Element>(
         dv: dv.into_shape_with_order(shape.kv_dims()).expect("standard layout"),
         stats: counters.stats(kv_heads),
     })
+}
+
+/// `dS ∘= ∂t/∂s` on the tile of rows `rows_start …` and keys `cols_start …` of `head`, for its
+/// score modifier `t = score_mod(s)` (nothing without one): the chain rule from the logits'
+/// gradient to the scores'. The scores are recomputed, as a backward kernel would.
+pub(crate) fn chain_score_mod<T: Element>(
+    head: &Head<'_, T>,
+    ds: &mut Array2<T>,
+    rows_start: usize,
+    cols_start: usize,
+) {
+    let Some(score_mod) = head.score_mod else { return };
+    let (rows, cols) = ds.dim();
+    let mut s = Array2::zeros((rows, cols));
+    let q = head.q.slice(s![rows_start..rows_start + rows, ..]);
+    let k = head.k.slice(s![cols_start..cols_start + cols, ..]);
+    general_mat_mul(head.scale, &q, &k.t(), T::zero(), &mut s);
+    Zip::indexed(ds).and(&s).for_each(|(r, c), ds, &s| {
+        if *ds != T::zero() {
+            let at = head.index(rows_start + r, cols_start + c);
+            let t = score_mod.apply(s.as_f64(), &at);
+            *ds = *ds * T::of(score_mod.derivative(s.as_f64(), t, &at));
+        }
+    });
 }

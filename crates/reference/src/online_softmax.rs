@@ -46,7 +46,7 @@ pub fn attention<T: Element>(
             let (mut m, mut l) = (T::neg_infinity(), T::zero());
             let mut acc = Array1::zeros(d);
             for j in seen.clone() {
-                let score = scale * q_row.dot(&k.row(j));
+                let score = head.logit(scale * q_row.dot(&k.row(j)), i, j);
                 let m_new = nan_max(m, score);
                 let alpha = exp_diff(m, m_new);
                 let p = (score - shift_of(m_new)).exp();

@@ -1,10 +1,11 @@
-//! Options every rung shares: the mask, the softmax scale and the tile sizes.
+//! Options every rung shares: the mask, the softmax scale, the score modifier and the tile sizes.
 
 use crate::error::{Result, invalid};
+use crate::modifiers::ScoreMod;
 use crate::shape::{AttentionShape, Mask, Window};
 
-/// What is computed: `softmax(scale · QKᵀ + mask) V`.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+/// What is computed: `softmax(score_mod(scale · QKᵀ) + mask) V`.
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct AttentionOptions {
     /// Apply the causal mask (bottom-right aligned, see [`crate::Mask`]).
     pub causal: bool,
@@ -12,6 +13,9 @@ pub struct AttentionOptions {
     pub scale: Option<f64>,
     /// A sliding window of keys around each row's diagonal ([`Window`]; none by default).
     pub window: Window,
+    /// A function of each scaled score applied before the softmax ([`ScoreMod`]: softcap,
+    /// ALiBi, your own); none by default.
+    pub score_mod: Option<ScoreMod>,
 }
 
 impl AttentionOptions {
@@ -24,6 +28,24 @@ impl AttentionOptions {
     /// causal window of `w` keys).
     pub fn with_window(self, window: Window) -> Self {
         Self { window, ..self }
+    }
+
+    /// These options with `score_mod` applied after any modifier they already have.
+    pub fn with_score_mod(self, score_mod: ScoreMod) -> Self {
+        let score_mod = Some(match self.score_mod {
+            Some(first) => first.then(score_mod),
+            None => score_mod,
+        });
+        Self { score_mod, ..self }
+    }
+
+    /// These options with Gemma-2's logit softcap ([`ScoreMod::softcap`]); a cap of 0 is no
+    /// softcap (flash-attention's convention), a negative or non-finite one an error.
+    pub fn with_softcap(self, cap: f64) -> Result<Self> {
+        if cap == 0.0 {
+            return Ok(self);
+        }
+        Ok(self.with_score_mod(ScoreMod::softcap(cap)?))
     }
 
     /// The mask these options put on `n_q` queries and `n_kv` keys.
@@ -99,7 +121,7 @@ impl TileSizes {
 
 /// Options of the rungs that need only the problem and the tiles: FA1 ([`crate::Fa1Options`])
 /// and FA2 ([`crate::Fa2Options`]).
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct TiledOptions {
     pub attention: AttentionOptions,
     pub tiles: TileSizes,

@@ -9,12 +9,13 @@ use ndarray::{
 
 use crate::element::Element;
 use crate::error::Result;
+use crate::modifiers::{ScoreIndex, ScoreMod};
 use crate::options::AttentionOptions;
 use crate::output::{AttentionOutput, Counters};
 use crate::shape::{AttentionShape, Mask, TileKind};
-use crate::tile::{OnlineRows, RowSpans, blocks, score_tile};
+use crate::tile::{OnlineRows, RowSpans, blocks, mask_row, score_tile};
 
-/// `Q, K, V` with their checked shape, the resolved scale and the mask.
+/// `Q, K, V` with their checked shape, the resolved scale, the mask and the score modifier.
 #[derive(Clone, Copy)]
 pub(crate) struct Problem<'a, T> {
     pub q: ArrayView4<'a, T>,
@@ -23,20 +24,45 @@ pub(crate) struct Problem<'a, T> {
     pub shape: AttentionShape,
     pub scale: T,
     pub mask: Mask,
+    pub score_mod: Option<&'a ScoreMod>,
 }
 
 impl<'a, T: Element> Problem<'a, T> {
-    /// Checks the shapes and the options.
+    /// Checks the shapes and the options of a forward pass.
     pub fn new(
         q: ArrayView4<'a, T>,
         k: ArrayView4<'a, T>,
         v: ArrayView4<'a, T>,
-        opts: &AttentionOptions,
+        opts: &'a AttentionOptions,
+    ) -> Result<Self> {
+        Self::checked(q, k, v, opts, false)
+    }
+
+    /// Checks the shapes and the options of a backward pass (a score modifier needs its
+    /// derivative).
+    pub fn backward(
+        q: ArrayView4<'a, T>,
+        k: ArrayView4<'a, T>,
+        v: ArrayView4<'a, T>,
+        opts: &'a AttentionOptions,
+    ) -> Result<Self> {
+        Self::checked(q, k, v, opts, true)
+    }
+
+    fn checked(
+        q: ArrayView4<'a, T>,
+        k: ArrayView4<'a, T>,
+        v: ArrayView4<'a, T>,
+        opts: &'a AttentionOptions,
+        backward: bool,
     ) -> Result<Self> {
         let shape = AttentionShape::of(&q, &k, &v)?;
         let scale = T::of(opts.resolve_scale(&shape)?);
         let mask = opts.mask(shape.n_q, shape.n_kv);
-        Ok(Self { q, k, v, shape, scale, mask })
+        if let Some(score_mod) = &opts.score_mod {
+            score_mod.check(&shape, backward)?;
+        }
+        Ok(Self { q, k, v, shape, scale, mask, score_mod: opts.score_mod.as_ref() })
     }
 
     /// The 2-D views of q head `h` of batch `b` and of the kv head it reads.
@@ -51,6 +77,9 @@ impl<'a, T: Element> Problem<'a, T> {
             v: self.v.slice(s![b, kh, .., ..]),
             scale: self.scale,
             mask: self.mask,
+            score_mod: self.score_mod,
+            n_q: self.shape.n_q,
+            n_kv: self.shape.n_kv,
         }
     }
 
@@ -111,9 +140,60 @@ pub(crate) struct Head<'a, T> {
     pub v: ArrayView2<'a, T>,
     pub scale: T,
     pub mask: Mask,
+    pub score_mod: Option<&'a ScoreMod>,
+    pub n_q: usize,
+    pub n_kv: usize,
 }
 
 impl<T: Element> Head<'_, T> {
+    /// Where score `(i, j)` of this head sits, for the score modifier.
+    pub fn index(&self, i: usize, j: usize) -> ScoreIndex {
+        ScoreIndex { batch: self.b, head: self.h, q: i, kv: j, n_q: self.n_q, n_kv: self.n_kv }
+    }
+
+    /// The score the softmax sees for query `i` and key `j`: `score_mod(s)` for the scaled
+    /// score `s = scale · q_i·k_j` (`s` itself without a modifier).
+    pub fn logit(&self, s: T, i: usize, j: usize) -> T {
+        match self.score_mod {
+            None => s,
+            Some(m) => T::of(m.apply(s.as_f64(), &self.index(i, j))),
+        }
+    }
+
+    /// Applies the score modifier to the scaled scores `s` of rows `rows.start …` and keys
+    /// `cols_start …` in place.
+    pub fn modify(&self, s: &mut Array2<T>, rows_start: usize, cols_start: usize) {
+        if self.score_mod.is_some() {
+            s.indexed_iter_mut()
+                .for_each(|((r, c), x)| *x = self.logit(*x, rows_start + r, cols_start + c));
+        }
+    }
+
+    /// `score_mod(scale · Q Kᵀ)` for the tile of query rows `rows` (`q_i`: those rows of Q, or
+    /// a transform of them) and key columns `cols`, each key scaled by `factor` (the softmax
+    /// scale, or the FP8 path's dequantising product); on a partial tile, row `r` keeps the
+    /// columns `limits[r]` and the rest become `−∞`.
+    pub fn score_tile(
+        &self,
+        q_i: ArrayView2<'_, T>,
+        rows: &Range<usize>,
+        cols: &Range<usize>,
+        factor: T,
+        limits: Option<&[Range<usize>]>,
+    ) -> Array2<T> {
+        if self.score_mod.is_none() {
+            return score_tile(q_i, self.k.slice(s![cols.clone(), ..]), factor, limits);
+        }
+        let mut s = score_tile(q_i, self.k.slice(s![cols.clone(), ..]), factor, None);
+        self.modify(&mut s, rows.start, cols.start);
+        if let Some(limits) = limits {
+            for (row, seen) in s.rows_mut().into_iter().zip(limits) {
+                mask_row(row, seen);
+            }
+        }
+        s
+    }
+
     /// How tile `rows × cols` meets the mask, and the columns each row sees when it must be
     /// masked.
     pub fn classify(
@@ -147,8 +227,7 @@ impl<T: Element> Head<'_, T> {
                 continue;
             }
             counters.read(2 * tile.len() * self.k.ncols());
-            let s =
-                score_tile(q_i, self.k.slice(s![tile.clone(), ..]), self.scale, limits.as_deref());
+            let s = self.score_tile(q_i, rows, &tile, self.scale, limits.as_deref());
             f(s, self.v.slice(s![tile, ..]), limits.as_deref());
         }
     }

@@ -304,7 +304,7 @@ mod tests {
         let (q, k, v) =
             (values((total_q, 6, 8), 1), values((total_k, 2, 8), 2), values((total_k, 2, 8), 3));
         let opts = AttentionOptions::causal();
-        let fa2_opts = Fa2Options::new(opts).with_tiles(2, 3).unwrap();
+        let fa2_opts = Fa2Options::new(opts.clone()).with_tiles(2, 3).unwrap();
         let out = forward(q.view(), k.view(), v.view(), &lens, |q, k, v| {
             fa2::forward(q, k, v, &fa2_opts)
         })

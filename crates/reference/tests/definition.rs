@@ -6,7 +6,7 @@
 
 use ladder_reference::{
     AttentionOptions, Fa1Options, Fa2Options, FlashDecodingOptions, FlashDecodingPpOptions,
-    LadderError, Phi, TileSizes, fa1, fa2, fa3, flash_decoding, flash_decoding_pp, naive,
+    LadderError, Phi, ScoreMod, TileSizes, fa1, fa2, fa3, flash_decoding, flash_decoding_pp, naive,
     online_softmax,
 };
 use ndarray::{Array3, Array4, ArrayView4};
@@ -28,6 +28,18 @@ fn definition(
     causal: bool,
     scale: f64,
 ) -> (Array4<f64>, Array3<f64>) {
+    modified_definition(q, k, v, causal, scale, |s, _, _, _| s)
+}
+
+/// `softmax(f(scale · q kᵀ) + mask) v` straight from the definition, `f(s, head, i, j)`.
+fn modified_definition(
+    q: &Array4<f64>,
+    k: &Array4<f64>,
+    v: &Array4<f64>,
+    causal: bool,
+    scale: f64,
+    f: impl Fn(f64, usize, usize, usize) -> f64,
+) -> (Array4<f64>, Array3<f64>) {
     let (b, hq, nq, d) = q.dim();
     let (_, hkv, nkv, _) = k.dim();
     let mut o = Array4::zeros((b, hq, nq, d));
@@ -41,7 +53,8 @@ fn definition(
                 let scores: Vec<f64> = (0..nkv)
                     .filter(|&j| sees(j))
                     .map(|j| {
-                        scale * (0..d).map(|c| q[[bi, h, i, c]] * k[[bi, kh, j, c]]).sum::<f64>()
+                        let s = (0..d).map(|c| q[[bi, h, i, c]] * k[[bi, kh, j, c]]).sum::<f64>();
+                        f(scale * s, h, i, j)
                     })
                     .collect();
                 if scores.is_empty() {
@@ -107,22 +120,22 @@ fn rows_that_see_no_key_give_zeros_and_minus_infinity() {
             q.view(),
             k.view(),
             v.view(),
-            &Fa1Options::new(opts).with_tiles(2, 1).unwrap(),
+            &Fa1Options::new(opts.clone()).with_tiles(2, 1).unwrap(),
         )
         .unwrap(),
         fa2::forward(
             q.view(),
             k.view(),
             v.view(),
-            &Fa2Options::new(opts).with_tiles(2, 1).unwrap(),
+            &Fa2Options::new(opts.clone()).with_tiles(2, 1).unwrap(),
         )
         .unwrap(),
-        fa3::forward(q.view(), k.view(), v.view(), &fa3::Fa3Options::new(opts)).unwrap(),
+        fa3::forward(q.view(), k.view(), v.view(), &fa3::Fa3Options::new(opts.clone())).unwrap(),
         flash_decoding::forward(
             q.view(),
             k.view(),
             v.view(),
-            &FlashDecodingOptions::new(opts).with_splits(5).unwrap(),
+            &FlashDecodingOptions::new(opts.clone()).with_splits(5).unwrap(),
         )
         .unwrap(),
         flash_decoding_pp::forward(
@@ -142,6 +155,42 @@ fn rows_that_see_no_key_give_zeros_and_minus_infinity() {
     }
 }
 
+/// Softcap and ALiBi as their papers write them: `c · tanh(s / c)`, then `s − m_h · |i + n_kv −
+/// n_q − j|` (bottom-right aligned, flash-attention's convention).
+#[test]
+fn naive_f64_with_softcap_and_alibi_is_the_definition() {
+    let (b, hq, hkv, nq, nkv, d) = (2, 4, 2, 5, 9, 3);
+    let (q, k, v) =
+        (tensor((b, hq, nq, d), 31), tensor((b, hkv, nkv, d), 32), tensor((b, hkv, nkv, d), 33));
+    let slopes = ScoreMod::alibi_slopes(hq);
+    assert_eq!(slopes, [0.25, 0.0625, 0.015625, 0.00390625]);
+    let (cap, scale) = (0.3, 0.8);
+    for causal in [false, true] {
+        let f = |s: f64, h: usize, i: usize, j: usize| {
+            let distance = (i as f64 + nkv as f64 - nq as f64 - j as f64).abs();
+            cap * (s / cap).tanh() - slopes[h] * distance
+        };
+        let (o, lse) = modified_definition(&q, &k, &v, causal, scale, f);
+        let opts = AttentionOptions { causal, scale: Some(scale), ..Default::default() }
+            .with_softcap(cap)
+            .unwrap()
+            .with_score_mod(ScoreMod::alibi(slopes.clone()).unwrap());
+        let out = naive::attention(q.view(), k.view(), v.view(), &opts).unwrap();
+        assert!(max_diff(&out.o, &o) < 1e-14, "O differs (causal {causal})");
+        assert!(max_diff(&out.lse, &lse) < 1e-14, "lse differs (causal {causal})");
+    }
+    let bad = AttentionOptions::default().with_score_mod(ScoreMod::alibi(vec![0.5; 3]).unwrap());
+    let err = naive::attention(q.view(), k.view(), v.view(), &bad).unwrap_err().to_string();
+    assert!(err.contains("3 heads for 4 query heads"), "{err}");
+    assert!(AttentionOptions::default().with_softcap(-1.0).is_err());
+    assert_eq!(AttentionOptions::default().with_softcap(0.0).unwrap(), AttentionOptions::default());
+    let forward_only =
+        AttentionOptions::default().with_score_mod(ScoreMod::new("x2", |s, _| 2.0 * s));
+    let d_o = tensor((b, hq, nq, d), 34);
+    let err = naive::backward(q.view(), k.view(), v.view(), d_o.view(), &forward_only);
+    assert!(err.unwrap_err().to_string().contains("x2 has no derivative"));
+}
+
 #[test]
 fn naive_backward_matches_finite_differences() {
     let (b, hq, hkv, nq, nkv, d) = (1, 2, 1, 4, 5, 3);
@@ -151,8 +200,15 @@ fn naive_backward_matches_finite_differences() {
         tensor((b, hkv, nkv, d), 7),
         tensor((b, hq, nq, d), 8),
     );
-    for causal in [false, true] {
-        let opts = AttentionOptions { causal, scale: Some(0.9), ..Default::default() };
+    // Without a modifier, and through softcap then ALiBi (the chain rule of the derivatives).
+    let modified = |causal| {
+        AttentionOptions { causal, scale: Some(0.9), ..Default::default() }
+            .with_softcap(0.5)
+            .unwrap()
+            .with_score_mod(ScoreMod::alibi(vec![0.3, 0.1]).unwrap())
+    };
+    let plain = |causal| AttentionOptions { causal, scale: Some(0.9), ..Default::default() };
+    for opts in [plain(false), plain(true), modified(false), modified(true)] {
         // The loss whose gradient the backward pass returns: L = Σ O ∘ dO.
         let loss = |q: ArrayView4<f64>, k: ArrayView4<f64>, v: ArrayView4<f64>| {
             (&naive::attention(q, k, v, &opts).unwrap().o * &d_o).sum()
@@ -193,7 +249,7 @@ fn fa1_and_fa2_count_the_traffic_of_their_memory_models() {
         q.view(),
         k.view(),
         v.view(),
-        &Fa1Options::new(opts).with_tiles(br, bc).unwrap(),
+        &Fa1Options::new(opts.clone()).with_tiles(br, bc).unwrap(),
     )
     .unwrap();
     assert_eq!(out.stats.hbm.read_bytes, bytes(2 * nkv * d + tc * (2 * nq * d + 2 * nq)));
@@ -249,14 +305,14 @@ fn fa1_traffic_falls_as_sram_grows_and_fa2_moves_less() {
     let (q, k, v) = (tensor((1, 1, n, d), 1), tensor((1, 1, n, d), 2), tensor((1, 1, n, d), 3));
     let opts = AttentionOptions::default();
     let fa1_traffic = |tiles| {
-        fa1::forward(q.view(), k.view(), v.view(), &Fa1Options { attention: opts, tiles })
+        fa1::forward(q.view(), k.view(), v.view(), &Fa1Options { attention: opts.clone(), tiles })
             .unwrap()
             .stats
             .hbm
             .total_bytes()
     };
     let fa2_traffic = |tiles| {
-        fa2::forward(q.view(), k.view(), v.view(), &Fa2Options { attention: opts, tiles })
+        fa2::forward(q.view(), k.view(), v.view(), &Fa2Options { attention: opts.clone(), tiles })
             .unwrap()
             .stats
             .hbm
@@ -299,7 +355,12 @@ fn bad_inputs_are_errors_not_panics() {
         LadderError::ShapeMismatch(_)
     ));
     assert!(matches!(
-        expect_err(fa2::forward(ok.view(), kv.view(), wrong_d.view(), &Fa2Options::new(opts))),
+        expect_err(fa2::forward(
+            ok.view(),
+            kv.view(),
+            wrong_d.view(),
+            &Fa2Options::new(opts.clone())
+        )),
         LadderError::ShapeMismatch(_)
     ));
     let three_heads = tensor((1, 3, 3, 4), 4);
@@ -315,7 +376,12 @@ fn bad_inputs_are_errors_not_panics() {
     ));
     let empty = Array4::<f64>::zeros((1, 2, 0, 4));
     assert!(matches!(
-        expect_err(fa1::forward(empty.view(), kv.view(), kv.view(), &Fa1Options::new(opts))),
+        expect_err(fa1::forward(
+            empty.view(),
+            kv.view(),
+            kv.view(),
+            &Fa1Options::new(opts.clone())
+        )),
         LadderError::EmptyDimension { .. }
     ));
     let no_keys = Array4::<f64>::zeros((1, 1, 0, 4));
@@ -324,7 +390,7 @@ fn bad_inputs_are_errors_not_panics() {
             ok.view(),
             no_keys.view(),
             no_keys.view(),
-            &fa3::Fa3Options::new(opts)
+            &fa3::Fa3Options::new(opts.clone())
         )),
         LadderError::EmptyDimension { .. }
     ));
@@ -334,16 +400,16 @@ fn bad_inputs_are_errors_not_panics() {
         LadderError::InvalidOption { name: "scale", .. }
     ));
     assert!(TileSizes::new(0, 4).is_err() && TileSizes::new(4, 0).is_err());
-    assert!(FlashDecodingOptions::new(opts).with_splits(0).is_err());
-    let zero_splits = FlashDecodingOptions { splits: 0, ..FlashDecodingOptions::new(opts) };
+    assert!(FlashDecodingOptions::new(opts.clone()).with_splits(0).is_err());
+    let zero_splits = FlashDecodingOptions { splits: 0, ..FlashDecodingOptions::new(opts.clone()) };
     assert!(matches!(
         expect_err(flash_decoding::forward(ok.view(), kv.view(), kv.view(), &zero_splits)),
         LadderError::InvalidOption { name: "splits", .. }
     ));
-    let pp = FlashDecodingPpOptions::new(opts);
+    let pp = FlashDecodingPpOptions::new(opts.clone());
     for bad in [
-        pp.with_phi(Phi::Given(f64::INFINITY)),
-        pp.with_phi(Phi::Estimate { samples: 0 }),
+        pp.clone().with_phi(Phi::Given(f64::INFINITY)),
+        pp.clone().with_phi(Phi::Estimate { samples: 0 }),
         FlashDecodingPpOptions { safe_range: Some((1.0, -1.0)), ..pp },
     ] {
         assert!(matches!(
@@ -352,7 +418,8 @@ fn bad_inputs_are_errors_not_panics() {
         ));
     }
     // Backward: dO, O and lse must match the forward shapes.
-    let fwd = fa2::forward(ok.view(), kv.view(), kv.view(), &Fa2Options::new(opts)).unwrap();
+    let fwd =
+        fa2::forward(ok.view(), kv.view(), kv.view(), &Fa2Options::new(opts.clone())).unwrap();
     let short_lse = Array3::<f64>::zeros((1, 2, 2));
     assert!(
         fa2::backward(
@@ -362,7 +429,7 @@ fn bad_inputs_are_errors_not_panics() {
             fwd.o.view(),
             ok.view(),
             short_lse.view(),
-            &Fa2Options::new(opts)
+            &Fa2Options::new(opts.clone())
         )
         .is_err()
     );

@@ -39,7 +39,7 @@ where
 {
     let x = case.inputs::<f32>();
     let attention = case.attention();
-    let opts = Fa2Options { attention, tiles: case.tiles };
+    let opts = Fa2Options { attention: attention.clone(), tiles: case.tiles };
     let (q, k, v, d_o) = (x.q.view(), x.k.view(), x.v.view(), x.d_o.view());
     let forward = fa2::forward(q, k, v, &opts).map_err(fail)?;
     let (o, lse) = (forward.o.view(), forward.lse.view());
@@ -150,6 +150,7 @@ pub fn check_determinism(gpu: &Gpu, report: &mut crate::live::Report) -> Result<
         shape,
         causal: true,
         window: Default::default(),
+        score_mod: None,
         logit_std: 1.0,
         tiles,
         splits: 1,

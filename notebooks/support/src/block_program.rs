@@ -519,6 +519,7 @@ mod tests {
             shape: AttentionShape::new(1, 2, 1, n_q, n_kv, 4).unwrap(),
             causal,
             window: Default::default(),
+            score_mod: None,
             logit_std: 1.0,
             tiles: TileSizes::new(br, bc).unwrap(),
             splits: 1,

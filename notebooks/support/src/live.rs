@@ -102,6 +102,7 @@ fn live_case(d: usize, logit_std: f64) -> Result<Case, Failure> {
         shape,
         causal: true,
         window: Default::default(),
+        score_mod: None,
         logit_std,
         tiles,
         splits: 1,
@@ -303,6 +304,7 @@ pub fn check_fp8(gpu: &Gpu, report: &mut Report) -> Result<bool, Failure> {
         shape,
         causal: false,
         window: Default::default(),
+        score_mod: None,
         logit_std: 1.0,
         tiles,
         splits: 1,
@@ -330,7 +332,8 @@ pub fn check_fp8(gpu: &Gpu, report: &mut Report) -> Result<bool, Failure> {
             .map_err(|e| fail(&e))?;
         let tiles = gpu_check::fp8_cpu_tiles(gpu, shape.d, shape.n_kv, Default::default())
             .map_err(|e| fail(&e))?;
-        let config = RungConfig { attention, tiles, fp8, ..RungConfig::default() };
+        let config =
+            RungConfig { attention: attention.clone(), tiles, fp8, ..RungConfig::default() };
         let cpu = Rung::Fa3Fp8
             .forward(x32.q.view(), x32.k.view(), x32.v.view(), &config)
             .map_err(|e| fail(&e))?;

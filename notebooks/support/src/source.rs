@@ -295,7 +295,7 @@ mod tests {
         assert!(!s.code().contains("mask_columns"), "stops before the mask section");
         let all: Vec<&str> = file(FA2).unwrap().lines().collect();
         let next = all[s.last_line()..].iter().find(|l| !l.trim().is_empty()).unwrap();
-        assert!(next.trim_start().starts_with("// ---- mask"), "{next}");
+        assert!(next.trim_start().starts_with("// ---- score_mod"), "{next}");
         // The last section runs to the end of the file.
         let e = section(FA2, "epilogue").unwrap();
         assert_eq!(e.last_line(), all.len());

@@ -9,6 +9,7 @@ use std::str::FromStr;
 use anyhow::bail;
 use clap::{Args, ValueEnum};
 use ladder_compare::GpuRung;
+use ladder_compare::modifiers::ScoreModSpec;
 use ladder_compare::results::Direction;
 use ladder_kernels::DType;
 use ladder_kernels::decode;
@@ -102,6 +103,11 @@ fn parse_window(text: &str) -> Result<Window, String> {
     if text.trim() == "none" { Ok(Window::default()) } else { text.parse() }
 }
 
+/// `--score-mod`: `none`, or a modifier as [`ScoreModSpec`] parses it.
+fn parse_score_mod(text: &str) -> Result<Option<ScoreModSpec>, String> {
+    if text.trim() == "none" { Ok(None) } else { text.parse().map(Some) }
+}
+
 /// `ladder bench` flags.
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -166,6 +172,12 @@ pub struct BenchArgs {
     /// pairs it attends.
     #[arg(long, value_parser = parse_window, allow_hyphen_values = true)]
     pub(super) window: Vec<Window>,
+    /// A score modifier (`softcap:CAP`, `alibi`, `softcap:CAP+alibi`, `relative-bias`) or
+    /// `none`; give the flag once per modifier [default: none]. A modified case runs on the
+    /// rungs that take a modifier (the fa2 and fa3 forward) and counts the FLOPs of the
+    /// unmodified case.
+    #[arg(long = "score-mod", value_parser = parse_score_mod)]
+    pub(super) score_mod: Vec<Option<ScoreModSpec>>,
     /// Element type of Q, K, V.
     #[arg(long, value_enum, default_value_t = DtypeArg::Fp16)]
     pub(super) dtype: DtypeArg,
@@ -266,6 +278,8 @@ pub(super) struct Plan {
     pub(super) causals: Vec<bool>,
     /// `--window` (default: no window only).
     pub(super) windows: Vec<Window>,
+    /// `--score-mod` (default: none only).
+    pub(super) score_mods: Vec<Option<ScoreModSpec>>,
     /// `--layout` (default `[b, h, s, d]` only).
     pub(super) input_layouts: Vec<LayoutArg>,
     pub(super) dtype: DType,
@@ -350,6 +364,9 @@ impl Plan {
         if a.varlen && a.window.iter().any(Window::is_some) {
             bail!("--window: the windowed cases run on the standard shapes, not with --varlen");
         }
+        if a.varlen && a.score_mod.iter().any(Option::is_some) {
+            bail!("--score-mod: the modified cases run on the standard shapes, not with --varlen");
+        }
         if a.case_budget_s.is_nan() || a.case_budget_s <= 0.0 {
             bail!("--case-budget-s must be positive");
         }
@@ -421,6 +438,7 @@ impl Plan {
             ns,
             causals,
             windows: if a.window.is_empty() { vec![Window::default()] } else { a.window.clone() },
+            score_mods: if a.score_mod.is_empty() { vec![None] } else { a.score_mod.clone() },
             input_layouts: if a.layout.is_empty() {
                 vec![LayoutArg::Bhsd]
             } else {
@@ -506,19 +524,27 @@ impl Plan {
         rungs
     }
 
-    /// [`Plan::rungs_in`] that take `window` (every one when it is none).
+    /// [`Plan::rungs_in`] that take `window` and `score_mod` (every one when both are none).
     pub(super) fn rungs_with(
         &self,
         layout: LayoutArg,
         d: usize,
         n: usize,
-        window: Window,
+        (window, score_mod): (Window, Option<ScoreModSpec>),
     ) -> Vec<GpuRung> {
         let mut rungs = self.rungs_in(layout, d, n);
         if window.is_some() {
             rungs.retain(|r| r.takes_window());
         }
+        if score_mod.is_some() {
+            rungs.retain(|r| r.takes_score_mod());
+        }
         rungs
+    }
+
+    /// Every (window, score modifier) pair of the plan.
+    pub(super) fn masks(&self) -> Vec<(Window, Option<ScoreModSpec>)> {
+        self.windows.iter().flat_map(|&w| self.score_mods.iter().map(move |&m| (w, m))).collect()
     }
 
     pub(super) fn rungs_at(&self, d: usize, n: usize) -> Vec<GpuRung> {
@@ -554,8 +580,8 @@ impl Plan {
                 .iter()
                 .flat_map(|&l| self.ds.iter().map(move |&d| (l, d)))
                 .flat_map(|(l, d)| self.ns.iter().map(move |&n| (l, d, n)))
-                .flat_map(|(l, d, n)| self.windows.iter().map(move |&w| (l, d, n, w)))
-                .map(|(l, d, n, w)| self.rungs_with(l, d, n, w).len())
+                .flat_map(|(l, d, n)| self.masks().into_iter().map(move |m| (l, d, n, m)))
+                .map(|(l, d, n, m)| self.rungs_with(l, d, n, m).len())
                 .sum::<usize>()
             + self.input_layouts.len()
                 * self.decode_ds.len()
@@ -631,6 +657,13 @@ impl Plan {
                 self.splits
                     .map_or("the kernel's heuristic".to_string(), |s| format!("{s} (--splits)"))
             ));
+        }
+        if self.score_mods.iter().any(Option::is_some) {
+            notes.push(
+                "modified cases (--score-mod): on the fa2 and fa3 forward, TFLOP/s counting the \
+                 FLOPs of the unmodified case"
+                    .to_string(),
+            );
         }
         if self.windows.iter().any(Window::is_some) {
             notes.push(
@@ -748,7 +781,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(w.windows, [Window::default(), Window::left(4095)]);
-        let windowed = w.rungs_with(LayoutArg::Bhsd, 128, 16384, Window::left(4095));
+        let windowed = w.rungs_with(LayoutArg::Bhsd, 128, 16384, (Window::left(4095), None));
         assert_eq!(windowed, [GpuRung::Fa2, GpuRung::Fa3]);
         assert_eq!(w.case_count(), 4, "fa2 and fa3, plain and windowed");
         let fa1 = plan(&["--rung", "fa1", "--direction", "fwd", "--n", "512", "--window", "8,0"]);

@@ -183,8 +183,9 @@ fn steps<'a>(
 ) -> anyhow::Result<Steps<'a>> {
     let opts = Options { causal, ..Options::default() };
     if let (Some(varlen_run), Some(fixed_run)) = (rung.varlen_forward(), rung.forward()) {
+        let varlen_opts = opts.clone();
         let varlen: Step = Box::new(move |_| {
-            let o = varlen_run(gpu, &packed[0], &packed[1], &packed[2], seqlens, &opts)?;
+            let o = varlen_run(gpu, &packed[0], &packed[1], &packed[2], seqlens, &varlen_opts)?;
             Ok(vec![o.o, o.lse])
         });
         let fixed: Step = Box::new(move |_| {
@@ -220,8 +221,9 @@ fn steps<'a>(
     let opts = Options { deterministic, ..opts };
     let [q, k, v, d_o] = [&packed[0], &packed[1], &packed[2], &packed[3]];
     let out = varlen_forward(gpu, q, k, v, seqlens, &opts)?;
+    let varlen_opts = opts.clone();
     let varlen: Step = Box::new(move |_| {
-        let g = varlen_backward(gpu, q, k, v, &out, d_o, seqlens, &opts)?;
+        let g = varlen_backward(gpu, q, k, v, &out, d_o, seqlens, &varlen_opts)?;
         Ok(vec![g.dq, g.dk, g.dv])
     });
     let [q, k, v, d_o] = [&fixed[0], &fixed[1], &fixed[2], &fixed[3]];

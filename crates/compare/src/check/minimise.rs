@@ -143,6 +143,7 @@ mod tests {
             shape: AttentionShape::new(1, 1, 1, n_q, n_kv, d).unwrap(),
             causal: true,
             window: Default::default(),
+            score_mod: None,
             logit_std: 1.0,
             tiles: TileSizes::new(3, 3).unwrap(),
             splits: 2,

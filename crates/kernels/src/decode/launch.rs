@@ -33,6 +33,7 @@ pub(super) fn variant(
             ("FD_MAX_BATCH", MAX_BATCH_PER_LAUNCH.to_string()),
             ("FD_HOST_PARAMS_BYTES", std::mem::size_of::<Params>().to_string()),
         ],
+        score_mod: None,
     }
 }
 

@@ -76,6 +76,7 @@ pub(crate) fn variant(d: usize, dtype: DType, causal: bool, deterministic: bool)
             ("FA3B_HOST_SHARED_BYTES", shared_bytes(d).to_string()),
             ("FA3B_HOST_PARAMS_BYTES", std::mem::size_of::<Fa3BackwardParams>().to_string()),
         ],
+        score_mod: None,
     }
 }
 
@@ -116,6 +117,7 @@ pub fn backward(
     let p = Problem::new(gpu, q, k, v, opts)?;
     p.require_dtype("fa3 backward", super::DTYPES, "fp16, bf16")?;
     p.require_no_window("fa3 backward")?;
+    p.require_no_score_mod("fa3 backward")?;
     if !BACKWARD_HEAD_DIMS.contains(&p.d) {
         return Err(KernelError::UnsupportedHeadDim {
             rung: "fa3 backward",

@@ -242,6 +242,7 @@ fn quantize_variant(d: usize, dtype: DType, bc: usize, hadamard: bool, packed: b
             ("FP8Q_VARLEN", (packed as u32).to_string()),
             ("FP8Q_HOST_PARAMS_BYTES", size_of::<QuantizeParams>().to_string()),
         ],
+        score_mod: None,
     }
 }
 
@@ -324,6 +325,7 @@ fn quantize_problem(
 ) -> Result<Fp8Inputs> {
     require_hopper(gpu, "fa3-fp8")?;
     p.require_dtype("fa3-fp8", DTYPES, "fp16, bf16")?;
+    p.require_no_score_mod("fa3-fp8")?;
     let tiles = tiles_on(gpu, p.d, p.n_kv, p.window.is_some())?;
     let (br, bc) = (tiles.br(), tiles.bc);
     // Per head: rows of the dense copies, and scale slots (a fixed-length batch's tiles).
@@ -341,7 +343,7 @@ fn quantize_problem(
     let (heads_q, heads_kv) = (batch * p.heads_q, batch * p.heads_kv);
     let zeroed = lens.is_some();
     let mut out = Fp8Inputs {
-        problem: p,
+        problem: p.clone(),
         tiles,
         offsets: lens.map(|l| {
             let (q, k) = l.offsets();

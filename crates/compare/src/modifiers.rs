@@ -1,0 +1,193 @@
+//! The score modifiers the suite draws, the CLI takes and the benchmarks time, each with its two
+//! forms: a Rust closure for the CPU rungs ([`ladder_reference::ScoreMod`]) and CUDA source for
+//! the kernels ([`ladder_kernels::ScoreMod`]). Writing your own is the same: give both forms
+//! (the `check` API holds your CPU closure to the oracle, the GPU tests the source to the CPU).
+
+use std::fmt;
+use std::str::FromStr;
+
+use ladder_reference::{ScoreIndex, ScoreMod};
+
+use crate::cases::pseudo_random;
+
+/// A softcap's cap: positive and finite ([`Cap::new`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Cap(f64);
+
+impl Cap {
+    /// `cap`, if positive and finite.
+    pub fn new(cap: f64) -> Result<Cap, String> {
+        if cap.is_finite() && cap > 0.0 {
+            Ok(Cap(cap))
+        } else {
+            Err(format!("a softcap must be positive and finite, got {cap}"))
+        }
+    }
+
+    /// The cap.
+    pub fn get(self) -> f64 {
+        self.0
+    }
+}
+
+/// Half-width of [`ScoreModSpec::RelativeBias`]'s table: distances beyond it share its ends.
+pub const BIAS_RADIUS: i64 = 16;
+
+/// A score modifier by name.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ScoreModSpec {
+    /// Gemma-2's logit softcap, `cap · tanh(s / cap)`.
+    Softcap(Cap),
+    /// ALiBi with the paper's slopes for the problem's heads ([`ScoreMod::alibi_slopes`]).
+    Alibi,
+    /// Softcap, then ALiBi (flash-attention's order when both are given).
+    SoftcapAlibi(Cap),
+    /// A user-style modifier: a learned relative-position bias read from a table (T5's, here
+    /// `0.5 ·` a fixed pseudo-random table per head, distances clamped to ±[`BIAS_RADIUS`]).
+    RelativeBias,
+}
+
+impl ScoreModSpec {
+    /// The CPU form for a problem of `heads_q` query heads.
+    pub fn cpu(&self, heads_q: usize) -> ScoreMod {
+        let alibi = || {
+            let slopes = ScoreMod::alibi_slopes(heads_q);
+            ScoreMod::alibi(slopes).expect("the paper's slopes are finite")
+        };
+        match *self {
+            ScoreModSpec::Softcap(cap) => softcap(cap),
+            ScoreModSpec::Alibi => alibi(),
+            ScoreModSpec::SoftcapAlibi(cap) => softcap(cap).then(alibi()),
+            ScoreModSpec::RelativeBias => {
+                let table = bias_table(heads_q);
+                let width = 2 * BIAS_RADIUS as usize + 1;
+                ScoreMod::new("relative bias", move |s, at: &ScoreIndex| {
+                    let r = at.from_diagonal().clamp(-BIAS_RADIUS, BIAS_RADIUS) + BIAS_RADIUS;
+                    s + table[at.head * width + r as usize] as f64
+                })
+                .with_derivative(|_, _, _| 1.0)
+            }
+        }
+    }
+
+    /// The kernels' form for a problem of `heads_q` query heads: the same function as CUDA
+    /// source.
+    pub fn gpu(&self, heads_q: usize) -> ladder_kernels::ScoreMod {
+        use ladder_kernels::ScoreMod as Gpu;
+        let alibi = || {
+            let slopes = ScoreMod::alibi_slopes(heads_q).into_iter().map(|s| s as f32).collect();
+            Gpu::alibi(slopes).expect("the paper's slopes are finite")
+        };
+        let softcap = |cap: Cap| Gpu::softcap(cap.0 as f32).expect("a cap is positive");
+        match *self {
+            ScoreModSpec::Softcap(cap) => softcap(cap),
+            ScoreModSpec::Alibi => alibi(),
+            ScoreModSpec::SoftcapAlibi(cap) => softcap(cap).then(alibi()),
+            ScoreModSpec::RelativeBias => Gpu::new(
+                "relative bias",
+                format!(
+                    "const int r = min(max(kv_idx - (q_idx + n_kv - n_q), -{BIAS_RADIUS}), \
+                     {BIAS_RADIUS}) + {BIAS_RADIUS};\n\
+                     return score + bias[h * {} + r];",
+                    2 * BIAS_RADIUS + 1
+                ),
+            )
+            .tensor("bias", bias_table(heads_q))
+            .with_derivative("return 1.f;"),
+        }
+    }
+}
+
+/// The relative bias's table: `heads × (2·BIAS_RADIUS + 1)` values in [−0.5, 0.5).
+fn bias_table(heads: usize) -> Vec<f32> {
+    let width = 2 * BIAS_RADIUS as usize + 1;
+    pseudo_random(0xb1a5, heads * width).into_iter().map(|x| 0.5 * x).collect()
+}
+
+/// The CPU softcap, `cap · tanh(s / cap)`.
+fn softcap(cap: Cap) -> ScoreMod {
+    ScoreMod::softcap(cap.0).expect("a Cap is positive and finite")
+}
+
+/// `softcap:CAP`, `alibi`, `softcap:CAP+alibi` or `relative-bias`.
+impl FromStr for ScoreModSpec {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        let cap = |c: &str| {
+            c.parse::<f64>()
+                .map_err(|_| format!("a softcap is a number, got {c:?}"))
+                .and_then(Cap::new)
+        };
+        match text.trim() {
+            "alibi" => Ok(ScoreModSpec::Alibi),
+            "relative-bias" => Ok(ScoreModSpec::RelativeBias),
+            t => match t.strip_prefix("softcap:") {
+                Some(rest) => match rest.strip_suffix("+alibi") {
+                    Some(c) => Ok(ScoreModSpec::SoftcapAlibi(cap(c)?)),
+                    None => Ok(ScoreModSpec::Softcap(cap(rest)?)),
+                },
+                None => Err(format!(
+                    "a score_mod is softcap:CAP, alibi, softcap:CAP+alibi or relative-bias, got \
+                     {text:?}"
+                )),
+            },
+        }
+    }
+}
+
+impl fmt::Display for ScoreModSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ScoreModSpec::Softcap(c) => write!(f, "softcap:{}", c.0),
+            ScoreModSpec::Alibi => write!(f, "alibi"),
+            ScoreModSpec::SoftcapAlibi(c) => write!(f, "softcap:{}+alibi", c.0),
+            ScoreModSpec::RelativeBias => write!(f, "relative-bias"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_read_back_what_they_print() {
+        for text in ["softcap:50", "alibi", "softcap:30+alibi", "relative-bias"] {
+            let spec: ScoreModSpec = text.parse().unwrap();
+            assert_eq!(spec.to_string(), text);
+        }
+        for bad in ["softcap:0", "softcap:-1", "softcap:nan", "softcap:", "tanh", "softcap:x+alibi"]
+        {
+            assert!(bad.parse::<ScoreModSpec>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_cpu_forms_are_their_definitions() {
+        let at = ScoreIndex { batch: 0, head: 1, q: 2, kv: 9, n_q: 4, n_kv: 10 };
+        // Bottom-right: query 2's diagonal is key 8, so key 9 is one past it.
+        assert_eq!(at.from_diagonal(), 1);
+        let cap = ScoreModSpec::Softcap(Cap::new(5.0).unwrap()).cpu(2);
+        assert!((cap.apply(7.0, &at) - 5.0 * (7.0f64 / 5.0).tanh()).abs() < 1e-15);
+        let slope = ScoreMod::alibi_slopes(2)[1];
+        assert_eq!(ScoreModSpec::Alibi.cpu(2).apply(3.0, &at), 3.0 - slope);
+        let both = ScoreModSpec::SoftcapAlibi(Cap::new(5.0).unwrap()).cpu(2);
+        assert!((both.apply(7.0, &at) - (5.0 * (1.4f64).tanh() - slope)).abs() < 1e-15);
+        // The chain rule through both: softcap's derivative times ALiBi's 1.
+        let t = 5.0 * (1.4f64).tanh();
+        let want = 1.0 - (t / 5.0) * (t / 5.0);
+        assert!((both.derivative(7.0, both.apply(7.0, &at), &at) - want).abs() < 1e-15);
+    }
+
+    #[test]
+    fn alibi_slopes_follow_the_paper() {
+        assert_eq!(ScoreMod::alibi_slopes(8)[0], 0.5);
+        assert_eq!(ScoreMod::alibi_slopes(8)[7], 2f64.powi(-8));
+        // 12 heads: the 8 of a power of two, then every other one of 16's.
+        let twelve = ScoreMod::alibi_slopes(12);
+        assert_eq!(twelve.len(), 12);
+        assert_eq!(twelve[8], 2f64.powf(-0.5));
+        assert_eq!(twelve[9], 2f64.powf(-1.5));
+    }
+}
