@@ -517,7 +517,13 @@ def make_flex_step(torch, sets, causal, window, direction, score_mod_spec=None):
     against SDPA on the first (batch, head) slice of set 0 (with a score modifier, against the
     modifier applied by hand to that slice's scores)."""
     if not _flex:
+        import torch._dynamo
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        # Each shape, mask and score_mod compiles a kernel of its own: past dynamo's recompile
+        # limit (8) the later cases would run eagerly and be timed so (seen: 5.9 TFLOP/s).
+        for limit in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, limit):
+                setattr(torch._dynamo.config, limit, 1024)
         _flex.extend([torch.compile(flex_attention, dynamic=False), create_block_mask])
     flex, create_block_mask = _flex
     q0, k0 = sets[0][0], sets[0][1]

@@ -408,12 +408,17 @@ impl GpuRung {
         )
     }
 
-    /// Whether the kernel takes a score modifier (`Options::score_mod`): FA2 forward and
-    /// backward, and the FA3 forward.
+    /// Whether the kernel takes a score modifier (`Options::score_mod`): FA2 and FA3, forward
+    /// (16-bit) and backward.
     pub fn takes_score_mod(self) -> bool {
         matches!(
             self,
-            GpuRung::Fa2 | GpuRung::Fa2Backward | GpuRung::Fa2BackwardDeterministic | GpuRung::Fa3
+            GpuRung::Fa2
+                | GpuRung::Fa2Backward
+                | GpuRung::Fa2BackwardDeterministic
+                | GpuRung::Fa3
+                | GpuRung::Fa3Backward
+                | GpuRung::Fa3BackwardDeterministic
         )
     }
 

@@ -72,7 +72,7 @@ struct RungArgs {
     /// A score modifier applied to each scaled score before the softmax: softcap:CAP (Gemma-2's
     /// cap · tanh(s / cap)), alibi (the ALiBi paper's slopes for the heads), softcap:CAP+alibi, or
     /// relative-bias (a bias table by distance, the user-written example). Every CPU rung (and
-    /// the FA2 backward); on the GPU, the fa2 and fa3 forward. `ladder run` only.
+    /// the FA2 backward); on the GPU, fa2 and fa3, forward and backward. `ladder run` only.
     #[arg(long = "score-mod")]
     score_mod: Option<ScoreModSpec>,
 }

@@ -131,23 +131,12 @@ fn run_takes_a_score_mod_on_the_cpu() {
     let out_s = out.display().to_string();
     let (qt, kt, vt) =
         (tensor((2, 4, 7, 8), 1), tensor((2, 2, 11, 8), 2), tensor((2, 2, 11, 8), 3));
+    let run = |extra: &[&str]| {
+        let base = ["run", "--rung", "fa2", "--q", &q, "--k", &k, "--v", &v, "--out", &out_s];
+        ladder(&[&base[..], extra].concat())
+    };
     for spec in ["softcap:0.2", "softcap:0.2+alibi", "relative-bias"] {
-        let run = ladder(&[
-            "run",
-            "--rung",
-            "fa2",
-            "--q",
-            &q,
-            "--k",
-            &k,
-            "--v",
-            &v,
-            "--out",
-            &out_s,
-            "--causal",
-            "--score-mod",
-            spec,
-        ]);
+        let run = run(&["--causal", "--score-mod", spec]);
         assert!(run.status.success(), "{spec}: {}", String::from_utf8_lossy(&run.stderr));
         let o = npy::read(&out).unwrap();
         let m: ScoreModSpec = spec.parse().unwrap();
@@ -159,21 +148,7 @@ fn run_takes_a_score_mod_on_the_cpu() {
         let moved = o.data.iter().zip(&plain.o).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
         assert!(err < 1e-12 && moved > 1e-3, "{spec}: error {err}, change {moved}");
     }
-    let bad = ladder(&[
-        "run",
-        "--rung",
-        "fa2",
-        "--q",
-        &q,
-        "--k",
-        &k,
-        "--v",
-        &v,
-        "--out",
-        &out_s,
-        "--score-mod",
-        "softcap:-1",
-    ]);
+    let bad = run(&["--score-mod", "softcap:-1"]);
     assert_eq!(bad.status.code(), Some(2), "{}", String::from_utf8_lossy(&bad.stderr));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("positive and finite"));
     let verify = ladder(&["verify", "--score-mod", "alibi"]);

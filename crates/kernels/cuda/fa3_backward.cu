@@ -273,12 +273,21 @@ __device__ void consumer(const Fa3BackwardParams& p, SharedTiles& t, const Work&
         wgmma_commit();
         wgmma_wait<1>();
         wgmma_hold(s);
+        // score_mod(scale · Sᵀ) and its slopes, for dSᵀ below (nothing without a modifier)
+        float slope[NQ][4];  // (unused, and so dropped, without a modifier)
+        if constexpr (has_score_mod) {
+            const ScorePlace place{w.seq.seq, w.head, b.n_q, b.n_kv};
+            modify_scores_with_slopes(
+                s, slope, [&](int nt, int e) { return i0 + acc_col(nt, e); },
+                [&](int, int e) { return warp_key0 + acc_row(e); }, place, b.mods);
+        }
         const float* lse2 = t.lse2[stage];
+        const float scale_log2 = score_scale_log2(b.scale_log2);
 #pragma unroll
         for (int nt = 0; nt < NQ; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                s[nt][e] = fast_exp2(fmaf(s[nt][e], b.scale_log2, -lse2[acc_col(nt, e)]));
+                s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -lse2[acc_col(nt, e)]));
         // Only tiles that cross the diagonal or an end of either sequence need the entry test
         // (padding query rows have lse2 = 0, keys past the end zeros: neither gives P = 0).
         const int k_last = w.k0 + BC - 1;
@@ -298,6 +307,7 @@ __device__ void consumer(const Fa3BackwardParams& p, SharedTiles& t, const Work&
         for (int nt = 0; nt < NQ; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - delta[acc_col(nt, e)]);
+        if constexpr (has_score_mod) chain_slopes(dp, slope);
         u32 pt[NQ][2], dst[NQ][2];  // Pᵀ and dSᵀ, rounded to 16 bits: the A operands below
         pack_p(s, pt);
         pack_p(dp, dst);

@@ -115,8 +115,10 @@ impl ForwardTiles {
     }
 
     /// The tiles under a score modifier, whose arithmetic needs registers the tuned tiles leave
-    /// none of (softcap then ALiBi spilled 8–104 bytes at d = 64 and 128 with them): one mma tile
-    /// per warp and twice the warps (the same query rows per block), 64 keys per tile.
+    /// none of (softcap then ALiBi spilled 8–104 bytes at d = 64 and 128 with them): 32 keys per
+    /// tile, which halves the score tiles and keeps each warp's 32 query rows (at d = 128 on the
+    /// H200, softcap 251 TFLOP/s and ALiBi 276 against 203 and 233 with one 16-row tile per warp;
+    /// docs/perf-notes.md).
     pub fn with_score_mod(self) -> ForwardTiles {
         ForwardTiles { bc: 32, ..self }
     }

@@ -51,8 +51,8 @@ pub struct Options {
     /// refuse it with an error.
     pub window: Window,
     /// A function of each scaled score applied before the softmax ([`ScoreMod`]: softcap,
-    /// ALiBi, your own CUDA), compiled into the kernels. The FA2 forward and the FA3 forward
-    /// (16-bit) take it; the other rungs refuse it with an error.
+    /// ALiBi, your own CUDA), compiled into the kernels. FA2 and FA3 take it, forward (16-bit)
+    /// and backward; the other rungs refuse it with an error.
     pub score_mod: Option<ScoreMod>,
 }
 
@@ -518,8 +518,8 @@ impl Problem {
     pub(crate) fn require_no_score_mod(&self, rung: &str) -> Result<()> {
         match &self.score_mod {
             Some(m) => Err(KernelError::Shape(format!(
-                "{rung} takes no score_mod yet ({}); fa2 (forward and backward) and the fa3 forward \
-                 (16-bit) do",
+                "{rung} takes no score_mod yet ({}); fa2 and fa3 do, forward (16-bit) and \
+                 backward",
                 m.name()
             ))),
             None => Ok(()),

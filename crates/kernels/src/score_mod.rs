@@ -14,7 +14,7 @@
 //! indices as floats: arithmetic on positions is cheaper in float, since an int-to-float
 //! conversion per score runs at the rate of an exponential), with named scalars and `f32` tables
 //! it may read. The kernels are compiled at run time, so the body is compiled into
-//! them ([`crate::compile`]): a modifier costs what its arithmetic costs, and a kernel without one
+//! them (through NVRTC, as every kernel is): a modifier costs what its arithmetic costs, and a kernel without one
 //! carries nothing of it. The built-ins are written the same way ([`ScoreMod::softcap`],
 //! [`ScoreMod::alibi`]); modifiers compose with [`ScoreMod::then`].
 //!
@@ -307,13 +307,11 @@ impl ScoreMod {
         let mut tables = Vec::new();
         let tensors = self.stages.iter().flat_map(|s| &s.tensors);
         for (slot, (_, values)) in args.tensor.iter_mut().zip(tensors) {
-            let table = gpu
-                .upload_slice(&values[..], &[values.len().max(1)][..])
-                .or_else(|_| gpu.upload_slice(&[0f32][..], &[1][..]))?;
-            let s = gpu.stream();
-            let (ptr, _guard) = table.read_ptr(s);
-            *slot = ptr;
-            drop(_guard);
+            // (an empty table still gets an address: one zero, which no in-bounds index reads)
+            let values: &[f32] = if values.is_empty() { &[0.0] } else { values };
+            let table = gpu.upload_slice(values, &[values.len()])?;
+            // Uploaded on the kernels' stream, which the launch follows: nothing to order.
+            *slot = table.read_ptr(gpu.stream()).0;
             tables.push(table);
         }
         Ok((args, tables))

@@ -25,8 +25,10 @@ use std::sync::Arc;
 use crate::error::{Result, invalid};
 use crate::shape::AttentionShape;
 
-/// Where a score sits: its batch entry (a packed batch's sequence), query head, query row and key
-/// (each counted from its sequence's start), and the sequences' lengths.
+/// Where a score sits: its batch entry, query head, query row and key (each counted from its
+/// sequence's start), and the sequences' lengths. ([`crate::varlen`] runs each sequence of a
+/// packed batch as a batch of one, so there `batch` is 0; the GPU kernels give a packed batch's
+/// sequence index.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ScoreIndex {
     pub batch: usize,

@@ -174,7 +174,7 @@ pub struct BenchArgs {
     pub(super) window: Vec<Window>,
     /// A score modifier (`softcap:CAP`, `alibi`, `softcap:CAP+alibi`, `relative-bias`) or
     /// `none`; give the flag once per modifier [default: none]. A modified case runs on the
-    /// rungs that take a modifier (the fa2 and fa3 forward) and counts the FLOPs of the
+    /// rungs that take a modifier (fa2, fa3: forward and backward) and counts the FLOPs of the
     /// unmodified case.
     #[arg(long = "score-mod", value_parser = parse_score_mod)]
     pub(super) score_mod: Vec<Option<ScoreModSpec>>,
@@ -660,7 +660,7 @@ impl Plan {
         }
         if self.score_mods.iter().any(Option::is_some) {
             notes.push(
-                "modified cases (--score-mod): on the fa2 and fa3 forward, TFLOP/s counting the \
+                "modified cases (--score-mod): on fa2 and fa3, forward and backward, TFLOP/s counting the \
                  FLOPs of the unmodified case"
                     .to_string(),
             );

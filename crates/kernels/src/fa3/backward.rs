@@ -62,9 +62,16 @@ pub fn shared_bytes(d: usize) -> usize {
     (tiles + stats + barriers).div_ceil(8) * 8 + 1024
 }
 
-/// The kernel variant for head dim `d`, element type, masking and dQ mode.
-pub(crate) fn variant(d: usize, dtype: DType, causal: bool, deterministic: bool) -> Variant {
-    Variant {
+/// The kernel variant for head dim `d`, element type, masking and dQ mode, with a score modifier
+/// compiled in or not.
+pub(crate) fn variant(
+    d: usize,
+    dtype: DType,
+    causal: bool,
+    deterministic: bool,
+    score_mod: Option<&crate::ScoreMod>,
+) -> Variant {
+    let variant = Variant {
         file: "fa3_backward",
         source: SRC,
         defines: vec![
@@ -77,7 +84,8 @@ pub(crate) fn variant(d: usize, dtype: DType, causal: bool, deterministic: bool)
             ("FA3B_HOST_PARAMS_BYTES", std::mem::size_of::<Fa3BackwardParams>().to_string()),
         ],
         score_mod: None,
-    }
+    };
+    variant.with_score_mod(score_mod)
 }
 
 /// Mirror of `Fa3BackwardParams` in `cuda/fa3_backward.cu`: the tensor maps of Q, K, V, dO and
@@ -117,7 +125,7 @@ pub fn backward(
     let p = Problem::new(gpu, q, k, v, opts)?;
     p.require_dtype("fa3 backward", super::DTYPES, "fp16, bf16")?;
     p.require_no_window("fa3 backward")?;
-    p.require_no_score_mod("fa3 backward")?;
+    p.require_score_mod_derivative()?;
     if !BACKWARD_HEAD_DIMS.contains(&p.d) {
         return Err(KernelError::UnsupportedHeadDim {
             rung: "fa3 backward",
@@ -126,7 +134,7 @@ pub fn backward(
         });
     }
     let kernel = Kernel {
-        variant: variant(p.d, p.dtype, p.causal, opts.deterministic),
+        variant: variant(p.d, p.dtype, p.causal, opts.deterministic, p.score_mod.as_ref()),
         entry: "fa3_backward",
     };
     let smem = shared_bytes(p.d);
@@ -178,13 +186,23 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
         for d in [64, 128] {
             for causal in [false, true] {
                 for deterministic in [false, true] {
-                    all.push(variant(d, dtype, causal, deterministic));
+                    all.push(variant(d, dtype, causal, deterministic, None));
                 }
             }
         }
     }
     for (d, causal) in [(8, false), (40, true), (96, false), (96, true), (120, false)] {
-        all.push(variant(d, DType::F16, causal, false));
+        all.push(variant(d, DType::F16, causal, false, None));
+    }
+    // Score modifiers at the tuned head dims: each built-in.
+    let softcap = crate::ScoreMod::softcap(30.0).expect("a valid cap");
+    let alibi = crate::ScoreMod::alibi(vec![0.5; 8]).expect("valid slopes");
+    for d in [64, 128] {
+        for causal in [false, true] {
+            for m in [&softcap, &alibi] {
+                all.push(variant(d, DType::F16, causal, false, Some(m)));
+            }
+        }
     }
     all
 }
