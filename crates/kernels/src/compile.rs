@@ -108,8 +108,9 @@ impl Variant {
     /// This variant with the score modifier `m` compiled in.
     pub fn with_score_mod(mut self, m: Option<&crate::ScoreMod>) -> Variant {
         if let Some(m) = m {
-            self.defines.push(("LADDER_SCORE_MOD", m.key()));
-            self.score_mod = Some(m.header().into());
+            let generated = m.generated();
+            self.defines.push(("LADDER_SCORE_MOD", generated.key.clone()));
+            self.score_mod = Some(generated.header.clone());
         }
         self
     }

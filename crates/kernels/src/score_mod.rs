@@ -46,7 +46,7 @@
 
 use std::fmt::Write as _;
 use std::hash::{Hash, Hasher};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::DeviceRepr;
 
@@ -76,15 +76,33 @@ struct Stage {
 }
 
 /// A function of each scaled score, compiled into the kernels (see the [module](self)).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct ScoreMod {
     stages: Vec<Stage>,
+    /// The generated header and its key, made once (every launch builds its variant from them)
+    /// and dropped whenever a stage changes.
+    generated: OnceLock<Generated>,
+}
+
+/// [`ScoreMod::header`]'s text and the variant key hashed from it.
+#[derive(Clone, Debug)]
+pub(crate) struct Generated {
+    pub(crate) key: String,
+    pub(crate) header: Arc<str>,
+}
+
+/// Two modifiers are equal when their stages are (whether either has made its header yet does not
+/// matter).
+impl PartialEq for ScoreMod {
+    fn eq(&self, other: &ScoreMod) -> bool {
+        self.stages == other.stages
+    }
 }
 
 impl ScoreMod {
     /// A modifier from the body of `float score_mod(float score, int b, int h, int q_idx, int
-    /// kv_idx, int n_q, int n_kv)`, named for errors and logs. Forward only until it has a
-    /// derivative ([`ScoreMod::with_derivative`]).
+    /// kv_idx, int n_q, int n_kv, float q_pos, float kv_pos)` (see the [module](self)), named for
+    /// errors and logs. Forward only until it has a derivative ([`ScoreMod::with_derivative`]).
     pub fn new(name: impl Into<String>, body: impl Into<String>) -> ScoreMod {
         let name = name.into();
         let stage = Stage {
@@ -96,7 +114,7 @@ impl ScoreMod {
             tensors: Vec::new(),
             heads: None,
         };
-        ScoreMod { stages: vec![stage] }
+        ScoreMod { stages: vec![stage], generated: OnceLock::new() }
     }
 
     /// The body of `∂t/∂s`, which sees the arguments of the modifier and `float out`, the
@@ -120,8 +138,9 @@ impl ScoreMod {
 
     /// Gemma-2's logit softcap, `cap · tanh(score / cap)`, its derivative `1 − (out / cap)²`.
     /// `tanh` is computed as `1 − 2 / (e^{2x} + 1)` on the fast exponential: its error is a few
-    /// units of f32's last place of the cap, where `tanh.approx` would cost the softmax ~0.1 %
-    /// of every probability at a cap of 50. The cap must be positive and finite.
+    /// units of f32's last place of the cap, where `tanh.approx` (about 2⁻¹¹ of its result) would
+    /// put up to `cap · 2⁻¹¹` into a logit, 2 % of a probability at a cap of 50. The cap must be
+    /// positive and finite.
     pub fn softcap(cap: f32) -> Result<ScoreMod> {
         if !(cap.is_finite() && cap > 0.0) {
             return Err(KernelError::Shape(format!(
@@ -162,6 +181,7 @@ impl ScoreMod {
     /// `self`, then `next` on its result (softcap then ALiBi is flash-attention's order).
     pub fn then(mut self, next: ScoreMod) -> ScoreMod {
         self.stages.extend(next.stages);
+        self.generated = OnceLock::new();
         self
     }
 
@@ -175,7 +195,9 @@ impl ScoreMod {
         self.stages.iter().all(|s| s.derivative.is_some())
     }
 
+    /// The last stage, to change (which drops the generated header).
     fn last(&mut self) -> &mut Stage {
+        self.generated = OnceLock::new();
         self.stages.last_mut().expect("a modifier has a stage")
     }
 
@@ -288,12 +310,16 @@ impl ScoreMod {
         text
     }
 
-    /// A key for the variant: the header's hash (the kernels compiled with one modifier serve
-    /// every value of its scalars and tables, which travel in the parameters).
-    pub(crate) fn key(&self) -> String {
-        let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        self.header().hash(&mut hasher);
-        format!("{:016x}", hasher.finish())
+    /// The header ([`ScoreMod::header`]) and a key for the variant, its hash (the kernels
+    /// compiled with one modifier serve every value of its scalars and tables, which travel in
+    /// the parameters); made on first use.
+    pub(crate) fn generated(&self) -> &Generated {
+        self.generated.get_or_init(|| {
+            let header = self.header();
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            header.hash(&mut hasher);
+            Generated { key: format!("{:016x}", hasher.finish()), header: header.into() }
+        })
     }
 
     /// The parameters the kernels read (`ScoreModArgs`), the tables uploaded: keep the returned
@@ -378,7 +404,12 @@ mod tests {
         assert_ne!(fa2_with(&m), fa2_with(&ScoreMod::softcap(30.0).unwrap()));
         assert_eq!(fa2_with(&m), fa2_with(&m.clone()));
         // One variant serves every cap: the value travels in the parameters.
-        assert_eq!(ScoreMod::softcap(5.0).unwrap().key(), ScoreMod::softcap(50.0).unwrap().key());
+        let key = |cap| ScoreMod::softcap(cap).unwrap().generated().key.clone();
+        assert_eq!(key(5.0), key(50.0));
+        // A change to a stage after the header was made makes it again.
+        let made = ScoreMod::new("x", "return score;");
+        let before = made.generated().key.clone();
+        assert_ne!(made.with_derivative("return 0.5f;").generated().key, before);
     }
 
     #[test]
