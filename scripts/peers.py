@@ -182,11 +182,12 @@ def band(causal, window):
 
 
 def parse_score_mod(text):
-    """`none`, softcap:CAP, alibi, softcap:CAP+alibi or relative-bias (as `ladder bench --score-mod`)."""
+    """`none`, softcap:CAP, alibi, softcap:CAP+alibi, relative-bias or sinks (as `ladder bench
+    --score-mod`)."""
     text = text.strip()
     if text == "none":
         return None
-    if text in ("alibi", "relative-bias"):
+    if text in ("alibi", "relative-bias", "sinks"):
         return text
     if text.startswith("softcap:"):
         cap = text[len("softcap:"):].removesuffix("+alibi")
@@ -197,7 +198,7 @@ def parse_score_mod(text):
         if ok:
             return text
     raise argparse.ArgumentTypeError(
-        f"a score_mod is softcap:CAP, alibi, softcap:CAP+alibi or relative-bias, got {text!r}")
+        f"a modifier is softcap:CAP, alibi, softcap:CAP+alibi, relative-bias or sinks, got {text!r}")
 
 
 def alibi_slopes(heads):
@@ -212,8 +213,9 @@ def alibi_slopes(heads):
 
 def score_mod_fn(torch, spec, heads, shift):
     """The ladder's modifier `spec` as a function of (score, b, h, q_idx, kv_idx) on tensors: a
-    FlexAttention score_mod, and (on whole tensors) the check's reference."""
-    if spec is None:
+    FlexAttention score_mod, and (on whole tensors) the check's reference. (Sinks are no
+    score_mod: make_flex_step applies them to the output.)"""
+    if spec is None or spec == "sinks":
         return None
     slopes = torch.tensor(alibi_slopes(heads), device="cuda", dtype=torch.float32)
     width = 2 * BIAS_RADIUS + 1
@@ -543,9 +545,18 @@ def make_flex_step(torch, sets, causal, window, direction, score_mod_spec=None):
         block_mask = create_block_mask(mask_mod, B=None, H=None, Q_LEN=n_q, KV_LEN=n_kv, device="cuda")
 
     score_mod = score_mod_fn(torch, score_mod_spec, q0.shape[1], shift)
+    # Attention sinks (gpt-oss) the way a FlexAttention user adds them: a sink has no value, so
+    # O_sink = O · exp(lse) / (exp(lse) + exp(σ)) = O · sigmoid(lse − σ), from the lse Flex returns.
+    sinks = None
+    if score_mod_spec == "sinks":
+        sinks = (torch.rand(q0.shape[1], device="cuda",
+                            generator=torch.Generator("cuda").manual_seed(1)) * 4 - 1)
 
     def attend(q, k, v):
-        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+        if sinks is None:
+            return flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+        o, lse = flex(q, k, v, block_mask=block_mask, return_lse=True)
+        return o * torch.sigmoid(lse - sinks[:, None]).unsqueeze(-1).to(o.dtype)
 
     def reference(q, k, v):  # SDPA with the same band as a dense mask (by hand with a modifier)
         i = torch.arange(n_q, device="cuda")[:, None] + shift
@@ -555,9 +566,14 @@ def make_flex_step(torch, sets, causal, window, direction, score_mod_spec=None):
             dense &= j <= i + right
         if left is not None:
             dense &= j >= i - left
-        if score_mod is None:
+        if score_mod is None and sinks is None:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
         s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        if sinks is not None:  # one more logit per row, whose value is zero
+            s = s.masked_fill(~dense, float("-inf"))
+            sink = sinks[: s.shape[-3], None, None].expand(*s.shape[:-1], 1)
+            p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+            return (p @ v.float()).to(q.dtype)
         zero = torch.zeros((), dtype=torch.int64, device="cuda")
         s = score_mod(s, zero, zero, i - shift, j).masked_fill(~dense, float("-inf"))
         return (torch.softmax(s, dim=-1) @ v.float()).to(q.dtype)

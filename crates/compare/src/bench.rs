@@ -39,7 +39,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::Context;
-use ladder_compare::modifiers::ScoreModSpec;
+use ladder_compare::modifiers::ModifierSpec;
 use ladder_compare::results::{self, Case, Direction, Outcome, Row};
 use ladder_compare::{GpuRung, gpu_check};
 use ladder_kernels::decode::{self, DecodeOptions};
@@ -347,8 +347,8 @@ fn run_case(
     let mut opts = Options { causal: case.causal, ..Options::default() }
         .with_window(ladder_compare::gpu_check::kernel_window(case.window));
     if let Some(name) = &case.score_mod {
-        match name.parse::<ScoreModSpec>() {
-            Ok(spec) => opts = opts.with_score_mod(spec.gpu(case.heads_q)),
+        match name.parse::<ModifierSpec>() {
+            Ok(spec) => opts = spec.apply_gpu(opts, case.heads_q),
             Err(why) => return (Row { case, outcome: Outcome::Failed(why) }, Map::new()),
         }
     }

@@ -9,7 +9,7 @@ use std::ops::RangeInclusive;
 
 use ladder_reference::{AttentionOptions, AttentionShape, Element, TileSizes, Window};
 
-use crate::modifiers::{Cap, ScoreModSpec};
+use crate::modifiers::{Cap, ModifierSpec};
 use ndarray::Array4;
 use proptest::prelude::*;
 use rand::{RngExt, SeedableRng};
@@ -23,8 +23,8 @@ pub struct Case {
     pub causal: bool,
     /// A sliding window around each row's diagonal (none: `Window::default()`).
     pub window: Window,
-    /// A score modifier (none by default).
-    pub score_mod: Option<ScoreModSpec>,
+    /// A modifier: a score modifier or sinks (none by default).
+    pub score_mod: Option<ModifierSpec>,
     /// Standard deviation of the logits `scale · q · k`: 1 is a trained model's regime,
     /// thousands stress overflow (the scale is `logit_std / √d` on unit-normal inputs).
     pub logit_std: f64,
@@ -58,17 +58,24 @@ impl Case {
     }
 
     pub fn attention(&self) -> AttentionOptions {
-        AttentionOptions {
+        let opts = AttentionOptions {
             causal: self.causal,
             scale: Some(self.scale()),
             window: self.window,
-            score_mod: self.score_mod.map(|m| m.cpu(self.shape.heads_q)),
+            ..Default::default()
+        };
+        match self.score_mod {
+            Some(m) => m.apply_cpu(opts, self.shape.heads_q),
+            None => opts,
         }
     }
 
-    /// The case's score modifier as the kernels take it.
-    pub fn kernel_score_mod(&self) -> Option<ladder_kernels::ScoreMod> {
-        self.score_mod.map(|m| m.gpu(self.shape.heads_q))
+    /// The kernels' options `opts` with the case's modifier.
+    pub fn kernel_modifier(&self, opts: ladder_kernels::Options) -> ladder_kernels::Options {
+        match self.score_mod {
+            Some(m) => m.apply_gpu(opts, self.shape.heads_q),
+            None => opts,
+        }
     }
 
     /// Unit-normal tensors from the case's seed.
@@ -216,19 +223,20 @@ pub fn windows(on: bool, longest: usize) -> BoxedStrategy<Window> {
     prop_oneof![3 => Just(Window::default()), 1 => window].boxed()
 }
 
-/// No modifier, or (a quarter of the time, when `on`) one of the built-ins or the relative bias,
+/// No modifier, or (a quarter of the time, when `on`) one of the built-ins, the relative bias or sinks,
 /// with caps from well below the drawn logits' range (where softcap bends every score) to above.
-pub fn score_mods(on: bool) -> BoxedStrategy<Option<ScoreModSpec>> {
+pub fn score_mods(on: bool) -> BoxedStrategy<Option<ModifierSpec>> {
     if !on {
         return Just(None).boxed();
     }
     let cap = prop::sample::select(vec![0.5, 5.0, 30.0, 50.0])
         .prop_map(|c| Cap::new(c).expect("positive"));
     let spec = prop_oneof![
-        cap.clone().prop_map(ScoreModSpec::Softcap),
-        Just(ScoreModSpec::Alibi),
-        cap.prop_map(ScoreModSpec::SoftcapAlibi),
-        Just(ScoreModSpec::RelativeBias),
+        cap.clone().prop_map(ModifierSpec::Softcap),
+        Just(ModifierSpec::Alibi),
+        cap.prop_map(ModifierSpec::SoftcapAlibi),
+        Just(ModifierSpec::RelativeBias),
+        Just(ModifierSpec::Sinks),
     ];
     prop_oneof![3 => Just(None), 1 => spec.prop_map(Some)].boxed()
 }

@@ -16,7 +16,7 @@ use ladder_reference::{
     AttentionOptions, AttentionOutput, Fa2Options, Fp8Options, Gradients, TileSizes,
     fa2 as cpu_fa2, naive,
 };
-use ndarray::{Array3, Array4};
+use ndarray::{Array1, Array3, Array4};
 
 use crate::cases::{Case, Inputs};
 use crate::gpu_rungs::{GpuRung, Kernels};
@@ -153,7 +153,7 @@ pub fn rounded(x: &Inputs<f64>, dtype: DType) -> Inputs<f64> {
 }
 
 /// Attention options with the scale rounded to the `f32` the kernel uses, and the kernel's options
-/// (without a score modifier: a CPU modifier is a closure the kernels cannot take; see
+/// (without a score modifier or sinks: a CPU modifier is a closure the kernels cannot take; see
 /// [`case_options`]).
 pub fn options(attention: &AttentionOptions, d: usize) -> (AttentionOptions, Options) {
     let scale = attention.scale.unwrap_or(1.0 / (d as f64).sqrt()) as f32;
@@ -164,16 +164,16 @@ pub fn options(attention: &AttentionOptions, d: usize) -> (AttentionOptions, Opt
             scale: Some(scale),
             deterministic: false,
             window: kernel_window(attention.window),
-            score_mod: None,
+            ..Options::default()
         },
     )
 }
 
-/// [`options`] for a case, with its score modifier on both sides (the CPU closure and the CUDA
-/// source of the same function).
+/// [`options`] for a case, with its modifier on both sides (the CPU closure and the CUDA source of
+/// the same function, or the same sinks).
 pub fn case_options(case: &Case) -> (AttentionOptions, Options) {
     let (attention, opts) = options(&case.attention(), case.shape.d);
-    (attention, Options { score_mod: case.kernel_score_mod(), ..opts })
+    (attention, case.kernel_modifier(opts))
 }
 
 /// The reference crate's window as the kernels take it (the same two sides).
@@ -421,6 +421,10 @@ pub fn backward_in(
         dq: download4(&g.dq, dims(&x.q))?,
         dk: download4(&g.dk, dims(&x.k))?,
         dv: download4(&g.dv, dims(&x.v))?,
+        dsinks: match &g.dsinks {
+            Some(t) => Some(Array1::from(t.to_f32_vec()?)),
+            None => None,
+        },
         stats: Default::default(),
     };
     Ok((got, Duration::from_secs_f64(f64::from(ms) / 1e3)))
@@ -448,8 +452,13 @@ pub fn expected_backward(
         half,
     )?;
     let to32 = |a: &Array4<f64>| a.mapv(|v| v as f32);
-    let baseline =
-        Gradients { dq: to32(&low.dq), dk: to32(&low.dk), dv: to32(&low.dv), stats: low.stats };
+    let baseline = Gradients {
+        dq: to32(&low.dq),
+        dk: to32(&low.dk),
+        dv: to32(&low.dv),
+        dsinks: low.dsinks.map(|d| d.mapv(|v| v as f32)),
+        stats: low.stats,
+    };
     Ok(ExpectedGradients::from_baseline(oracle, &baseline))
 }
 

@@ -12,7 +12,7 @@ use half::{bf16, f16};
 use ladder_reference::{
     AttentionOptions, AttentionOutput, Gradients, LadderError, ScoreIndex, naive,
 };
-use ndarray::{Array2, Array4, ArrayView2, ArrayView4, Axis, s};
+use ndarray::{Array1, Array2, Array4, ArrayView2, ArrayView4, Axis, s};
 
 /// A 16-bit storage format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,6 +105,12 @@ pub fn backward(
     let mut dq = Array4::zeros(q.dim());
     let mut dk = Array4::zeros(k.dim());
     let mut dv = Array4::zeros(v.dim());
+    // The sinks' gradient as the kernels take it: −Σᵢ exp(σ − lseᵢ) Dᵢ, D from the stored O.
+    let lse = match &opts.sinks {
+        Some(_) => Some(naive::attention(q, k, v, opts)?.lse),
+        None => None,
+    };
+    let mut dsinks = opts.sinks.as_ref().map(|s| Array1::<f64>::zeros(s.len()));
     for b in 0..batch {
         for h in 0..heads_q {
             let kv = h / group;
@@ -116,6 +122,10 @@ pub fn backward(
             let p_r = p_h.mapv(|x| half.round(x));
             let o_r = p_r.dot(&v_h).mapv(|x| half.round(x));
             let rowsum = (&do_h * &o_r).sum_axis(Axis(1)).insert_axis(Axis(1));
+            if let (Some(sinks), Some(lse), Some(dsinks)) = (&opts.sinks, &lse, &mut dsinks) {
+                let p_sink = lse.slice(s![b, h, ..]).mapv(|l| (sinks[h] - l).exp());
+                dsinks[h] -= p_sink.dot(&rowsum.column(0));
+            }
             let ds = &p_h * &(&dp - &rowsum) * &slopes(opts, (q_h, k_h), scale, (b, h));
             let ds = ds.mapv(|x| half.round(x));
             let mut dv_h = dv.slice_mut(s![b, kv, .., ..]);
@@ -129,6 +139,7 @@ pub fn backward(
         dq: half.round_all(&dq),
         dk: half.round_all(&dk),
         dv: half.round_all(&dv),
+        dsinks,
         stats: exact.stats,
     })
 }

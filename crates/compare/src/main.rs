@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use anyhow::bail;
 use clap::{Args, Parser, Subcommand};
 use ladder_compare::memory::{PeakAlloc, human_bytes};
-use ladder_compare::modifiers::ScoreModSpec;
+use ladder_compare::modifiers::ModifierSpec;
 use ladder_compare::verify::{self, VerifyCase};
 use ladder_compare::{Rung, RungConfig};
 use ladder_reference::{AttentionOptions, AttentionShape, Phi, TileSizes, Window};
@@ -69,12 +69,14 @@ struct RungArgs {
     /// the GPU, fa2 (forward and backward) and fa3, fa3-fp8 (forward).
     #[arg(long, allow_hyphen_values = true)]
     window: Option<Window>,
-    /// A score modifier applied to each scaled score before the softmax: softcap:CAP (Gemma-2's
-    /// cap · tanh(s / cap)), alibi (the ALiBi paper's slopes for the heads), softcap:CAP+alibi, or
-    /// relative-bias (a bias table by distance, the user-written example). Every CPU rung (and
-    /// the FA2 backward); on the GPU, fa2 and fa3, forward and backward. `ladder run` only.
+    /// A modifier: a score modifier applied to each scaled score before the softmax, softcap:CAP
+    /// (Gemma-2's cap · tanh(s / cap)), alibi (the ALiBi paper's slopes for the heads),
+    /// softcap:CAP+alibi, or relative-bias (a bias table by distance, the user-written example);
+    /// or sinks (gpt-oss's attention sinks: one logit per head in every row's softmax, fixed
+    /// values in [−1, 3); the backward also gives their gradient). Every CPU rung (and the FA2
+    /// backward); on the GPU, fa2 and fa3 (16-bit), forward and backward. `ladder run` only.
     #[arg(long = "score-mod")]
-    score_mod: Option<ScoreModSpec>,
+    score_mod: Option<ModifierSpec>,
 }
 
 impl RungArgs {
@@ -91,7 +93,7 @@ impl RungArgs {
                 causal,
                 scale: self.scale,
                 window: self.window.unwrap_or_default(),
-                score_mod: None,
+                ..Default::default()
             },
             tiles: TileSizes::new(self.br, self.bc)?,
             splits: self.splits,

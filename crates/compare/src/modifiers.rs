@@ -1,12 +1,14 @@
-//! The score modifiers the suite draws, the CLI takes and the benchmarks time, each with its two
-//! forms: a Rust closure for the CPU rungs ([`ladder_reference::ScoreMod`]) and CUDA source for
-//! the kernels ([`ladder_kernels::ScoreMod`]). Writing your own is the same: give both forms
-//! (the `check` API holds your CPU closure to the oracle, the GPU tests the source to the CPU).
+//! The modifiers the suite draws, the CLI takes and the benchmarks time: score modifiers, each
+//! with its two forms, a Rust closure for the CPU rungs ([`ladder_reference::ScoreMod`]) and CUDA
+//! source for the kernels ([`ladder_kernels::ScoreMod`]), and attention sinks (the same logits on
+//! both sides). Writing your own score modifier is the same: give both forms (the `check` API
+//! holds your CPU closure to the oracle, the GPU tests the source to the CPU).
 
 use std::fmt;
 use std::str::FromStr;
 
-use ladder_reference::{ScoreIndex, ScoreMod};
+use ladder_kernels::{Options, Sinks};
+use ladder_reference::{AttentionOptions, ScoreIndex, ScoreMod};
 
 use crate::cases::pseudo_random;
 
@@ -30,12 +32,12 @@ impl Cap {
     }
 }
 
-/// Half-width of [`ScoreModSpec::RelativeBias`]'s table: distances beyond it share its ends.
+/// Half-width of [`ModifierSpec::RelativeBias`]'s table: distances beyond it share its ends.
 pub const BIAS_RADIUS: i64 = 16;
 
-/// A score modifier by name.
+/// A modifier by name.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum ScoreModSpec {
+pub enum ModifierSpec {
     /// Gemma-2's logit softcap, `cap · tanh(s / cap)`.
     Softcap(Cap),
     /// ALiBi with the paper's slopes for the problem's heads ([`ScoreMod::alibi_slopes`]).
@@ -45,20 +47,49 @@ pub enum ScoreModSpec {
     /// A user-style modifier: a learned relative-position bias read from a table (T5's, here
     /// `0.5 ·` a fixed pseudo-random table per head, distances clamped to ±[`BIAS_RADIUS`]).
     RelativeBias,
+    /// Attention sinks, gpt-oss's: one logit per head in every row's softmax ([`sink_values`]).
+    Sinks,
 }
 
-impl ScoreModSpec {
-    /// The CPU form for a problem of `heads_q` query heads.
-    pub fn cpu(&self, heads_q: usize) -> ScoreMod {
+/// The sinks of [`ModifierSpec::Sinks`] for `heads` query heads: fixed pseudo-random logits in
+/// [−1, 3), the range where a sink takes a visible share of a short row's softmax (values of
+/// `f32`, so that both sides see the same numbers).
+pub fn sink_values(heads: usize) -> Vec<f64> {
+    pseudo_random(0x5171, heads).into_iter().map(|x| (1.0 + 2.0 * x) as f64).collect()
+}
+
+impl ModifierSpec {
+    /// `opts` with this modifier, for a problem of `heads_q` query heads (a score modifier after
+    /// any it already has).
+    pub fn apply_cpu(&self, opts: AttentionOptions, heads_q: usize) -> AttentionOptions {
+        match self.cpu(heads_q) {
+            Some(m) => opts.with_score_mod(m),
+            None => opts.with_sinks(sink_values(heads_q)),
+        }
+    }
+
+    /// The kernels' options `opts` with this modifier, for `heads_q` query heads.
+    pub fn apply_gpu(&self, opts: Options, heads_q: usize) -> Options {
+        match self.gpu(heads_q) {
+            Some(m) => opts.with_score_mod(m),
+            None => {
+                let sinks = sink_values(heads_q).into_iter().map(|s| s as f32).collect();
+                opts.with_sinks(Sinks::new(sinks).expect("the sinks are finite"))
+            }
+        }
+    }
+
+    /// The score modifier's CPU form for a problem of `heads_q` query heads (none for sinks).
+    pub fn cpu(&self, heads_q: usize) -> Option<ScoreMod> {
         let alibi = || {
             let slopes = ScoreMod::alibi_slopes(heads_q);
             ScoreMod::alibi(slopes).expect("the paper's slopes are finite")
         };
-        match *self {
-            ScoreModSpec::Softcap(cap) => softcap(cap),
-            ScoreModSpec::Alibi => alibi(),
-            ScoreModSpec::SoftcapAlibi(cap) => softcap(cap).then(alibi()),
-            ScoreModSpec::RelativeBias => {
+        Some(match *self {
+            ModifierSpec::Softcap(cap) => softcap(cap),
+            ModifierSpec::Alibi => alibi(),
+            ModifierSpec::SoftcapAlibi(cap) => softcap(cap).then(alibi()),
+            ModifierSpec::RelativeBias => {
                 let table = bias_table(heads_q);
                 let width = 2 * BIAS_RADIUS as usize + 1;
                 ScoreMod::new("relative bias", move |s, at: &ScoreIndex| {
@@ -67,23 +98,25 @@ impl ScoreModSpec {
                 })
                 .with_derivative(|_, _, _| 1.0)
             }
-        }
+            ModifierSpec::Sinks => return None,
+        })
     }
 
-    /// The kernels' form for a problem of `heads_q` query heads: the same function as CUDA
-    /// source.
-    pub fn gpu(&self, heads_q: usize) -> ladder_kernels::ScoreMod {
+    /// The score modifier's kernel form for a problem of `heads_q` query heads: the same
+    /// function as CUDA source (none for sinks).
+    pub fn gpu(&self, heads_q: usize) -> Option<ladder_kernels::ScoreMod> {
         use ladder_kernels::ScoreMod as Gpu;
         let alibi = || {
             let slopes = ScoreMod::alibi_slopes(heads_q).into_iter().map(|s| s as f32).collect();
             Gpu::alibi(slopes).expect("the paper's slopes are finite")
         };
         let softcap = |cap: Cap| Gpu::softcap(cap.0 as f32).expect("a cap is positive");
-        match *self {
-            ScoreModSpec::Softcap(cap) => softcap(cap),
-            ScoreModSpec::Alibi => alibi(),
-            ScoreModSpec::SoftcapAlibi(cap) => softcap(cap).then(alibi()),
-            ScoreModSpec::RelativeBias => Gpu::new(
+        Some(match *self {
+            ModifierSpec::Softcap(cap) => softcap(cap),
+            ModifierSpec::Alibi => alibi(),
+            ModifierSpec::SoftcapAlibi(cap) => softcap(cap).then(alibi()),
+            ModifierSpec::Sinks => return None,
+            ModifierSpec::RelativeBias => Gpu::new(
                 "relative bias",
                 format!(
                     "const int r = min(max(kv_idx - (q_idx + n_kv - n_q), -{BIAS_RADIUS}), \
@@ -94,7 +127,7 @@ impl ScoreModSpec {
             )
             .tensor("bias", bias_table(heads_q))
             .with_derivative("return 1.f;"),
-        }
+        })
     }
 }
 
@@ -109,8 +142,8 @@ fn softcap(cap: Cap) -> ScoreMod {
     ScoreMod::softcap(cap.0).expect("a Cap is positive and finite")
 }
 
-/// `softcap:CAP`, `alibi`, `softcap:CAP+alibi` or `relative-bias`.
-impl FromStr for ScoreModSpec {
+/// `softcap:CAP`, `alibi`, `softcap:CAP+alibi`, `relative-bias` or `sinks`.
+impl FromStr for ModifierSpec {
     type Err = String;
 
     fn from_str(text: &str) -> Result<Self, String> {
@@ -120,29 +153,31 @@ impl FromStr for ScoreModSpec {
                 .and_then(Cap::new)
         };
         match text.trim() {
-            "alibi" => Ok(ScoreModSpec::Alibi),
-            "relative-bias" => Ok(ScoreModSpec::RelativeBias),
+            "alibi" => Ok(ModifierSpec::Alibi),
+            "relative-bias" => Ok(ModifierSpec::RelativeBias),
+            "sinks" => Ok(ModifierSpec::Sinks),
             t => match t.strip_prefix("softcap:") {
                 Some(rest) => match rest.strip_suffix("+alibi") {
-                    Some(c) => Ok(ScoreModSpec::SoftcapAlibi(cap(c)?)),
-                    None => Ok(ScoreModSpec::Softcap(cap(rest)?)),
+                    Some(c) => Ok(ModifierSpec::SoftcapAlibi(cap(c)?)),
+                    None => Ok(ModifierSpec::Softcap(cap(rest)?)),
                 },
                 None => Err(format!(
-                    "a score_mod is softcap:CAP, alibi, softcap:CAP+alibi or relative-bias, got \
-                     {text:?}"
+                    "a modifier is softcap:CAP, alibi, softcap:CAP+alibi, relative-bias or \
+                     sinks, got {text:?}"
                 )),
             },
         }
     }
 }
 
-impl fmt::Display for ScoreModSpec {
+impl fmt::Display for ModifierSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            ScoreModSpec::Softcap(c) => write!(f, "softcap:{}", c.0),
-            ScoreModSpec::Alibi => write!(f, "alibi"),
-            ScoreModSpec::SoftcapAlibi(c) => write!(f, "softcap:{}+alibi", c.0),
-            ScoreModSpec::RelativeBias => write!(f, "relative-bias"),
+            ModifierSpec::Softcap(c) => write!(f, "softcap:{}", c.0),
+            ModifierSpec::Alibi => write!(f, "alibi"),
+            ModifierSpec::SoftcapAlibi(c) => write!(f, "softcap:{}+alibi", c.0),
+            ModifierSpec::RelativeBias => write!(f, "relative-bias"),
+            ModifierSpec::Sinks => write!(f, "sinks"),
         }
     }
 }
@@ -153,13 +188,13 @@ mod tests {
 
     #[test]
     fn specs_read_back_what_they_print() {
-        for text in ["softcap:50", "alibi", "softcap:30+alibi", "relative-bias"] {
-            let spec: ScoreModSpec = text.parse().unwrap();
+        for text in ["softcap:50", "alibi", "softcap:30+alibi", "relative-bias", "sinks"] {
+            let spec: ModifierSpec = text.parse().unwrap();
             assert_eq!(spec.to_string(), text);
         }
         for bad in ["softcap:0", "softcap:-1", "softcap:nan", "softcap:", "tanh", "softcap:x+alibi"]
         {
-            assert!(bad.parse::<ScoreModSpec>().is_err(), "{bad}");
+            assert!(bad.parse::<ModifierSpec>().is_err(), "{bad}");
         }
     }
 
@@ -168,11 +203,11 @@ mod tests {
         let at = ScoreIndex { batch: 0, head: 1, q: 2, kv: 9, n_q: 4, n_kv: 10 };
         // Bottom-right: query 2's diagonal is key 8, so key 9 is one past it.
         assert_eq!(at.from_diagonal(), 1);
-        let cap = ScoreModSpec::Softcap(Cap::new(5.0).unwrap()).cpu(2);
+        let cap = ModifierSpec::Softcap(Cap::new(5.0).unwrap()).cpu(2).unwrap();
         assert!((cap.apply(7.0, &at) - 5.0 * (7.0f64 / 5.0).tanh()).abs() < 1e-15);
         let slope = ScoreMod::alibi_slopes(2)[1];
-        assert_eq!(ScoreModSpec::Alibi.cpu(2).apply(3.0, &at), 3.0 - slope);
-        let both = ScoreModSpec::SoftcapAlibi(Cap::new(5.0).unwrap()).cpu(2);
+        assert_eq!(ModifierSpec::Alibi.cpu(2).unwrap().apply(3.0, &at), 3.0 - slope);
+        let both = ModifierSpec::SoftcapAlibi(Cap::new(5.0).unwrap()).cpu(2).unwrap();
         assert!((both.apply(7.0, &at) - (5.0 * (1.4f64).tanh() - slope)).abs() < 1e-15);
         // The chain rule through both: softcap's derivative times ALiBi's 1.
         let t = 5.0 * (1.4f64).tanh();

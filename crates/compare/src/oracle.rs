@@ -14,7 +14,7 @@ use ladder_reference::{
     ScoreIndex, naive,
 };
 use ndarray::linalg::general_mat_mul;
-use ndarray::{Array2, Array3, Array4, ArrayView4, Axis, s};
+use ndarray::{Array1, Array2, Array3, Array4, ArrayView4, Axis, s};
 
 use crate::cases::Inputs;
 use crate::metrics::{
@@ -279,6 +279,8 @@ pub struct GradientOracle {
     pub grads: Gradients<f64>,
     /// The size of the terms behind each entry of `dQ, dK, dV` ([`term_magnitudes`]).
     magnitudes: [Array4<f64>; 3],
+    /// The same for the sinks' gradient ([`sink_magnitudes`]; `None` without sinks).
+    sink_magnitudes: Option<Array1<f64>>,
     logit_bound: f64,
 }
 
@@ -290,7 +292,9 @@ impl GradientOracle {
         let shape = AttentionShape::of(&q.view(), &k.view(), &v.view())?;
         let logit_bound = modified_logit_bound(&q, &k, attention, &shape)?;
         let magnitudes = term_magnitudes(&q, &k, &v, &d_o, attention)?;
-        Ok(Self { attention: attention.clone(), shape, grads, magnitudes, logit_bound })
+        let sink_magnitudes = sink_magnitudes(&q, &k, &v, &d_o, attention)?;
+        let attention = attention.clone();
+        Ok(Self { attention, shape, grads, magnitudes, sink_magnitudes, logit_bound })
     }
 }
 
@@ -299,6 +303,8 @@ impl GradientOracle {
 pub struct ExpectedGradients {
     pub oracle: Gradients<f64>,
     pub tolerances: [Tolerance; 3],
+    /// The tolerance of the sinks' gradient (`None` without sinks).
+    pub dsinks: Option<Tolerance>,
 }
 
 impl ExpectedGradients {
@@ -337,10 +343,21 @@ impl ExpectedGradients {
             );
             Tolerance::from_baseline(error(base, reference), floor)
         });
-        Self { oracle: oracle.grads.clone(), tolerances }
+        // dσ sums over every row of every batch entry, each term through lse and D.
+        let dsinks = match (&baseline.dsinks, &reference.dsinks, &oracle.sink_magnitudes) {
+            (Some(base), Some(reference), Some(magnitudes)) => {
+                let terms = shape.batch * shape.n_q + shape.d + shape.n_kv;
+                let floor =
+                    Floor::new(T::UNIT_ROUNDOFF, terms, oracle.logit_bound, magnitudes, reference);
+                Some(Tolerance::from_baseline(error(base, reference), floor))
+            }
+            _ => None,
+        };
+        Self { oracle: oracle.grads.clone(), tolerances, dsinks }
     }
 
-    /// Errors of `dQ, dK, dV` against the oracle and whether all three pass.
+    /// Errors of `dQ, dK, dV` against the oracle and whether all three pass (and the sinks'
+    /// gradient, [`ExpectedGradients::judge_sinks`], where the problem has sinks).
     pub fn judge<T: Element>(&self, grads: &Gradients<T>) -> ([ErrorStats; 3], bool) {
         let errs = [
             error(&grads.dq, &self.oracle.dq),
@@ -348,7 +365,22 @@ impl ExpectedGradients {
             error(&grads.dv, &self.oracle.dv),
         ];
         let pass = errs.iter().zip(&self.tolerances).all(|(e, t)| t.admits(*e));
-        (errs, pass)
+        let sinks_pass = self.judge_sinks(grads).is_none_or(|(_, _, pass)| pass);
+        (errs, pass && sinks_pass)
+    }
+
+    /// The sinks' gradient against the oracle's: its error, its tolerance and whether it passes
+    /// (`None` without sinks; a rung that returns no gradient for them fails).
+    pub fn judge_sinks<T: Element>(
+        &self,
+        grads: &Gradients<T>,
+    ) -> Option<(ErrorStats, Tolerance, bool)> {
+        let (reference, tol) = (self.oracle.dsinks.as_ref()?, self.dsinks?);
+        let err = match &grads.dsinks {
+            Some(got) => error(got, reference),
+            None => ErrorStats { rel_l2: f64::INFINITY, max_abs: f64::INFINITY },
+        };
+        Some((err, tol, tol.admits(err)))
     }
 }
 
@@ -391,6 +423,32 @@ fn term_magnitudes(
         }
     }
     Ok([dq_abs, dk_abs, dv_abs])
+}
+
+/// The size of the terms behind the sinks' gradient, `Σ_{b,i} P_i,sink · Dᵢ^abs` per head with
+/// `Dᵢ^abs = Σⱼ P_ij |dOᵢ|·|vⱼ|` ([`term_magnitudes`]'s bound on `|Dᵢ|`); `None` without sinks.
+fn sink_magnitudes(
+    q: &Array4<f64>,
+    k: &Array4<f64>,
+    v: &Array4<f64>,
+    d_o: &Array4<f64>,
+    attention: &AttentionOptions,
+) -> Result<Option<Array1<f64>>> {
+    let Some(sinks) = &attention.sinks else { return Ok(None) };
+    let p = naive::weights(q.view(), k.view(), v.view(), attention)?;
+    let lse = naive::attention(q.view(), k.view(), v.view(), attention)?.lse;
+    let shape = AttentionShape::of(&q.view(), &k.view(), &v.view())?;
+    let mut magnitudes = Array1::zeros(shape.heads_q);
+    for b in 0..shape.batch {
+        for h in 0..shape.heads_q {
+            let v = v.slice(s![b, shape.kv_head(h), .., ..]).mapv(f64::abs);
+            let g = d_o.slice(s![b, h, .., ..]).mapv(f64::abs).dot(&v.t());
+            let d_abs = (&p.slice(s![b, h, .., ..]) * &g).sum_axis(Axis(1));
+            let p_sink = lse.slice(s![b, h, ..]).mapv(|l| (sinks[h] - l).exp());
+            magnitudes[h] += p_sink.dot(&d_abs);
+        }
+    }
+    Ok(Some(magnitudes))
 }
 
 /// Checks `out` against the oracle and, when given, against the previous rung's output; the

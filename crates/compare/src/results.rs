@@ -165,7 +165,7 @@ pub struct Case {
     /// pairs it attends ([`attended_pairs`]).
     pub window: Window,
     /// Prefill only: a score modifier by name (`softcap:50`, `alibi`, …: a
-    /// [`crate::modifiers::ScoreModSpec`]); `None` for none. It does not change the FLOPs counted.
+    /// [`crate::modifiers::ModifierSpec`]); `None` for none. It does not change the FLOPs counted.
     pub score_mod: Option<String>,
 }
 

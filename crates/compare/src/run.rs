@@ -20,7 +20,7 @@ use ladder_compare::results::Direction;
 use ladder_compare::{Rung, RungConfig};
 use ladder_kernels::{self as kernels, KernelError, Tensor};
 use ladder_reference::{AttentionShape, Element, Fa2Options, RunStats, fa2, naive};
-use ndarray::{Array, Array3, Array4, ArrayD, Dimension};
+use ndarray::{Array, Array1, Array3, Array4, ArrayD, Dimension};
 
 use crate::RungArgs;
 
@@ -97,6 +97,10 @@ pub struct RunArgs {
     /// With --backward: where to write dV (in the dtype of v).
     #[arg(long)]
     dv: Option<PathBuf>,
+    /// With --backward and --score-mod sinks: where to write the sinks' gradient ([heads_q],
+    /// float32); without it the summary line prints it.
+    #[arg(long)]
+    dsinks: Option<PathBuf>,
     // --scale applies on the GPU too; the tile and split sizes do not.
     #[command(flatten)]
     rung_args: RungArgs,
@@ -225,6 +229,9 @@ impl RunArgs {
             if let Some((flag, _)) = grad_flags.iter().find(|(_, p)| p.is_some()) {
                 return Err(usage(format!("{flag} goes with --backward")));
             }
+            if self.dsinks.is_some() {
+                return Err(usage("--dsinks goes with --backward"));
+            }
             None
         };
         let plan = match self.device {
@@ -315,6 +322,8 @@ struct Results {
     lse: Array3<f64>,
     /// `dQ, dK, dV`.
     grads: Option<[Array4<f64>; 3]>,
+    /// The sinks' gradient, with sinks.
+    dsinks: Option<Array1<f64>>,
     /// What ran where, for the summary line.
     what: String,
     /// What the run did, for a second line (CPU rungs).
@@ -348,7 +357,7 @@ fn run(args: &RunArgs) -> anyhow::Result<()> {
     })?;
     let heads_q = q.data.dim().1;
     if let Some(spec) = args.rung_args.score_mod {
-        config.attention = config.attention.with_score_mod(spec.cpu(heads_q));
+        config.attention = spec.apply_cpu(config.attention, heads_q);
     }
     let d_o = match &backward {
         Some(paths) => {
@@ -401,6 +410,17 @@ fn run(args: &RunArgs) -> anyhow::Result<()> {
         wrote +=
             &format!(", dQ, dK, dV to {}", paths.out.map(|p| p.display().to_string()).join(", "));
     }
+    match (&results.dsinks, &args.dsinks) {
+        (Some(dsinks), Some(path)) => {
+            npy::write(path, dsinks, DType::F32)?;
+            wrote += &format!(", dsinks to {}", path.display());
+        }
+        (Some(dsinks), None) => wrote += &format!("; dsinks {dsinks}"),
+        (None, Some(_)) => {
+            return Err(usage("--dsinks: the problem has no sinks (--score-mod sinks)"));
+        }
+        (None, None) => {}
+    }
     eprintln!("{}: {wrote}", results.what);
     if let Some(stats) = results.stats {
         eprintln!("{}: {stats}", args.rung);
@@ -444,13 +464,15 @@ fn cpu<T: Element>(rung: Rung, x: &Tensors, config: &RungConfig) -> anyhow::Resu
                 other => bail!("{other} has no backward pass on the CPU"),
             };
             stats += &describe(&g.stats, "; backward: ");
-            Some([g.dq, g.dk, g.dv].map(|t| widen(&t)))
+            Some(g)
         }
     };
+    let dsinks = grads.as_ref().and_then(|g| g.dsinks.as_ref().map(widen));
     Ok(Results {
         o: widen(&out.o),
         lse: widen(&out.lse),
-        grads,
+        grads: grads.map(|g| [g.dq, g.dk, g.dv].map(|t| widen(&t))),
+        dsinks,
         what: format!("{rung} (CPU, {})", T::NAME),
         stats: Some(stats),
     })
@@ -501,7 +523,11 @@ fn gpu(rung: GpuRung, dtype: GpuDType, x: &Tensors, args: &RunArgs) -> anyhow::R
         scale: args.rung_args.scale.map(|s| s as f32),
         deterministic: args.deterministic,
         window: ladder_compare::gpu_check::kernel_window(args.rung_args.window.unwrap_or_default()),
-        score_mod: args.rung_args.score_mod.map(|m| m.gpu(x.q.data.dim().1)),
+        ..kernels::Options::default()
+    };
+    let opts = match args.rung_args.score_mod {
+        Some(m) => m.apply_gpu(opts, x.q.data.dim().1),
+        None => opts,
     };
     let out = match rung.kernels() {
         Kernels::Forward(forward) => forward(&gpu, &q, &k, &v, &opts),
@@ -521,13 +547,16 @@ fn gpu(rung: GpuRung, dtype: GpuDType, x: &Tensors, args: &RunArgs) -> anyhow::R
                 bail!("{label} has no backward kernel");
             };
             let g = backward(&gpu, &q, &k, &v, &out, &d_o, &opts).map_err(kernel_error)?;
-            Some([download(&g.dq)?, download(&g.dk)?, download(&g.dv)?])
+            let dsinks = g.dsinks.as_ref().map(download).transpose()?;
+            Some(([download(&g.dq)?, download(&g.dk)?, download(&g.dv)?], dsinks))
         }
     };
+    let (grads, dsinks) = grads.map_or((None, None), |(g, d)| (Some(g), d));
     Ok(Results {
         o: download(&out.o)?,
         lse: download(&out.lse)?,
         grads,
+        dsinks,
         what: format!("{label} (GPU {}, {}, {})", gpu.name(), gpu.arch(), kind.name()),
         stats: None,
     })

@@ -124,7 +124,7 @@ fn run_rejects_bad_inputs_with_one_line_errors() {
 /// with one, are one-line errors.
 #[test]
 fn run_takes_a_score_mod_on_the_cpu() {
-    use ladder_compare::modifiers::ScoreModSpec;
+    use ladder_compare::modifiers::ModifierSpec;
     let dir = tempfile::tempdir().unwrap();
     let [q, k, v] = write_inputs(dir.path(), DType::F64, 4);
     let out = dir.path().join("o.npy");
@@ -135,12 +135,12 @@ fn run_takes_a_score_mod_on_the_cpu() {
         let base = ["run", "--rung", "fa2", "--q", &q, "--k", &k, "--v", &v, "--out", &out_s];
         ladder(&[&base[..], extra].concat())
     };
-    for spec in ["softcap:0.2", "softcap:0.2+alibi", "relative-bias"] {
+    for spec in ["softcap:0.2", "softcap:0.2+alibi", "relative-bias", "sinks"] {
         let run = run(&["--causal", "--score-mod", spec]);
         assert!(run.status.success(), "{spec}: {}", String::from_utf8_lossy(&run.stderr));
         let o = npy::read(&out).unwrap();
-        let m: ScoreModSpec = spec.parse().unwrap();
-        let opts = AttentionOptions::causal().with_score_mod(m.cpu(4));
+        let m: ModifierSpec = spec.parse().unwrap();
+        let opts = m.apply_cpu(AttentionOptions::causal(), 4);
         let want = naive::attention(qt.view(), kt.view(), vt.view(), &opts).unwrap();
         let plain =
             naive::attention(qt.view(), kt.view(), vt.view(), &AttentionOptions::causal()).unwrap();
@@ -221,6 +221,7 @@ impl Problem {
             dq: read4("dq"),
             dk: read4("dk"),
             dv: read4("dv"),
+            dsinks: None,
             stats: Default::default(),
         });
         (out, grads)

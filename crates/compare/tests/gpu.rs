@@ -103,8 +103,12 @@ fn check_backward(
     let (errs, pass) = expected.judge(&got);
     let [tq, tk, tv] = expected.tolerances;
     if !pass {
+        let sinks = expected
+            .judge_sinks(&got)
+            .map_or(String::new(), |(err, tol, _)| format!(", dsinks {err} (tol {tol})"));
         return Err(fail(format!(
-            "{rung} ({dtype}, {layout:?}) vs oracle: dQ {} dK {} dV {} (tol {tq} / {tk} / {tv})",
+            "{rung} ({dtype}, {layout:?}) vs oracle: dQ {} dK {} dV {} (tol {tq} / {tk} / \
+             {tv}){sinks}",
             errs[0], errs[1], errs[2]
         )));
     }
@@ -543,32 +547,35 @@ fn gpu_rungs_reject_bad_input() {
 /// fp16 and bf16, d = 64 (FA3's two consumer warpgroups under a modifier), 128 and 256.
 #[test]
 fn gpu_score_mods_long_sequences() {
-    use ladder_compare::modifiers::{Cap, ScoreModSpec};
+    use ladder_compare::modifiers::{Cap, ModifierSpec};
     use ladder_reference::Window;
     let cap = |c| Cap::new(c).unwrap();
     let cases = [
-        (1500, 1500, 128, true, ScoreModSpec::Softcap(cap(0.5)), Window::default(), Layout::Bhsd),
-        (700, 2100, 128, false, ScoreModSpec::Softcap(cap(30.0)), Window::default(), Layout::Bshd),
+        (1500, 1500, 128, true, ModifierSpec::Softcap(cap(0.5)), Window::default(), Layout::Bhsd),
+        (700, 2100, 128, false, ModifierSpec::Softcap(cap(30.0)), Window::default(), Layout::Bshd),
         (
             1500,
             700,
             64,
             true,
-            ScoreModSpec::SoftcapAlibi(cap(5.0)),
+            ModifierSpec::SoftcapAlibi(cap(5.0)),
             Window::default(),
             Layout::Bhsd,
         ),
-        (700, 1500, 256, true, ScoreModSpec::Alibi, Window::default(), Layout::Packed),
-        (1029, 1029, 128, true, ScoreModSpec::RelativeBias, Window::left(300), Layout::Bhsd),
+        (700, 1500, 256, true, ModifierSpec::Alibi, Window::default(), Layout::Packed),
+        (1029, 1029, 128, true, ModifierSpec::RelativeBias, Window::left(300), Layout::Bhsd),
         (
             900,
             900,
             64,
             false,
-            ScoreModSpec::Softcap(cap(50.0)),
+            ModifierSpec::Softcap(cap(50.0)),
             Window::new(150, 150),
             Layout::Packed,
         ),
+        // Sinks: n_q > n_kv, so the first 800 causal rows see no key and keep only the sink.
+        (1500, 700, 128, true, ModifierSpec::Sinks, Window::default(), Layout::Bhsd),
+        (1100, 900, 64, true, ModifierSpec::Sinks, Window::left(200), Layout::Packed),
     ];
     for rung in [GpuRung::Fa2, GpuRung::Fa3] {
         for (i, &(n_q, n_kv, d, causal, spec, window, layout)) in cases.iter().enumerate() {
@@ -588,22 +595,25 @@ fn gpu_score_mods_long_sequences() {
 /// both dQ modes.
 #[test]
 fn gpu_score_mods_backward_long_sequences() {
-    use ladder_compare::modifiers::{Cap, ScoreModSpec};
+    use ladder_compare::modifiers::{Cap, ModifierSpec};
     use ladder_reference::Window;
     let cap = |c| Cap::new(c).unwrap();
     let cases = [
-        (300, 700, 128, true, ScoreModSpec::Softcap(cap(0.5)), Window::default(), Layout::Bhsd),
+        (300, 700, 128, true, ModifierSpec::Softcap(cap(0.5)), Window::default(), Layout::Bhsd),
         (
             700,
             300,
             64,
             false,
-            ScoreModSpec::SoftcapAlibi(cap(5.0)),
+            ModifierSpec::SoftcapAlibi(cap(5.0)),
             Window::default(),
             Layout::Bshd,
         ),
-        (500, 500, 96, true, ScoreModSpec::RelativeBias, Window::left(200), Layout::Packed),
-        (400, 600, 128, false, ScoreModSpec::Alibi, Window::new(100, 50), Layout::Bhsd),
+        (500, 500, 96, true, ModifierSpec::RelativeBias, Window::left(200), Layout::Packed),
+        (400, 600, 128, false, ModifierSpec::Alibi, Window::new(100, 50), Layout::Bhsd),
+        // The sinks' gradient, over rows of several tiles (and rows without keys: n_q > n_kv).
+        (900, 400, 128, true, ModifierSpec::Sinks, Window::default(), Layout::Bhsd),
+        (600, 600, 64, false, ModifierSpec::Sinks, Window::default(), Layout::Packed),
     ];
     for (i, &(n_q, n_kv, d, causal, spec, window, layout)) in cases.iter().enumerate() {
         let base = long_case((1, 4, 2, n_q, n_kv, d), causal, 64, 6000 + i as u64);
@@ -623,8 +633,8 @@ fn gpu_score_mods_backward_long_sequences() {
     }
 }
 
-/// A score modifier reaches only the rungs that take one; the others, and bad modifiers, are
-/// errors that say why.
+/// A score modifier (or sinks) reaches only the rungs that take one; the others, and bad
+/// modifiers, are errors that say why.
 #[test]
 fn gpu_score_mods_are_refused_where_unsupported() {
     use ladder_kernels::ScoreMod;
@@ -650,9 +660,19 @@ fn gpu_score_mods_are_refused_where_unsupported() {
     let err = fa2::forward(gpu, &q, &q, &q, &broken).unwrap_err();
     assert!(matches!(err, KernelError::Compile { .. }), "{err}");
     assert!(err.to_string().contains("my mod(1)"), "{err}");
+    // Sinks: one finite logit per query head, on the rungs that take them.
+    let sinks = Options::causal().with_sinks(ladder_kernels::Sinks::new(vec![0.5; 2]).unwrap());
+    let err = fa1::forward(gpu, &q, &q, &q, &sinks).unwrap_err().to_string();
+    assert!(err.contains("fa1 takes no attention sinks"), "{err}");
+    let three = Options::causal().with_sinks(ladder_kernels::Sinks::new(vec![0.5; 3]).unwrap());
+    let err = fa2::forward(gpu, &q, &q, &q, &three).unwrap_err().to_string();
+    assert!(err.contains("3 given for 2 heads"), "{err}");
+    assert!(ladder_kernels::Sinks::new(vec![f32::NAN]).is_err());
     if GpuRung::Fa3.available_on(gpu) {
         let err = fa3::fp8::forward(gpu, &q, &q, &q, &softcap, &Default::default());
         assert!(err.unwrap_err().to_string().contains("fa3-fp8 takes no score_mod"));
+        let err = fa3::fp8::forward(gpu, &q, &q, &q, &sinks, &Default::default());
+        assert!(err.unwrap_err().to_string().contains("fa3-fp8 takes no attention sinks"));
         let out = fa3::forward(gpu, &q, &q, &q, &forward_only).unwrap();
         let err = fa3::backward(gpu, &q, &q, &q, &out, &q, &forward_only).unwrap_err().to_string();
         assert!(err.contains("twice has no derivative"), "{err}");

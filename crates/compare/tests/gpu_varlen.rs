@@ -105,7 +105,7 @@ impl Batch {
                 causal: self.causal,
                 scale: None,
                 window: self.window,
-                score_mod: None,
+                ..Default::default()
             },
             self.d,
         )
@@ -309,6 +309,7 @@ fn check_varlen_backward(
             dq: packed_rows::rows(&dq, rows),
             dk: packed_rows::rows(&dk, keys.clone()),
             dv: packed_rows::rows(&dv, keys),
+            dsinks: None,
             stats: Default::default(),
         };
         let oracle = GradientOracle::new(&x, &attention).map_err(fail)?;

@@ -52,20 +52,7 @@ fn batch(
     let k = normal((total_k, heads_kv, d), &mut rng);
     let v = normal((total_k, heads_kv, d), &mut rng);
     let d_o = normal((total_q, heads_kv * group, d), &mut rng);
-    Batch {
-        lens,
-        seq,
-        q,
-        k,
-        v,
-        d_o,
-        attention: AttentionOptions {
-            causal,
-            scale: None,
-            window: Default::default(),
-            score_mod: None,
-        },
-    }
+    Batch { lens, seq, q, k, v, d_o, attention: AttentionOptions { causal, ..Default::default() } }
 }
 
 proptest! {
@@ -102,6 +89,7 @@ proptest! {
                 dq: packed::rows(&g.dq, rows),
                 dk: packed::rows(&g.dk, keys.clone()),
                 dv: packed::rows(&g.dv, keys),
+                dsinks: None,
                 stats: RunStats::default(),
             };
             let (errs, pass) = expected.judge(&got);
@@ -126,7 +114,7 @@ proptest! {
         let q = normal((total_q, heads_q, d), &mut rng);
         let k = normal((total_k, heads_kv, d), &mut rng);
         let v = normal((total_k, heads_kv, d), &mut rng);
-        let attention = AttentionOptions { causal, scale: None, window: Default::default(), score_mod: None };
+        let attention = AttentionOptions { causal, ..Default::default() };
         let opts = Fa2Options::new(attention.clone()).with_tiles(TILE, TILE).unwrap();
         let out = varlen::forward(q.view(), k.view(), v.view(), &seq, |q, k, v| {
             fa2::forward(q, k, v, &opts)

@@ -35,6 +35,7 @@ struct BackwardParams {
     u16* dq;           // outputs
     u16* dk;
     u16* dv;
+    float* dsinks;     // [heads_q] f32, with attention sinks only (fa2_backward_sinks)
     int batch;
     int heads_q;
     int heads_kv;
@@ -53,7 +54,7 @@ struct BackwardParams {
     Strides dk_strides;
     Strides dv_strides;
     Varlen varlen;  // FA2_VARLEN only
-    ScoreModArgs mods;  // LADDER_SCORE_MOD only (score_mod.cuh)
+    ModifierArgs mods;  // LADDER_SCORE_MOD only (score_mod.cuh)
 };
 
 // Where the rows of (sequence `s`, query head `head`) start in lse2 and D (padded per head to

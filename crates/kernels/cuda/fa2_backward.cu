@@ -23,6 +23,7 @@
 //                          S = Q_i K_jᵀ,  P = exp(scale·S − lse_i),  dP = dO_i V_jᵀ,
 //                          dS = P ∘ (dP − D_i),  dQ_i += dS K_j
 //   fa2_backward_finish  scale dQ, dK; sum dK, dV over the query heads of a group (GQA); convert.
+//   fa2_backward_sinks   with attention sinks only, after prep: their gradient from lse and D.
 //
 // Each of the WARPS warps of fa2_backward owns 16 keys of the K/V tile (BC = 16·WARPS keys);
 // query tiles have BR rows and are double-buffered with cp.async. Eight warps and 128 keys per
@@ -142,6 +143,34 @@ extern "C" __global__ void fa2_backward_prep(const __grid_constant__ BackwardPar
     if (lane == 0) {
         p.delta[warp] = acc;
         p.lse2[warp] = row < p.n_q ? p.lse[(size_t)bh * p.n_q + row] * LADDER_LOG2E : 0.f;
+    }
+}
+
+// ---- the sinks' gradient (sinks.rs): dσ_h = −Σ_{b,i} 2^(σ_h·log2e − lse2_bhi) · D_bhi -------------
+// Launch after prep: grid (heads_q, 1, 1), block (SINK_THREADS, 1, 1), no shared memory beyond
+// the reduction's. One block per query head sums its rows of every batch entry in an order fixed
+// by the code (each thread a strided run of rows, then the warps in turn), so the gradient is the
+// same bits every run.
+constexpr int SINK_THREADS = 256;
+extern "C" __global__ void __launch_bounds__(SINK_THREADS)
+fa2_backward_sinks(const __grid_constant__ BackwardParams p) {
+    __shared__ float warp_sums[SINK_THREADS / 32];
+    const int head = blockIdx.x;
+    const float sink = sink_log2(p.mods.sinks, head);
+    const long long rows = (long long)p.batch * p.n_q;
+    float sum = 0.f;
+    for (long long r = threadIdx.x; r < rows; r += SINK_THREADS) {
+        const long long b = r / p.n_q, i = r % p.n_q;
+        const long long at = (b * p.heads_q + head) * p.n_q_pad + i;  // prep's row of (b, head, i)
+        sum = fmaf(fast_exp2(sink - p.lse2[at]), p.delta[at], sum);
+    }
+    sum = warp_sum(sum);
+    if (lane_id() == 0) warp_sums[warp_id()] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float total = 0.f;
+        for (int w = 0; w < SINK_THREADS / 32; ++w) total += warp_sums[w];
+        p.dsinks[head] = -total;
     }
 }
 

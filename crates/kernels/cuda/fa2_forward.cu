@@ -119,7 +119,7 @@ struct Fa2ForwardParams {
     float scale_log2;  // softmax scale · log2(e)
     Band band;         // FA2_WINDOW only: the sliding window (mask.cuh)
     Varlen varlen;     // FA2_VARLEN only
-    ScoreModArgs mods;  // LADDER_SCORE_MOD only
+    ModifierArgs mods;  // LADDER_SCORE_MOD only
 };
 
 // Launch: grid (ceil(n_q / BR), heads_q, batch), or (varlen.n_tiles, heads_q, 1) for a packed
@@ -298,18 +298,21 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
     }
     if (tiles.empty()) cp_async_wait<0>();
 
-    // ---- epilogue: O = acc / l, lse = m·ln2 + ln l; rows that saw no key (l = 0) get O = 0 and
-    // lse = −inf, rows that met a NaN (l = NaN) get NaN in both ------------------------------------
+    // ---- epilogue: O = acc / l, lse = m·ln2 + ln l, the head's sink folded in first; rows that
+    // saw no key (l = 0) get O = 0 and lse = −inf (σ with a sink), rows that met a NaN (l = NaN)
+    // get NaN in both ---------------------------------------------------------------------------
     const SeqBlock seq = sequence();
     u16* gO = head_base(p.o, p.o_strides, seq.batch, head) + seq.q_start * O_ROW;
     float* gL = p.lse + lse_offset(packed, p.varlen, seq, p.heads_q, head, p.n_q);
+    const float sink = sink_log2(p.mods.sinks, head);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = q0 + warp_row0 + mt * 16 + acc_row(2 * h);
-            const float l = quad_sum(row_sum[mt][h]);
-            const float inv = l > 0.f ? 1.f / l : 0.f;
+            float l = quad_sum(row_sum[mt][h]);
+            const float alpha = sink != LADDER_NEG_INF ? fold_sink(row_max[mt][h], l, sink) : 1.f;
+            const float inv = l > 0.f ? alpha / l : 0.f;
             if (row < seq.n_q) {
 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt)

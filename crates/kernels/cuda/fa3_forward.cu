@@ -199,7 +199,7 @@ struct Fa3ForwardParams {
     // FA3_DYNAMIC only: [0] the tiles taken past the first wave, [1] the blocks done; zero at
     // launch, and the last block out puts them back to zero.
     unsigned* tile_counter;
-    ScoreModArgs mods;  // LADDER_SCORE_MOD only (score_mod.cuh)
+    ModifierArgs mods;  // LADDER_SCORE_MOD only (score_mod.cuh)
 };
 
 // Shared memory (dynamic, 1024-byte aligned for the swizzle), in this order: with FA3_O_SMEM,
@@ -534,8 +534,9 @@ __device__ __forceinline__ void rescale(float (&o)[DT][4], const float (&alpha)[
         for (int e = 0; e < 4; ++e) o[dt][e] *= alpha[e / 2];
 }
 
-// O = acc / l (times V's scale, FP8) and lse = m·ln2 + ln l for the thread's rows; rows that saw
-// no key (l = 0) get O = 0 and lse = −inf, rows that met a NaN get NaN. O goes through shared
+// O = acc / l (times V's scale, FP8) and lse = m·ln2 + ln l for the thread's rows, the head's sink
+// folded in first; rows that saw no key (l = 0) get O = 0 and lse = −inf (σ with a sink), rows
+// that met a NaN get NaN. O goes through shared
 // memory and a TMA store (FA3_O_SMEM) or straight from registers.
 __device__ void epilogue(const Fa3ForwardParams& p, SharedTiles& t, const Tile& tile, int wg,
                          const float (&o)[DT][4], const RowState& st, float o_scale, int row0) {
@@ -543,6 +544,8 @@ __device__ void epilogue(const Fa3ForwardParams& p, SharedTiles& t, const Tile& 
     u16* gO = head_base(p.o, p.o_strides, seq.batch, tile.head);
     float* gL = p.lse + lse_offset(packed, p.varlen, seq, p.heads_q, tile.head, p.n_q);
     const bool issuer = threadIdx.x % 128 == 0;  // the warpgroup's thread that stores its O tile
+    // (The FP8 path takes no sinks: compiled out, as its registers at d = 256 have no room.)
+    const float sink = FA3_FP8 ? LADDER_NEG_INF : sink_log2(p.mods.sinks, tile.head);
     if constexpr (o_smem) {
         // The warpgroup's previous O tile must have left the buffer before it is written again.
         if (issuer) tma_store_wait_read();
@@ -552,8 +555,9 @@ __device__ void epilogue(const Fa3ForwardParams& p, SharedTiles& t, const Tile& 
     for (int h = 0; h < 2; ++h) {
         const int r = (warp_id() % 4) * 16 + acc_row(2 * h);  // row within the warpgroup's 64
         const int row = row0 + r;
-        const float l = quad_sum(st.l[h]);
-        const float inv = l > 0.f ? o_scale / l : 0.f;
+        float l = quad_sum(st.l[h]), m = st.m[h];
+        const float alpha = sink != LADDER_NEG_INF ? fold_sink(m, l, sink) : 1.f;
+        const float inv = l > 0.f ? alpha * o_scale / l : 0.f;
         if constexpr (o_smem) {
             // [64 × 64] column blocks with the copy engine's 128-byte swizzle (tma.cuh).
             u16* sO = o_tile(t) + wg * 64 * O_COLS;
@@ -571,7 +575,7 @@ __device__ void epilogue(const Fa3ForwardParams& p, SharedTiles& t, const Tile& 
                     pack2(o[dt][2 * h] * inv, o[dt][2 * h + 1] * inv);
         }
         if (row < seq.n_q && lane_id() % 4 == 0)
-            gL[row] = l == 0.f ? LADDER_NEG_INF : fma_rn(st.m[h], LADDER_LN2, logf(l));
+            gL[row] = l == 0.f ? LADDER_NEG_INF : fma_rn(m, LADDER_LN2, logf(l));
     }
     if constexpr (o_smem) {
         tma_store_fence();

@@ -11,13 +11,17 @@
 
 #include "mma.cuh"
 
-// A modifier's scalars and tables (its names for them are bound in score_mod_body.cuh), and the
-// softmax scale it is applied after. Every kernel's parameter struct embeds one.
-struct ScoreModArgs {
+// A modifier's scalars and tables (its names for them are bound in score_mod_body.cuh), the
+// softmax scale it is applied after, and the sinks. Every kernel's parameter struct embeds one.
+struct ModifierArgs {
     const float* tensor[4];
     float scalar[8];
     float scale;
     int pad;
+    // The attention sinks, one logit per query head (natural log, in the units of the modified
+    // scores), or null: every kernel that takes modifiers folds them in where it normalises a row
+    // (softmax.cuh, fold_sink).
+    const float* sinks;
 };
 
 // Where a score sits, as the modifier's body sees it: its batch entry (a packed batch's
@@ -40,11 +44,11 @@ constexpr bool has_score_mod = true;
 #include "score_mod_body.cuh"
 #else
 constexpr bool has_score_mod = false;
-__device__ __forceinline__ float score_mod(float score, const ScoreAt&, const ScoreModArgs&) {
+__device__ __forceinline__ float score_mod(float score, const ScoreAt&, const ModifierArgs&) {
     return score;
 }
 __device__ __forceinline__ float score_mod_derivative(float, const ScoreAt&,
-                                                      const ScoreModArgs&) {
+                                                      const ModifierArgs&) {
     return 1.f;
 }
 #endif
@@ -70,7 +74,7 @@ struct ScorePlace {
 // masked afterwards.
 template <int NT>
 __device__ __forceinline__ void modify_scores(float (&s)[NT][4], int h, int row, int k0,
-                                              const ScorePlace& at, const ScoreModArgs& args) {
+                                              const ScorePlace& at, const ModifierArgs& args) {
     if constexpr (has_score_mod) {
         ScoreAt pos{at.batch, at.head, min(row, at.n_q - 1), 0, at.n_q, at.n_kv, 0.f, 0.f};
         pos.q_pos = (float)pos.q_idx;
@@ -98,7 +102,7 @@ template <int NT, typename Query, typename Key>
 __device__ __forceinline__ void modify_scores_with_slopes(float (&s)[NT][4], float (&slope)[NT][4],
                                                           Query query, Key key,
                                                           const ScorePlace& at,
-                                                          const ScoreModArgs& args) {
+                                                          const ModifierArgs& args) {
     if constexpr (has_score_mod) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)

@@ -118,4 +118,22 @@ __device__ __forceinline__ void pack_p(const float (&s)[NT][4], u32 (&p)[NT][2])
         for (int h = 0; h < 2; ++h) p[nt][h] = pack2(s[nt][2 * h], s[nt][2 * h + 1]);
 }
 
+// The sink logit of query head `head` in the softmax's base-2 units (sinks.rs: one more logit in
+// every row's sum, of value zero), or −inf without sinks.
+__device__ __forceinline__ float sink_log2(const float* sinks, int head) {
+    return sinks != nullptr ? sinks[head] * LADDER_LOG2E : LADDER_NEG_INF;
+}
+
+// Fold a finite sink logit (base 2, sink_log2) into a row's max m and sum l at the end of its
+// walk: m' = max(m, σ), l' = l·2^(m − m') + 2^(σ − m'); returns 2^(m − m'), the factor the
+// accumulator takes. A row that saw no key (m = −inf, l = 0) gets l' = 1 and factor 0: O = 0
+// and lse = σ. A NaN row keeps its NaN sum.
+__device__ __forceinline__ float fold_sink(float& m, float& l, float sink) {
+    const float m_new = fmaxf(m, sink);
+    const float alpha = fast_exp2(m - m_new);
+    l = fmaf(l, alpha, fast_exp2(sink - m_new));
+    m = m_new;
+    return alpha;
+}
+
 #endif  // LADDER_SOFTMAX_CUH

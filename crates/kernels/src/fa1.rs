@@ -87,6 +87,7 @@ pub fn forward(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) ->
     p.require_contiguous("fa1")?;
     p.require_no_window("fa1")?;
     p.require_no_score_mod("fa1")?;
+    p.require_no_sinks("fa1")?;
     p.require_dtype("fa1", DTYPES, "fp16, bf16, f32")?;
     let kernel = Kernel { variant: variant(p.d, p.dtype)?, entry: "fa1_forward" };
     gpu.prepare(&kernel, 0)?;

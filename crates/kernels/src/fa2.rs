@@ -32,7 +32,7 @@ use crate::gpu::{Gpu, GpuConfig, Kernel, parse_counts};
 use crate::problem::{
     Band, Gradients, Masking, Options, Output, Packed, Problem, Strides, grid, multiples,
 };
-use crate::score_mod::ScoreModArgs;
+use crate::score_mod::ModifierArgs;
 use crate::tensor::{DType, Tensor};
 use crate::varlen::{SeqLens, VarlenParams};
 
@@ -47,6 +47,9 @@ pub const HEAD_DIMS: &[usize] = &multiples::<32>(8);
 pub const BACKWARD_HEAD_DIMS: &[usize] = &multiples::<16>(8);
 /// Element types of the FA2 kernels.
 pub const DTYPES: &[DType] = &[DType::F16, DType::BF16];
+
+/// Threads of `fa2_backward_sinks` (`SINK_THREADS` in `cuda/fa2_backward.cu`).
+const SINK_THREADS: u32 = 256;
 
 /// Tile configuration of the forward kernel: `br = warps · m_tiles · 16` query rows per block,
 /// `bc` keys per K/V tile.
@@ -343,7 +346,7 @@ struct ForwardParams {
     scale_log2: f32,
     band: Band,
     varlen: VarlenParams,
-    mods: ScoreModArgs,
+    mods: ModifierArgs,
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror.
@@ -412,7 +415,7 @@ fn forward_problem(
         let [hq, hkv, nq, nkv] = p.dims_i32();
         let packed_batch = lens.zip(table.as_deref());
         let (varlen, _g_varlen) = VarlenParams::of(gpu, packed_batch);
-        let (mods, _tables) = p.score_mod_args(gpu)?;
+        let (mods, _tables) = p.modifier_args(gpu)?;
         let params = ForwardParams {
             q: q_ptr,
             k: k_ptr,
@@ -460,6 +463,7 @@ pub(crate) struct BackwardParams {
     dq: u64,
     dk: u64,
     dv: u64,
+    dsinks: u64,
     batch: i32,
     heads_q: i32,
     heads_kv: i32,
@@ -478,7 +482,7 @@ pub(crate) struct BackwardParams {
     dk_strides: Strides,
     dv_strides: Strides,
     varlen: VarlenParams,
-    mods: ScoreModArgs,
+    mods: ModifierArgs,
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror.
@@ -552,11 +556,12 @@ pub(crate) fn backward_problem(
     let batching = (deterministic, lens.is_some());
     let variant = backward_variant(p.d, p.dtype, Masking::of(p), batching, p.score_mod.as_ref())?;
     let entry = |entry| Kernel { variant: variant.clone(), entry };
-    let (prep, main, dq_pass, finish) = (
+    let (prep, main, dq_pass, finish, sinks) = (
         entry("fa2_backward_prep"),
         entry("fa2_backward"),
         entry("fa2_backward_dq"),
         entry("fa2_backward_finish"),
+        entry("fa2_backward_sinks"),
     );
     let t = BackwardTiles::of(p.d, lens.is_some(), p.window.is_some(), p.score_mod.is_some())?;
     let smem = t.shared_bytes(p.d, deterministic);
@@ -569,6 +574,9 @@ pub(crate) fn backward_problem(
         gpu.prepare(&dq_pass, dq_smem)?;
     }
     gpu.prepare(&finish, 0)?;
+    if p.sinks.is_some() {
+        gpu.prepare(&sinks, 0)?;
+    }
 
     // The kernels see a packed batch as one batch entry of all its rows (`cuda/fa2_backward.cu`).
     let (batch, n_q, n_kv) = match p.packed {
@@ -593,6 +601,7 @@ pub(crate) fn backward_problem(
     let mut dq = gpu.output_like(q, p.dtype)?;
     let mut dk = gpu.output_like(k, p.dtype)?;
     let mut dv = gpu.output_like(v, p.dtype)?;
+    let mut dsinks = p.sinks.as_ref().map(|_| gpu.output(&[p.heads_q], DType::F32)).transpose()?;
     let [o_strides, d_o_strides] = [p.strides_of(&out.o, "out.o")?, p.strides_of(d_o, "d_o")?];
     let [dq_strides, dk_strides, dv_strides] =
         [p.strides_of(&dq, "dq")?, p.strides_of(&dk, "dk")?, p.strides_of(&dv, "dv")?];
@@ -618,9 +627,16 @@ pub(crate) fn backward_problem(
         let (dq_ptr, _g11) = dq.write_ptr(s)?;
         let (dk_ptr, _g12) = dk.write_ptr(s)?;
         let (dv_ptr, _g13) = dv.write_ptr(s)?;
+        let (dsinks_ptr, _g16) = match &mut dsinks {
+            Some(t) => {
+                let (ptr, guard) = t.write_ptr(s)?;
+                (ptr, Some(guard))
+            }
+            None => (0, None),
+        };
         let (main_varlen, _g14) = VarlenParams::of(gpu, lens.zip(key_table.as_deref()));
         let (dq_varlen, _g15) = VarlenParams::of(gpu, lens.zip(query_table.as_deref()));
-        let (mods, _tables) = p.score_mod_args(gpu)?;
+        let (mods, _tables) = p.modifier_args(gpu)?;
         // In range: the rows by Problem's checks, the totals by SeqLens's 32-bit offsets.
         let params = BackwardParams {
             q: q_ptr,
@@ -637,6 +653,7 @@ pub(crate) fn backward_problem(
             dq: dq_ptr,
             dk: dk_ptr,
             dv: dv_ptr,
+            dsinks: dsinks_ptr,
             batch: batch as i32,
             heads_q: p.heads_q as i32,
             heads_kv: p.heads_kv as i32,
@@ -661,6 +678,11 @@ pub(crate) fn backward_problem(
         // 1. D = rowsum(dO ∘ O), lse in base 2, dQ accumulator zeroed: one warp per padded row,
         //    8 warps per block.
         gpu.launch(&prep, grid((heads * n_q_pad).div_ceil(8), 1, 1)?, 256, 0, &params)?;
+
+        // 1b. The sinks' gradient from lse and D: one block per query head.
+        if p.sinks.is_some() {
+            gpu.launch(&sinks, grid(p.heads_q, 1, 1)?, SINK_THREADS, 0, &params)?;
+        }
 
         // 2. dK, dV (and, atomically, dQ): one block per (key block, query head[, batch]).
         let main_grid = match &key_table {
@@ -688,7 +710,7 @@ pub(crate) fn backward_problem(
         let blocks = finish_rows.div_ceil(8).min(gpu.sm_count() as usize * 16);
         gpu.launch(&finish, grid(blocks, 1, 1)?, 256, 0, &params)?;
     }
-    Ok(Gradients { dq, dk, dv })
+    Ok(Gradients { dq, dk, dv, dsinks })
 }
 
 /// Every variant of this rung for `arch`, for the compile check.

@@ -47,7 +47,7 @@ use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, GpuConfig, Kernel, parse_counts};
 use crate::problem::{Band, Masking, Options, Output, Problem, Strides, grid, multiples};
-use crate::score_mod::ScoreModArgs;
+use crate::score_mod::ModifierArgs;
 use crate::tensor::{DType, Tensor};
 use crate::varlen::{SeqLens, VarlenParams};
 
@@ -449,7 +449,7 @@ struct ForwardParams {
     o_strides: Strides,
     varlen: VarlenParams,
     tile_counter: u64,
-    mods: ScoreModArgs,
+    mods: ModifierArgs,
 }
 
 /// Device addresses of the FP8 path's scales (`q, k, p, o` in the kernel's order); zero on the
@@ -823,7 +823,7 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
         let blocks = if schedule.persistent { work.min(gpu.sm_count() as usize) } else { work };
         let packed_batch = lens.zip(table.as_deref());
         let (varlen, _g_varlen) = VarlenParams::of(gpu, packed_batch);
-        let (mods, _tables) = p.score_mod_args(gpu)?;
+        let (mods, _tables) = p.modifier_args(gpu)?;
         let params = |tile_counter: u64| ForwardParams {
             q,
             k,
@@ -1088,6 +1088,7 @@ mod tests {
             causal: true,
             window: Default::default(),
             score_mod: None,
+            sinks: None,
             strides: Default::default(),
             contiguous: true,
             packed: None,

@@ -56,6 +56,7 @@ mod gpu;
 pub mod inspect;
 mod problem;
 pub mod score_mod;
+pub mod sinks;
 mod tensor;
 pub mod varlen;
 
@@ -64,6 +65,7 @@ pub use error::{KernelError, Result};
 pub use gpu::{Gpu, GpuConfig, KernelCache, Tuning};
 pub use problem::{Gradients, Options, Output, Packed, Problem, Window};
 pub use score_mod::ScoreMod;
+pub use sinks::Sinks;
 pub use tensor::{DType, Element, Tensor, round_to};
 
 /// Re-exported so that callers can name the buffer types of [`Tensor::from_cuda_slice`] and

@@ -4,7 +4,8 @@ use cudarc::driver::DeviceRepr;
 
 use crate::error::{KernelError, Result};
 use crate::gpu::Gpu;
-use crate::score_mod::{ScoreMod, ScoreModArgs};
+use crate::score_mod::{ModifierArgs, ScoreMod};
+use crate::sinks::Sinks;
 use crate::tensor::{DType, Tensor};
 use crate::varlen::SeqLens;
 
@@ -30,6 +31,8 @@ pub struct Gradients {
     pub dk: Tensor,
     /// `[batch, heads_kv, n_kv, d]`.
     pub dv: Tensor,
+    /// `[heads_q]` in f32, the sinks' gradient summed over every row (`None` without sinks).
+    pub dsinks: Option<Tensor>,
 }
 
 /// Options shared by the GPU rungs.
@@ -54,6 +57,10 @@ pub struct Options {
     /// ALiBi, your own CUDA), compiled into the kernels. FA2 and FA3 take it, forward (16-bit)
     /// and backward; the other rungs refuse it with an error.
     pub score_mod: Option<ScoreMod>,
+    /// Attention sinks ([`Sinks`]: one logit per query head that joins every row's softmax with
+    /// a value of zero, gpt-oss); the backward pass returns their gradient. FA2 and FA3 take
+    /// them, forward (16-bit) and backward; the other rungs refuse them with an error.
+    pub sinks: Option<Sinks>,
 }
 
 /// A sliding window (flash-attention's `window_size = (left, right)`), bottom-right aligned as
@@ -150,6 +157,11 @@ impl Options {
             None => score_mod,
         });
         Options { score_mod, ..self }
+    }
+
+    /// These options with attention sinks.
+    pub fn with_sinks(self, sinks: Sinks) -> Options {
+        Options { sinks: Some(sinks), ..self }
     }
 
     /// These options with Gemma-2's logit softcap ([`ScoreMod::softcap`]); a cap of 0 is no
@@ -329,6 +341,8 @@ pub struct Problem {
     pub window: Window,
     /// Score modifier (checked against the heads).
     pub score_mod: Option<ScoreMod>,
+    /// Attention sinks (checked against the heads).
+    pub sinks: Option<Sinks>,
     /// Where the rows of Q, K and V lie ([`Strides::of`]; checked by [`Problem::new`]).
     pub(crate) strides: [Strides; 3],
     /// Whether Q, K and V are all row-major with no gaps.
@@ -446,6 +460,9 @@ impl Problem {
         if let Some(m) = &opts.score_mod {
             m.check(heads_q, false)?;
         }
+        if let Some(sinks) = &opts.sinks {
+            sinks.check(heads_q)?;
+        }
         // A band's sides travel as ints (mask.cuh) and are added to row indices: keep every sum
         // inside an int.
         if opts.window.is_some() && n_q.max(n_kv) >= WINDOW_MAX_LEN {
@@ -475,6 +492,7 @@ impl Problem {
             causal: opts.causal,
             window: opts.window,
             score_mod: opts.score_mod.clone(),
+            sinks: opts.sinks.clone(),
             strides,
             contiguous: [q, k, v].iter().all(|t| t.is_contiguous()),
             packed,
@@ -526,6 +544,17 @@ impl Problem {
         }
     }
 
+    /// Fails if the options carry attention sinks, for the rungs that take none yet (`rung`
+    /// names the one that refuses).
+    pub(crate) fn require_no_sinks(&self, rung: &str) -> Result<()> {
+        match &self.sinks {
+            Some(_) => Err(KernelError::Shape(format!(
+                "{rung} takes no attention sinks yet; fa2 and fa3 do, forward (16-bit) and backward"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// Fails if the score modifier has no derivative (a backward pass needs one).
     pub(crate) fn require_score_mod_derivative(&self) -> Result<()> {
         match &self.score_mod {
@@ -534,13 +563,20 @@ impl Problem {
         }
     }
 
-    /// The score modifier's parameters for a launch (zeros without one) and the tables it reads,
-    /// to keep alive until the launch is queued.
-    pub(crate) fn score_mod_args(&self, gpu: &Gpu) -> Result<(ScoreModArgs, Vec<Tensor>)> {
-        match &self.score_mod {
-            Some(m) => m.args(gpu, self.scale),
-            None => Ok((ScoreModArgs::default(), Vec::new())),
+    /// The score modifier's and the sinks' parameters for a launch (zeros without them) and the
+    /// tables they read, to keep alive until the launch is queued.
+    pub(crate) fn modifier_args(&self, gpu: &Gpu) -> Result<(ModifierArgs, Vec<Tensor>)> {
+        let (mut args, mut tables) = match &self.score_mod {
+            Some(m) => m.args(gpu, self.scale)?,
+            None => (ModifierArgs::default(), Vec::new()),
+        };
+        if let Some(sinks) = &self.sinks {
+            let table = sinks.upload(gpu)?;
+            // Uploaded on the kernels' stream, which the launch follows: nothing to order.
+            args.sinks = table.read_ptr(gpu.stream()).0;
+            tables.push(table);
         }
+        Ok((args, tables))
     }
 
     /// The band the kernels compiled with a window apply ([`Band`]): the window's sides, an

@@ -247,7 +247,7 @@ impl ScoreMod {
     /// `LADDER_SCORE_MOD` (`cuda/score_mod.cuh`): one namespace per stage, then the composed
     /// `score_mod` and `score_mod_derivative`.
     pub(crate) fn header(&self) -> String {
-        const ARGS: &str = "float score, const ScoreAt& at, const ScoreModArgs& args";
+        const ARGS: &str = "float score, const ScoreAt& at, const ModifierArgs& args";
         // The body's names for the score's place (score_mod.cuh's ScoreAt).
         const PLACE: &str = "const int b = at.b, h = at.h, q_idx = at.q_idx, kv_idx = at.kv_idx;\n    \
              const int n_q = at.n_q, n_kv = at.n_kv;\n    \
@@ -322,10 +322,10 @@ impl ScoreMod {
         })
     }
 
-    /// The parameters the kernels read (`ScoreModArgs`), the tables uploaded: keep the returned
+    /// The parameters the kernels read (`ModifierArgs`), the tables uploaded: keep the returned
     /// tensors alive until the launch is queued.
-    pub(crate) fn args(&self, gpu: &Gpu, scale: f32) -> Result<(ScoreModArgs, Vec<Tensor>)> {
-        let mut args = ScoreModArgs { scale, ..ScoreModArgs::default() };
+    pub(crate) fn args(&self, gpu: &Gpu, scale: f32) -> Result<(ModifierArgs, Vec<Tensor>)> {
+        let mut args = ModifierArgs { scale, ..ModifierArgs::default() };
         let scalars = self.stages.iter().flat_map(|s| &s.scalars);
         for (slot, (_, value)) in args.scalar.iter_mut().zip(scalars) {
             *slot = *value;
@@ -345,19 +345,21 @@ impl ScoreMod {
 }
 
 /// The parameters of a score modifier, as every kernel's parameter struct embeds them (mirror of
-/// `ScoreModArgs` in `cuda/score_mod.cuh`).
+/// `ModifierArgs` in `cuda/score_mod.cuh`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub(crate) struct ScoreModArgs {
+pub(crate) struct ModifierArgs {
     tensor: [u64; MAX_TENSORS],
     scalar: [f32; MAX_SCALARS],
     /// The softmax scale: the kernels apply the modifier to `scale · q·k`.
     scale: f32,
     _pad: i32,
+    /// The attention sinks, `[heads_q]` (`crate::sinks`), or null.
+    pub(crate) sinks: u64,
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror.
-unsafe impl DeviceRepr for ScoreModArgs {}
+unsafe impl DeviceRepr for ModifierArgs {}
 
 /// Whether `body` names `name` as a whole identifier.
 fn mentions(body: &str, name: &str) -> bool {

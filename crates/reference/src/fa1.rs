@@ -97,6 +97,9 @@ pub fn forward<T: Element>(
             }
         }
         for i in 0..shape.n_q {
+            if let Some(sink) = head.sink {
+                (m[i], l[i]) = crate::sinks::fold_normalised(o.row_mut(i), m[i], l[i], sink);
+            }
             lse[i] = lse_of(m[i], l[i]);
         }
         counters.write(shape.n_q);

@@ -253,10 +253,13 @@ where
     if let Some(why) = bad_ds.into_inner() {
         return Err(LadderError::ShapeMismatch(why));
     }
+    // The sinks' gradient from lse (which includes them) and D: nothing else to recompute.
+    let dsinks = problem.sinks.map(|sinks| crate::sinks::gradient(sinks, lse, delta.view()));
     Ok(Gradients {
         dq: dq.into_shape_with_order(shape.q_dims()).expect("standard layout"),
         dk: dk.into_shape_with_order(shape.kv_dims()).expect("standard layout"),
         dv: dv.into_shape_with_order(shape.kv_dims()).expect("standard layout"),
+        dsinks,
         stats: counters.stats(shape.batch * shape.heads_kv * shape.n_kv.div_ceil(bc)),
     })
 }

@@ -117,7 +117,7 @@ pub fn forward<T: Element>(
         let i = head.b * shape.heads_q + head.h;
         for r in 0..n_q {
             let (lse_s, o_s) = (part_lse.slice(s![i, .., r]), part_o.slice(s![i, .., r, ..]));
-            lse[r] = combine_row(lse_s, o_s, o.row_mut(r));
+            lse[r] = combine_row(lse_s, o_s, o.row_mut(r), head.sink);
         }
         counters.read(n_q * splits * (d + 1));
         counters.write(n_q * (d + 1));
@@ -139,24 +139,29 @@ pub(crate) fn partial<T: Element>(
 ) {
     counters.read(rows.len() * head.q.ncols());
     let n = rows.len();
-    head.attend(rows, cols, bc, counters).finish_into(o, lse);
+    // The sink joins the combine, once per row, not every chunk's softmax.
+    head.attend(rows, cols, bc, counters).finish_into(o, lse, None);
     counters.write(n * (head.v.ncols() + 1));
 }
 
 /// Phase 2 for one row: `lse = log Σ_s exp(lse_s)` and `O = Σ_s exp(lse_s − lse) O_s`, written
-/// to `o`; returns `lse`. A row whose partials are all empty (`−∞`) gets zeros and `−∞`.
+/// to `o`; returns `lse`. A sink is one more partial, of `lse_s = σ` and `O_s = 0`
+/// ([`crate::sinks`]). A row whose partials are all empty (`−∞`) and has no sink gets zeros and
+/// `−∞`.
 pub(crate) fn combine_row<T: Element>(
     lse_s: ArrayView1<T>,
     o_s: ArrayView2<T>,
     mut o: ArrayViewMut1<T>,
+    sink: Option<T>,
 ) -> T {
-    let m = lse_s.iter().fold(T::neg_infinity(), |m, &x| nan_max(m, x));
+    let sink = sink.unwrap_or(T::neg_infinity());
+    let m = lse_s.iter().fold(sink, |m, &x| nan_max(m, x));
     o.fill(T::zero());
     if m == T::neg_infinity() {
         return T::neg_infinity();
     }
     let weights = lse_s.mapv(|x| (x - m).exp());
-    let total: T = weights.sum();
+    let total: T = weights.sum() + (sink - m).exp();
     for (&w, o_part) in weights.iter().zip(o_s.rows()) {
         if w != T::zero() {
             let w = w / total;

@@ -59,6 +59,7 @@ mod options;
 mod output;
 mod problem;
 mod shape;
+pub mod sinks;
 mod tile;
 
 pub mod fa1;

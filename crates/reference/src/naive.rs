@@ -93,13 +93,16 @@ pub(crate) fn probabilities<T: Element>(
         row.slice_mut(s![..seen.start]).fill(T::zero());
         row.slice_mut(s![seen.end..]).fill(T::zero());
         let mut visible = row.slice_mut(s![seen]);
+        // A sink is one more logit in the row, whose probability multiplies a value of zero.
+        let sink = head.sink.unwrap_or(T::neg_infinity());
         // Pass 1: the row max (NaN-propagating, so a NaN score poisons its row, as it should).
-        let m = visible.iter().fold(T::neg_infinity(), |m, &x| nan_max(m, x));
+        let m = visible.iter().fold(sink, |m, &x| nan_max(m, x));
         // Pass 2: exponentials and their sum.
         let shift = shift_of(m);
         visible.mapv_inplace(|x| (x - shift).exp());
-        let l: T = visible.iter().copied().sum();
-        // Pass 3: normalise. A row with nothing to attend to gets P = 0 and lse = −∞.
+        let l: T = visible.iter().copied().sum::<T>() + (sink - shift).exp();
+        // Pass 3: normalise. A row with nothing to attend to (and no sink) gets P = 0 and
+        // lse = −∞.
         if l == T::zero() {
             visible.fill(T::zero());
             lse[i] = T::neg_infinity();
@@ -118,7 +121,9 @@ pub(crate) fn probabilities<T: Element>(
 /// `D_i = Σ_j P_ij dP_ij`:
 /// `dV = Pᵀ dO`, `dQ = scale · dS K`, `dK = scale · dSᵀ Q`. With grouped-query attention the
 /// gradients of the q heads that share a kv head are summed into that head's `dK, dV`. With a
-/// score modifier `t = score_mod(s)`, `dS` is the logits' gradient times `∂t/∂s`.
+/// score modifier `t = score_mod(s)`, `dS` is the logits' gradient times `∂t/∂s`. With sinks,
+/// `P` is the forward's (the sink in every row's sum) and the sinks get their gradient
+/// ([`crate::sinks`]).
 pub fn backward<T: Element>(
     q: ArrayView4<T>,
     k: ArrayView4<T>,
@@ -169,10 +174,20 @@ pub fn backward<T: Element>(
             }
             counters.write(2 * n_kv * d);
         });
+    // The sinks' gradient, by its definition: −Σᵢ P_i,sink · Dᵢ with Dᵢ = dOᵢ · Oᵢ.
+    let dsinks = match problem.sinks {
+        Some(sinks) => {
+            let out = attention(q, k, v, opts)?;
+            let delta = (&out.o * &d_o).sum_axis(Axis(3));
+            Some(crate::sinks::gradient(sinks, out.lse.view(), delta.view()))
+        }
+        None => None,
+    };
     Ok(Gradients {
         dq: dq.into_shape_with_order(shape.q_dims()).expect("standard layout"),
         dk: dk.into_shape_with_order(shape.kv_dims()).expect("standard layout"),
         dv: dv.into_shape_with_order(shape.kv_dims()).expect("standard layout"),
+        dsinks,
         stats: counters.stats(kv_heads),
     })
 }

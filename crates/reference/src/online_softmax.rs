@@ -54,7 +54,7 @@ pub fn attention<T: Element>(
                 Zip::from(&mut acc).and(v.row(j)).for_each(|a, &vj| *a = *a * alpha + p * vj);
                 m = m_new;
             }
-            lse[i] = normalise_row(acc.view_mut(), m, l);
+            lse[i] = normalise_row(acc.view_mut(), m, l, head.sink);
             o.row_mut(i).assign(&acc);
             // HBM model: no on-chip reuse, every row streams its keys and values.
             counters.read(d + 2 * seen.len() * d);

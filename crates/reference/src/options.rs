@@ -4,7 +4,8 @@ use crate::error::{Result, invalid};
 use crate::modifiers::ScoreMod;
 use crate::shape::{AttentionShape, Mask, Window};
 
-/// What is computed: `softmax(score_mod(scale · QKᵀ) + mask) V`.
+/// What is computed: `softmax(score_mod(scale · QKᵀ) + mask) V`, with each head's sink logit in
+/// every row's softmax when there are sinks.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct AttentionOptions {
     /// Apply the causal mask (bottom-right aligned, see [`crate::Mask`]).
@@ -16,6 +17,9 @@ pub struct AttentionOptions {
     /// A function of each scaled score applied before the softmax ([`ScoreMod`]: softcap,
     /// ALiBi, your own); none by default.
     pub score_mod: Option<ScoreMod>,
+    /// Attention sinks ([`crate::sinks`]): one logit per query head, in the units of the scaled
+    /// scores, that joins every row's softmax with a value of zero (gpt-oss); none by default.
+    pub sinks: Option<Vec<f64>>,
 }
 
 impl AttentionOptions {
@@ -46,6 +50,11 @@ impl AttentionOptions {
             return Ok(self);
         }
         Ok(self.with_score_mod(ScoreMod::softcap(cap)?))
+    }
+
+    /// These options with attention sinks, one finite logit per query head ([`crate::sinks`]).
+    pub fn with_sinks(self, sinks: Vec<f64>) -> Self {
+        Self { sinks: Some(sinks), ..self }
     }
 
     /// The mask these options put on `n_q` queries and `n_kv` keys.

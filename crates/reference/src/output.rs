@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use ndarray::{Array3, Array4};
+use ndarray::{Array1, Array3, Array4};
 
 /// The result of a forward rung.
 #[derive(Debug, Clone)]
@@ -15,12 +15,15 @@ pub struct AttentionOutput<T> {
     pub stats: RunStats,
 }
 
-/// The result of a backward rung: gradients of a loss with respect to `Q, K, V`.
+/// The result of a backward rung: gradients of a loss with respect to `Q, K, V` (and the
+/// sinks, when the problem has them).
 #[derive(Debug, Clone)]
 pub struct Gradients<T> {
     pub dq: Array4<T>,
     pub dk: Array4<T>,
     pub dv: Array4<T>,
+    /// `∂L/∂σ_h`, one per query head ([`crate::sinks`]); `None` without sinks.
+    pub dsinks: Option<Array1<T>>,
     pub stats: RunStats,
 }
 

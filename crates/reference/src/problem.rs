@@ -25,6 +25,7 @@ pub(crate) struct Problem<'a, T> {
     pub scale: T,
     pub mask: Mask,
     pub score_mod: Option<&'a ScoreMod>,
+    pub sinks: Option<&'a [f64]>,
 }
 
 impl<'a, T: Element> Problem<'a, T> {
@@ -62,7 +63,11 @@ impl<'a, T: Element> Problem<'a, T> {
         if let Some(score_mod) = &opts.score_mod {
             score_mod.check(&shape, backward)?;
         }
-        Ok(Self { q, k, v, shape, scale, mask, score_mod: opts.score_mod.as_ref() })
+        if let Some(sinks) = &opts.sinks {
+            crate::sinks::check(sinks, shape.heads_q)?;
+        }
+        let (score_mod, sinks) = (opts.score_mod.as_ref(), opts.sinks.as_deref());
+        Ok(Self { q, k, v, shape, scale, mask, score_mod, sinks })
     }
 
     /// The 2-D views of q head `h` of batch `b` and of the kv head it reads.
@@ -78,6 +83,7 @@ impl<'a, T: Element> Problem<'a, T> {
             scale: self.scale,
             mask: self.mask,
             score_mod: self.score_mod,
+            sink: self.sinks.map(|s| T::of(s[h])),
             n_q: self.shape.n_q,
             n_kv: self.shape.n_kv,
         }
@@ -120,7 +126,7 @@ impl<'a, T: Element> Problem<'a, T> {
                 .enumerate()
                 .for_each(|(i, (o_i, lse_i))| {
                     let rows = i * br..(i * br + br).min(n_q);
-                    f(&head, rows.clone()).finish_into(o_i, lse_i);
+                    f(&head, rows.clone()).finish_into(o_i, lse_i, head.sink);
                     counters.write(rows.len() * (d + 1));
                 });
         });
@@ -141,6 +147,8 @@ pub(crate) struct Head<'a, T> {
     pub scale: T,
     pub mask: Mask,
     pub score_mod: Option<&'a ScoreMod>,
+    /// This head's sink logit ([`crate::sinks`]), if the problem has sinks.
+    pub sink: Option<T>,
     pub n_q: usize,
     pub n_kv: usize,
 }

@@ -94,8 +94,19 @@ pub(crate) fn lse_of<T: Element>(m: T, l: T) -> T {
 }
 
 /// Turns an accumulated row into the output row `acc / l` in place and returns its
-/// `lse = m + ln l`. A row with `l = 0` saw no key (or only `−∞` scores): zeros and `−∞`.
-pub(crate) fn normalise_row<T: Element>(mut acc: ArrayViewMut1<T>, m: T, l: T) -> T {
+/// `lse = m + ln l`, with the head's sink in the softmax first when it has one
+/// ([`crate::sinks::fold`]). A row with `l = 0` saw no key (or only `−∞` scores) and no sink:
+/// zeros and `−∞`.
+pub(crate) fn normalise_row<T: Element>(
+    mut acc: ArrayViewMut1<T>,
+    m: T,
+    l: T,
+    sink: Option<T>,
+) -> T {
+    let (m, l) = match sink {
+        Some(sink) => crate::sinks::fold(acc.view_mut(), m, l, sink),
+        None => (m, l),
+    };
     if l == T::zero() {
         acc.fill(T::zero());
     } else {
@@ -162,10 +173,15 @@ impl<T: Element> OnlineRows<T> {
         add_pv(&mut self.acc.view_mut(), T::one(), s.view(), v, limits);
     }
 
-    /// Writes `O = acc / l` and `lse = m + ln l`.
-    pub fn finish_into(mut self, mut o: ArrayViewMut2<T>, mut lse: ArrayViewMut1<T>) {
+    /// Writes `O = acc / l` and `lse = m + ln l`, with the head's sink (if any) in the softmax.
+    pub fn finish_into(
+        mut self,
+        mut o: ArrayViewMut2<T>,
+        mut lse: ArrayViewMut1<T>,
+        sink: Option<T>,
+    ) {
         for r in 0..self.m.len() {
-            lse[r] = normalise_row(self.acc.row_mut(r), self.m[r], self.l[r]);
+            lse[r] = normalise_row(self.acc.row_mut(r), self.m[r], self.l[r], sink);
         }
         o.assign(&self.acc);
     }

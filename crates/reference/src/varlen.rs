@@ -32,7 +32,7 @@
 
 use std::ops::Range;
 
-use ndarray::{Array2, Array3, ArrayView2, ArrayView3, ArrayView4, Axis, s};
+use ndarray::{Array1, Array2, Array3, ArrayView2, ArrayView3, ArrayView4, Axis, s};
 
 use crate::element::Element;
 use crate::error::{LadderError, Result};
@@ -186,6 +186,8 @@ pub struct VarlenGradients<T> {
     pub dq: Array3<T>,
     pub dk: Array3<T>,
     pub dv: Array3<T>,
+    /// The sinks' gradient, summed over the sequences (`None` without sinks).
+    pub dsinks: Option<Array1<T>>,
     pub stats: RunStats,
 }
 
@@ -215,10 +217,13 @@ pub fn backward<T: Element>(
     let mut dq = Array3::zeros(q.raw_dim());
     let (mut dk, mut dv) = (Array3::zeros(k.raw_dim()), Array3::zeros(k.raw_dim()));
     let mut stats = RunStats::default();
+    let mut dsinks: Option<Array1<T>> = None;
     for b in 0..lens.batch() {
         let (rows, keys) = (lens.q_range(b), lens.k_range(b));
         if rows.is_empty() || keys.is_empty() {
-            continue; // nothing flows: the gradients of these rows or keys stay 0
+            // Nothing flows: the gradients of these rows or keys stay 0, and a sink's too (a
+            // row without keys has O = 0, so D = 0).
+            continue;
         }
         let g = rung(Sequence {
             q: rows_of(q, &rows),
@@ -231,9 +236,15 @@ pub fn backward<T: Element>(
         dq.slice_mut(s![rows, .., ..]).assign(&unpacked(&g.dq));
         dk.slice_mut(s![keys.clone(), .., ..]).assign(&unpacked(&g.dk));
         dv.slice_mut(s![keys, .., ..]).assign(&unpacked(&g.dv));
+        if let Some(part) = g.dsinks {
+            dsinks = Some(match dsinks {
+                Some(sum) => sum + part,
+                None => part,
+            });
+        }
         stats.add(&g.stats);
     }
-    Ok(VarlenGradients { dq, dk, dv, stats })
+    Ok(VarlenGradients { dq, dk, dv, dsinks, stats })
 }
 
 /// The packed tensors agree with each other and with `lens`.

@@ -28,10 +28,11 @@ fn definition(
     causal: bool,
     scale: f64,
 ) -> (Array4<f64>, Array3<f64>) {
-    modified_definition(q, k, v, causal, scale, |s, _, _, _| s)
+    modified_definition(q, k, v, causal, scale, |s, _, _, _| s, None)
 }
 
-/// `softmax(f(scale · q kᵀ) + mask) v` straight from the definition, `f(s, head, i, j)`.
+/// `softmax(f(scale · q kᵀ) + mask) v` straight from the definition, `f(s, head, i, j)`; with
+/// `sinks`, head `h`'s logit `sinks[h]` joins every row's sum (gpt-oss's sink: a key with value 0).
 fn modified_definition(
     q: &Array4<f64>,
     k: &Array4<f64>,
@@ -39,6 +40,7 @@ fn modified_definition(
     causal: bool,
     scale: f64,
     f: impl Fn(f64, usize, usize, usize) -> f64,
+    sinks: Option<&[f64]>,
 ) -> (Array4<f64>, Array3<f64>) {
     let (b, hq, nq, d) = q.dim();
     let (_, hkv, nkv, _) = k.dim();
@@ -57,11 +59,12 @@ fn modified_definition(
                         f(scale * s, h, i, j)
                     })
                     .collect();
-                if scores.is_empty() {
+                let sink = sinks.map_or(0.0, |s| s[h].exp());
+                if scores.is_empty() && sinks.is_none() {
                     lse[[bi, h, i]] = f64::NEG_INFINITY;
                     continue;
                 }
-                let total: f64 = scores.iter().map(|s| s.exp()).sum();
+                let total: f64 = scores.iter().map(|s| s.exp()).sum::<f64>() + sink;
                 lse[[bi, h, i]] = total.ln();
                 for (j, s) in (0..nkv).filter(|&j| sees(j)).zip(&scores) {
                     for c in 0..d {
@@ -155,6 +158,133 @@ fn rows_that_see_no_key_give_zeros_and_minus_infinity() {
     }
 }
 
+/// Attention sinks as gpt-oss writes them: one more logit per head in every row's softmax, with
+/// no value. Every rung against the definition, rows that a causal mask empties included (they
+/// keep the sink: O = 0 and lse = σ, never −∞).
+#[test]
+fn every_rung_with_sinks_is_the_definition() {
+    let (b, hq, hkv, nq, nkv, d) = (2, 4, 2, 7, 5, 3);
+    let (q, k, v) =
+        (tensor((b, hq, nq, d), 41), tensor((b, hkv, nkv, d), 42), tensor((b, hkv, nkv, d), 43));
+    let sinks = vec![0.5, -1.0, 2.0, 0.0];
+    let scale = 0.8;
+    for causal in [false, true] {
+        let (o, lse) = modified_definition(&q, &k, &v, causal, scale, |s, _, _, _| s, Some(&sinks));
+        let opts = AttentionOptions { causal, scale: Some(scale), ..Default::default() }
+            .with_sinks(sinks.clone());
+        let (q, k, v) = (q.view(), k.view(), v.view());
+        let tiled = |br, bc| Fa2Options::new(opts.clone()).with_tiles(br, bc).unwrap();
+        let outputs = [
+            ("naive", naive::attention(q, k, v, &opts)),
+            ("online", online_softmax::attention(q, k, v, &opts)),
+            (
+                "fa1",
+                fa1::forward(q, k, v, &Fa1Options::new(opts.clone()).with_tiles(2, 3).unwrap()),
+            ),
+            ("fa2", fa2::forward(q, k, v, &tiled(2, 3))),
+            (
+                "fa3",
+                fa3::forward(
+                    q,
+                    k,
+                    v,
+                    &fa3::Fa3Options::new(opts.clone()).with_tiles(3, 2).unwrap(),
+                ),
+            ),
+            (
+                "flash-decoding",
+                flash_decoding::forward(
+                    q,
+                    k,
+                    v,
+                    &FlashDecodingOptions::new(opts.clone()).with_splits(3).unwrap(),
+                ),
+            ),
+            (
+                "flash-decoding++",
+                flash_decoding_pp::forward(q, k, v, &FlashDecodingPpOptions::new(opts.clone())),
+            ),
+        ];
+        for (rung, out) in outputs {
+            let out = out.unwrap();
+            assert!(max_diff(&out.o, &o) < 1e-14, "{rung}: O differs (causal {causal})");
+            assert!(max_diff(&out.lse, &lse) < 1e-14, "{rung}: lse differs (causal {causal})");
+            if causal {
+                // Rows 0 and 1 see no key (bottom-right: row i sees keys j <= i − 2).
+                for (bi, h, i) in [(0, 0, 0), (1, 2, 1), (0, 3, 1)] {
+                    // (FlashDecoding++ sums relative to its φ: σ up to a rounding.)
+                    assert!((out.lse[[bi, h, i]] - sinks[h]).abs() < 1e-15, "{rung}");
+                    assert!(out.o.slice(ndarray::s![bi, h, i, ..]).iter().all(|&x| x == 0.0));
+                }
+            }
+        }
+    }
+    for bad in [vec![0.0; 3], vec![0.0, f64::NAN, 0.0, 0.0], vec![f64::INFINITY; 4]] {
+        let opts = AttentionOptions::default().with_sinks(bad);
+        let err = naive::attention(q.view(), k.view(), v.view(), &opts).unwrap_err().to_string();
+        assert!(err.contains("sinks"), "{err}");
+    }
+}
+
+/// The sinks' gradient, `−Σᵢ exp(σ − lseᵢ) Dᵢ`, against finite differences of `L = Σ O ∘ dO`,
+/// from the naive backward pass and FA2's (which takes it from lse and D alone).
+#[test]
+fn the_sinks_gradient_matches_finite_differences() {
+    let (b, hq, hkv, nq, nkv, d) = (2, 2, 1, 6, 4, 3);
+    let (q, k, v, d_o) = (
+        tensor((b, hq, nq, d), 51),
+        tensor((b, hkv, nkv, d), 52),
+        tensor((b, hkv, nkv, d), 53),
+        tensor((b, hq, nq, d), 54),
+    );
+    let sinks = vec![0.3, -0.7];
+    for causal in [false, true] {
+        let opts = |sinks: Vec<f64>| {
+            AttentionOptions { causal, scale: Some(0.9), ..Default::default() }
+                .with_softcap(0.8)
+                .unwrap()
+                .with_sinks(sinks)
+        };
+        let loss = |sinks: Vec<f64>| {
+            (&naive::attention(q.view(), k.view(), v.view(), &opts(sinks)).unwrap().o * &d_o).sum()
+        };
+        let fwd = naive::attention(q.view(), k.view(), v.view(), &opts(sinks.clone())).unwrap();
+        let naive_grads =
+            naive::backward(q.view(), k.view(), v.view(), d_o.view(), &opts(sinks.clone()))
+                .unwrap();
+        let fa2_grads = fa2::backward(
+            q.view(),
+            k.view(),
+            v.view(),
+            fwd.o.view(),
+            d_o.view(),
+            fwd.lse.view(),
+            &Fa2Options::new(opts(sinks.clone())).with_tiles(2, 3).unwrap(),
+        )
+        .unwrap();
+        let h = 1e-6;
+        for head in 0..hq {
+            let shifted = |by: f64| {
+                let mut s = sinks.clone();
+                s[head] += by;
+                loss(s)
+            };
+            let numeric = (shifted(h) - shifted(-h)) / (2.0 * h);
+            for (rung, grads) in [("naive", &naive_grads), ("fa2", &fa2_grads)] {
+                let analytic = grads.dsinks.as_ref().expect("sinks have a gradient")[head];
+                assert!(
+                    (numeric - analytic).abs() < 1e-7,
+                    "{rung} head {head} (causal {causal}): numeric {numeric}, analytic {analytic}"
+                );
+            }
+        }
+        // The sinks change dQ, dK, dV only through P: FA2's agree with the naive pass.
+        for (a, b) in [(&naive_grads.dq, &fa2_grads.dq), (&naive_grads.dk, &fa2_grads.dk)] {
+            assert!(max_diff(a, b) < 1e-13);
+        }
+    }
+}
+
 /// Softcap and ALiBi as their papers write them: `c · tanh(s / c)`, then `s − m_h · |i + n_kv −
 /// n_q − j|` (bottom-right aligned, flash-attention's convention).
 #[test]
@@ -170,7 +300,7 @@ fn naive_f64_with_softcap_and_alibi_is_the_definition() {
             let distance = (i as f64 + nkv as f64 - nq as f64 - j as f64).abs();
             cap * (s / cap).tanh() - slopes[h] * distance
         };
-        let (o, lse) = modified_definition(&q, &k, &v, causal, scale, f);
+        let (o, lse) = modified_definition(&q, &k, &v, causal, scale, f, None);
         let opts = AttentionOptions { causal, scale: Some(scale), ..Default::default() }
             .with_softcap(cap)
             .unwrap()

@@ -9,7 +9,7 @@ use std::str::FromStr;
 use anyhow::bail;
 use clap::{Args, ValueEnum};
 use ladder_compare::GpuRung;
-use ladder_compare::modifiers::ScoreModSpec;
+use ladder_compare::modifiers::ModifierSpec;
 use ladder_compare::results::Direction;
 use ladder_kernels::DType;
 use ladder_kernels::decode;
@@ -103,8 +103,8 @@ fn parse_window(text: &str) -> Result<Window, String> {
     if text.trim() == "none" { Ok(Window::default()) } else { text.parse() }
 }
 
-/// `--score-mod`: `none`, or a modifier as [`ScoreModSpec`] parses it.
-fn parse_score_mod(text: &str) -> Result<Option<ScoreModSpec>, String> {
+/// `--score-mod`: `none`, or a modifier as [`ModifierSpec`] parses it.
+fn parse_score_mod(text: &str) -> Result<Option<ModifierSpec>, String> {
     if text.trim() == "none" { Ok(None) } else { text.parse().map(Some) }
 }
 
@@ -172,12 +172,12 @@ pub struct BenchArgs {
     /// pairs it attends.
     #[arg(long, value_parser = parse_window, allow_hyphen_values = true)]
     pub(super) window: Vec<Window>,
-    /// A score modifier (`softcap:CAP`, `alibi`, `softcap:CAP+alibi`, `relative-bias`) or
+    /// A modifier (`softcap:CAP`, `alibi`, `softcap:CAP+alibi`, `relative-bias`, `sinks`) or
     /// `none`; give the flag once per modifier [default: none]. A modified case runs on the
     /// rungs that take a modifier (fa2, fa3: forward and backward) and counts the FLOPs of the
     /// unmodified case.
     #[arg(long = "score-mod", value_parser = parse_score_mod)]
-    pub(super) score_mod: Vec<Option<ScoreModSpec>>,
+    pub(super) score_mod: Vec<Option<ModifierSpec>>,
     /// Element type of Q, K, V.
     #[arg(long, value_enum, default_value_t = DtypeArg::Fp16)]
     pub(super) dtype: DtypeArg,
@@ -279,7 +279,7 @@ pub(super) struct Plan {
     /// `--window` (default: no window only).
     pub(super) windows: Vec<Window>,
     /// `--score-mod` (default: none only).
-    pub(super) score_mods: Vec<Option<ScoreModSpec>>,
+    pub(super) score_mods: Vec<Option<ModifierSpec>>,
     /// `--layout` (default `[b, h, s, d]` only).
     pub(super) input_layouts: Vec<LayoutArg>,
     pub(super) dtype: DType,
@@ -530,7 +530,7 @@ impl Plan {
         layout: LayoutArg,
         d: usize,
         n: usize,
-        (window, score_mod): (Window, Option<ScoreModSpec>),
+        (window, score_mod): (Window, Option<ModifierSpec>),
     ) -> Vec<GpuRung> {
         let mut rungs = self.rungs_in(layout, d, n);
         if window.is_some() {
@@ -543,7 +543,7 @@ impl Plan {
     }
 
     /// Every (window, score modifier) pair of the plan.
-    pub(super) fn masks(&self) -> Vec<(Window, Option<ScoreModSpec>)> {
+    pub(super) fn masks(&self) -> Vec<(Window, Option<ModifierSpec>)> {
         self.windows.iter().flat_map(|&w| self.score_mods.iter().map(move |&m| (w, m))).collect()
     }
 

@@ -326,6 +326,7 @@ fn quantize_problem(
     require_hopper(gpu, "fa3-fp8")?;
     p.require_dtype("fa3-fp8", DTYPES, "fp16, bf16")?;
     p.require_no_score_mod("fa3-fp8")?;
+    p.require_no_sinks("fa3-fp8")?;
     let tiles = tiles_on(gpu, p.d, p.n_kv, p.window.is_some())?;
     let (br, bc) = (tiles.br(), tiles.bc);
     // Per head: rows of the dense copies, and scale slots (a fixed-length batch's tiles).
