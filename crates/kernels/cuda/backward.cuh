@@ -54,7 +54,7 @@ struct BackwardParams {
     Strides dk_strides;
     Strides dv_strides;
     Varlen varlen;  // FA2_VARLEN only
-    ModifierArgs mods;  // LADDER_SCORE_MOD only (score_mod.cuh)
+    ModifierArgs mods;  // the score modifier (LADDER_SCORE_MOD) and the sinks (score_mod.cuh)
 };
 
 // Where the rows of (sequence `s`, query head `head`) start in lse2 and D (padded per head to

@@ -119,7 +119,7 @@ struct Fa2ForwardParams {
     float scale_log2;  // softmax scale · log2(e)
     Band band;         // FA2_WINDOW only: the sliding window (mask.cuh)
     Varlen varlen;     // FA2_VARLEN only
-    ModifierArgs mods;  // LADDER_SCORE_MOD only
+    ModifierArgs mods;  // the score modifier (LADDER_SCORE_MOD) and the sinks (score_mod.cuh)
 };
 
 // Launch: grid (ceil(n_q / BR), heads_q, batch), or (varlen.n_tiles, heads_q, 1) for a packed
@@ -311,7 +311,7 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
         for (int h = 0; h < 2; ++h) {
             const int row = q0 + warp_row0 + mt * 16 + acc_row(2 * h);
             float l = quad_sum(row_sum[mt][h]);
-            const float alpha = sink != LADDER_NEG_INF ? fold_sink(row_max[mt][h], l, sink) : 1.f;
+            const float alpha = fold_sink(row_max[mt][h], l, sink);
             const float inv = l > 0.f ? alpha / l : 0.f;
             if (row < seq.n_q) {
 #pragma unroll

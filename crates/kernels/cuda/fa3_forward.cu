@@ -199,7 +199,7 @@ struct Fa3ForwardParams {
     // FA3_DYNAMIC only: [0] the tiles taken past the first wave, [1] the blocks done; zero at
     // launch, and the last block out puts them back to zero.
     unsigned* tile_counter;
-    ModifierArgs mods;  // LADDER_SCORE_MOD only (score_mod.cuh)
+    ModifierArgs mods;  // the score modifier (LADDER_SCORE_MOD) and the sinks (score_mod.cuh)
 };
 
 // Shared memory (dynamic, 1024-byte aligned for the swizzle), in this order: with FA3_O_SMEM,
@@ -556,7 +556,7 @@ __device__ void epilogue(const Fa3ForwardParams& p, SharedTiles& t, const Tile& 
         const int r = (warp_id() % 4) * 16 + acc_row(2 * h);  // row within the warpgroup's 64
         const int row = row0 + r;
         float l = quad_sum(st.l[h]), m = st.m[h];
-        const float alpha = sink != LADDER_NEG_INF ? fold_sink(m, l, sink) : 1.f;
+        const float alpha = fold_sink(m, l, sink);
         const float inv = l > 0.f ? alpha * o_scale / l : 0.f;
         if constexpr (o_smem) {
             // [64 × 64] column blocks with the copy engine's 128-byte swizzle (tma.cuh).

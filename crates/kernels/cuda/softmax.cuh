@@ -124,11 +124,12 @@ __device__ __forceinline__ float sink_log2(const float* sinks, int head) {
     return sinks != nullptr ? sinks[head] * LADDER_LOG2E : LADDER_NEG_INF;
 }
 
-// Fold a finite sink logit (base 2, sink_log2) into a row's max m and sum l at the end of its
-// walk: m' = max(m, σ), l' = l·2^(m − m') + 2^(σ − m'); returns 2^(m − m'), the factor the
-// accumulator takes. A row that saw no key (m = −inf, l = 0) gets l' = 1 and factor 0: O = 0
-// and lse = σ. A NaN row keeps its NaN sum.
+// Fold a sink logit (base 2, sink_log2) into a row's max m and sum l at the end of its walk:
+// m' = max(m, σ), l' = l·2^(m − m') + 2^(σ − m'); returns 2^(m − m'), the factor the accumulator
+// takes. A row that saw no key (m = −inf, l = 0) gets l' = 1 and factor 0: O = 0 and lse = σ. A
+// NaN row keeps its NaN sum. Without a sink (σ = −inf) the row is left as it is (factor 1).
 __device__ __forceinline__ float fold_sink(float& m, float& l, float sink) {
+    if (sink == LADDER_NEG_INF) return 1.f;
     const float m_new = fmaxf(m, sink);
     const float alpha = fast_exp2(m - m_new);
     l = fmaf(l, alpha, fast_exp2(sink - m_new));
