@@ -183,10 +183,7 @@ pub fn forward<T: Element>(
             // Rows that saw nothing (l = 0, zeros and −∞) or a NaN need no recomputation.
             if in_range || row_max == T::neg_infinity() || row_max.is_nan() {
                 o.row_mut(r).assign(&part_acc.slice(s![i, .., r, ..]).sum_axis(Axis(0)));
-                // A row that saw nothing has no sum relative to φ: its sink alone is its softmax
-                // (relative to φ, e^(σ − φ) could underflow).
-                let m = if row_max == T::neg_infinity() { row_max } else { phis[i] };
-                lse[r] = normalise_row(o.row_mut(r), m, l, head.sink);
+                lse[r] = normalise_row(o.row_mut(r), phis[i], l, head.sink);
             } else {
                 fallbacks.fetch_add(1, Ordering::Relaxed);
                 lse[r] = recompute_row(&head, r, &ranges, bc, &counters, o.row_mut(r));

@@ -45,9 +45,12 @@ pub(crate) fn check(sinks: &[f64], heads_q: usize) -> Result<()> {
 
 /// Folds the sink `sink` into a row's running state `(acc, m, l)` (the accumulator
 /// `Σ_j e^(s_j − m) v_j`, its max and sum): returns the new `(m, l)` and rescales `acc` to the
-/// new max. A row that saw no key (`m = −∞`) gets `m = σ`, `l = 1` and a zero accumulator; a NaN
-/// row stays NaN.
+/// new max. A row with nothing accumulated (`l = 0`: it saw no key, whatever `m` its sum is
+/// relative to, FlashDecoding++'s `φ` included) gets `m = σ`, `l = 1` and a zero accumulator; a
+/// NaN row stays NaN.
 pub(crate) fn fold<T: Element>(mut acc: ArrayViewMut1<T>, m: T, l: T, sink: T) -> (T, T) {
+    // (Relative to a finite m far above σ, e^(σ − m) would underflow to an empty row.)
+    let m = if l == T::zero() { T::neg_infinity() } else { m };
     let m_new = nan_max(m, sink);
     let alpha = exp_diff(m, m_new);
     if alpha != T::one() {
