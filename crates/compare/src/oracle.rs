@@ -291,8 +291,14 @@ impl GradientOracle {
         let grads = naive::backward(q.view(), k.view(), v.view(), d_o.view(), attention)?;
         let shape = AttentionShape::of(&q.view(), &k.view(), &v.view())?;
         let logit_bound = modified_logit_bound(&q, &k, attention, &shape)?;
-        let magnitudes = term_magnitudes(&q, &k, &v, &d_o, attention)?;
-        let sink_magnitudes = sink_magnitudes(&q, &k, &v, &d_o, attention)?;
+        let (magnitudes, d_abs) = term_magnitudes(&q, &k, &v, &d_o, attention)?;
+        let sink_magnitudes = match &attention.sinks {
+            Some(sinks) => {
+                let lse = naive::attention(q.view(), k.view(), v.view(), attention)?.lse;
+                Some(sink_magnitudes(sinks, &lse, &d_abs))
+            }
+            None => None,
+        };
         let attention = attention.clone();
         Ok(Self { attention, shape, grads, magnitudes, sink_magnitudes, logit_bound })
     }
@@ -390,14 +396,15 @@ impl ExpectedGradients {
 ///
 /// With `G_ij = |dOᵢ|·|vⱼ|` bounding `|dP_ij|`, `Dᵢ^abs = Σⱼ P_ij G_ij` bounding `|Dᵢ|` and
 /// `dS^abs = P ∘ (G + D^abs)`: `dQ ~ scale · dS^abs |K|`, `dK ~ scale · dS^absᵀ |Q|`,
-/// `dV ~ Pᵀ |dO|` (summed over the q heads of a GQA group).
+/// `dV ~ Pᵀ |dO|` (summed over the q heads of a GQA group). Also returns `D^abs`,
+/// `[batch, heads_q, n_q]`.
 fn term_magnitudes(
     q: &Array4<f64>,
     k: &Array4<f64>,
     v: &Array4<f64>,
     d_o: &Array4<f64>,
     attention: &AttentionOptions,
-) -> Result<[Array4<f64>; 3]> {
+) -> Result<([Array4<f64>; 3], Array3<f64>)> {
     let p = naive::weights(q.view(), k.view(), v.view(), attention)?;
     let shape = AttentionShape::of(&q.view(), &k.view(), &v.view())?;
     let scale = attention.resolve_scale(&shape)?.abs();
@@ -406,6 +413,7 @@ fn term_magnitudes(
     let mut dq_abs = Array4::<f64>::zeros(shape.q_dims());
     let mut dk_abs = Array4::<f64>::zeros(shape.kv_dims());
     let mut dv_abs = Array4::<f64>::zeros(shape.kv_dims());
+    let mut d_abs_all = Array3::<f64>::zeros((shape.batch, shape.heads_q, shape.n_q));
     for b in 0..shape.batch {
         for h in 0..shape.heads_q {
             let kh = shape.kv_head(h);
@@ -414,6 +422,7 @@ fn term_magnitudes(
             let (q, d_o) = (abs_q.slice(s![b, h, .., ..]), abs_do.slice(s![b, h, .., ..]));
             let g = d_o.dot(&v.t());
             let d_abs = (&p * &g).sum_axis(Axis(1));
+            d_abs_all.slice_mut(s![b, h, ..]).assign(&d_abs);
             let ds_abs = &p * &(&g + &d_abs.insert_axis(Axis(1)));
             dq_abs.slice_mut(s![b, h, .., ..]).assign(&(ds_abs.dot(&k) * scale));
             let mut dk = dk_abs.slice_mut(s![b, kh, .., ..]);
@@ -422,33 +431,16 @@ fn term_magnitudes(
             dv += &p.t().dot(&d_o);
         }
     }
-    Ok([dq_abs, dk_abs, dv_abs])
+    Ok(([dq_abs, dk_abs, dv_abs], d_abs_all))
 }
 
-/// The size of the terms behind the sinks' gradient, `Σ_{b,i} P_i,sink · Dᵢ^abs` per head with
-/// `Dᵢ^abs = Σⱼ P_ij |dOᵢ|·|vⱼ|` ([`term_magnitudes`]'s bound on `|Dᵢ|`); `None` without sinks.
-fn sink_magnitudes(
-    q: &Array4<f64>,
-    k: &Array4<f64>,
-    v: &Array4<f64>,
-    d_o: &Array4<f64>,
-    attention: &AttentionOptions,
-) -> Result<Option<Array1<f64>>> {
-    let Some(sinks) = &attention.sinks else { return Ok(None) };
-    let p = naive::weights(q.view(), k.view(), v.view(), attention)?;
-    let lse = naive::attention(q.view(), k.view(), v.view(), attention)?.lse;
-    let shape = AttentionShape::of(&q.view(), &k.view(), &v.view())?;
-    let mut magnitudes = Array1::zeros(shape.heads_q);
-    for b in 0..shape.batch {
-        for h in 0..shape.heads_q {
-            let v = v.slice(s![b, shape.kv_head(h), .., ..]).mapv(f64::abs);
-            let g = d_o.slice(s![b, h, .., ..]).mapv(f64::abs).dot(&v.t());
-            let d_abs = (&p.slice(s![b, h, .., ..]) * &g).sum_axis(Axis(1));
-            let p_sink = lse.slice(s![b, h, ..]).mapv(|l| (sinks[h] - l).exp());
-            magnitudes[h] += p_sink.dot(&d_abs);
-        }
-    }
-    Ok(Some(magnitudes))
+/// The size of the terms behind the sinks' gradient, `Σ_{b,i} P_i,sink · Dᵢ^abs` per head, with
+/// `P_i,sink = e^(σ_h − lseᵢ)` and [`term_magnitudes`]'s `D^abs` bounding `|Dᵢ|`.
+fn sink_magnitudes(sinks: &[f64], lse: &Array3<f64>, d_abs: &Array3<f64>) -> Array1<f64> {
+    Array1::from_shape_fn(sinks.len(), |h| {
+        let p_sink = lse.slice(s![.., h, ..]).mapv(|l| (sinks[h] - l).exp());
+        (&p_sink * &d_abs.slice(s![.., h, ..])).sum()
+    })
 }
 
 /// Checks `out` against the oracle and, when given, against the previous rung's output; the
