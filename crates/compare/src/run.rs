@@ -97,8 +97,8 @@ pub struct RunArgs {
     /// With --backward: where to write dV (in the dtype of v).
     #[arg(long)]
     dv: Option<PathBuf>,
-    /// With --backward and --score-mod sinks: where to write the sinks' gradient ([heads_q],
-    /// float32); without it the summary line prints it.
+    /// With --backward and --score-mod sinks: where to write the sinks' gradient (float32, one
+    /// value per query head); without it the summary line prints it.
     #[arg(long)]
     dsinks: Option<PathBuf>,
     // --scale applies on the GPU too; the tile and split sizes do not.

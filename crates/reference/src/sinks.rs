@@ -12,7 +12,7 @@
 //!
 //! (`s` the scaled, modified scores). The rows' weights now sum to `1 − P_i,sink`, and a row that
 //! a mask empties still has the sink: `O = 0` and `lse = σ_h`, never `−∞`. A rung adds the sink
-//! once, where it normalises a row ([`fold`]): `m ← max(m, σ)`, `l ← l·e^(m_old − m) + e^(σ − m)`,
+//! once, where it normalises a row (`fold`): `m ← max(m, σ)`, `l ← l·e^(m_old − m) + e^(σ − m)`,
 //! the accumulator rescaled like any other tile's. Since `lse` includes the sink, the backward
 //! pass recomputes the right `P` from it unchanged; the sink's own gradient is
 //!
@@ -20,7 +20,7 @@
 //! ∂L/∂σ_h = Σ_i P_i,sink · (0 − D_i) = −Σ_i exp(σ_h − lse_i) · D_i,   D_i = dO_i · O_i
 //! ```
 //!
-//! summed over the rows of every batch entry ([`gradient`]): the sink's value is zero, so its
+//! summed over the rows of every batch entry (`gradient`): the sink's value is zero, so its
 //! `dP` is 0 and `dS = P ∘ (dP − D)` leaves `−P·D`.
 
 use ndarray::{Array1, ArrayView3, ArrayViewMut1};
