@@ -29,6 +29,7 @@ fn rungs(c: &mut Criterion) {
                 causal: false,
                 window: Default::default(),
                 score_mod: None,
+                mask_mod: None,
                 logit_std: 1.0,
                 tiles: TileSizes::default(),
                 splits: 8,

@@ -9,7 +9,7 @@ use std::ops::RangeInclusive;
 
 use ladder_reference::{AttentionOptions, AttentionShape, Element, TileSizes, Window};
 
-use crate::modifiers::{Cap, ModifierSpec};
+use crate::modifiers::{Cap, MaskSpec, ModifierSpec};
 use ndarray::Array4;
 use proptest::prelude::*;
 use rand::{RngExt, SeedableRng};
@@ -25,6 +25,8 @@ pub struct Case {
     pub window: Window,
     /// A modifier: a score modifier or sinks (none by default).
     pub score_mod: Option<ModifierSpec>,
+    /// A mask modifier, which hides pairs inside the band (none by default; the CPU rungs).
+    pub mask_mod: Option<MaskSpec>,
     /// Standard deviation of the logits `scale · q · k`: 1 is a trained model's regime,
     /// thousands stress overflow (the scale is `logit_std / √d` on unit-normal inputs).
     pub logit_std: f64,
@@ -64,13 +66,18 @@ impl Case {
             window: self.window,
             ..Default::default()
         };
+        let opts = match self.mask_mod {
+            Some(m) => m.apply_cpu(opts, self.shape.n_kv),
+            None => opts,
+        };
         match self.score_mod {
             Some(m) => m.apply_cpu(opts, self.shape.heads_q),
             None => opts,
         }
     }
 
-    /// The kernels' options `opts` with the case's modifier.
+    /// The kernels' options `opts` with the case's modifier (its score modifier or sinks: the
+    /// kernels take no mask modifier yet, and the GPU suites draw none).
     pub fn kernel_modifier(&self, opts: ladder_kernels::Options) -> ladder_kernels::Options {
         match self.score_mod {
             Some(m) => m.apply_gpu(opts, self.shape.heads_q),
@@ -133,6 +140,9 @@ pub struct CaseSpace {
     /// Whether a quarter of the cases get a score modifier ([`score_mods`]; off in
     /// [`CaseSpace::cpu`], for the same reason).
     pub score_mods: bool,
+    /// Whether a quarter of the cases get a mask modifier ([`mask_mods`]; off in
+    /// [`CaseSpace::cpu`], for the same reason).
+    pub mask_mods: bool,
 }
 
 impl CaseSpace {
@@ -151,6 +161,7 @@ impl CaseSpace {
             max_logit_std: 3000.0,
             windows: false,
             score_mods: false,
+            mask_mods: false,
         }
     }
 
@@ -173,12 +184,18 @@ impl CaseSpace {
     pub fn with_score_mods(self) -> Self {
         Self { score_mods: true, ..self }
     }
+
+    /// Mask modifiers in a quarter of the cases ([`CaseSpace::mask_mods`]).
+    pub fn with_mask_mods(self) -> Self {
+        Self { mask_mods: true, ..self }
+    }
 }
 
 /// Cases drawn from `space`.
 pub fn cases(space: CaseSpace) -> impl Strategy<Value = Case> {
     let window = windows(space.windows, space.n_q.end().max(space.n_kv.end()) + 4);
-    let window = (window, score_mods(space.score_mods));
+    let longest = *space.n_kv.end();
+    let window = (window, score_mods(space.score_mods), mask_mods(space.mask_mods, longest));
     let sizes = (
         space.batch,
         space.heads_kv,
@@ -195,7 +212,7 @@ pub fn cases(space: CaseSpace) -> impl Strategy<Value = Case> {
         |(
             (batch, heads_kv, group, n_q, n_kv, d),
             (causal, logit_std, br, bc, splits, seed),
-            (window, score_mod),
+            (window, score_mod, mask_mod),
         )| {
             Case {
                 shape: AttentionShape::new(batch, heads_kv * group, heads_kv, n_q, n_kv, d)
@@ -203,6 +220,7 @@ pub fn cases(space: CaseSpace) -> impl Strategy<Value = Case> {
                 causal,
                 window,
                 score_mod,
+                mask_mod,
                 logit_std,
                 tiles: TileSizes::new(br, bc).expect("blocks from a range ≥ 1"),
                 splits,
@@ -237,6 +255,20 @@ pub fn score_mods(on: bool) -> BoxedStrategy<Option<ModifierSpec>> {
         cap.prop_map(ModifierSpec::SoftcapAlibi),
         Just(ModifierSpec::RelativeBias),
         Just(ModifierSpec::Sinks),
+    ];
+    prop_oneof![3 => Just(None), 1 => spec.prop_map(Some)].boxed()
+}
+
+/// No mask modifier, or (a quarter of the time, when `on`) documents (1 to 5), a prefix of up to
+/// `longest` keys, or a dilated mask (strides 2 and 3: rows that see keys in several runs).
+pub fn mask_mods(on: bool, longest: usize) -> BoxedStrategy<Option<MaskSpec>> {
+    if !on {
+        return Just(None).boxed();
+    }
+    let spec = prop_oneof![
+        (1..=5usize).prop_map(MaskSpec::Documents),
+        (0..=longest).prop_map(MaskSpec::PrefixLm),
+        (2..=3usize).prop_map(MaskSpec::Dilated),
     ];
     prop_oneof![3 => Just(None), 1 => spec.prop_map(Some)].boxed()
 }

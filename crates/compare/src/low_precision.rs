@@ -157,6 +157,7 @@ mod tests {
             causal: true,
             window: Default::default(),
             score_mod: None,
+            mask_mod: None,
             logit_std: 1.0,
             tiles: ladder_reference::TileSizes::new(8, 8).unwrap(),
             splits: 1,

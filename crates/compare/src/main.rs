@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use anyhow::bail;
 use clap::{Args, Parser, Subcommand};
 use ladder_compare::memory::{PeakAlloc, human_bytes};
-use ladder_compare::modifiers::ModifierSpec;
+use ladder_compare::modifiers::{MaskSpec, ModifierSpec};
 use ladder_compare::verify::{self, VerifyCase};
 use ladder_compare::{Rung, RungConfig};
 use ladder_reference::{AttentionOptions, AttentionShape, Phi, TileSizes, Window};
@@ -77,6 +77,14 @@ struct RungArgs {
     /// backward); on the GPU, fa2 and fa3 (16-bit), forward and backward. `ladder run` only.
     #[arg(long = "score-mod")]
     score_mod: Option<ModifierSpec>,
+    /// A mask modifier, which hides query–key pairs inside the band (the causal mask and the
+    /// window): documents:N (the keys in N documents of near-equal length, each query seeing its
+    /// own document's keys; with --causal, packed causal training), prefix-lm:P (the first P keys
+    /// for every query, then causal; without --causal) or dilated:S (keys at distances from the
+    /// diagonal that are multiples of S). Every CPU rung (and the FA2 backward); not the GPU
+    /// kernels yet. `ladder run` only.
+    #[arg(long = "mask-mod")]
+    mask_mod: Option<MaskSpec>,
 }
 
 impl RungArgs {
@@ -167,6 +175,12 @@ fn verify_cmd(args: &VerifyArgs) -> anyhow::Result<bool> {
         bail!(
             "--score-mod {m}: `ladder verify` checks the plain problems; `ladder run --score-mod` \
              runs a modifier, and the test suite checks every rung with them"
+        );
+    }
+    if let Some(m) = args.rung.mask_mod {
+        bail!(
+            "--mask-mod {m}: `ladder verify` checks the plain problems; `ladder run --mask-mod` \
+             runs a mask modifier, and the test suite checks every rung with them"
         );
     }
     let config = args.rung.config(!args.no_causal)?;

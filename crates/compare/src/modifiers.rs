@@ -1,14 +1,15 @@
 //! The modifiers the suite draws, the CLI takes and the benchmarks time: score modifiers, each
 //! with its two forms, a Rust closure for the CPU rungs ([`ladder_reference::ScoreMod`]) and CUDA
-//! source for the kernels ([`ladder_kernels::ScoreMod`]), and attention sinks (the same logits on
-//! both sides). Writing your own score modifier is the same: give both forms (the `check` API
-//! holds your CPU closure to the oracle, the GPU tests the source to the CPU).
+//! source for the kernels ([`ladder_kernels::ScoreMod`]), attention sinks (the same logits on
+//! both sides), and mask modifiers ([`MaskSpec`]: documents, a prefix-LM mask, a dilated mask;
+//! the CPU rungs for now). Writing your own score modifier is the same: give both forms (the
+//! `check` API holds your CPU closure to the oracle, the GPU tests the source to the CPU).
 
 use std::fmt;
 use std::str::FromStr;
 
 use ladder_kernels::{Options, Sinks};
-use ladder_reference::{AttentionOptions, ScoreIndex, ScoreMod};
+use ladder_reference::{AttentionOptions, MaskMod, ScoreIndex, ScoreMod};
 
 use crate::cases::pseudo_random;
 
@@ -182,6 +183,77 @@ impl fmt::Display for ModifierSpec {
     }
 }
 
+/// A mask modifier by name ([`MaskMod`]): what packed training and prefix language models mask,
+/// and a user-style mask whose rows see keys in several runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MaskSpec {
+    /// `documents:N`: the keys split into `N` documents of near-equal length (key `j` of `n_kv`
+    /// is in document `j · N / n_kv`), each query seeing its own document's keys
+    /// ([`MaskMod::documents`]). With `--causal`, packed causal training.
+    Documents(usize),
+    /// `prefix-lm:P`: every query sees the first `P` keys and, causally, the keys up to its own
+    /// position ([`MaskMod::prefix_lm`]; a whole mask: run it without `--causal`).
+    PrefixLm(usize),
+    /// `dilated:S`: a query sees the keys at distances from its diagonal that are multiples of
+    /// `S` (LongNet's dilated attention, as one user-written `mask_mod`): every row's keys come in
+    /// runs of one.
+    Dilated(usize),
+}
+
+impl MaskSpec {
+    /// The CPU form for a problem of `n_kv` keys.
+    pub fn cpu(&self, n_kv: usize) -> MaskMod {
+        match *self {
+            MaskSpec::Documents(docs) => {
+                let docs = docs.max(1);
+                MaskMod::documents((0..n_kv).map(|j| (j * docs / n_kv) as u32).collect())
+            }
+            MaskSpec::PrefixLm(prefix) => MaskMod::prefix_lm(prefix),
+            MaskSpec::Dilated(stride) => {
+                let stride = stride.max(1) as i64;
+                MaskMod::new(format!("dilated({stride})"), move |at: &ScoreIndex| {
+                    at.from_diagonal() % stride == 0
+                })
+            }
+        }
+    }
+
+    /// `opts` with this mask modifier, for a problem of `n_kv` keys (and any mask modifier it
+    /// already has).
+    pub fn apply_cpu(&self, opts: AttentionOptions, n_kv: usize) -> AttentionOptions {
+        opts.with_mask_mod(self.cpu(n_kv))
+    }
+}
+
+/// `documents:N`, `prefix-lm:P` or `dilated:S` (`N`, `S` at least 1).
+impl FromStr for MaskSpec {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        let usage =
+            || format!("a mask modifier is documents:N, prefix-lm:P or dilated:S, got {text:?}");
+        let (name, value) = text.trim().split_once(':').ok_or_else(usage)?;
+        let value: usize = value.parse().map_err(|_| usage())?;
+        match name {
+            "documents" if value >= 1 => Ok(MaskSpec::Documents(value)),
+            "prefix-lm" => Ok(MaskSpec::PrefixLm(value)),
+            "dilated" if value >= 1 => Ok(MaskSpec::Dilated(value)),
+            "documents" | "dilated" => Err(format!("{name} takes a count of at least 1, got 0")),
+            _ => Err(usage()),
+        }
+    }
+}
+
+impl fmt::Display for MaskSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MaskSpec::Documents(n) => write!(f, "documents:{n}"),
+            MaskSpec::PrefixLm(p) => write!(f, "prefix-lm:{p}"),
+            MaskSpec::Dilated(s) => write!(f, "dilated:{s}"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -213,6 +285,30 @@ mod tests {
         let t = 5.0 * (1.4f64).tanh();
         let want = 1.0 - (t / 5.0) * (t / 5.0);
         assert!((both.derivative(7.0, both.apply(7.0, &at), &at) - want).abs() < 1e-15);
+    }
+
+    #[test]
+    fn mask_specs_read_back_what_they_print_and_are_their_definitions() {
+        for text in ["documents:4", "prefix-lm:0", "prefix-lm:17", "dilated:2"] {
+            let spec: MaskSpec = text.parse().unwrap();
+            assert_eq!(spec.to_string(), text);
+        }
+        for bad in ["documents:0", "dilated:0", "documents", "prefix-lm:-1", "causal:1", "x:y"] {
+            assert!(bad.parse::<MaskSpec>().is_err(), "{bad}");
+        }
+        // 10 keys in 3 documents: keys 0-3, 4-6, 7-9; 4 queries at positions 6…9.
+        let docs = MaskSpec::Documents(3).cpu(10);
+        let at = |q, kv| ScoreIndex { batch: 0, head: 0, q, kv, n_q: 4, n_kv: 10 };
+        let seen: Vec<usize> = (0..10).filter(|&j| docs.sees(&at(0, j))).collect();
+        assert_eq!(seen, [4, 5, 6]);
+        let seen: Vec<usize> = (0..10).filter(|&j| docs.sees(&at(1, j))).collect();
+        assert_eq!(seen, [7, 8, 9]);
+        let prefix = MaskSpec::PrefixLm(2).cpu(10);
+        let seen: Vec<usize> = (0..10).filter(|&j| prefix.sees(&at(0, j))).collect();
+        assert_eq!(seen, [0, 1, 2, 3, 4, 5, 6]);
+        let dilated = MaskSpec::Dilated(3).cpu(10);
+        let seen: Vec<usize> = (0..10).filter(|&j| dilated.sees(&at(3, j))).collect();
+        assert_eq!(seen, [0, 3, 6, 9]);
     }
 
     #[test]

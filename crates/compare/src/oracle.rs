@@ -198,7 +198,6 @@ pub fn fp8_baseline<T: Element>(
     }
     let shape = AttentionShape::new(b, hq, hkv, nq, nkv, d)?;
     let scale = T::of(attention.resolve_scale(&shape)?);
-    let mask = attention.mask(shape.n_q, shape.n_kv);
     let dequantised =
         |x: ArrayView4<T>| Fp8Tensor::quantize(x, x.dim().2, Fp8Scaling::PerTensor).dequantize();
     let (q, k, v) = (dequantised(q), dequantised(k), dequantised(v));
@@ -212,10 +211,10 @@ pub fn fp8_baseline<T: Element>(
             let mut p = Array2::zeros((shape.n_q, shape.n_kv));
             general_mat_mul(scale, &q, &k.t(), T::zero(), &mut p);
             for (i, row) in p.rows().into_iter().enumerate() {
-                let keys = mask.visible(i);
-                let seen = row.slice(s![keys.clone()]);
-                let m = seen.iter().fold(T::neg_infinity(), |m, &x| m.max(x));
-                let l: T = seen.iter().map(|&x| (x - m).exp()).sum();
+                let at = |j| ScoreIndex { batch: b, head: h, q: i, kv: j, n_q: nq, n_kv: nkv };
+                let keys: Vec<usize> = (0..nkv).filter(|&j| attention.sees(&at(j))).collect();
+                let m = keys.iter().fold(T::neg_infinity(), |m, &j| m.max(row[j]));
+                let l: T = keys.iter().map(|&j| (row[j] - m).exp()).sum();
                 let mut o_row = o.slice_mut(s![b, h, i, ..]);
                 if keys.is_empty() || !m.is_finite() {
                     lse[[b, h, i]] = if keys.is_empty() { T::neg_infinity() } else { T::nan() };
@@ -244,21 +243,16 @@ fn modified_logit_bound(
     let scale = attention.resolve_scale(shape)?;
     let bound = logit_bound(q.view(), k.view(), scale);
     let Some(score_mod) = &attention.score_mod else { return Ok(bound) };
-    let mask = attention.mask(shape.n_q, shape.n_kv);
     let mut largest = 0f64;
     for b in 0..shape.batch {
         for h in 0..shape.heads_q {
             let (q, k) = (q.slice(s![b, h, .., ..]), k.slice(s![b, shape.kv_head(h), .., ..]));
             for i in 0..shape.n_q {
-                for j in mask.visible(i) {
-                    let at = ScoreIndex {
-                        batch: b,
-                        head: h,
-                        q: i,
-                        kv: j,
-                        n_q: shape.n_q,
-                        n_kv: shape.n_kv,
-                    };
+                let (n_q, n_kv) = (shape.n_q, shape.n_kv);
+                let pairs =
+                    (0..n_kv).map(|j| ScoreIndex { batch: b, head: h, q: i, kv: j, n_q, n_kv });
+                for at in pairs.filter(|at| attention.sees(at)) {
+                    let j = at.kv;
                     let t = score_mod.apply(scale * q.row(i).dot(&k.row(j)), &at);
                     if t.is_finite() {
                         largest = largest.max(t.abs());

@@ -252,6 +252,12 @@ impl RunArgs {
                 Plan::Cpu
             }
             Device::Gpu => {
+                if let Some(m) = self.rung_args.mask_mod {
+                    return Err(usage(format!(
+                        "--mask-mod {m}: the GPU kernels take no mask modifier yet (every CPU \
+                         rung does: --device cpu)"
+                    )));
+                }
                 let rung = gpu_forward(self.rung).ok_or_else(|| {
                     // A decoding kernel (FlashDecoding, FlashDecoding++) takes a KV cache, not `run`'s Q, K, V.
                     let decoding = GpuRung::ALL
@@ -356,6 +362,9 @@ fn run(args: &RunArgs) -> anyhow::Result<()> {
         format!("q {:?}, k {:?}, v {:?}{as_read}", q.data.shape(), k.data.shape(), v.data.shape())
     })?;
     let heads_q = q.data.dim().1;
+    if let Some(spec) = args.rung_args.mask_mod {
+        config.attention = spec.apply_cpu(config.attention, k.data.dim().2);
+    }
     if let Some(spec) = args.rung_args.score_mod {
         config.attention = spec.apply_cpu(config.attention, heads_q);
     }

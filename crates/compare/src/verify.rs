@@ -45,6 +45,7 @@ impl VerifyCase {
             causal: config.attention.causal,
             window: config.attention.window,
             score_mod: None,
+            mask_mod: None,
             logit_std: 1.0,
             tiles: config.tiles,
             splits: config.splits,

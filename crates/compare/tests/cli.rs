@@ -159,6 +159,45 @@ fn run_takes_a_score_mod_on_the_cpu() {
     );
 }
 
+/// `--mask-mod` reaches the CPU rungs as the mask by its
+/// definition, composed with `--score-mod`; the GPU, `verify` and a bad spec are one-line errors.
+#[test]
+fn run_takes_a_mask_mod_on_the_cpu() {
+    use ladder_compare::modifiers::{MaskSpec, ModifierSpec};
+    let dir = tempfile::tempdir().unwrap();
+    let [q, k, v] = write_inputs(dir.path(), DType::F64, 4);
+    let out = dir.path().join("o.npy");
+    let out_s = out.display().to_string();
+    let (qt, kt, vt) =
+        (tensor((2, 4, 7, 8), 1), tensor((2, 2, 11, 8), 2), tensor((2, 2, 11, 8), 3));
+    let run = |extra: &[&str]| {
+        let base = ["run", "--rung", "fa2", "--q", &q, "--k", &k, "--v", &v, "--out", &out_s];
+        ladder(&[&base[..], extra].concat())
+    };
+    for (spec, causal) in [("documents:3", true), ("prefix-lm:4", false), ("dilated:2", false)] {
+        let flags = [&["--mask-mod", spec, "--score-mod", "alibi", "--bc", "3"][..], &["--causal"]];
+        let run = run(&flags[..1 + causal as usize].concat());
+        assert!(run.status.success(), "{spec}: {}", String::from_utf8_lossy(&run.stderr));
+        let o = npy::read(&out).unwrap();
+        let m: MaskSpec = spec.parse().unwrap();
+        let base = AttentionOptions { causal, ..Default::default() };
+        let opts = ModifierSpec::Alibi.apply_cpu(m.apply_cpu(base.clone(), 11), 4);
+        let want = naive::attention(qt.view(), kt.view(), vt.view(), &opts).unwrap();
+        let unmasked = ModifierSpec::Alibi.apply_cpu(base, 4);
+        let plain = naive::attention(qt.view(), kt.view(), vt.view(), &unmasked).unwrap();
+        let err = o.data.iter().zip(&want.o).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        let moved = o.data.iter().zip(&plain.o).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        assert!(err < 1e-12 && moved > 1e-3, "{spec}: error {err}, change {moved}");
+    }
+    let bad = run(&["--mask-mod", "documents:0"]);
+    assert_eq!(bad.status.code(), Some(2), "{}", String::from_utf8_lossy(&bad.stderr));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("at least 1"));
+    let gpu = run(&["--mask-mod", "documents:2", "--device", "gpu"]);
+    assert_one_line_error(&gpu, 2, "the GPU kernels take no mask modifier yet");
+    let verify = ladder(&["verify", "--mask-mod", "prefix-lm:3"]);
+    assert_one_line_error(&verify, 2, "--mask-mod prefix-lm:3: `ladder verify`");
+}
+
 /// Asserts that `run` failed with exit status `code` and one line `error: …` containing `message`.
 fn assert_one_line_error(run: &std::process::Output, code: i32, message: &str) {
     let stderr = String::from_utf8_lossy(&run.stderr);

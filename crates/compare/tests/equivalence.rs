@@ -41,9 +41,9 @@ fn suite(name: &str, space: CaseSpace) -> Check {
 
 /// `rung` on `space`, against the oracle and the rung before it.
 fn ladder(rung: Rung, space: CaseSpace) -> Result<(), CheckError> {
-    // Every CPU rung takes a sliding window and a score modifier: a quarter of the cases draw
-    // each.
-    let check = suite(rung.name(), space.with_windows().with_score_mods());
+    // Every CPU rung takes a sliding window, a score modifier and a mask modifier: a quarter of
+    // the cases draw each.
+    let check = suite(rung.name(), space.with_windows().with_score_mods().with_mask_mods());
     let check = match rung.previous() {
         Some(previous) => check.against(previous),
         None => check,
@@ -141,7 +141,7 @@ fn fa2_with_gradients(x: &Problem) -> Result<Output, LadderError> {
 /// error in the same precision.
 #[test]
 fn rung3_fa2_backward_matches_naive_backward() -> Result<(), CheckError> {
-    let space = CaseSpace::cpu().with_score_mods();
+    let space = CaseSpace::cpu().with_score_mods().with_mask_mods();
     let passed = suite("fa2 backward", space).run(fa2_with_gradients)?;
     assert_eq!(passed.gradients, passed.runs, "every run checked its gradients");
     Ok(())
@@ -151,7 +151,7 @@ fn rung3_fa2_backward_matches_naive_backward() -> Result<(), CheckError> {
 /// floating-point operations as FA2, so the results are bit-identical.
 #[test]
 fn rung4_fa3_is_bitwise_fa2() -> Result<(), CheckError> {
-    let space = CaseSpace::cpu().with_score_mods();
+    let space = CaseSpace::cpu().with_score_mods().with_mask_mods();
     let check = suite("fa3 (bit for bit fa2)", space).precisions([Precision::F32]);
     check.against(Rung::Fa2).run(|x| {
         let fa3 = x.run(Rung::Fa3).map_err(|e| e.to_string())?;
@@ -218,6 +218,7 @@ fn fa2_backward_with_one_hot_rows() -> Result<(), CheckError> {
         causal: false,
         window: Default::default(),
         score_mod: None,
+        mask_mod: None,
         logit_std: 994.6665468482463,
         tiles: ladder_reference::TileSizes::new(1, 1).unwrap(),
         splits: 1,

@@ -303,6 +303,7 @@ fn long_case(
         causal,
         window: Default::default(),
         score_mod: None,
+        mask_mod: None,
         logit_std: 1.0,
         tiles: ladder_reference::TileSizes::new(tile, tile).unwrap(),
         splits: 1,

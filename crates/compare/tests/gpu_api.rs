@@ -460,6 +460,7 @@ fn an_edited_kernel_is_the_one_that_runs() {
         causal: false,
         window: Default::default(),
         score_mod: None,
+        mask_mod: None,
         logit_std: 2.0,
         tiles: ladder_reference::TileSizes::new(64, 64).unwrap(),
         splits: 1,

@@ -15,6 +15,7 @@ fn extra_bytes(rung: Rung, n: usize, d: usize) -> u64 {
         causal: false,
         window: Default::default(),
         score_mod: None,
+        mask_mod: None,
         logit_std: 1.0,
         tiles: TileSizes::default(),
         splits: 1,

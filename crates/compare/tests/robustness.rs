@@ -4,7 +4,9 @@
 use ladder_compare::oracle::Expected;
 use ladder_compare::{Case, CaseSpace, Rung, RungConfig, cases, error};
 use ladder_reference::fp8::Fp8Scaling;
-use ladder_reference::{AttentionShape, Fa3Options, Fp8Options, Mask, TileSizes, fa3};
+use ladder_reference::{
+    AttentionOptions, AttentionShape, Fa3Options, Fp8Options, ScoreIndex, TileSizes, fa3,
+};
 use ndarray::{Array3, Array4, s};
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -18,16 +20,19 @@ struct Reach {
 /// Poisoning `Q[b, h, i, c]` reaches row `i` of head `h` (if it sees any key: a row that sees
 /// none computes no score at all); `K[b, kh, j, c]` every row of the
 /// group's q heads that sees key `j`; `V[b, kh, j, c]` column `c` of those rows (lse is untouched).
+/// A row sees a key when the band and the mask modifier of `opts` both keep it.
 fn reach(
     shape: &AttentionShape,
-    mask: Mask,
+    opts: &AttentionOptions,
     tensor: usize,
     (b, h, row, col): (usize, usize, usize, usize),
 ) -> Reach {
     let mut o = Array4::from_elem(shape.q_dims(), false);
     let mut lse = Array3::from_elem((shape.batch, shape.heads_q, shape.n_q), false);
+    let (n_q, n_kv) = (shape.n_q, shape.n_kv);
+    let sees = |head, q, kv| opts.sees(&ScoreIndex { batch: b, head, q, kv, n_q, n_kv });
     if tensor == 0 {
-        if mask.visible(row).is_empty() {
+        if !(0..n_kv).any(|j| sees(h, row, j)) {
             return Reach { o, lse };
         }
         o.slice_mut(s![b, h, row, ..]).fill(true);
@@ -35,7 +40,7 @@ fn reach(
         return Reach { o, lse };
     }
     for hq in (0..shape.heads_q).filter(|&hq| shape.kv_head(hq) == h) {
-        for i in (0..shape.n_q).filter(|&i| mask.visible(i).contains(&row)) {
+        for i in (0..n_q).filter(|&i| sees(hq, i, row)) {
             if tensor == 1 {
                 o.slice_mut(s![b, hq, i, ..]).fill(true);
                 lse[[b, hq, i]] = true;
@@ -55,7 +60,7 @@ proptest! {
     /// computed on the clean inputs, and nothing panics.
     #[test]
     fn non_finite_inputs_stay_in_the_rows_they_reach(
-        case in cases(CaseSpace::cpu().moderate_logits().with_windows()),
+        case in cases(CaseSpace::cpu().moderate_logits().with_windows().with_mask_mods()),
         tensor in 0..3usize,
         at in any::<(Index, Index, Index, Index)>(),
         value in prop_oneof![Just(f32::NAN), Just(f32::INFINITY), Just(f32::NEG_INFINITY)],
@@ -68,8 +73,7 @@ proptest! {
         let (b, h, row, col) = target.dim();
         let pos = (at.0.index(b), at.1.index(h), at.2.index(row), at.3.index(col));
         target[[pos.0, pos.1, pos.2, pos.3]] = value;
-        let mask = case.attention().mask(case.shape.n_q, case.shape.n_kv);
-        let reached = reach(&case.shape, mask, tensor, pos);
+        let reached = reach(&case.shape, &config.attention, tensor, pos);
 
         // What the oracle says, with the reached entries replaced by "must be NaN".
         let mut want_o = expected.oracle.o.clone();
@@ -111,6 +115,7 @@ fn incoherent_processing_lowers_fp8_error_on_outliers() {
             causal: false,
             window: Default::default(),
             score_mod: None,
+            mask_mod: None,
             logit_std: 1.0,
             tiles: TileSizes::new(64, 64).unwrap(),
             splits: 1,

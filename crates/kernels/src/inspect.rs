@@ -34,20 +34,22 @@ use crate::{DType, GpuConfig, fa2, fa3};
 pub const FILES: &[&str] = &["fa2_forward", "fa3_forward"];
 
 /// Which variant to compile: a kernel file and the problem it would be launched for.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Target {
     file: String,
     d: usize,
     dtype: DType,
     causal: bool,
     arch: String,
+    score_mod: Option<crate::ScoreMod>,
 }
 
 impl Target {
     /// The variant of `file` (one of [`FILES`]) for head dimension `d` and element type `dtype`,
     /// without a mask, for Hopper (`sm_90a`).
     pub fn new(file: &str, d: usize, dtype: DType) -> Target {
-        Target { file: file.to_string(), d, dtype, causal: false, arch: fa3::ARCH.to_string() }
+        let (file, arch) = (file.to_string(), fa3::ARCH.to_string());
+        Target { file, d, dtype, causal: false, arch, score_mod: None }
     }
 
     /// With the causal mask compiled in.
@@ -58,6 +60,11 @@ impl Target {
     /// For another architecture (`sm_80`, ...; FA3 needs `sm_90a`).
     pub fn arch(self, arch: &str) -> Target {
         Target { arch: arch.to_string(), ..self }
+    }
+
+    /// With a score modifier compiled in, on the tiles the rung takes under one.
+    pub fn score_mod(self, score_mod: crate::ScoreMod) -> Target {
+        Target { score_mod: Some(score_mod), ..self }
     }
 
     /// The variant the rung launches for this target with `config`'s tiles (its
@@ -72,9 +79,13 @@ impl Target {
                     let supported = fa2::HEAD_DIMS;
                     return Err(KernelError::UnsupportedHeadDim { rung: "fa2", d, supported });
                 }
-                let tiles = fa2::ForwardTiles::for_config(config, d, &self.arch)?;
+                let mut tiles = fa2::ForwardTiles::for_config(config, d, &self.arch)?;
+                if self.score_mod.is_some() && config.tuned::<fa2::ForwardTiles>().is_none() {
+                    tiles = tiles.with_score_mod();
+                }
                 let rows = [d as i64; 4];
-                Ok(fa2::forward_variant(d, dtype, mask, tiles, rows, false, false))
+                Ok(fa2::forward_variant(d, dtype, mask, tiles, rows, false, false)
+                    .with_score_mod(self.score_mod.as_ref()))
             }
             "fa3_forward" => {
                 if self.arch != fa3::ARCH {
@@ -89,9 +100,13 @@ impl Target {
                     return Err(KernelError::UnsupportedHeadDim { rung: "fa3", d, supported });
                 }
                 // The tiles of long problems (the short ones' are for at most SHORT_KEYS keys).
-                let tiles = fa3::Fa3Tiles::for_config(config, d, self.causal, usize::MAX)?;
+                let mut tiles = fa3::Fa3Tiles::for_config(config, d, self.causal, usize::MAX)?;
+                if self.score_mod.is_some() {
+                    tiles = tiles.with_score_mod();
+                }
                 let schedule = fa3::Schedule::for_config(config, d, false);
-                Ok(fa3::variant(d, dtype, mask, (tiles, schedule), false, false))
+                Ok(fa3::variant(d, dtype, mask, (tiles, schedule), false, false)
+                    .with_score_mod(self.score_mod.as_ref()))
             }
             other => Err(KernelError::Config(format!(
                 "inspect: cannot compile {other:?} (the files it compiles: {})",
@@ -349,6 +364,18 @@ mod tests {
             "{} vs {}",
             without.count("FMUL"),
             mix.count("FMUL")
+        );
+        // Softcap's exact tanh adds special-function operations to each score's exponential.
+        let softcap = crate::ScoreMod::softcap(50.0).expect("a positive cap");
+        let capped = target.clone().score_mod(softcap).compile(&base).expect("softcap compiles");
+        assert!(capped.label.contains("LADDER_SCORE_MOD"), "{}", capped.label);
+        assert_eq!(capped.resources[0].spill_bytes, 0, "{}", capped.summary());
+        let capped = capped.instruction_mix(Path::new(&nvdisasm)).expect("nvdisasm");
+        assert!(
+            capped.count("MUFU") > mix.count("MUFU"),
+            "softcap: {} MUFU, plain: {}",
+            capped.count("MUFU"),
+            mix.count("MUFU")
         );
     }
 

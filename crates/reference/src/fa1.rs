@@ -61,7 +61,7 @@ pub fn forward<T: Element>(
             for rows in blocks(shape.n_q, br) {
                 let (kind, limits) = match head.classify(&rows, &cols) {
                     // The paper masks a hidden tile (its Algorithm 2) but does not skip it.
-                    (TileKind::Skip, _) => (TileKind::Partial, Some(vec![0..0; rows.len()])),
+                    (TileKind::Skip, _) => (TileKind::Partial, Some(vec![vec![]; rows.len()])),
                     classified => classified,
                 };
                 counters.tile(kind);

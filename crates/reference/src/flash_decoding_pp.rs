@@ -276,8 +276,7 @@ fn estimate_phi<T: Element>(head: &Head<'_, T>, samples: usize, counters: &Count
     counters.read((head.q.nrows() + picks.len()) * head.q.ncols());
     let mut phi = T::neg_infinity();
     for (i, q_row) in head.q.rows().into_iter().enumerate() {
-        let seen = head.mask.visible(i);
-        for &j in picks.iter().filter(|&&j| seen.contains(&j)) {
+        for &j in picks.iter().filter(|&&j| head.sees(i, j)) {
             let score = head.logit(head.scale * q_row.dot(&head.k.row(j)), i, j);
             if score.is_finite() {
                 phi = phi.max(score);

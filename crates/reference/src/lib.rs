@@ -19,6 +19,11 @@
 //! | 6 | [`flash_decoding`] | split K/V into chunks processed in parallel, combine partials by log-sum-exp |
 //! | 7 | [`flash_decoding_pp`] | unified max φ: chunks need no rescaling; rows that leave the safe range fall back to rung 6 |
 //!
+//! Every rung takes the same masks and modifiers: the causal mask and a sliding window
+//! ([`Mask`]), a mask modifier that hides pairs inside them ([`mask_mod`]: documents, a prefix-LM
+//! mask, your own; its [`BlockMask`] says which tiles a rung may skip), a score modifier
+//! ([`modifiers`]: softcap, ALiBi, your own) and attention sinks ([`sinks`]).
+//!
 //! Any rung also runs on a packed batch of sequences of different lengths ([`varlen`]: Q
 //! `[total_q, heads_q, d]` with `cu_seqlens`), one sequence at a time.
 //!
@@ -54,6 +59,7 @@
 
 mod element;
 mod error;
+pub mod mask_mod;
 pub mod modifiers;
 mod options;
 mod output;
@@ -81,6 +87,7 @@ pub use fa3::{Fa3Options, Fa3Precision};
 pub use flash_decoding::FlashDecodingOptions;
 pub use flash_decoding_pp::{FlashDecodingPpOptions, Phi};
 pub use fp8::{Fp8Options, Fp8Scaling};
+pub use mask_mod::{BlockMask, MaskMod};
 pub use modifiers::{ScoreIndex, ScoreMod};
 pub use options::{AttentionOptions, TileSizes, TiledOptions};
 pub use output::{AttentionOutput, Gradients, HbmTraffic, RunStats, TileCounts};

@@ -45,6 +45,12 @@ impl ScoreIndex {
     pub fn from_diagonal(&self) -> i64 {
         self.kv as i64 - (self.q as i64 + self.n_kv as i64 - self.n_q as i64)
     }
+
+    /// The query's position among the keys, `q + n_kv − n_q` (bottom-right aligned: the queries
+    /// are the last `n_q` positions), or `None` when it lies before key 0 (`n_q > n_kv`).
+    pub fn position(&self) -> Option<usize> {
+        (self.q + self.n_kv).checked_sub(self.n_q)
+    }
 }
 
 type Function = dyn Fn(f64, &ScoreIndex) -> f64 + Send + Sync;

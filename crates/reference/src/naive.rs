@@ -45,9 +45,9 @@ pub fn attention<T: Element>(
         counters.write(n_q * d + n_q);
 
         o.fill(T::zero());
-        if opts.causal || opts.window.is_some() {
+        if opts.causal || opts.window.is_some() || opts.mask_mod.is_some() {
             // Each row multiplies only the V rows it sees: a NaN in a masked V row stays out.
-            let limits: Vec<_> = (0..n_q).map(|i| head.mask.visible(i)).collect();
+            let limits: Vec<_> = (0..n_q).map(|i| head.row_runs(i)).collect();
             add_pv(&mut o, T::one(), p.view(), head.v, Some(&limits));
         } else {
             general_mat_mul(T::one(), &p, &head.v, T::zero(), &mut o);
@@ -92,6 +92,12 @@ pub(crate) fn probabilities<T: Element>(
         let seen = head.mask.visible(i);
         row.slice_mut(s![..seen.start]).fill(T::zero());
         row.slice_mut(s![seen.end..]).fill(T::zero());
+        // Inside the band, the pairs a mask modifier hides are −∞ logits: P = 0 after pass 2.
+        if head.mask_mod.is_some() {
+            for j in seen.clone().filter(|&j| !head.sees(i, j)) {
+                row[j] = T::neg_infinity();
+            }
+        }
         let mut visible = row.slice_mut(s![seen]);
         // A sink is one more logit in the row, whose probability multiplies a value of zero.
         let sink = head.sink.unwrap_or(T::neg_infinity());

@@ -42,10 +42,10 @@ pub fn attention<T: Element>(
     let (o, lse) = problem.per_head(|head, mut o, mut lse| {
         let (scale, k, v) = (head.scale, head.k, head.v);
         for (i, q_row) in head.q.rows().into_iter().enumerate() {
-            let seen = head.mask.visible(i);
+            let seen: Vec<usize> = head.row_runs(i).into_iter().flatten().collect();
             let (mut m, mut l) = (T::neg_infinity(), T::zero());
             let mut acc = Array1::zeros(d);
-            for j in seen.clone() {
+            for &j in &seen {
                 let score = head.logit(scale * q_row.dot(&k.row(j)), i, j);
                 let m_new = nan_max(m, score);
                 let alpha = exp_diff(m, m_new);

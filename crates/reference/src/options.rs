@@ -1,11 +1,13 @@
-//! Options every rung shares: the mask, the softmax scale, the score modifier and the tile sizes.
+//! Options every rung shares: the masks, the softmax scale, the score modifier and the tile sizes.
 
 use crate::error::{Result, invalid};
-use crate::modifiers::ScoreMod;
+use crate::mask_mod::MaskMod;
+use crate::modifiers::{ScoreIndex, ScoreMod};
 use crate::shape::{AttentionShape, Mask, Window};
 
 /// What is computed: `softmax(score_mod(scale · QKᵀ) + mask) V`, with each head's sink logit in
-/// every row's softmax when there are sinks.
+/// every row's softmax when there are sinks. The mask is the band (`causal`, `window`) and the
+/// mask modifier together: a pair is visible when both keep it.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct AttentionOptions {
     /// Apply the causal mask (bottom-right aligned, see [`crate::Mask`]).
@@ -14,6 +16,9 @@ pub struct AttentionOptions {
     pub scale: Option<f64>,
     /// A sliding window of keys around each row's diagonal ([`Window`]; none by default).
     pub window: Window,
+    /// A function of each pair's place that hides pairs inside the band ([`MaskMod`]: documents,
+    /// a prefix-LM mask, your own); none by default.
+    pub mask_mod: Option<MaskMod>,
     /// A function of each scaled score applied before the softmax ([`ScoreMod`]: softcap,
     /// ALiBi, your own); none by default.
     pub score_mod: Option<ScoreMod>,
@@ -32,6 +37,16 @@ impl AttentionOptions {
     /// causal window of `w` keys).
     pub fn with_window(self, window: Window) -> Self {
         Self { window, ..self }
+    }
+
+    /// These options with `mask_mod` too (both must keep a pair: [`MaskMod::and`] with any mask
+    /// modifier they already have).
+    pub fn with_mask_mod(self, mask_mod: MaskMod) -> Self {
+        let mask_mod = Some(match self.mask_mod {
+            Some(first) => first.and(mask_mod),
+            None => mask_mod,
+        });
+        Self { mask_mod, ..self }
     }
 
     /// These options with `score_mod` applied after any modifier they already have.
@@ -57,9 +72,16 @@ impl AttentionOptions {
         Self { sinks: Some(sinks), ..self }
     }
 
-    /// The mask these options put on `n_q` queries and `n_kv` keys.
+    /// The band these options put on `n_q` queries and `n_kv` keys (the causal mask and the
+    /// window; the mask modifier hides pairs inside it).
     pub fn mask(&self, n_q: usize, n_kv: usize) -> Mask {
         Mask::banded(self.causal, self.window, n_q, n_kv)
+    }
+
+    /// Whether query `at.q` sees key `at.kv`: inside the band and kept by the mask modifier.
+    pub fn sees(&self, at: &ScoreIndex) -> bool {
+        self.mask(at.n_q, at.n_kv).visible(at.q).contains(&at.kv)
+            && self.mask_mod.as_ref().is_none_or(|m| m.sees(at))
     }
 
     /// The scale to use for `shape`; a non-finite scale is an error.

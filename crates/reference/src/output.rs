@@ -76,9 +76,11 @@ impl HbmTraffic {
 pub struct TileCounts {
     /// Tiles computed without a mask.
     pub full: u64,
-    /// Tiles computed and then masked (on the causal diagonal).
+    /// Tiles computed and then masked (on the causal diagonal, a window's edge, where a mask
+    /// modifier hides some of their pairs).
     pub partial: u64,
-    /// Tiles above the diagonal, not computed at all.
+    /// Tiles the masks hide entirely (above the diagonal, outside a window, between documents),
+    /// not computed at all.
     pub skipped: u64,
 }
 

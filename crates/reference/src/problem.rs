@@ -9,13 +9,14 @@ use ndarray::{
 
 use crate::element::Element;
 use crate::error::Result;
+use crate::mask_mod::{self, MaskMod};
 use crate::modifiers::{ScoreIndex, ScoreMod};
 use crate::options::AttentionOptions;
 use crate::output::{AttentionOutput, Counters};
 use crate::shape::{AttentionShape, Mask, TileKind};
-use crate::tile::{OnlineRows, RowSpans, blocks, mask_row, score_tile};
+use crate::tile::{OnlineRows, RowSpans, Runs, blocks, mask_row, score_tile};
 
-/// `Q, K, V` with their checked shape, the resolved scale, the mask and the score modifier.
+/// `Q, K, V` with their checked shape, the resolved scale, the masks and the score modifier.
 #[derive(Clone, Copy)]
 pub(crate) struct Problem<'a, T> {
     pub q: ArrayView4<'a, T>,
@@ -24,6 +25,7 @@ pub(crate) struct Problem<'a, T> {
     pub shape: AttentionShape,
     pub scale: T,
     pub mask: Mask,
+    pub mask_mod: Option<&'a MaskMod>,
     pub score_mod: Option<&'a ScoreMod>,
     pub sinks: Option<&'a [f64]>,
 }
@@ -63,11 +65,15 @@ impl<'a, T: Element> Problem<'a, T> {
         if let Some(score_mod) = &opts.score_mod {
             score_mod.check(&shape, backward)?;
         }
+        if let Some(mask_mod) = &opts.mask_mod {
+            mask_mod.check(&shape)?;
+        }
         if let Some(sinks) = &opts.sinks {
             crate::sinks::check(sinks, shape.heads_q)?;
         }
         let (score_mod, sinks) = (opts.score_mod.as_ref(), opts.sinks.as_deref());
-        Ok(Self { q, k, v, shape, scale, mask, score_mod, sinks })
+        let mask_mod = opts.mask_mod.as_ref();
+        Ok(Self { q, k, v, shape, scale, mask, mask_mod, score_mod, sinks })
     }
 
     /// The 2-D views of q head `h` of batch `b` and of the kv head it reads.
@@ -82,6 +88,7 @@ impl<'a, T: Element> Problem<'a, T> {
             v: self.v.slice(s![b, kh, .., ..]),
             scale: self.scale,
             mask: self.mask,
+            mask_mod: self.mask_mod,
             score_mod: self.score_mod,
             sink: self.sinks.map(|s| T::of(s[h])),
             n_q: self.shape.n_q,
@@ -146,6 +153,8 @@ pub(crate) struct Head<'a, T> {
     pub v: ArrayView2<'a, T>,
     pub scale: T,
     pub mask: Mask,
+    /// The mask modifier, which hides pairs inside the band ([`crate::mask_mod`]).
+    pub mask_mod: Option<&'a MaskMod>,
     pub score_mod: Option<&'a ScoreMod>,
     /// This head's sink logit ([`crate::sinks`]), if the problem has sinks.
     pub sink: Option<T>,
@@ -157,6 +166,19 @@ impl<T: Element> Head<'_, T> {
     /// Where score `(i, j)` of this head sits, for the score modifier.
     pub fn index(&self, i: usize, j: usize) -> ScoreIndex {
         ScoreIndex { batch: self.b, head: self.h, q: i, kv: j, n_q: self.n_q, n_kv: self.n_kv }
+    }
+
+    /// Whether query `i` sees key `j`: inside the band and kept by the mask modifier.
+    pub fn sees(&self, i: usize, j: usize) -> bool {
+        self.mask.visible(i).contains(&j) && self.mask_mod.is_none_or(|m| m.sees(&self.index(i, j)))
+    }
+
+    /// The keys query `i` sees, as runs of key indices.
+    pub fn row_runs(&self, i: usize) -> Runs {
+        let all = 0..self.n_kv;
+        let mut spans =
+            mask_mod::row_spans(&self.mask, self.mask_mod, self.index(0, 0), &(i..i + 1), &all);
+        spans.pop().unwrap_or_default()
     }
 
     /// The score the softmax sees for query `i` and key `j`: `score_mod(s)` for the scaled
@@ -180,14 +202,14 @@ impl<T: Element> Head<'_, T> {
     /// `score_mod(scale · Q Kᵀ)` for the tile of query rows `rows` (`q_i`: those rows of Q, or
     /// a transform of them) and key columns `cols`, each key scaled by `factor` (the softmax
     /// scale, or the FP8 path's dequantising product); on a partial tile, row `r` keeps the
-    /// columns `limits[r]` and the rest become `−∞`.
+    /// columns of `limits[r]` and the rest become `−∞`.
     pub fn score_tile(
         &self,
         q_i: ArrayView2<'_, T>,
         rows: &Range<usize>,
         cols: &Range<usize>,
         factor: T,
-        limits: Option<&[Range<usize>]>,
+        limits: Option<&[Runs]>,
     ) -> Array2<T> {
         if self.score_mod.is_none() {
             return score_tile(q_i, self.k.slice(s![cols.clone(), ..]), factor, limits);
@@ -202,17 +224,14 @@ impl<T: Element> Head<'_, T> {
         s
     }
 
-    /// How tile `rows × cols` meets the mask, and the columns each row sees when it must be
-    /// masked.
+    /// How tile `rows × cols` meets the masks (the band and the mask modifier: the tile's entry
+    /// of the [`crate::BlockMask`]), and the columns each row sees when it must be masked.
     pub fn classify(
         &self,
         rows: &Range<usize>,
         cols: &Range<usize>,
     ) -> (TileKind, Option<RowSpans>) {
-        let kind = self.mask.tile(rows.clone(), cols.clone());
-        let limits =
-            (kind == TileKind::Partial).then(|| self.mask.tile_limits(rows.clone(), cols.clone()));
-        (kind, limits)
+        mask_mod::classify(&self.mask, self.mask_mod, self.index(0, 0), rows, cols)
     }
 
     /// Walks the key tiles of `cols` (`bc` keys each) for the query rows `rows`, skipping the
@@ -224,7 +243,7 @@ impl<T: Element> Head<'_, T> {
         cols: Range<usize>,
         bc: usize,
         counters: &Counters,
-        mut f: impl FnMut(Array2<T>, ArrayView2<'_, T>, Option<&[Range<usize>]>),
+        mut f: impl FnMut(Array2<T>, ArrayView2<'_, T>, Option<&[Runs]>),
     ) {
         let q_i = self.q.slice(s![rows.clone(), ..]);
         for tile in blocks(cols.len(), bc) {

@@ -9,8 +9,9 @@
 //! Three details keep this exact on every input:
 //! - the running max propagates NaN ([`nan_max`]), so a NaN score cannot be silently skipped;
 //! - `exp(m_old − m_new)` is 0, not NaN, while a row has seen nothing (`m = −∞`) ([`exp_diff`]);
-//! - on a partial (diagonal) tile each row multiplies only the `V` rows it may see, so a NaN in
-//!   a masked `V` row cannot leak through `0 · NaN`.
+//! - on a partial tile (the causal diagonal, a window's edge, a mask modifier's) each row
+//!   multiplies only the `V` rows it may see, so a NaN in a masked `V` row cannot leak through
+//!   `0 · NaN`.
 
 use std::ops::Range;
 
@@ -36,17 +37,22 @@ pub(crate) fn shift_of<T: Element>(m: T) -> T {
     if m == T::neg_infinity() { T::zero() } else { m }
 }
 
-/// The key columns each row of a partial tile sees, relative to the tile's first key, one range
-/// per row ([`crate::Mask::tile_limits`]).
-pub(crate) type RowSpans = Vec<Range<usize>>;
+/// The keys one row sees: runs of consecutive key columns, in order and disjoint (one run for a
+/// band mask, several where a mask modifier hides keys inside the band, none for a row that sees
+/// nothing).
+pub(crate) type Runs = Vec<Range<usize>>;
 
-/// `S = scale · Q Kᵀ` for one tile; on a partial tile, row `r` keeps the columns `limits[r]`
+/// The key columns each row of a partial tile sees, relative to the tile's first key, one
+/// [`Runs`] per row ([`crate::mask_mod`]'s `classify`).
+pub(crate) type RowSpans = Vec<Runs>;
+
+/// `S = scale · Q Kᵀ` for one tile; on a partial tile, row `r` keeps the columns of `limits[r]`
 /// and the rest become `−∞`.
 pub(crate) fn score_tile<T: Element>(
     q: ArrayView2<T>,
     k: ArrayView2<T>,
     scale: T,
-    limits: Option<&[Range<usize>]>,
+    limits: Option<&[Runs]>,
 ) -> Array2<T> {
     let mut s = Array2::zeros((q.nrows(), k.nrows()));
     general_mat_mul(scale, &q, &k.t(), T::zero(), &mut s);
@@ -58,10 +64,14 @@ pub(crate) fn score_tile<T: Element>(
     s
 }
 
-/// Sets the entries of `row` outside `seen` to `−∞`.
-pub(crate) fn mask_row<T: Element>(mut row: ArrayViewMut1<T>, seen: &Range<usize>) {
-    row.slice_mut(s![..seen.start]).fill(T::neg_infinity());
-    row.slice_mut(s![seen.end..]).fill(T::neg_infinity());
+/// Sets the entries of `row` outside the runs `seen` to `−∞`.
+pub(crate) fn mask_row<T: Element>(mut row: ArrayViewMut1<T>, seen: &[Range<usize>]) {
+    let mut next = 0;
+    for run in seen {
+        row.slice_mut(s![next..run.start]).fill(T::neg_infinity());
+        next = run.end;
+    }
+    row.slice_mut(s![next..]).fill(T::neg_infinity());
 }
 
 /// `acc += alpha · P V`; on a partial tile each row sums only over its visible keys.
@@ -70,14 +80,14 @@ pub(crate) fn add_pv<T: Element>(
     alpha: T,
     p: ArrayView2<T>,
     v: ArrayView2<T>,
-    limits: Option<&[Range<usize>]>,
+    limits: Option<&[Runs]>,
 ) {
     match limits {
         None => general_mat_mul(alpha, &p, &v, T::one(), acc),
         Some(limits) => {
             // A 1-row matrix product reads V row by row, which is faster than a strided gemv.
-            for (r, seen) in limits.iter().enumerate() {
-                if !seen.is_empty() {
+            for (r, runs) in limits.iter().enumerate() {
+                for seen in runs.iter().filter(|run| !run.is_empty()) {
                     let pr = p.slice(s![r..r + 1, seen.clone()]);
                     let mut out = acc.slice_mut(s![r..r + 1, ..]);
                     let v = v.slice(s![seen.clone(), ..]);
@@ -167,7 +177,7 @@ impl<T: Element> OnlineRows<T> {
     }
 
     /// FA2's whole step on one tile: softmax, rescale, accumulate `P V`.
-    pub fn update(&mut self, mut s: Array2<T>, v: ArrayView2<T>, limits: Option<&[Range<usize>]>) {
+    pub fn update(&mut self, mut s: Array2<T>, v: ArrayView2<T>, limits: Option<&[Runs]>) {
         let alpha = self.softmax_step(&mut s);
         self.rescale(&alpha);
         add_pv(&mut self.acc.view_mut(), T::one(), s.view(), v, limits);

@@ -6,10 +6,10 @@
 
 use ladder_reference::{
     AttentionOptions, Fa1Options, Fa2Options, FlashDecodingOptions, FlashDecodingPpOptions,
-    LadderError, Phi, ScoreMod, TileSizes, fa1, fa2, fa3, flash_decoding, flash_decoding_pp, naive,
-    online_softmax,
+    LadderError, MaskMod, Phi, ScoreMod, TileSizes, Window, fa1, fa2, fa3, flash_decoding,
+    flash_decoding_pp, naive, online_softmax,
 };
-use ndarray::{Array3, Array4, ArrayView4};
+use ndarray::{Array3, Array4};
 
 /// Deterministic pseudo-random values in [-1, 1) (a tiny LCG: no RNG crate in the oracle test).
 fn tensor(dims: (usize, usize, usize, usize), seed: u64) -> Array4<f64> {
@@ -42,6 +42,24 @@ fn modified_definition(
     f: impl Fn(f64, usize, usize, usize) -> f64,
     sinks: Option<&[f64]>,
 ) -> (Array4<f64>, Array3<f64>) {
+    let nkv_minus_nq = k.dim().2 as i64 - q.dim().2 as i64;
+    // Bottom-right causal alignment: query i sees key j iff j <= i + nkv - nq.
+    let keep =
+        |_: usize, _: usize, i: usize, j: usize| !causal || j as i64 <= i as i64 + nkv_minus_nq;
+    masked_definition(q, k, v, keep, scale, f, sinks)
+}
+
+/// [`modified_definition`] with any mask: query `i` of batch entry `b`, head `h` sees key `j` iff
+/// `keep(b, h, i, j)`.
+fn masked_definition(
+    q: &Array4<f64>,
+    k: &Array4<f64>,
+    v: &Array4<f64>,
+    keep: impl Fn(usize, usize, usize, usize) -> bool,
+    scale: f64,
+    f: impl Fn(f64, usize, usize, usize) -> f64,
+    sinks: Option<&[f64]>,
+) -> (Array4<f64>, Array3<f64>) {
     let (b, hq, nq, d) = q.dim();
     let (_, hkv, nkv, _) = k.dim();
     let mut o = Array4::zeros((b, hq, nq, d));
@@ -50,8 +68,7 @@ fn modified_definition(
         for h in 0..hq {
             let kh = h * hkv / hq;
             for i in 0..nq {
-                // Bottom-right causal alignment: query i sees key j iff j <= i + nkv - nq.
-                let sees = |j: usize| !causal || (j as i64) <= i as i64 + nkv as i64 - nq as i64;
+                let sees = |j: usize| keep(bi, h, i, j);
                 let scores: Vec<f64> = (0..nkv)
                     .filter(|&j| sees(j))
                     .map(|j| {
@@ -79,6 +96,33 @@ fn modified_definition(
 
 fn max_diff<D: ndarray::Dimension>(a: &ndarray::Array<f64, D>, b: &ndarray::Array<f64, D>) -> f64 {
     a.iter().zip(b).map(|(x, y)| if x == y { 0.0 } else { (x - y).abs() }).fold(0.0, f64::max)
+}
+
+/// Asserts that `grads` (dQ, dK, dV) are the central finite differences of the loss `L = Σ O ∘ dO`
+/// of naive attention under `opts`, entry by entry.
+fn assert_finite_differences(
+    opts: &AttentionOptions,
+    [q, k, v]: [&Array4<f64>; 3],
+    d_o: &Array4<f64>,
+    grads: [&Array4<f64>; 3],
+) {
+    let loss = |x: &[Array4<f64>; 3]| {
+        (&naive::attention(x[0].view(), x[1].view(), x[2].view(), opts).unwrap().o * d_o).sum()
+    };
+    let h = 1e-6;
+    for (which, analytic) in grads.into_iter().enumerate() {
+        for (idx, &g) in analytic.indexed_iter() {
+            let mut inputs = [q.clone(), k.clone(), v.clone()];
+            inputs[which][idx] += h;
+            let up = loss(&inputs);
+            inputs[which][idx] -= 2.0 * h;
+            let numeric = (up - loss(&inputs)) / (2.0 * h);
+            assert!(
+                (numeric - g).abs() < 1e-7,
+                "tensor {which} at {idx:?}: numeric {numeric}, analytic {g}"
+            );
+        }
+    }
 }
 
 #[test]
@@ -226,6 +270,161 @@ fn every_rung_with_sinks_is_the_definition() {
     }
 }
 
+/// Mask modifiers by their definitions, written out here: a document mask (key j's document is
+/// `ids[j]`, query i sits at position i + nkv − nq), a prefix-LM mask (the first `p` keys, then
+/// causal), a mask that keeps every other key (several runs per row), each composed with the
+/// band and a score modifier. Every rung against the definition, in tiles from 1×1 up.
+#[test]
+fn every_rung_with_a_mask_mod_is_the_definition() {
+    let (b, hq, hkv, nq, nkv, d) = (2, 4, 2, 6, 9, 3);
+    let (q, k, v) =
+        (tensor((b, hq, nq, d), 51), tensor((b, hkv, nkv, d), 52), tensor((b, hkv, nkv, d), 53));
+    let scale = 0.9;
+    let ids = [0u32, 0, 0, 1, 1, 2, 2, 2, 2];
+    let shift = nkv - nq; // query i sits at position i + 3
+    let every_other = MaskMod::new("every other key", |at: &ladder_reference::ScoreIndex| {
+        (at.kv + at.head) % 2 == 0
+    });
+    type Keep = Box<dyn Fn(usize, usize, usize, usize) -> bool>;
+    let cases: Vec<(&str, AttentionOptions, Keep)> = vec![
+        (
+            "documents, causal",
+            AttentionOptions::causal().with_mask_mod(MaskMod::documents(ids.to_vec())),
+            Box::new(move |_, _, i, j| j <= i + shift && ids[j] == ids[i + shift]),
+        ),
+        (
+            "document lengths 3, 2, 4 (the same mask)",
+            AttentionOptions::causal().with_mask_mod(MaskMod::document_lengths(&[3, 2, 4])),
+            Box::new(move |_, _, i, j| j <= i + shift && ids[j] == ids[i + shift]),
+        ),
+        (
+            "prefix-LM of 5",
+            AttentionOptions::default().with_mask_mod(MaskMod::prefix_lm(5)),
+            Box::new(move |_, _, i, j| j < 5 || j <= i + shift),
+        ),
+        (
+            "every other key, within a window (2, 1)",
+            AttentionOptions::default()
+                .with_window(Window::new(2, 1))
+                .with_mask_mod(every_other.clone()),
+            Box::new(move |_, h, i, j| {
+                (j + h) % 2 == 0 && j + 2 >= i + shift && j <= i + shift + 1
+            }),
+        ),
+        (
+            "prefix-LM of 2 or every other key",
+            AttentionOptions::default().with_mask_mod(MaskMod::prefix_lm(2).or(every_other)),
+            Box::new(move |_, h, i, j| j < 2 || j <= i + shift || (j + h) % 2 == 0),
+        ),
+        (
+            "a mask of batch entry 1 alone (entry 0 sees nothing)",
+            AttentionOptions::default().with_mask_mod(MaskMod::new("b1", |at| at.batch == 1)),
+            Box::new(|b, _, _, _| b == 1),
+        ),
+    ];
+    for (name, opts, keep) in cases {
+        let opts = AttentionOptions { scale: Some(scale), ..opts }
+            .with_score_mod(ScoreMod::alibi(vec![0.5, 0.25, 0.125, 0.0625]).unwrap());
+        let alibi = |s: f64, h: usize, i: usize, j: usize| {
+            s - [0.5, 0.25, 0.125, 0.0625][h] * (i as f64 + shift as f64 - j as f64).abs()
+        };
+        let (o, lse) = masked_definition(&q, &k, &v, &keep, scale, alibi, None);
+        let (q, k, v) = (q.view(), k.view(), v.view());
+        for (br, bc) in [(1, 1), (2, 3), (4, 4), (8, 16)] {
+            let tiled = Fa2Options::new(opts.clone()).with_tiles(br, bc).unwrap();
+            let outputs = [
+                ("naive", naive::attention(q, k, v, &opts)),
+                ("online", online_softmax::attention(q, k, v, &opts)),
+                ("fa1", fa1::forward(q, k, v, &tiled)),
+                ("fa2", fa2::forward(q, k, v, &tiled)),
+                (
+                    "fa3",
+                    fa3::forward(
+                        q,
+                        k,
+                        v,
+                        &fa3::Fa3Options::new(opts.clone()).with_tiles(br, bc).unwrap(),
+                    ),
+                ),
+                (
+                    "flash-decoding",
+                    flash_decoding::forward(
+                        q,
+                        k,
+                        v,
+                        &FlashDecodingOptions::new(opts.clone())
+                            .with_splits(3)
+                            .unwrap()
+                            .with_tiles(br, bc)
+                            .unwrap(),
+                    ),
+                ),
+                (
+                    "flash-decoding++",
+                    flash_decoding_pp::forward(q, k, v, &FlashDecodingPpOptions::new(opts.clone())),
+                ),
+            ];
+            for (rung, out) in outputs {
+                let out = out.unwrap();
+                let at = format!("{rung}, {name}, tiles {br}×{bc}");
+                assert!(max_diff(&out.o, &o) < 1e-14, "{at}: O differs");
+                assert!(max_diff(&out.lse, &lse) < 1e-14, "{at}: lse differs");
+            }
+        }
+        // A row the masks empty gets zeros and −∞.
+        for ((bi, h, i), &l) in lse.indexed_iter() {
+            if (0..nkv).all(|j| !keep(bi, h, i, j)) {
+                assert_eq!(l, f64::NEG_INFINITY, "{name}");
+            }
+        }
+    }
+    // A document table of the wrong length is an error, not a wrong answer.
+    let bad = AttentionOptions::default().with_mask_mod(MaskMod::documents(vec![0; 8]));
+    let err = naive::attention(q.view(), k.view(), v.view(), &bad).unwrap_err().to_string();
+    assert!(err.contains("8 keys for 9 keys"), "{err}");
+}
+
+/// The backward pass through a mask modifier against finite differences: the hidden pairs carry
+/// no gradient, and FA2's tiles skip what the block mask empties.
+#[test]
+fn the_backward_pass_through_a_mask_mod_matches_finite_differences() {
+    let (b, hq, hkv, nq, nkv, d) = (1, 2, 1, 5, 7, 3);
+    let (q, k, v, d_o) = (
+        tensor((b, hq, nq, d), 61),
+        tensor((b, hkv, nkv, d), 62),
+        tensor((b, hkv, nkv, d), 63),
+        tensor((b, hq, nq, d), 64),
+    );
+    let opts = AttentionOptions { scale: Some(0.9), ..AttentionOptions::causal() }
+        .with_mask_mod(MaskMod::document_lengths(&[3, 4]));
+    let grads = naive::backward(q.view(), k.view(), v.view(), d_o.view(), &opts).unwrap();
+    assert_finite_differences(&opts, [&q, &k, &v], &d_o, [&grads.dq, &grads.dk, &grads.dv]);
+    let out = naive::attention(q.view(), k.view(), v.view(), &opts).unwrap();
+    let tiled = Fa2Options::new(opts.clone()).with_tiles(2, 2).unwrap();
+    let (o, lse) = (out.o.view(), out.lse.view());
+    let fa2_grads =
+        fa2::backward(q.view(), k.view(), v.view(), o, d_o.view(), lse, &tiled).unwrap();
+    for (which, (from_naive, from_fa2)) in
+        [(&grads.dq, &fa2_grads.dq), (&grads.dk, &fa2_grads.dk), (&grads.dv, &fa2_grads.dv)]
+            .into_iter()
+            .enumerate()
+    {
+        assert!(
+            max_diff(from_naive, from_fa2) < 1e-13,
+            "FA2's gradient {which} differs from naive's"
+        );
+    }
+    // Two documents of 3 and 4 keys, 5 queries at positions 2…6: 2×2 tiles, the block mask skips
+    // the tiles across the documents' boundary that the causal mask alone would compute.
+    let causal_only =
+        Fa2Options::new(AttentionOptions { scale: Some(0.9), ..AttentionOptions::causal() })
+            .with_tiles(2, 2)
+            .unwrap();
+    let plain = fa2::forward(q.view(), k.view(), v.view(), &causal_only).unwrap();
+    let masked = fa2::forward(q.view(), k.view(), v.view(), &tiled).unwrap();
+    assert!(masked.stats.tiles.skipped > plain.stats.tiles.skipped);
+}
+
 /// The sinks' gradient, `−Σᵢ exp(σ − lseᵢ) Dᵢ`, against finite differences of `L = Σ O ∘ dO`,
 /// from the naive backward pass and FA2's (which takes it from lse and D alone).
 #[test]
@@ -339,26 +538,8 @@ fn naive_backward_matches_finite_differences() {
     };
     let plain = |causal| AttentionOptions { causal, scale: Some(0.9), ..Default::default() };
     for opts in [plain(false), plain(true), modified(false), modified(true)] {
-        // The loss whose gradient the backward pass returns: L = Σ O ∘ dO.
-        let loss = |q: ArrayView4<f64>, k: ArrayView4<f64>, v: ArrayView4<f64>| {
-            (&naive::attention(q, k, v, &opts).unwrap().o * &d_o).sum()
-        };
         let grads = naive::backward(q.view(), k.view(), v.view(), d_o.view(), &opts).unwrap();
-        let h = 1e-6;
-        for (which, analytic) in [(0, &grads.dq), (1, &grads.dk), (2, &grads.dv)] {
-            for (idx, &g) in analytic.indexed_iter() {
-                let mut inputs = [q.clone(), k.clone(), v.clone()];
-                inputs[which][idx] += h;
-                let up = loss(inputs[0].view(), inputs[1].view(), inputs[2].view());
-                inputs[which][idx] -= 2.0 * h;
-                let down = loss(inputs[0].view(), inputs[1].view(), inputs[2].view());
-                let numeric = (up - down) / (2.0 * h);
-                assert!(
-                    (numeric - g).abs() < 1e-7,
-                    "tensor {which} at {idx:?}: numeric {numeric}, analytic {g}"
-                );
-            }
-        }
+        assert_finite_differences(&opts, [&q, &k, &v], &d_o, [&grads.dq, &grads.dk, &grads.dv]);
     }
 }
 

@@ -151,6 +151,7 @@ pub fn check_determinism(gpu: &Gpu, report: &mut crate::live::Report) -> Result<
         causal: true,
         window: Default::default(),
         score_mod: None,
+        mask_mod: None,
         logit_std: 1.0,
         tiles,
         splits: 1,

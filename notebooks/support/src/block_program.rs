@@ -520,6 +520,7 @@ mod tests {
             causal,
             window: Default::default(),
             score_mod: None,
+            mask_mod: None,
             logit_std: 1.0,
             tiles: TileSizes::new(br, bc).unwrap(),
             splits: 1,

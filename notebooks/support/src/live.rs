@@ -103,6 +103,7 @@ fn live_case(d: usize, logit_std: f64) -> Result<Case, Failure> {
         causal: true,
         window: Default::default(),
         score_mod: None,
+        mask_mod: None,
         logit_std,
         tiles,
         splits: 1,
@@ -236,6 +237,28 @@ pub fn inspect_edit(
 ) -> Result<(), Failure> {
     let builds = [("crate's source", GpuConfig::new()), ("edited", config.clone())]
         .map(|(name, c)| (name, target.compile(&c)));
+    compare_builds(builds, ops)
+}
+
+/// Compiles `target` as it is and with `score_mod` compiled in (the notebook 15 cell), and prints
+/// the two side by side like [`inspect_edit`].
+pub fn inspect_score_mod(
+    target: inspect::Target,
+    score_mod: ladder_kernels::ScoreMod,
+    ops: &[&str],
+) -> Result<(), Failure> {
+    let config = GpuConfig::new();
+    let name = score_mod.name();
+    let builds = [("plain", target.clone()), (name.as_str(), target.score_mod(score_mod))]
+        .map(|(name, t)| (name, t.compile(&config)));
+    compare_builds(builds, ops)
+}
+
+/// Prints two builds' ptxas reports and, with an nvdisasm, the counts of `ops` in each.
+fn compare_builds(
+    builds: [(&str, ladder_kernels::Result<inspect::Build>); 2],
+    ops: &[&str],
+) -> Result<(), Failure> {
     if let Some((_, Err(e))) = builds.iter().find(|(_, b)| b.is_err()) {
         if e.to_string().contains("NVRTC (libnvrtc.so) not found") {
             println!(
@@ -263,12 +286,14 @@ pub fn inspect_edit(
             mixes.push(build.instruction_mix(nvdisasm).map_err(|e| Failure(e.to_string()))?);
         }
     }
+    let [(first, _), (second, _)] = &builds;
+    let width = second.len().max(8);
     if mixes.len() == 2 {
-        println!("\n{:<12} {:>15} {:>8}", "instructions", "crate's source", "edited");
+        println!("\n{:<12} {:>15} {:>width$}", "instructions", first, second);
         for op in ops {
-            println!("{op:<12} {:>15} {:>8}", mixes[0].count(op), mixes[1].count(op));
+            println!("{op:<12} {:>15} {:>width$}", mixes[0].count(op), mixes[1].count(op));
         }
-        println!("{:<12} {:>15} {:>8}", "all", mixes[0].total(), mixes[1].total());
+        println!("{:<12} {:>15} {:>width$}", "all", mixes[0].total(), mixes[1].total());
     } else {
         println!("(no nvdisasm found: set LADDER_NVDISASM to see the instruction mix)");
     }
@@ -305,6 +330,7 @@ pub fn check_fp8(gpu: &Gpu, report: &mut Report) -> Result<bool, Failure> {
         causal: false,
         window: Default::default(),
         score_mod: None,
+        mask_mod: None,
         logit_std: 1.0,
         tiles,
         splits: 1,

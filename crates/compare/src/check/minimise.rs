@@ -144,6 +144,7 @@ mod tests {
             causal: true,
             window: Default::default(),
             score_mod: None,
+            mask_mod: None,
             logit_std: 1.0,
             tiles: TileSizes::new(3, 3).unwrap(),
             splits: 2,
