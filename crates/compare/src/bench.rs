@@ -395,9 +395,10 @@ fn run_decode_case(
     let strategy = rung.decode_options(&opts).strategy;
     let resolved = decode::plan(strategy, plan.splits, &work, gpu.sm_count() as usize);
     let n_new = case.n_q;
-    let timed = timing::decode_step(rung, gpu, sets, n_new, lengths, opts).and_then(|mut step| {
-        timing::measure(gpu, &mut step, sets.len(), warmup, repeats, plan.budget_ms)
-    });
+    let timed =
+        timing::decode_step(rung, gpu, sets, n_new, lengths, opts.clone()).and_then(|mut step| {
+            timing::measure(gpu, &mut step, sets.len(), warmup, repeats, plan.budget_ms)
+        });
     let measured = timed.is_ok();
     let (row, mut extra) = outcome(case, timed, sets.len());
     if let Ok(p) = resolved {

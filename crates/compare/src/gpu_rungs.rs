@@ -342,7 +342,7 @@ impl GpuRung {
             GpuRung::FlashDecodingPp => Strategy::FlashDecodingPp,
             _ => opts.strategy,
         };
-        DecodeOptions { strategy, ..*opts }
+        DecodeOptions { strategy, ..opts.clone() }
     }
 
     /// The CLI and CSV name (`fa1`, `fa2`, `flash-decoding`): the same for both directions of

@@ -1205,13 +1205,13 @@ fn gpu_decode_pp_bad_options_are_errors() {
         let base = DecodeOptions { strategy, ..DecodeOptions::default() };
         assert!(decode::forward(gpu, &q, cache, &base).is_ok(), "{strategy}");
         for bad in [
-            DecodeOptions { phi: f32::NAN, ..base },
-            DecodeOptions { phi: f32::INFINITY, ..base },
-            DecodeOptions { safe_range: Some((1.0, -1.0)), ..base },
-            DecodeOptions { safe_range: Some((-1.0, f32::NAN)), ..base },
-            DecodeOptions { safe_range: Some((-1.0, 12.0)), ..base }, // past ln(65504) = 11.09
-            DecodeOptions { splits: Some(0), ..base },
-            DecodeOptions { splits: Some(decode::MAX_SPLITS + 1), ..base },
+            DecodeOptions { phi: f32::NAN, ..base.clone() },
+            DecodeOptions { phi: f32::INFINITY, ..base.clone() },
+            DecodeOptions { safe_range: Some((1.0, -1.0)), ..base.clone() },
+            DecodeOptions { safe_range: Some((-1.0, f32::NAN)), ..base.clone() },
+            DecodeOptions { safe_range: Some((-1.0, 12.0)), ..base.clone() }, // past ln(65504) = 11.09
+            DecodeOptions { splits: Some(0), ..base.clone() },
+            DecodeOptions { splits: Some(decode::MAX_SPLITS + 1), ..base.clone() },
         ] {
             let r = decode::forward(gpu, &q, cache, &bad);
             assert!(matches!(r, Err(KernelError::Config(_))), "{bad:?}: {r:?}");

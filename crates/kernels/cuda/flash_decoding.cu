@@ -44,6 +44,15 @@
 // The cache, contiguous or paged (FD_PAGED): see "where the keys live" in kv_cache.cuh, the one
 // place the two kernels differ.
 //
+// Modifiers (what serving needs; the CPU rung takes the same, AttentionOptions): a sliding window
+// (FD_WINDOW, the window's left side at run time: token t of a sequence of length len sees keys
+// len − n_new + t − left … len − n_new + t), a score modifier (score_mod.cuh, compiled in:
+// softcap, ALiBi, your own) and attention sinks (one logit per query head, folded in where a row
+// is normalised: by the block itself with one split, else by the combine, as one more split with
+// lse_s = σ and O_s = 0). A window also narrows the keys the splits share out to those some new
+// token sees, [len − n_new − left, len), from a tile boundary: the keys before it are never read.
+// Without them (the default variant) every use folds away.
+//
 // FlashDecoding++'s fallback. flash_decoding_pp.cu flags the rows whose scores leave its safe
 // window; the host then launches this kernel with `fallback` pointing at the flags: a block none
 // of whose rows is flagged returns at once, and only flagged rows are written, each exactly what
@@ -84,6 +93,9 @@
 //   FD_WARPS  warps per block of the split kernel
 //   FD_STAGES K/V tiles in shared memory (STAGES − 1 copies in flight while one tile is read)
 //   FD_PAGED  0: contiguous cache, 1: paged cache
+//   FD_WINDOW 1: a sliding window (its left side in FdParams), 0: none
+//   FD_SINKS  1: attention sinks (in FdParams' ModifierArgs), 0: none
+//   LADDER_SCORE_MOD  a score modifier compiled in (score_mod.cuh)
 //
 // Shared memory: the Q tile and STAGES stages of K and V during the walk; then the same memory as
 // the f32 buffer that merges the warps. (The combine works in registers.)
@@ -94,6 +106,7 @@
 #include "mask.cuh"
 #include "mma.cuh"
 #include "pdl.cuh"
+#include "score_mod.cuh"
 #include "softmax.cuh"
 #include "types.cuh"
 
@@ -112,12 +125,20 @@
 #ifndef FD_PAGED
 #define FD_PAGED 0
 #endif
+#ifndef FD_WINDOW
+#define FD_WINDOW 0
+#endif
+#ifndef FD_SINKS
+#define FD_SINKS 0
+#endif
 
 constexpr int MT = FD_MT;
 constexpr int BC = FD_BC;
 constexpr int WARPS = FD_WARPS;
 constexpr int STAGES = FD_STAGES;
 constexpr bool PAGED = FD_PAGED != 0;
+constexpr bool SLIDING = FD_WINDOW != 0;
+constexpr bool SINKS = FD_SINKS != 0;
 static_assert(STAGES >= 2, "at least one copy in flight");
 constexpr int THREADS = WARPS * 32;
 constexpr int ROWS = MT * 16;   // rows of the Q tile
@@ -142,6 +163,13 @@ struct FdParams {
     // One per (sequence, kv head, row block) of a launch, zero before the launch and left zero
     // after it: the splits of a group count themselves in here (see "The combine").
     unsigned* counters;
+    // The modifiers (see "Modifiers" above): the score modifier's scalars and tables, the softmax
+    // scale it is applied after, and the sinks (or null).
+    ModifierArgs mods;
+    // The launch's first sequence in the call (the modifier's batch index is first_seq + the
+    // sequence within the launch), and the window's left side (FD_WINDOW).
+    int first_seq;
+    int window_left;
 };
 #ifdef FD_HOST_PARAMS_BYTES
 static_assert(sizeof(FdParams) == FD_HOST_PARAMS_BYTES, "the host's mirror of FdParams");
@@ -275,6 +303,18 @@ __device__ void combine_rows(const FdParams& p, const HeadRows& rows, int r0, in
             }
             m = m_new;
         }
+        // The sink, one more split of lse_s = σ and O_s = 0 (a row that saw no key keeps it:
+        // O = 0, lse = σ).
+        if (SINKS) {
+            float m2 = m * LADDER_LOG2E;  // fold_sink works in base 2
+            const float alpha = fold_sink(m2, l, sink_log2(p.mods.sinks, rows.head(r)));
+            m = m2 * LADDER_LN2;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                o[h].x *= alpha, o[h].y *= alpha;
+                o[h].z *= alpha, o[h].w *= alpha;
+            }
+        }
         // All splits empty (the row sees no key): O = 0, lse = −inf, as everywhere.
         float inv = l > 0.f ? 1.f / l : 0.f;
         float lse = l == 0.f ? LADDER_NEG_INF : m + logf(l);
@@ -310,8 +350,10 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
     const int len = call.lengths[batch];
     const CacheRows<PAGED> cache(call, batch, kv_head);
 
-    // This split's keys [k_begin, k_end) (see "Chunks" above).
-    const KeyChunk keys = key_chunk<BC>(len, call.splits, split);
+    // This split's keys [k_begin, k_end) (see "Chunks" above), from the first tile some new token
+    // sees under a window.
+    const int first_key = SLIDING ? max(len - n_new - p.window_left, 0) / BC * BC : 0;
+    const KeyChunk keys = key_chunk<BC>(len, call.splits, split, first_key);
     const int k_begin = keys.begin, k_end = keys.end, n_tiles = keys.tiles;
 
 
@@ -332,15 +374,30 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
 
     // One past the last key each of the thread's rows sees, within this chunk: the causal limit of
     // its token, or the chunk's end. Rows of every tile at or past min_limit need the mask.
-    int limit[MT][2];
+    // Under a window, also the first key it sees (lower[]): tiles before max_lower need it.
+    int limit[MT][2], lower[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int t = (r0 + mt * 16 + acc_row(2 * h)) % n_new;
             limit[mt][h] = min(len - n_new + t + 1, k_end);
+            lower[mt][h] = len - n_new + t - p.window_left;
         }
     const int min_limit = min(len - n_new + 1, k_end);  // token 0's limit: the smallest
+    const int max_lower = len - 1 - p.window_left;      // the last token's first key: the largest
+    // Where the score modifier sees the thread's rows: the sequence, the query head and the token
+    // of row half (mt, h) (padding rows as the block's last row), among n_new queries and len keys.
+    ScorePlace place[MT][2];
+    int token[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = min(r0 + mt * 16 + acc_row(2 * h), R - 1);
+            place[mt][h] = ScorePlace{p.first_seq + batch, rows.head(r), n_new, len};
+            token[mt][h] = r % n_new;
+        }
 
     float acc[MT][DT][4];  // this warp's O, unnormalised
     float row_max[MT][2], row_sum[MT][2];
@@ -412,10 +469,26 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
             }
         }
 
+        // ---- the score modifier: S ← score_mod(scale · S) (nothing without one) --------------
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                modify_scores(s[mt], h, token[mt][h], k0 + warp * 16, place[mt][h], p.mods);
+
         // ---- mask: keys past the chunk or the sequence, and right of a token's diagonal ---------
         // Uniform across the block: only a chunk's last tile and the tiles holding the new tokens
-        // (the last n_new ≤ 16 keys of the sequence) are masked.
-        if (k0 + BC > min_limit) {
+        // (the last n_new ≤ 16 keys of the sequence) are masked; under a window, also the tiles
+        // holding some token's first key.
+        if (SLIDING && k0 < max_lower) {
+            const int kw0 = k0 + warp * 16;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    mask_outside(s[mt], h, ColumnSpan{lower[mt][h] - kw0, limit[mt][h] - kw0},
+                                 LADDER_NEG_INF);
+        } else if (k0 + BC > min_limit) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -430,8 +503,8 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h)
-                alpha[mt][h] =
-                    online_softmax(s[mt], h, call.scale_log2, row_max[mt][h], row_sum[mt][h], pk[mt]);
+                alpha[mt][h] = online_softmax(s[mt], h, score_scale_log2(call.scale_log2),
+                                              row_max[mt][h], row_sum[mt][h], pk[mt]);
         bool rescale = false;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) rescale |= alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
@@ -508,9 +581,15 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
             o.z += f * x.z;
             o.w += f * x.w;
         }
+        // With one split this is the row's O: the sink joins its softmax here (see "Modifiers").
+        float m_row = m;
+        if (SINKS && call.splits == 1) {
+            const float alpha = fold_sink(m_row, l, sink_log2(p.mods.sinks, rows.head(r0 + r)));
+            o.x *= alpha, o.y *= alpha, o.z *= alpha, o.w *= alpha;
+        }
         // A row that saw no key of this chunk: O_s = 0, lse_s = −inf (weight 0 in the combine).
         float inv = l > 0.f ? 1.f / l : 0.f;
-        float lse_s = l == 0.f ? LADDER_NEG_INF : m * LADDER_LN2 + logf(l);
+        float lse_s = l == 0.f ? LADDER_NEG_INF : m_row * LADDER_LN2 + logf(l);
         // A page outside the cache: O_s = NaN and lse_s = +inf, which turn the combined row into
         // NaN whatever the other splits hold (+inf is their maximum, and +inf − +inf is NaN).
         if (bad_page) {

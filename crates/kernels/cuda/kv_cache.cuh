@@ -78,20 +78,22 @@ struct CacheRows<false> {
 
 // ---- which keys a split owns --------------------------------------------------------------------
 //
-// Split s of a sequence of length len owns keys [s·chunk, min((s+1)·chunk, len)) with
-// chunk = ceil(len / splits) rounded up to a multiple of BC, so chunks follow each sequence's own
-// length (short sequences of a batch do not pay for the longest one) and only a sequence's last
-// chunk ends inside a tile. Splits past the end get no key (begin = end = len, no tile).
+// Split s of a sequence of length len owns keys [first + s·chunk, min(first + (s+1)·chunk, len))
+// with chunk = ceil((len − first) / splits) rounded up to a multiple of BC, so chunks follow each
+// sequence's own length (short sequences of a batch do not pay for the longest one) and only a
+// sequence's last chunk ends inside a tile. Splits past the end get no key (begin = end = len, no
+// tile). `first` (a multiple of BC) is 0 but under a sliding window, whose keys start later.
 struct KeyChunk {
     int begin, end, tiles;
 };
 
 template <int BC>
-__device__ __forceinline__ KeyChunk key_chunk(int len, int splits, int split) {
+__device__ __forceinline__ KeyChunk key_chunk(int len, int splits, int split, int first = 0) {
     // 64-bit so that no product wraps.
-    const long long per_split = ((long long)len + splits - 1) / splits;
+    const long long keys = (long long)len - first;
+    const long long per_split = (keys + splits - 1) / splits;
     const long long chunk = (per_split + BC - 1) / BC * BC;
-    const int begin = (int)min((long long)split * chunk, (long long)len);
+    const int begin = first + (int)min((long long)split * chunk, keys);
     const int end = (int)min((long long)begin + chunk, (long long)len);
     return {begin, end, (end - begin + BC - 1) / BC};
 }

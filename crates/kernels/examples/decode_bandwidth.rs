@@ -5,10 +5,12 @@
 //! crossovers (`decode::GEMV_MAX_ROWS`, `FLAT_GEMM_MAX_ROWS`, `PP_MIN_KEYS`) are to be set from.
 //!
 //! ```sh
-//! cargo run --release -p ladder-kernels --example decode_bandwidth [-- --new N --page P --fd-only --no-pdl --stages S
+//! cargo run --release -p ladder-kernels --example decode_bandwidth [-- --new N --modifiers --page P --fd-only --no-pdl --stages S
 //!     --shape B,HQ,HKV,L --splits auto,16 --nvrtc -DNAME=VALUE]
 //! ```
-//! `--new N`: N new tokens per sequence (default 1); `--page P`: the cache in pages of P tokens,
+//! `--new N`: N new tokens per sequence (default 1); `--modifiers`: FlashDecoding with the
+//! heuristic's splits, plain and with each modifier serving needs (softcap 50, ALiBi, sinks, a
+//! window of 4096 keys, all four), the bytes counted over the keys each call attends; `--page P`: the cache in pages of P tokens,
 //! scattered in a shuffled order as a serving cache's pages are (default: contiguous);
 //! `--fd-only`: FlashDecoding alone; `--no-pdl`: ordinary launches instead of programmatic ones
 //! (`GpuConfig::programmatic_launch`); `--stages S`: S K/V stages instead of the default
@@ -33,7 +35,7 @@ use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use ladder_kernels::decode::{
     self, Cache, DecodeOptions, KvCache, PageTable, PagedKvCache, Strategy,
 };
-use ladder_kernels::{DType, Gpu, GpuConfig, KernelError, Output, Tensor};
+use ladder_kernels::{DType, Gpu, GpuConfig, KernelError, Output, ScoreMod, Sinks, Tensor, Window};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 
@@ -99,6 +101,7 @@ const SHAPES: [(usize, usize, usize, usize); 5] = [
 /// options.
 struct Args {
     new: usize,
+    modifiers: bool,
     page: usize,
     fd_only: bool,
     no_pdl: bool,
@@ -121,6 +124,7 @@ fn number(flag: &str, text: &str) -> Result<usize, String> {
 fn args() -> Result<Args, Box<dyn std::error::Error>> {
     let mut a = Args {
         new: 1,
+        modifiers: false,
         page: 0,
         fd_only: false,
         no_pdl: false,
@@ -134,6 +138,7 @@ fn args() -> Result<Args, Box<dyn std::error::Error>> {
         let mut text = || it.next().ok_or_else(|| format!("{flag} needs a value"));
         match flag.as_str() {
             "--new" => a.new = number(&flag, &text()?)?,
+            "--modifiers" => a.modifiers = true,
             "--page" => a.page = number(&flag, &text()?)?,
             "--fd-only" => a.fd_only = true,
             "--no-pdl" => a.no_pdl = true,
@@ -158,7 +163,7 @@ fn args() -> Result<Args, Box<dyn std::error::Error>> {
             }
             "--nvrtc" => a.nvrtc.push(text()?),
             _ => {
-                let known = "--new N, --page P, --fd-only, --no-pdl, --stages S, \
+                let known = "--new N, --modifiers, --page P, --fd-only, --no-pdl, --stages S, \
                              --shape B,HQ,HKV,L, --splits auto,N,..., --nvrtc OPTION";
                 return Err(format!("unknown argument {flag} ({known})").into());
             }
@@ -174,6 +179,26 @@ fn args() -> Result<Args, Box<dyn std::error::Error>> {
         }
     }
     Ok(a)
+}
+
+/// FlashDecoding's options for `--modifiers`, by name: plain, then each modifier serving needs
+/// (softcap 50, ALiBi with the paper's slopes for `heads_q` heads, sinks, a window of 4096 keys),
+/// then all four.
+fn modified(heads_q: usize) -> Result<Vec<(&'static str, DecodeOptions)>, KernelError> {
+    let fd = DecodeOptions { strategy: Strategy::FlashDecoding, ..DecodeOptions::default() };
+    let slopes = (1..=heads_q).map(|k| 2f32.powf(-8.0 * k as f32 / heads_q as f32)).collect();
+    let alibi = ScoreMod::alibi(slopes)?;
+    let sinks = Sinks::new((0..heads_q).map(|h| h as f32 * 0.1 - 1.0).collect())?;
+    let window = Window::left(4095);
+    let all = fd.clone().with_softcap(50.0)?.with_score_mod(alibi.clone());
+    Ok(vec![
+        ("plain", fd.clone()),
+        ("softcap 50", fd.clone().with_softcap(50.0)?),
+        ("alibi", fd.clone().with_score_mod(alibi)),
+        ("sinks", fd.clone().with_sinks(sinks.clone())),
+        ("window 4096", fd.with_window(window)),
+        ("all four", all.with_sinks(sinks).with_window(window)),
+    ])
 }
 
 /// K and V of one copy of the cache, contiguous `[b, hkv, len, d]` or in shuffled pages
@@ -208,20 +233,35 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     let spin =
         gpu.context().load_module(cudarc::nvrtc::compile_ptx(SPIN)?)?.load_function("spin")?;
-    println!(
-        "{:>3} {:>9} {:>7} {:>15} {:>15} {:>7} {:>10} {:>8} {:>8} {:>10} {:>8}",
-        "B",
-        "heads",
-        "L",
-        "strategy",
-        "ran",
-        "splits",
-        "ms",
-        "TB/s",
-        "host µs",
-        "gpu ms",
-        "gpu TB/s"
-    );
+    if args.modifiers {
+        let columns = ["B", "heads", "L", "modifier", "keys", "ms", "TB/s", "×plain"];
+        println!(
+            "{:>3} {:>9} {:>7} {:>22} {:>7} {:>10} {:>8} {:>6}",
+            columns[0],
+            columns[1],
+            columns[2],
+            columns[3],
+            columns[4],
+            columns[5],
+            columns[6],
+            columns[7]
+        );
+    } else {
+        println!(
+            "{:>3} {:>9} {:>7} {:>15} {:>15} {:>7} {:>10} {:>8} {:>8} {:>10} {:>8}",
+            "B",
+            "heads",
+            "L",
+            "strategy",
+            "ran",
+            "splits",
+            "ms",
+            "TB/s",
+            "host µs",
+            "gpu ms",
+            "gpu TB/s"
+        );
+    }
     let d = 128;
     for &(b, hq, hkv, len) in &args.shapes {
         let new = args.new;
@@ -270,6 +310,26 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         };
         let bytes = 2.0 * (kv_len * 2) as f64;
         let tbps = |ms: f64| bytes / (ms * 1e-3) / 1e12;
+        if args.modifiers {
+            let mut plain_tbps = 0.0;
+            for (name, opts) in modified(hq)? {
+                let (ms, _, _) = time_calls(&gpu, &spin, |i| {
+                    decode::forward_into(&gpu, &q, cache(i), &opts, &mut out)
+                })?;
+                // The keys a call attends (a window's, at most), of every sequence and kv head.
+                let keys = opts.window.left.map_or(len, |left| len.min(left + new));
+                let rate = 2.0 * (b * hkv * keys * d * 2) as f64 / (ms * 1e-3) / 1e12;
+                if name == "plain" {
+                    plain_tbps = rate;
+                }
+                println!(
+                    "{b:>3} {:>9} {len:>7} {name:>22} {keys:>7} {ms:>10.4} {rate:>8.2} {:>6.3}",
+                    format!("{hq}/{hkv}"),
+                    rate / plain_tbps
+                );
+            }
+            continue;
+        }
         let strategies =
             [Strategy::FlashDecoding, Strategy::Gemv, Strategy::FlatGemm, Strategy::Auto];
         let strategies = if args.fd_only { &strategies[..1] } else { &strategies[..] };

@@ -49,6 +49,13 @@
 //! `j ≤ lengths[b] − n_new + t`. Keys at or past `lengths[b]` are never read. A row that sees
 //! no key (`lengths[b] = 0`, or `lengths[b] < n_new`) gets `O = 0`, `lse = −∞`.
 //!
+//! **Modifiers.** [`DecodeOptions`] takes a sliding window (its left side: token `t` sees keys
+//! `lengths[b] − n_new + t − left ..= lengths[b] − n_new + t`), a score modifier compiled into the
+//! kernel ([`ScoreMod`]: softcap, ALiBi, your own; `q_idx` is the new token, `kv_idx` the key, of
+//! `n_q = n_new` and `n_kv = lengths[b]`) and attention sinks ([`Sinks`]), as the CPU rung takes
+//! them. FlashDecoding runs such a call: the combine takes a sink as one more split (`lse_s = σ`,
+//! `O_s = 0`), and a window narrows the keys the splits share out to those some new token sees.
+//!
 //! **The cache** ([`Cache`]) is contiguous ([`KvCache`]: K and V `[batch, heads_kv, capacity, d]`)
 //! or paged ([`PagedKvCache`]: K and V `[num_pages, heads_kv, page_size, d]`, and a [`PageTable`]
 //! `[batch, max_pages]` of `i32` page indices, vLLM's `block_tables` / FlashAttention's
@@ -127,6 +134,8 @@ use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, Kernel};
 use crate::problem::{Output, Strides, grid};
+use crate::score_mod::ScoreMod;
+use crate::sinks::Sinks;
 use crate::tensor::{DType, Tensor};
 
 mod cache;
@@ -216,7 +225,7 @@ impl crate::Tuning for Stages {}
 pub const DEFAULT_PHI: f32 = 0.0;
 
 /// Options of [`forward`].
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct DecodeOptions {
     /// Softmax scale, positive, with `scale · log2 e` a normal f32 (another is an error: the
     /// kernels find each row's max on the raw scores, which only a positive scale keeps, and flush
@@ -238,6 +247,54 @@ pub struct DecodeOptions {
     /// `[lo, hi]` is recomputed by FlashDecoding. `None`: `±ln(MAX)/2` of the element type
     /// ([`default_safe_range`]: ±5.55 for fp16, ±44.4 for bf16); `hi` may be at most `ln(MAX)`.
     pub safe_range: Option<(f32, f32)>,
+    /// A sliding window ([`crate::Window`]; none by default): each new token sees the `left`
+    /// keys before its own position and itself, Mistral's and Gemma's local layers with
+    /// `Window::left(w − 1)`. Decoding is causal, so the right side is `None` or `Some(0)`. The
+    /// splits share out only the keys some new token sees: a window of `w` keys reads about `w`
+    /// keys of each sequence, whatever its length.
+    pub window: crate::Window,
+    /// A function of each scaled score applied before the softmax ([`ScoreMod`]: softcap, ALiBi,
+    /// your own CUDA), compiled into the kernel, as in [`crate::fa2`]; its `q_idx` is the new
+    /// token (of `n_q = n_new`), its `kv_idx` the key (of `n_kv` = the sequence's length).
+    pub score_mod: Option<ScoreMod>,
+    /// Attention sinks ([`Sinks`]: one logit per query head in every row's softmax, gpt-oss).
+    pub sinks: Option<Sinks>,
+}
+
+impl DecodeOptions {
+    /// These options within a sliding window (see [`DecodeOptions::window`]).
+    pub fn with_window(self, window: crate::Window) -> DecodeOptions {
+        DecodeOptions { window, ..self }
+    }
+
+    /// These options with `score_mod` applied after any modifier they already have.
+    pub fn with_score_mod(self, score_mod: ScoreMod) -> DecodeOptions {
+        let score_mod = Some(match self.score_mod {
+            Some(first) => first.then(score_mod),
+            None => score_mod,
+        });
+        DecodeOptions { score_mod, ..self }
+    }
+
+    /// These options with Gemma-2's logit softcap ([`ScoreMod::softcap`]); a cap of 0 is no
+    /// softcap, a negative or non-finite one an error.
+    pub fn with_softcap(self, cap: f32) -> Result<DecodeOptions> {
+        if cap == 0.0 {
+            return Ok(self);
+        }
+        Ok(self.with_score_mod(ScoreMod::softcap(cap)?))
+    }
+
+    /// These options with attention sinks.
+    pub fn with_sinks(self, sinks: Sinks) -> DecodeOptions {
+        DecodeOptions { sinks: Some(sinks), ..self }
+    }
+
+    /// Whether the options carry a window, a score modifier or sinks: FlashDecoding runs such a
+    /// call (FlashDecoding++'s kernels take none).
+    fn modified(&self) -> bool {
+        self.window.left.is_some() || self.score_mod.is_some() || self.sinks.is_some()
+    }
 }
 
 impl Default for DecodeOptions {
@@ -248,6 +305,9 @@ impl Default for DecodeOptions {
             strategy: Strategy::Auto,
             phi: DEFAULT_PHI,
             safe_range: None,
+            window: crate::Window::default(),
+            score_mod: None,
+            sinks: None,
         }
     }
 }
@@ -543,9 +603,13 @@ pub fn forward_varlen_into<'a>(
     launch(gpu, q, cache, &call, out).map(|_| ())
 }
 
-/// A call that passed its checks: its shapes, strides and plan (kernel and split count).
+/// A call that passed its checks: its shapes, strides, modifiers and plan (kernel and split
+/// count).
 struct Call {
     shape: Shape,
+    /// The score modifier and the sinks (FlashDecoding only).
+    score_mod: Option<ScoreMod>,
+    sinks: Option<Sinks>,
     plan: Plan,
     /// K/V stages of the kernels' pipeline on this `Gpu` (2 to 16).
     stages: usize,
@@ -629,15 +693,30 @@ fn check_any(
             v.strides()
         )));
     }
+    // The keys a call reads: under a window, those the window reaches.
+    let longest = cache.lengths().iter().copied().max().unwrap_or(0);
     let work = Workload {
         rows_per_kv_head: shape.rows_per_kv_head(),
-        max_len: cache.lengths().iter().copied().max().unwrap_or(0),
+        max_len: shape.window_left.map_or(longest, |left| longest.min(left + shape.n_new)),
         batch_heads_kv: shape.batch * shape.heads_kv,
         head_dim: shape.d,
         paged: table.is_some(),
     };
-    let plan = plan(opts.strategy, opts.splits, &work, gpu.sm_count() as usize)?;
-    Ok(Call { shape, plan, stages, q_strides, kv_strides, new_starts })
+    // A window, a score modifier or sinks: FlashDecoding's kernel, the one that takes them.
+    let strategy = match opts.strategy {
+        Strategy::Auto if opts.modified() => Strategy::FlashDecoding,
+        Strategy::Auto | Strategy::FlashDecoding => opts.strategy,
+        forced if opts.modified() => {
+            return Err(KernelError::Config(format!(
+                "flash_decoding: {forced:?} takes no window, score modifier or sinks; \
+                 FlashDecoding (Strategy::FlashDecoding, or Auto) does"
+            )));
+        }
+        forced => forced,
+    };
+    let plan = plan(strategy, opts.splits, &work, gpu.sm_count() as usize)?;
+    let (score_mod, sinks) = (opts.score_mod.clone(), opts.sinks.clone());
+    Ok(Call { shape, score_mod, sinks, plan, stages, q_strides, kv_strides, new_starts })
 }
 
 impl Call {

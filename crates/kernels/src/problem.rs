@@ -566,17 +566,7 @@ impl Problem {
     /// The score modifier's and the sinks' parameters for a launch (zeros without them) and the
     /// tables they read, to keep alive until the launch is queued.
     pub(crate) fn modifier_args(&self, gpu: &Gpu) -> Result<(ModifierArgs, Vec<Tensor>)> {
-        let (mut args, mut tables) = match &self.score_mod {
-            Some(m) => m.args(gpu, self.scale)?,
-            None => (ModifierArgs::default(), Vec::new()),
-        };
-        if let Some(sinks) = &self.sinks {
-            let table = sinks.upload(gpu)?;
-            // Uploaded on the kernels' stream, which the launch follows: nothing to order.
-            args.sinks = table.read_ptr(gpu.stream()).0;
-            tables.push(table);
-        }
-        Ok((args, tables))
+        ModifierArgs::of(gpu, self.score_mod.as_ref(), self.sinks.as_ref(), self.scale)
     }
 
     /// The band the kernels compiled with a window apply ([`Band`]): the window's sides, an

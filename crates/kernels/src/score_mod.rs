@@ -361,6 +361,30 @@ pub(crate) struct ModifierArgs {
 // SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror.
 unsafe impl DeviceRepr for ModifierArgs {}
 
+impl ModifierArgs {
+    /// The parameters of `score_mod` (applied after softmax scale `scale`) and `sinks` for one
+    /// launch, zeros without them, and the tables uploaded for it: keep the returned tensors
+    /// alive until the launch is queued.
+    pub(crate) fn of(
+        gpu: &Gpu,
+        score_mod: Option<&ScoreMod>,
+        sinks: Option<&crate::Sinks>,
+        scale: f32,
+    ) -> Result<(ModifierArgs, Vec<Tensor>)> {
+        let (mut args, mut tables) = match score_mod {
+            Some(m) => m.args(gpu, scale)?,
+            None => (ModifierArgs::default(), Vec::new()),
+        };
+        if let Some(sinks) = sinks {
+            let table = sinks.upload(gpu)?;
+            // Uploaded on the kernels' stream, which the launch follows: nothing to order.
+            args.sinks = table.read_ptr(gpu.stream()).0;
+            tables.push(table);
+        }
+        Ok((args, tables))
+    }
+}
+
 /// Whether `body` names `name` as a whole identifier.
 fn mentions(body: &str, name: &str) -> bool {
     let ident = |c: char| c.is_ascii_alphanumeric() || c == '_';

@@ -100,7 +100,13 @@ impl Case {
         splits: Option<usize>,
         phi: f32,
     ) -> DecodeOptions {
-        DecodeOptions { scale: Some(self.options().1), splits, strategy, phi, safe_range: None }
+        DecodeOptions {
+            scale: Some(self.options().1),
+            splits,
+            strategy,
+            phi,
+            ..DecodeOptions::default()
+        }
     }
 
     /// What the heuristics see of the case (`paged` or not).
@@ -285,6 +291,17 @@ pub fn problem_of(case: &Case, x: &HostInputs, b: usize) -> (Inputs<f64>, Oracle
 /// [`problem_of`] for the first `n` of sequence `b`'s new tokens (packed new tokens, where each
 /// sequence has its own count).
 pub fn problem_of_tokens(case: &Case, x: &HostInputs, b: usize, n: usize) -> (Inputs<f64>, Oracle) {
+    problem_with(case, x, b, n, &case.options().0)
+}
+
+/// [`problem_of_tokens`] under `attention` (the case's causal mask and scale, with modifiers).
+pub fn problem_with(
+    case: &Case,
+    x: &HostInputs,
+    b: usize,
+    n: usize,
+    attention: &AttentionOptions,
+) -> (Inputs<f64>, Oracle) {
     let len = case.lengths[b];
     let wide = |a: ndarray::ArrayView4<f32>| a.mapv(f64::from);
     let q = wide(x.q.slice(s![b..b + 1, .., ..n, ..]));
@@ -294,8 +311,7 @@ pub fn problem_of_tokens(case: &Case, x: &HostInputs, b: usize, n: usize) -> (In
         k: wide(x.k.slice(s![b..b + 1, .., ..len, ..])),
         v: wide(x.v.slice(s![b..b + 1, .., ..len, ..])),
     };
-    let (attention, _) = case.options();
-    let oracle = Oracle::new(&inputs, &attention).expect("oracle");
+    let oracle = Oracle::new(&inputs, attention).expect("oracle");
     (inputs, oracle)
 }
 

@@ -5,21 +5,32 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
 
 use super::*;
 use crate::problem::Strides;
+use crate::score_mod::ModifierArgs;
 
 /// Output rows per block of FlashDecoding++'s combine kernel (one warp each).
 const COMBINE_ROWS_PER_BLOCK: usize = 4;
 
+/// What FlashDecoding's kernel is compiled with beyond the shape: a sliding window
+/// (`FD_WINDOW`), sinks (`FD_SINKS`) and a score modifier (its generated header).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Modifiers<'a> {
+    pub(super) windowed: bool,
+    pub(super) sinks: bool,
+    pub(super) score_mod: Option<&'a ScoreMod>,
+}
+
 /// The kernels' variant (both entry points live in one module) for head dimension `d`, element
-/// type `dtype`, `m_tiles` 16-row mma tiles of rows, `stages` K/V stages, and a contiguous or a
-/// paged cache.
-pub(super) fn variant(
+/// type `dtype`, `m_tiles` 16-row mma tiles of rows, `stages` K/V stages, a contiguous or a paged
+/// cache, and `modifiers` (none: no define is added, the variant of a plain call).
+pub(super) fn split_variant(
     d: usize,
     dtype: DType,
     m_tiles: usize,
     stages: usize,
     paged: bool,
+    modifiers: &Modifiers,
 ) -> Variant {
-    Variant {
+    let mut variant = Variant {
         file: "flash_decoding",
         source: SRC,
         defines: vec![
@@ -34,7 +45,14 @@ pub(super) fn variant(
             ("FD_HOST_PARAMS_BYTES", std::mem::size_of::<Params>().to_string()),
         ],
         score_mod: None,
+    };
+    if modifiers.windowed {
+        variant.defines.push(("FD_WINDOW", "1".to_string()));
     }
+    if modifiers.sinks {
+        variant.defines.push(("FD_SINKS", "1".to_string()));
+    }
+    variant.with_score_mod(modifiers.score_mod)
 }
 
 /// The widths the kernels compute head dimension `d` with (`HeadDim` in `cuda/layout.cuh`): the
@@ -76,8 +94,31 @@ pub(crate) fn variants() -> Vec<Variant> {
             for m_tiles in 1..=rows_per_block(d) / 16 {
                 for stages in [2, 3] {
                     for paged in [false, true] {
-                        all.push(variant(d, dtype, m_tiles, stages, paged));
+                        let none = Modifiers::default();
+                        all.push(split_variant(d, dtype, m_tiles, stages, paged, &none));
                     }
+                }
+            }
+        }
+    }
+    // The modifiers (FlashDecoding only): a window, sinks, softcap, ALiBi, and all of them, at the
+    // written-for head dims, on both caches, with the tiles of ordinary and of GQA decoding.
+    let softcap = ScoreMod::softcap(30.0).expect("a valid cap");
+    let alibi = ScoreMod::alibi(vec![0.5; 8]).expect("valid slopes");
+    let both = softcap.clone().then(alibi.clone());
+    let none = Modifiers::default();
+    let modifiers = [
+        Modifiers { windowed: true, ..none },
+        Modifiers { sinks: true, ..none },
+        Modifiers { score_mod: Some(&softcap), ..none },
+        Modifiers { score_mod: Some(&alibi), ..none },
+        Modifiers { windowed: true, sinks: true, score_mod: Some(&both) },
+    ];
+    for d in [64, 128, 256] {
+        for m_tiles in 1..=rows_per_block(d) / 16 {
+            for paged in [false, true] {
+                for m in &modifiers {
+                    all.push(split_variant(d, DType::F16, m_tiles, 3, paged, m));
                 }
             }
         }
@@ -122,6 +163,9 @@ pub(super) struct Params {
     pub(super) lse_part: u64,
     pub(super) fallback: u64,
     pub(super) counters: u64,
+    pub(super) mods: ModifierArgs,
+    pub(super) first_seq: i32,
+    pub(super) window_left: i32,
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror (whose
@@ -145,7 +189,7 @@ pub(super) fn launch(
     gpu: &Gpu,
     q: &Tensor,
     cache: Cache<'_>,
-    Call { shape: p, plan, stages, q_strides, kv_strides, new_starts }: &Call,
+    Call { shape: p, score_mod, sinks, plan, stages, q_strides, kv_strides, new_starts }: &Call,
     out: &mut Output,
 ) -> Result<Option<CudaSlice<i32>>> {
     for (name, t) in [("o", &out.o), ("lse", &out.lse)] {
@@ -168,7 +212,12 @@ pub(super) fn launch(
     // FlashDecoding's kernels: the whole call, or FlashDecoding++'s fallback.
     let (m_tiles, fd_row_blocks) = (m_tiles(r, p.d), row_blocks(r, p.d));
     let fd_blocks_x = splits.checked_mul(fd_row_blocks).ok_or_else(too_many)?;
-    let fd = variant(p.d, p.dtype, m_tiles, stages, paged);
+    let modifiers = Modifiers {
+        windowed: p.window_left.is_some(),
+        sinks: sinks.is_some(),
+        score_mod: score_mod.as_ref(),
+    };
+    let fd = split_variant(p.d, p.dtype, m_tiles, stages, paged, &modifiers);
     let fd_split = Kernel { variant: fd, entry: "flash_decoding_split" };
     let fd_smem = split_shared_bytes(p.d, m_tiles, stages);
     gpu.prepare(&fd_split, fd_smem)?;
@@ -212,6 +261,10 @@ pub(super) fn launch(
                 .map_err(KernelError::alloc(rows * std::mem::size_of::<i32>()))?,
         ),
     };
+    // The modifiers' parameters and tables (kept alive until the launches are queued).
+    let (mods, _tables) = ModifierArgs::of(gpu, score_mod.as_ref(), sinks.as_ref(), p.scale)?;
+    // At most MAX_LENGTH (checked), which fits in i32.
+    let window_left = p.window_left.unwrap_or(0) as i32;
     let s = gpu.stream();
     let (q_ptr, _g0) = q.read_ptr(s);
     let (k_ptr, _g1) = k.read_ptr(s);
@@ -320,6 +373,10 @@ pub(super) fn launch(
                 lse_part: at(lse_part_ptr, row0 * splits, 4),
                 fallback,
                 counters: scratch.counters,
+                mods,
+                // At most the batch, which fits in i32 (the rows do, checked).
+                first_seq: first as i32,
+                window_left,
             };
             let combine_grid = grid(chunk_rows.div_ceil(COMBINE_ROWS_PER_BLOCK), 1, 1)?;
             if let Some((split, combine, smem, row_blocks, blocks_x)) = &pp_launch {

@@ -62,6 +62,8 @@ pub(super) struct Shape {
     pub(super) layout: Layout,
     /// FlashDecoding++'s `φ` and safe window (checked for every call, whatever the strategy).
     pub(super) window: Window,
+    /// The sliding window's left side ([`DecodeOptions::window`]), if any.
+    pub(super) window_left: Option<usize>,
     /// Packed new tokens ([`forward_varlen`]): the rows of Q, `n_new` then being the most of any
     /// sequence.
     pub(super) total_new: Option<usize>,
@@ -180,6 +182,7 @@ impl Shape {
         let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
         crate::problem::check_scale(scale)?;
         let window = Window::new(opts.phi, opts.safe_range, dtype)?;
+        let window_left = check_modifiers(opts, heads_q)?;
         Ok(Shape {
             batch,
             heads_q,
@@ -190,6 +193,7 @@ impl Shape {
             scale,
             layout,
             window,
+            window_left,
             total_new: None,
         })
     }
@@ -249,4 +253,24 @@ impl Shape {
         }
         Ok(())
     }
+}
+
+/// Checks the options' modifiers against the call: the window's right side is the causal mask's
+/// (decoding is causal), its left side fits the kernels' 32-bit keys; the score modifier's tables
+/// and the sinks cover every query head. Returns the window's left side.
+fn check_modifiers(opts: &DecodeOptions, heads_q: usize) -> Result<Option<usize>> {
+    if let Some(right) = opts.window.right.filter(|&r| r != 0) {
+        return Err(KernelError::Shape(format!(
+            "decode: a window's right side must be 0 or open (decoding is causal: a new token sees \
+             no key after its own), got {right}"
+        )));
+    }
+    let left = opts.window.left.map(|left| left.min(MAX_LENGTH));
+    if let Some(m) = &opts.score_mod {
+        m.check(heads_q, false)?;
+    }
+    if let Some(sinks) = &opts.sinks {
+        sinks.check(heads_q)?;
+    }
+    Ok(left)
 }

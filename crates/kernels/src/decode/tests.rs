@@ -118,9 +118,11 @@ fn params_are_laid_out_like_the_cuda_struct() {
     assert_eq!(std::mem::offset_of!(DecodeCall, lengths), 160);
     assert_eq!(std::mem::offset_of!(DecodeCall, new_starts), 1184);
     assert_eq!(std::mem::size_of::<DecodeCall>(), 2216);
-    // FlashDecoding's: the call and 4 pointers.
+    // FlashDecoding's: the call, 4 pointers, the modifiers' 80 bytes (score_mod.cuh), 2 ints.
     assert_eq!(std::mem::offset_of!(Params, o_part), 2216);
-    assert_eq!(std::mem::size_of::<Params>(), 2248);
+    assert_eq!(std::mem::offset_of!(Params, mods), 2248);
+    assert_eq!(std::mem::offset_of!(Params, first_seq), 2328);
+    assert_eq!(std::mem::size_of::<Params>(), 2336);
 }
 
 fn desc(shape: &[usize], dtype: DType) -> Desc<'_> {
@@ -289,14 +291,14 @@ fn flash_decoding_pp_options_are_checked_with_the_shapes() {
     }
     // bf16 takes a window fp16 cannot (e^40 overflows fp16).
     let wide = DecodeOptions { safe_range: Some((-40.0, 40.0)), ..DecodeOptions::default() };
-    assert!(check(DType::BF16, wide).is_ok());
+    assert!(check(DType::BF16, wide.clone()).is_ok());
     for bad in [
         DecodeOptions { phi: f32::NAN, ..DecodeOptions::default() },
         DecodeOptions { phi: f32::NEG_INFINITY, ..DecodeOptions::default() },
         DecodeOptions { safe_range: Some((0.0, 0.0)), ..DecodeOptions::default() },
         wide,
     ] {
-        let r = check(f16, bad);
+        let r = check(f16, bad.clone());
         assert!(matches!(r, Err(KernelError::Config(_))), "{bad:?}: {r:?}");
     }
 }
