@@ -7,6 +7,9 @@
 #   bash scripts/gpu-check.sh OUT_DIR [tile configs...]     e.g. ... $OUT 2,32,4 1,64,8
 #
 # Logs go to OUT_DIR (and all of them to OUT_DIR/logs.tgz); a short table is printed last.
+# LADDER_ONLY=gpu_decode,gpu_decode_modifiers (test binaries' names without cargo's hash) limits
+# the tests and the sanitizer runs to those binaries: on a cold machine every kernel variant a
+# test launches is compiled first, and the whole set takes more than one call's 600 s.
 set -uo pipefail
 out=${1:?usage: bash scripts/gpu-check.sh OUT_DIR [m_tiles,bc,warps ...]}
 shift
@@ -37,8 +40,11 @@ decode_bin=$(ls .gpu/bin/gpu_decode-* 2>/dev/null | head -1)
 decode_varlen_bin=$(ls .gpu/bin/gpu_decode_varlen-* 2>/dev/null | head -1)
 fp8_bin=$(ls .gpu/bin/gpu_fp8-* 2>/dev/null | head -1)
 varlen_bin=$(ls .gpu/bin/gpu_varlen-* 2>/dev/null | head -1)
+decode_mods_bin=$(ls .gpu/bin/gpu_decode_modifiers-* 2>/dev/null | head -1)
 sanitize() {  # sanitize NAME BINARY TEST_FILTERS...
   local name=$1 bin=$2; shift 2
+  local base; base=$(basename "$bin"); base=${base%-*}
+  if [ -n "${LADDER_ONLY:-}" ] && [[ ",$LADDER_ONLY," != *",$base,"* ]]; then return; fi
   for tool in memcheck racecheck synccheck; do
     start=$SECONDS
     (cd crates/compare && LADDER_REQUIRE_GPU=1 LADDER_GPU_CASES=2 compute-sanitizer \
@@ -47,12 +53,17 @@ sanitize() {  # sanitize NAME BINARY TEST_FILTERS...
     summary+=("compute-sanitizer $tool ($name)  rc=$rc  $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$name-$tool.log" | tail -1)  $((SECONDS - start)) s")
   done
 }
-if [ -n "$gpu_bin" ] && command -v compute-sanitizer >/dev/null; then
-  sanitize gpu "$gpu_bin" \
-    gpu_fa1_fp16 gpu_fa2_fp16 gpu_fa3_fp16 gpu_fa2_backward_fp16 gpu_fa2_deterministic_backward_fp16 \
-    gpu_fa3_backward_fp16 gpu_fa3_deterministic_backward_fp16
+if command -v compute-sanitizer >/dev/null; then
+  if [ -n "$gpu_bin" ]; then
+    sanitize gpu "$gpu_bin" \
+      gpu_fa1_fp16 gpu_fa2_fp16 gpu_fa3_fp16 gpu_fa2_backward_fp16 gpu_fa2_deterministic_backward_fp16 \
+      gpu_fa3_backward_fp16 gpu_fa3_deterministic_backward_fp16
+  fi
   if [ -n "$decode_bin" ]; then
     sanitize decode "$decode_bin" gpu_decode_drawn gpu_decode_bad_page_tables gpu_decode_strided
+  fi
+  if [ -n "$decode_mods_bin" ]; then  # FlashDecoding with a window, a score modifier, sinks
+    sanitize decode-modifiers "$decode_mods_bin" gpu_decode_modifiers_fp16 gpu_decode_bad_modifiers
   fi
   if [ -n "$decode_varlen_bin" ]; then  # packed new tokens
     sanitize decode-varlen "$decode_varlen_bin" gpu_decode_varlen_drawn gpu_decode_varlen_more
@@ -65,7 +76,7 @@ if [ -n "$gpu_bin" ] && command -v compute-sanitizer >/dev/null; then
       gpu_fp8_varlen_quantisation gpu_fa2_varlen_backward_fp16 gpu_fa2_varlen_deterministic
   fi
 else
-  summary+=("compute-sanitizer: not run (no gpu test binary or no sanitizer)")
+  summary+=("compute-sanitizer: not run (no sanitizer on this machine)")
 fi
 
 for tiles in "$@"; do
