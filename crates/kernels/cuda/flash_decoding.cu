@@ -408,32 +408,15 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
         row_sum[mt][0] = row_sum[mt][1] = 0.f;
     }
 
-    // Where the groups of tile `tile` start in the cache (CacheRows::start; a tile past the last
-    // starts past k_end). `bad`: this thread met a page-table entry outside the cache.
-    bool bad = false;
-    auto tile_starts = [&](int tile, long long (&start)[GROUPS]) {
-#pragma unroll
-        for (int g = 0; g < GROUPS; ++g)
-            start[g] = cache.start(k_begin + tile * BC + g * KEY_GROUP, k_end, bad);
-    };
-    // Copies in flight: the first STAGES − 1 K/V tiles, one commit group each, the Q tile riding in
-    // group 0 with tile 0 (empty groups past the last tile keep the count uniform: group g holds
-    // tile g).
-    auto load_kv = [&](int tile, const long long (&start)[GROUPS]) {
-        if (tile < n_tiles) {
-            const int stage = tile % STAGES;
-            load_kv_tile<BC, THREADS, PAGED>(sK + stage * BC * COLS, sV + stage * BC * COLS,
-                                             call.k, call.v, start, call.kv_strides.row,
-                                             k_begin + tile * BC, k_end);
-        }
-        cp_async_commit();
-    };
+    // The K/V pipeline (kv_cache.cuh): the first STAGES − 1 tiles in flight, one commit group
+    // each, the Q tile riding in group 0 with tile 0.
+    KvPipeline<BC, THREADS, STAGES, PAGED> kv(cache, call, sK, sV, keys);
     load_head_rows<ROWS, THREADS>(sQ, call.q, call.q_strides, rows, r0, RB);
 #pragma unroll
     for (int t = 0; t < STAGES - 1; ++t) {
         long long start[GROUPS];
-        tile_starts(t, start);
-        load_kv(t, start);
+        kv.starts(t, start);
+        kv.load(t, start);
     }
 
     const auto qA = a_operand<COLS>(sQ, 0);     // Q: A of S = Q·Kᵀ (all ROWS rows, per warp)
@@ -444,13 +427,13 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
         // Where tile j + STAGES − 1 lies, found before the wait: with a paged cache that reads the
         // page table, and its latency overlaps the wait instead of delaying the copy.
         long long next[GROUPS];
-        tile_starts(j + STAGES - 1, next);
+        kv.starts(j + STAGES - 1, next);
         // Tile j has landed once at most STAGES − 2 younger groups are pending; after the
         // barrier every warp is done with tile j − 1, whose stage the copy of tile
         // j + STAGES − 1 then reuses. One barrier per tile.
         cp_async_wait<STAGES - 2>();
         __syncthreads();
-        load_kv(j + STAGES - 1, next);
+        kv.load(j + STAGES - 1, next);
         const int k0 = k_begin + j * BC;
         const int kw = (j % STAGES) * BC + warp * 16;  // tile row of this warp's first key
 
@@ -534,7 +517,7 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
     cp_async_wait<0>();
     __syncthreads();
     // Paged: whether any thread of the block met a page outside the cache.
-    const bool bad_page = PAGED && __syncthreads_or(bad);
+    const bool bad_page = PAGED && __syncthreads_or(kv.bad);
 
     // ---- merge the warps' states through shared memory (log-sum-exp rule) -----------------------
     float* red_acc = reinterpret_cast<float*>(smem);   // [WARPS][ROWS][RED_STRIDE]

@@ -443,23 +443,9 @@ flash_decoding_pp_split(const __grid_constant__ FdppParams p) {
     // Token 0's limit, the smallest: tiles reaching past it need the mask.
     const int min_limit = min(len - n_new + 1, k_end);
 
-    // The K/V pipeline, as in flash_decoding_split: `bad` is set by a page-table entry outside the
-    // cache; group g of commits holds tile g − 1 (group 0 is Q, below).
-    bool bad = false;
-    auto tile_starts = [&](int tile, long long (&start)[GROUPS]) {
-#pragma unroll
-        for (int g = 0; g < GROUPS; ++g)
-            start[g] = cache.start(k_begin + tile * BC + g * KEY_GROUP, k_end, bad);
-    };
-    auto load_kv = [&](int tile, const long long (&start)[GROUPS]) {
-        if (tile < n_tiles) {
-            const int stage = tile % STAGES;
-            load_kv_tile<BC, THREADS, PAGED>(sK + stage * BC * COLS, sV + stage * BC * COLS,
-                                             call.k, call.v, start, call.kv_strides.row,
-                                             k_begin + tile * BC, k_end);
-        }
-        cp_async_commit();
-    };
+    // The K/V pipeline, as in flash_decoding_split (kv_cache.cuh); group g of commits holds tile
+    // g − 1 (group 0 is Q, below).
+    KvPipeline<BC, THREADS, STAGES, PAGED> kv(cache, call, sK, sV, keys);
     // Q in a commit group of its own, first: the warps copy it into registers before the walk,
     // while the first K/V tiles are still in flight.
     load_head_rows<Q_ROWS, THREADS>(sQ, call.q, call.q_strides, rows, r0, RB);
@@ -467,8 +453,8 @@ flash_decoding_pp_split(const __grid_constant__ FdppParams p) {
 #pragma unroll
     for (int t = 0; t < STAGES - 1; ++t) {
         long long start[GROUPS];
-        tile_starts(t, start);
-        load_kv(t, start);
+        kv.starts(t, start);
+        kv.load(t, start);
     }
     cp_async_wait<STAGES - 1>();  // Q has landed (the STAGES − 1 younger K/V groups may not)
     __syncthreads();
@@ -478,10 +464,10 @@ flash_decoding_pp_split(const __grid_constant__ FdppParams p) {
         // Exactly flash_decoding_split's loop: find where tile j + STAGES − 1 lies, wait for tile
         // j, one barrier (every warp is done with tile j − 1, whose stage the next copy reuses).
         long long next[GROUPS];
-        tile_starts(j + STAGES - 1, next);
+        kv.starts(j + STAGES - 1, next);
         cp_async_wait<STAGES - 2>();
         __syncthreads();
-        load_kv(j + STAGES - 1, next);
+        kv.load(j + STAGES - 1, next);
         const int k0 = k_begin + j * BC;
         w.step((j % STAGES) * BC + warp * 16, k0 + warp * 16, k0 + BC > min_limit, call.scale_log2,
                p.phi_log2);
@@ -489,7 +475,7 @@ flash_decoding_pp_split(const __grid_constant__ FdppParams p) {
     cp_async_wait<0>();
     __syncthreads();
     // Paged: whether any thread of the block met a page outside the cache.
-    const bool bad_page = PAGED && __syncthreads_or(bad);
+    const bool bad_page = PAGED && __syncthreads_or(kv.bad);
 
     // ---- merge the warps: a plain sum (every warp subtracted the same φ) ------------------------
     Merge m;

@@ -132,4 +132,51 @@ __device__ __forceinline__ void load_kv_tile(u16* sK, u16* sV, const u16* gK, co
     }
 }
 
+// ---- the K/V pipeline of a split ----------------------------------------------------------------
+//
+// Both decoding kernels walk their split's tiles through one STAGES-deep cp.async pipeline: find
+// where tile t's groups of keys lie (`starts`: CacheRows::start, which reads the page table when
+// paged; a tile past the last starts past k_end), then copy it into stage t % STAGES and commit a
+// group (`load`; a tile past the last commits an empty group, so that commit group g always holds
+// tile g of the walk). The kernels call `starts` for tile j + STAGES − 1 before waiting for tile j,
+// so that a page-table read overlaps the wait instead of delaying the copy. `bad` records a
+// page-table entry outside the cache (this thread's; the kernels OR it over the block).
+template <int BC, int THREADS, int STAGES, bool PAGED>
+struct KvPipeline {
+    static constexpr int GROUPS = BC / KEY_GROUP;
+    const CacheRows<PAGED>& cache;
+    const DecodeCall& call;
+    u16* sK;  // [STAGES][BC][COLS]
+    u16* sV;  // [STAGES][BC][COLS]
+    int k_begin, k_end, n_tiles;
+    bool bad;
+
+    __device__ __forceinline__ KvPipeline(const CacheRows<PAGED>& cache, const DecodeCall& call,
+                                          u16* sK, u16* sV, const KeyChunk& keys)
+        : cache(cache),
+          call(call),
+          sK(sK),
+          sV(sV),
+          k_begin(keys.begin),
+          k_end(keys.end),
+          n_tiles(keys.tiles),
+          bad(false) {}
+
+    __device__ __forceinline__ void starts(int tile, long long (&start)[GROUPS]) {
+#pragma unroll
+        for (int g = 0; g < GROUPS; ++g)
+            start[g] = cache.start(k_begin + tile * BC + g * KEY_GROUP, k_end, bad);
+    }
+
+    __device__ __forceinline__ void load(int tile, const long long (&start)[GROUPS]) const {
+        if (tile < n_tiles) {
+            const int stage = tile % STAGES;
+            load_kv_tile<BC, THREADS, PAGED>(sK + stage * BC * COLS, sV + stage * BC * COLS,
+                                             call.k, call.v, start, call.kv_strides.row,
+                                             k_begin + tile * BC, k_end);
+        }
+        cp_async_commit();
+    }
+};
+
 #endif  // LADDER_KV_CACHE_CUH
