@@ -78,8 +78,9 @@
 //!    rescaled, and the combine is a plain sum: `O = Σ_s acc_s / Σ_s l_s`, `lse = φ + ln Σ_s l_s`
 //!    (the CPU rung `ladder_reference::flash_decoding_pp`, with a given `φ`). `φ` is a property
 //!    of the model, not of the call: the paper sets it per model from offline statistics of the
-//!    softmax inputs, and so should a caller (the default, [`DEFAULT_PHI`] = 0, suits scores within
-//!    a few units of 0). A row whose largest score `s` has `s − φ` outside the safe window
+//!    softmax inputs, and so should a caller ([`calibrate_phi`] takes a sample of the model's row
+//!    maxima and returns the `φ` that sends the fewest of them back, and that fraction; the
+//!    default, [`DEFAULT_PHI`] = 0, suits scores within a few units of 0). A row whose largest score `s` has `s − φ` outside the safe window
 //!    ([`DecodeOptions::safe_range`], by default `±ln(MAX)/2` of the element type:
 //!    [`default_safe_range`], ±5.5 for fp16, ±44 for bf16), or whose sum is infinite or zero, is
 //!    flagged by the combine and recomputed by FlashDecoding's kernels, which then run only the
@@ -139,6 +140,7 @@ use crate::sinks::Sinks;
 use crate::tensor::{DType, Tensor};
 
 mod cache;
+mod calibrate;
 mod dispatch;
 mod launch;
 mod pp;
@@ -151,6 +153,7 @@ pub(crate) const PP_SRC: &str = pp::SRC;
 
 use cache::TableInfo;
 pub use cache::{Cache, KvCache, PageTable, PagedKvCache};
+pub use calibrate::{Calibration, calibrate_phi};
 #[cfg(test)]
 pub(crate) use launch::variants;
 use launch::{launch, split_shared_bytes};

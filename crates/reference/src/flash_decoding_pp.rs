@@ -225,6 +225,33 @@ fn head_phis<T: Element>(problem: &Problem<'_, T>, phi: Phi, counters: &Counters
         .collect()
 }
 
+/// The largest score the softmax sees (`score_mod(scale · q·k)`, over the keys each row may see)
+/// of every query row of `q` against `k`, `[batch, heads_q, n_q]` in order, leaving out the rows
+/// that see no key: the statistic FlashDecoding++'s `φ` is calibrated from (the paper fixes `φ`
+/// per model from such samples of real calls; `ladder_kernels::decode::calibrate_phi` takes them).
+pub fn row_maxima<T: Element>(
+    q: ArrayView4<T>,
+    k: ArrayView4<T>,
+    opts: &AttentionOptions,
+) -> Result<Vec<T>> {
+    let problem = Problem::new(q, k, k, opts)?;
+    let shape = problem.shape;
+    let mut maxima = Vec::with_capacity(shape.batch * shape.heads_q * shape.n_q);
+    for b in 0..shape.batch {
+        for h in 0..shape.heads_q {
+            let head = problem.head(b, h);
+            for (i, q_row) in head.q.rows().into_iter().enumerate() {
+                let seen = head.row_runs(i).into_iter().flatten();
+                let scores = seen.map(|j| head.logit(head.scale * q_row.dot(&head.k.row(j)), i, j));
+                if let Some(m) = scores.reduce(nan_max) {
+                    maxima.push(m);
+                }
+            }
+        }
+    }
+    Ok(maxima)
+}
+
 /// Phase 1 for one chunk: `acc = Σ exp(s − φ) v`, `l = Σ exp(s − φ)` and the largest score of
 /// each of the query rows `rows` over the keys `cols`.
 fn unified_max_rows<T: Element>(
