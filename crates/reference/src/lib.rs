@@ -18,6 +18,7 @@
 //! | 5 | [`fa3`] | FlashAttention-3 (Shah et al. 2024): the overlapped schedule and the FP8 path with incoherent processing; [`fa3_schedule`] simulates its timeline |
 //! | 6 | [`flash_decoding`] | split K/V into chunks processed in parallel, combine partials by log-sum-exp |
 //! | 7 | [`flash_decoding_pp`] | unified max φ: chunks need no rescaling; rows that leave the safe range fall back to rung 6 |
+//! | past the ladder | [`ring`] | ring attention: the sequence sharded across ranks, K/V passed round a ring, partials merged as rung 6 merges its splits |
 //!
 //! Every rung takes the same masks and modifiers: the causal mask and a sliding window
 //! ([`Mask`]), a mask modifier that hides pairs inside them ([`mask_mod`]: documents, a prefix-LM
@@ -77,6 +78,7 @@ pub mod flash_decoding_pp;
 pub mod fp8;
 pub mod naive;
 pub mod online_softmax;
+pub mod ring;
 pub mod varlen;
 
 pub use element::Element;
