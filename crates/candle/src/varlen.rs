@@ -112,6 +112,7 @@ impl op::Attention for FlashAttnVarLen {
             (o_a.view(), lse.view()),
             do_a.view(),
             &lens,
+            false,
             |s| fa2::backward(s.q, s.k, s.v, s.o, s.d_o, s.lse, &opts),
         )
         .map_err(rung)?;

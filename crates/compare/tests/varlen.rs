@@ -8,7 +8,7 @@
 use ladder_compare::oracle::{Expected, ExpectedGradients, check};
 use ladder_compare::packed;
 use ladder_reference::varlen::{self, SeqLens};
-use ladder_reference::{AttentionOptions, Fa2Options, Gradients, RunStats, fa2};
+use ladder_reference::{AttentionOptions, Fa2Options, Gradients, RunStats, fa2, naive};
 use ndarray::{Array3, s};
 use proptest::prelude::*;
 use rand::SeedableRng;
@@ -71,7 +71,7 @@ proptest! {
         let opts = Fa2Options::new(x.attention.clone()).with_tiles(TILE, TILE).unwrap();
         let (q, k, v) = (x.q.view(), x.k.view(), x.v.view());
         let out = varlen::forward(q, k, v, &x.seq, |q, k, v| fa2::forward(q, k, v, &opts)).unwrap();
-        let g = varlen::backward((q, k, v), (out.o.view(), out.lse.view()), x.d_o.view(), &x.seq, |s| {
+        let g = varlen::backward((q, k, v), (out.o.view(), out.lse.view()), x.d_o.view(), &x.seq, false, |s| {
             fa2::backward(s.q, s.k, s.v, s.o, s.d_o, s.lse, &opts)
         })
         .unwrap();
@@ -138,6 +138,55 @@ proptest! {
             let expected = Expected::new(&x, &attention).unwrap();
             check(&format!("varlen fa2, sequence {b} of {lens:?}"), &got, &expected, None)
                 .map_err(TestCaseError::fail)?;
+        }
+    }
+}
+
+/// With sinks, the packed gradient of each sink sums what every sequence gives it: in float64 it
+/// equals the naive backward pass run on each sequence alone, summed (to f64 rounding), and it is
+/// there, as zeros, when no sequence has both queries and keys.
+#[test]
+fn varlen_sinks_gradient_sums_the_sequences() {
+    let cases: [&[(usize, usize)]; 3] = [
+        &[(5, 9), (0, 4), (17, 3), (1, 1), (6, 0)],
+        &[(TILE + 1, 2 * TILE), (TILE, TILE - 1)],
+        &[(0, 7), (3, 0)],
+    ];
+    for (i, lens) in cases.into_iter().enumerate() {
+        for causal in [false, true] {
+            let x = batch(lens.to_vec(), (2, 2, 8), causal, i as u64);
+            let wide = |t: &Array3<f32>| t.mapv(f64::from);
+            let (q, k, v, d_o) = (wide(&x.q), wide(&x.k), wide(&x.v), wide(&x.d_o));
+            let sinks = vec![0.5, -1.0, 2.0, 0.0];
+            let attention = x.attention.clone().with_sinks(sinks.clone());
+            let opts = Fa2Options::new(attention.clone()).with_tiles(TILE, TILE).unwrap();
+            let (qv, kv, vv) = (q.view(), k.view(), v.view());
+            let out = varlen::forward(qv, kv, vv, &x.seq, |q, k, v| fa2::forward(q, k, v, &opts))
+                .unwrap();
+            let run = |with_sinks: bool| {
+                let o = (out.o.view(), out.lse.view());
+                varlen::backward((qv, kv, vv), o, d_o.view(), &x.seq, with_sinks, |s| {
+                    fa2::backward(s.q, s.k, s.v, s.o, s.d_o, s.lse, &opts)
+                })
+            };
+            let got = run(true).unwrap().dsinks.expect("sinks were asked for");
+            let mut want = ndarray::Array1::<f64>::zeros(sinks.len());
+            for b in 0..x.seq.batch() {
+                let (rows, keys) = (x.seq.q_range(b), x.seq.k_range(b));
+                if rows.is_empty() || keys.is_empty() {
+                    continue;
+                }
+                let inputs = packed::inputs((&q, &k, &v), Some(&d_o), rows, keys);
+                let (q, k, v, d_o) =
+                    (inputs.q.view(), inputs.k.view(), inputs.v.view(), inputs.d_o.view());
+                want += &naive::backward(q, k, v, d_o, &attention).unwrap().dsinks.unwrap();
+            }
+            let diff = (&got - &want).mapv(f64::abs).fold(0.0, |m: f64, &e| m.max(e));
+            assert!(diff < 1e-12, "case {i}, causal {causal}: {got} against {want}");
+            // The flag must match the rung: a sinks gradient the caller did not expect is an error.
+            if want.iter().any(|&e| e != 0.0) {
+                assert!(run(false).is_err(), "case {i}: an unexpected sinks gradient passed");
+            }
         }
     }
 }

@@ -186,19 +186,22 @@ pub struct VarlenGradients<T> {
     pub dq: Array3<T>,
     pub dk: Array3<T>,
     pub dv: Array3<T>,
-    /// The sinks' gradient, summed over the sequences (`None` without sinks).
+    /// The sinks' gradient `[heads_q]`, summed over the sequences (`None` without sinks; zeros
+    /// where no sequence has both queries and keys).
     pub dsinks: Option<Array1<T>>,
     pub stats: RunStats,
 }
 
 /// Runs the backward `rung` on every sequence of the packed batch that has queries and keys,
 /// given the forward's output `out` and the upstream gradient `d_o` (packed like Q), and packs
-/// the gradients as the inputs (see the module docs).
+/// the gradients as the inputs (see the module docs). `sinks` says whether the rung's options
+/// carry sinks, so that their gradient is there (as zeros) even when no sequence runs.
 pub fn backward<T: Element>(
     (q, k, v): (ArrayView3<T>, ArrayView3<T>, ArrayView3<T>),
     (o, lse): (ArrayView3<T>, ArrayView2<T>),
     d_o: ArrayView3<T>,
     lens: &SeqLens,
+    sinks: bool,
     mut rung: impl FnMut(Sequence<'_, T>) -> Result<Gradients<T>>,
 ) -> Result<VarlenGradients<T>> {
     check(q, k, v, lens)?;
@@ -217,7 +220,7 @@ pub fn backward<T: Element>(
     let mut dq = Array3::zeros(q.raw_dim());
     let (mut dk, mut dv) = (Array3::zeros(k.raw_dim()), Array3::zeros(k.raw_dim()));
     let mut stats = RunStats::default();
-    let mut dsinks: Option<Array1<T>> = None;
+    let mut dsinks: Option<Array1<T>> = sinks.then(|| Array1::zeros(heads_q));
     for b in 0..lens.batch() {
         let (rows, keys) = (lens.q_range(b), lens.k_range(b));
         if rows.is_empty() || keys.is_empty() {
@@ -236,11 +239,17 @@ pub fn backward<T: Element>(
         dq.slice_mut(s![rows, .., ..]).assign(&unpacked(&g.dq));
         dk.slice_mut(s![keys.clone(), .., ..]).assign(&unpacked(&g.dk));
         dv.slice_mut(s![keys, .., ..]).assign(&unpacked(&g.dv));
-        if let Some(part) = g.dsinks {
-            dsinks = Some(match dsinks {
-                Some(sum) => sum + part,
-                None => part,
-            });
+        match (&mut dsinks, g.dsinks) {
+            (Some(sum), Some(part)) if part.len() == heads_q => {
+                sum.zip_mut_with(&part, |s, &p| *s = *s + p)
+            }
+            (None, None) => {}
+            (_, part) => {
+                return Err(mismatch(format!(
+                    "sequence {b}: sinks {sinks} but the rung returned a sinks gradient of {:?}",
+                    part.map(|p| p.len())
+                )));
+            }
         }
         stats.add(&g.stats);
     }
