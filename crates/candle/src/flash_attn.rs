@@ -10,8 +10,12 @@ use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, bail};
 use ladder_reference::{AttentionOptions, Element, Fa2Options, ScoreMod, Window, fa2};
 use ndarray::{Array4, Ix3, Ix4};
 
+#[cfg(feature = "cuda")]
+use crate::cuda;
 use crate::layout::{array, array_tensor, storage, tensor_arrays};
 use crate::op::{self, Saved, err};
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
 
 /// What an attention call computes beyond `softmax(scale · Q Kᵀ) V`, in candle-flash-attn's
 /// terms: a window `(left, right)` of keys around each query's diagonal (bottom-right aligned;
@@ -50,6 +54,40 @@ impl Modifiers {
         }
         Ok(opts)
     }
+
+    /// The GPU rungs' options for these settings (`op` names the op in errors).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn gpu_options(&self, op: &str) -> Result<ladder_kernels::Options> {
+        use ladder_kernels::ScoreMod;
+        if !(self.softmax_scale.is_finite() && self.softmax_scale > 0.0) {
+            bail!("{op}: softmax_scale must be positive and finite, got {}", self.softmax_scale);
+        }
+        // flash-attention's `(left, 0)` is the causal mask with `left` keys before the diagonal.
+        let causal = self.window_size_right == Some(0);
+        let right = if causal { None } else { self.window_size_right };
+        let mut score_mod = match self.softcap {
+            Some(cap) if cap != 0.0 => Some(ScoreMod::softcap(cap).map_err(|e| err(op, e))?),
+            _ => None,
+        };
+        if let Some(slopes) = &self.alibi_slopes {
+            if slopes.rank() != 1 {
+                bail!("{op}: alibi_slopes must be [num_heads_q], got shape {:?}", slopes.dims());
+            }
+            let alibi =
+                ScoreMod::alibi(slopes.to_dtype(DType::F32)?.to_vec1()?).map_err(|e| err(op, e))?;
+            score_mod = Some(match score_mod {
+                Some(softcap) => softcap.then(alibi),
+                None => alibi,
+            });
+        }
+        Ok(ladder_kernels::Options {
+            causal,
+            scale: Some(self.softmax_scale),
+            window: ladder_kernels::Window { left: self.window_size_left, right },
+            score_mod,
+            ..ladder_kernels::Options::default()
+        })
+    }
 }
 
 /// The attention op on `(q, k, v)`, `[batch, seq, heads, d]` each.
@@ -61,6 +99,9 @@ pub struct FlashAttn {
 
 /// `[b, s, h, d]` ↔ `[b, h, s, d]`: candle-flash-attn's layout and the rungs' (its own inverse).
 const BSHD: Ix4 = Ix4(0, 2, 1, 3);
+/// [`BSHD`] as the GPU path takes it.
+#[cfg(feature = "cuda")]
+const BSHD_AXES: [usize; 4] = [0, 2, 1, 3];
 
 impl op::Attention for FlashAttn {
     const NAME: &'static str = "ladder-flash-attn";
@@ -103,13 +144,61 @@ impl op::Attention for FlashAttn {
             |a: &Array4<T>, like: &Tensor| array_tensor(a, BSHD, like.dtype(), like.device());
         Ok((back(&g.dq, q)?, back(&g.dk, k)?, back(&g.dv, v)?))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_forward(
+        &self,
+        (q, q_l): (&CudaStorage, &Layout),
+        (k, k_l): (&CudaStorage, &Layout),
+        (v, v_l): (&CudaStorage, &Layout),
+    ) -> Result<(CudaStorage, Shape)> {
+        let gpu = cuda::gpu(Self::NAME, &q.device)?;
+        let lend = |name, s, l| cuda::lend(Self::NAME, name, s, l, &BSHD_AXES);
+        let (q_t, k_t, v_t) = (lend("q", q, q_l)?, lend("k", k, k_l)?, lend("v", v, v_l)?);
+        let opts = self.modifiers.gpu_options(Self::NAME)?;
+        let out = cuda::forward(&gpu, (&q_t, &k_t, &v_t), &opts).map_err(|e| err(Self::NAME, e))?;
+        self.lse.keep_device(out.lse);
+        cuda::to_storage(Self::NAME, out.o, &BSHD_AXES, &q.device)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_gradients(
+        &self,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        o: &Tensor,
+        d_o: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let dev = q.device().as_cuda_device()?;
+        let gpu = cuda::gpu(Self::NAME, dev)?;
+        let d_o = cuda::without_broadcast(d_o)?; // (the gradient of a sum is a broadcast)
+        let guards = [q, k, v, o, &d_o].map(Tensor::storage_and_layout);
+        let [q_t, k_t, v_t, o_t, do_t] = cuda::lend_all(Self::NAME, &guards, &BSHD_AXES)?;
+        let opts = self.modifiers.gpu_options(Self::NAME)?;
+        let rung = |e| err(Self::NAME, e);
+        let qkv = (&*q_t, &*k_t, &*v_t);
+        // The forward pass's lse (recomputed if this op never ran forward on the GPU).
+        let lse = match self.lse.get_device() {
+            Some(lse) => lse,
+            None => cuda::forward(&gpu, qkv, &opts).map_err(rung)?.lse,
+        };
+        let out = ladder_kernels::Output { o: o_t.alias()?, lse };
+        let g = cuda::backward(&gpu, qkv, &out, &do_t, &opts).map_err(rung)?;
+        let back = |t| cuda::to_tensor(Self::NAME, t, &BSHD_AXES, dev);
+        Ok((back(g.dq)?, back(g.dk)?, back(g.dv)?))
+    }
 }
 
 op::custom_op3!(FlashAttn);
 
 /// Applies the attention op with `modifiers` to `(q, k, v)`.
 fn apply(q: &Tensor, k: &Tensor, v: &Tensor, modifiers: Modifiers) -> Result<Tensor> {
-    q.apply_op3(k, v, FlashAttn { modifiers, lse: Saved::default() })
+    let op = FlashAttn { modifiers, lse: Saved::default() };
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() {
+        let (k, v) = (cuda::without_broadcast(k)?, cuda::without_broadcast(v)?);
+        return cuda::in_axis_order(q)?.apply_op3(&k, &v, op);
+    }
+    q.apply_op3(k, v, op)
 }
 
 /// `softmax(scale · Q Kᵀ) V` with candle-flash-attn's signature: `q` `[batch, seq_q, heads_q,

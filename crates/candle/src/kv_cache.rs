@@ -10,8 +10,12 @@ use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Tensor, bail
 use ladder_reference::{AttentionOptions, Element, FlashDecodingOptions, Window, flash_decoding};
 use ndarray::{Array4, Ix4, s};
 
+#[cfg(feature = "cuda")]
+use crate::cuda;
 use crate::layout::{array, storage};
 use crate::op::{self, err};
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
 
 /// Keys and values of a batch of sequences, `[batch, capacity, heads_kv, head_dim]` each (the
 /// layout of flash-attention's `k_cache`), with a length per sequence: sequence `b`'s keys are
@@ -94,6 +98,10 @@ impl KvCache {
         window_size_left: Option<usize>,
     ) -> Result<Tensor> {
         let op = Decode { lengths: self.lengths.clone(), softmax_scale, window_size_left };
+        #[cfg(feature = "cuda")]
+        if q.device().is_cuda() {
+            return crate::cuda::in_axis_order(q)?.apply_op3_no_bwd(&self.k, &self.v, &op);
+        }
         q.apply_op3_no_bwd(&self.k, &self.v, &op)
     }
 }
@@ -149,6 +157,49 @@ impl op::Attention for Decode {
     }
 
     fn gradients<T: Element>(
+        &self,
+        _: (&Tensor, &Tensor, &Tensor),
+        _: &Tensor,
+        _: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        bail!("{}: decoding is inference only (no backward pass)", Self::NAME)
+    }
+
+    /// FlashDecoding on the GPU (`ladder_kernels::decode`, its dispatcher choosing the kernel and
+    /// the splits), the cache read in place: `[batch, capacity, heads_kv, d]` is the kernels'
+    /// `[batch, heads_kv, capacity, d]` with its middle axes swapped.
+    #[cfg(feature = "cuda")]
+    fn cuda_forward(
+        &self,
+        (q, q_l): (&CudaStorage, &Layout),
+        (k, k_l): (&CudaStorage, &Layout),
+        (v, v_l): (&CudaStorage, &Layout),
+    ) -> Result<(CudaStorage, Shape)> {
+        use ladder_kernels::decode;
+        const AXES: [usize; 4] = [0, 2, 1, 3];
+        let (batch, cache) = (q_l.dims()[0], k_l.dims()[0]);
+        if cache != batch || self.lengths.len() != batch {
+            let lengths = self.lengths.len();
+            bail!(
+                "{}: q has {batch} sequences, the cache {cache} and {lengths} lengths",
+                Self::NAME
+            );
+        }
+        let gpu = cuda::gpu(Self::NAME, &q.device)?;
+        let lend = |name, s, l| cuda::lend(Self::NAME, name, s, l, &AXES);
+        let (q_t, k_t, v_t) = (lend("q", q, q_l)?, lend("k", k, k_l)?, lend("v", v, v_l)?);
+        let opts = decode::DecodeOptions {
+            scale: Some(self.softmax_scale),
+            window: ladder_kernels::Window { left: self.window_size_left, right: None },
+            ..decode::DecodeOptions::default()
+        };
+        let cache = decode::KvCache { k: &k_t, v: &v_t, lengths: &self.lengths };
+        let out = decode::forward(&gpu, &q_t, cache, &opts).map_err(|e| err(Self::NAME, e))?;
+        cuda::to_storage(Self::NAME, out.o, &AXES, &q.device)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_gradients(
         &self,
         _: (&Tensor, &Tensor, &Tensor),
         _: &Tensor,

@@ -17,9 +17,10 @@
 //! device) is a candle error, never a panic.
 //!
 //! On candle's CPU device the ops run the ladder's CPU FlashAttention-2 rung
-//! (`ladder_reference::fa2`, in `f32`, or `f64` for `f64` tensors) and its backward pass; the
-//! GPU kernels (`ladder-kernels`: FA3 on Hopper, FA2 elsewhere) on candle's CUDA device are the
-//! next step of this crate, and until then a CUDA tensor is an error.
+//! (`ladder_reference::fa2`, in `f32`, or `f64` for `f64` tensors) and its backward pass. With the
+//! `cuda` feature, on candle's CUDA device they run `ladder-kernels` (FlashAttention-3 on Hopper,
+//! FlashAttention-2 elsewhere, FlashDecoding for the cache; f16 and bf16) on candle's own buffers,
+//! without copies; without it a CUDA tensor is an error naming the op.
 //!
 //! ```
 //! use candle_core::{Device, Tensor, Var};
@@ -37,6 +38,8 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
+#[cfg(feature = "cuda")]
+mod cuda;
 mod flash_attn;
 mod kv_cache;
 mod layout;

@@ -11,9 +11,13 @@ use ladder_reference::varlen::{self, SeqLens};
 use ladder_reference::{Element, Fa2Options, fa2};
 use ndarray::{Array3, Ix2, Ix3};
 
+#[cfg(feature = "cuda")]
+use crate::cuda;
 use crate::flash_attn::Modifiers;
 use crate::layout::{array, array_tensor, storage, tensor_arrays};
 use crate::op::{self, Saved, err};
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
 
 /// The packed attention op on `(q, k, v)`, `[total, heads, d]` each.
 pub struct FlashAttnVarLen {
@@ -28,11 +32,19 @@ pub struct FlashAttnVarLen {
 
 /// The packed tensors' axes as they are.
 const SAME: Ix3 = Ix3(0, 1, 2);
+/// [`SAME`] as the GPU path takes it.
+#[cfg(feature = "cuda")]
+const SAME_AXES: [usize; 3] = [0, 1, 2];
 const NAME: &str = "ladder-flash-attn-varlen";
 
 impl FlashAttnVarLen {
     /// The sequences' offsets, checked against each other, the totals and the maxima given.
     fn seqlens(&self, total_q: usize, total_k: usize) -> Result<SeqLens> {
+        Ok(self.offsets(total_q, total_k)?.0)
+    }
+
+    /// [`FlashAttnVarLen::seqlens`], and the offsets as given (`seqlens_q`, `seqlens_k`).
+    fn offsets(&self, total_q: usize, total_k: usize) -> Result<(SeqLens, Vec<usize>, Vec<usize>)> {
         let offsets = |t: &Tensor, name: &str| -> Result<Vec<usize>> {
             if t.rank() != 1 || t.dtype() != DType::U32 {
                 bail!(
@@ -61,7 +73,25 @@ impl FlashAttnVarLen {
                 self.max_seqlen_k
             );
         }
-        Ok(lens)
+        Ok((lens, cu_q, cu_k))
+    }
+
+    /// The offsets uploaded for the GPU rungs, checked as [`FlashAttnVarLen::seqlens`] checks them.
+    #[cfg(feature = "cuda")]
+    fn gpu_seqlens(
+        &self,
+        gpu: &ladder_kernels::Gpu,
+        total_q: usize,
+        total_k: usize,
+    ) -> Result<ladder_kernels::varlen::SeqLens> {
+        let (_, cu_q, cu_k) = self.offsets(total_q, total_k)?;
+        let narrow = |cu: Vec<usize>| -> Result<Vec<i32>> {
+            cu.into_iter()
+                .map(|x| i32::try_from(x).map_err(|_| err(NAME, format!("offset {x} past i32"))))
+                .collect()
+        };
+        ladder_kernels::varlen::SeqLens::upload(gpu, &narrow(cu_q)?, &narrow(cu_k)?)
+            .map_err(|e| err(NAME, e))
     }
 }
 
@@ -119,6 +149,52 @@ impl op::Attention for FlashAttnVarLen {
         let back =
             |a: &Array3<T>, like: &Tensor| array_tensor(a, SAME, like.dtype(), like.device());
         Ok((back(&g.dq, q)?, back(&g.dk, k)?, back(&g.dv, v)?))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_forward(
+        &self,
+        (q, q_l): (&CudaStorage, &Layout),
+        (k, k_l): (&CudaStorage, &Layout),
+        (v, v_l): (&CudaStorage, &Layout),
+    ) -> Result<(CudaStorage, Shape)> {
+        let gpu = cuda::gpu(NAME, &q.device)?;
+        let lens = self.gpu_seqlens(&gpu, q_l.dims()[0], k_l.dims()[0])?;
+        let lend = |name, s, l| cuda::lend(NAME, name, s, l, &SAME_AXES);
+        let (q_t, k_t, v_t) = (lend("q", q, q_l)?, lend("k", k, k_l)?, lend("v", v, v_l)?);
+        let opts = self.modifiers.gpu_options(NAME)?;
+        let out = cuda::forward_varlen(&gpu, (&q_t, &k_t, &v_t), &lens, &opts)
+            .map_err(|e| err(NAME, e))?;
+        self.lse.keep_device(out.lse);
+        cuda::to_storage(NAME, out.o, &SAME_AXES, &q.device)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_gradients(
+        &self,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        o: &Tensor,
+        d_o: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let dev = q.device().as_cuda_device()?;
+        let gpu = cuda::gpu(NAME, dev)?;
+        let lens = self.gpu_seqlens(&gpu, q.dim(0)?, k.dim(0)?)?;
+        let d_o = cuda::without_broadcast(d_o)?; // (the gradient of a sum is a broadcast)
+        let guards = [q, k, v, o, &d_o].map(Tensor::storage_and_layout);
+        let [q_t, k_t, v_t, o_t, do_t] = cuda::lend_all(NAME, &guards, &SAME_AXES)?;
+        let opts = self.modifiers.gpu_options(NAME)?;
+        let rung = |e| err(NAME, e);
+        let lse = match self.lse.get_device() {
+            Some(lse) => lse,
+            None => cuda::forward_varlen(&gpu, (&q_t, &k_t, &v_t), &lens, &opts).map_err(rung)?.lse,
+        };
+        let out = ladder_kernels::Output { o: o_t.alias()?, lse };
+        // (FlashAttention-3 has no packed backward pass: FlashAttention-2's runs it.)
+        let g =
+            ladder_kernels::fa2::backward_varlen(&gpu, &q_t, &k_t, &v_t, &out, &do_t, &lens, &opts)
+                .map_err(rung)?;
+        let back = |t| cuda::to_tensor(NAME, t, &SAME_AXES, dev);
+        Ok((back(g.dq)?, back(g.dk)?, back(g.dv)?))
     }
 }
 
@@ -185,5 +261,10 @@ pub fn flash_attn_varlen_windowed(
         max_seqlen_k,
         lse: Saved::default(),
     };
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() {
+        let (k, v) = (cuda::without_broadcast(k)?, cuda::without_broadcast(v)?);
+        return cuda::in_axis_order(q)?.apply_op3(&k, &v, op);
+    }
     q.apply_op3(k, v, op)
 }

@@ -8,86 +8,14 @@
 //! by its own rounding, half an ulp of its type at its magnitude, plus the `f32` arithmetic's
 //! error, a few `f32` ulps per term summed (`d` and `seq_kv` of them).
 
-use candle_core::{D, DType, Device, IndexOp, Result, Tensor, Var};
+mod common;
+
+use candle_core::{DType, Device, IndexOp, Result, Tensor, Var};
+use common::{Mods, max_diff, reference, tensor};
 use ladder_candle::{
     KvCache, flash_attn, flash_attn_alibi_windowed_softcap, flash_attn_varlen,
     flash_attn_varlen_windowed, flash_attn_windowed,
 };
-
-/// Deterministic inputs in [-1, 1), `dims`, rounded to `dtype`.
-fn tensor(dims: &[usize], seed: u64, dtype: DType) -> Result<Tensor> {
-    let n: usize = dims.iter().product();
-    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    let values: Vec<f64> = (0..n)
-        .map(|_| {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((state >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
-        })
-        .collect();
-    Tensor::from_vec(values, dims, &Device::Cpu)?.to_dtype(dtype)
-}
-
-/// What a call computes: a window `(left, right)`, ALiBi slopes, a softcap.
-#[derive(Clone, Debug, Default)]
-struct Mods {
-    left: Option<usize>,
-    right: Option<usize>,
-    slopes: Option<Vec<f64>>,
-    softcap: Option<f64>,
-}
-
-/// `softmax(modified(scale · q kᵀ) + mask) v` in f64 with candle's ops, `[b, s, h, d]` in and out;
-/// differentiable through candle's autograd. A row that sees no key gives zeros.
-fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, m: &Mods) -> Result<Tensor> {
-    let (b, sq, hq, d) = q.dims4()?;
-    let (_, skv, hkv, _) = k.dims4()?;
-    let group = hq / hkv;
-    let to = |t: &Tensor| t.to_dtype(DType::F64)?.transpose(1, 2)?.contiguous();
-    // GQA: each kv head repeated for its group of query heads.
-    let repeat = |t: Tensor| -> Result<Tensor> {
-        let t = t.unsqueeze(2)?.broadcast_as((b, hkv, group, skv, d))?;
-        t.reshape((b, hq, skv, d))
-    };
-    let (q, k, v) = (to(q)?, repeat(to(k)?)?, repeat(to(v)?)?);
-    let mut s = (q.matmul(&k.t()?)? * scale)?;
-    if let Some(cap) = m.softcap {
-        s = ((s / cap)?.tanh()? * cap)?;
-    }
-    let shift = skv as i64 - sq as i64;
-    let visible = |i: usize, j: usize| {
-        let from_diagonal = j as i64 - (i as i64 + shift);
-        m.right.is_none_or(|r| from_diagonal <= r as i64)
-            && m.left.is_none_or(|l| -from_diagonal <= l as i64)
-    };
-    // The mask and ALiBi as one bias; a row that sees no key gets a bias of 0 (so that its
-    // softmax is defined) and then probabilities of 0.
-    let mut bias = vec![0f64; hq * sq * skv];
-    let mut sees = vec![0f64; sq];
-    for i in 0..sq {
-        sees[i] = if (0..skv).any(|j| visible(i, j)) { 1.0 } else { 0.0 };
-        for h in 0..hq {
-            for j in (0..skv).filter(|_| sees[i] == 1.0) {
-                let from_diagonal = j as i64 - (i as i64 + shift);
-                let alibi = m.slopes.as_ref().map_or(0.0, |s| -s[h] * from_diagonal.abs() as f64);
-                bias[(h * sq + i) * skv + j] =
-                    if visible(i, j) { alibi } else { f64::NEG_INFINITY };
-            }
-        }
-    }
-    let bias = Tensor::from_vec(bias, (1, hq, sq, skv), &Device::Cpu)?;
-    let sees = Tensor::from_vec(sees, (1, 1, sq, 1), &Device::Cpu)?;
-    let p = candle_nn::ops::softmax(&s.broadcast_add(&bias)?, D::Minus1)?.broadcast_mul(&sees)?;
-    p.matmul(&v)?.transpose(1, 2)
-}
-
-/// The largest |a − b| and |b|.
-fn max_diff(a: &Tensor, b: &Tensor) -> Result<(f64, f64)> {
-    let a = a.to_dtype(DType::F64)?;
-    let b = b.to_dtype(DType::F64)?;
-    let diff = (&a - &b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
-    let size = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
-    Ok((diff, size))
-}
 
 /// The bound on |ours − reference| for an output of `dtype` computed in f32 (f64) over `terms`
 /// summed terms, of magnitude up to `size`: half an ulp of the output type plus the f32 sums'.

@@ -11,9 +11,12 @@
 //!   softmax) differentiated by candle's autograd. (candle-transformers' Qwen2 cannot be that
 //!   reference: its fused RMSNorm and rotary embedding have no backward pass.)
 
+mod common;
+
 use candle_core::{D, DType, Device, Result, Tensor};
-use candle_nn::{Activation, VarBuilder, VarMap};
+use candle_nn::{VarBuilder, VarMap};
 use candle_transformers::models::qwen2 as candle_qwen2;
+use common::model::{candle_config, prompts};
 use ladder_candle::qwen2::{AttentionPath, Config, Model};
 
 fn config() -> Config {
@@ -29,34 +32,6 @@ fn config() -> Config {
         rms_norm_eps: 1e-6,
         tie_word_embeddings: true,
     }
-}
-
-fn candle_config(c: &Config) -> candle_qwen2::Config {
-    candle_qwen2::Config {
-        vocab_size: c.vocab_size,
-        hidden_size: c.hidden_size,
-        intermediate_size: c.intermediate_size,
-        num_hidden_layers: c.num_hidden_layers,
-        num_attention_heads: c.num_attention_heads,
-        num_key_value_heads: c.num_key_value_heads,
-        max_position_embeddings: c.max_position_embeddings,
-        sliding_window: c.max_position_embeddings,
-        max_window_layers: c.num_hidden_layers,
-        tie_word_embeddings: c.tie_word_embeddings,
-        rope_theta: c.rope_theta,
-        rms_norm_eps: c.rms_norm_eps,
-        use_sliding_window: false,
-        hidden_act: Activation::Silu,
-    }
-}
-
-/// Prompts of 5, 17 and 9 tokens, fixed pseudo-random.
-fn prompts(vocab: usize) -> Vec<Vec<u32>> {
-    [5usize, 17, 9]
-        .iter()
-        .enumerate()
-        .map(|(p, &n)| (0..n).map(|i| ((p * 31 + i * 17 + 3) % vocab) as u32).collect())
-        .collect()
 }
 
 /// Our model and the weights it made (`VarMap`), which candle's model then reads.
@@ -79,7 +54,7 @@ fn prefill_and_64_greedy_steps_match_candles_qwen2() -> Result<()> {
     let (mut ours, varmap, cfg) = models()?;
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
     let mut theirs = candle_qwen2::ModelForCausalLM::new(&candle_config(&cfg), vb)?;
-    let prompts = prompts(cfg.vocab_size);
+    let prompts = prompts(&[5, 17, 9], cfg.vocab_size);
     let steps = 64;
     let first = ours.prefill(&prompts, 17 + steps + 1)?;
     let generated = ours.greedy(&first, steps)?;
@@ -109,7 +84,7 @@ fn a_training_steps_gradients_match_candles_autograd() -> Result<()> {
     // The same model on the same weights, with candle's attention (matmul, mask, softmax).
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
     let mut theirs = Model::new(&cfg, vb)?.with_attention(AttentionPath::Candle);
-    let prompts = prompts(cfg.vocab_size);
+    let prompts = prompts(&[5, 17, 9], cfg.vocab_size);
     // The loss: a next-token cross-entropy on every position of every prompt.
     let loss = |model: &mut Model| -> Result<Tensor> {
         let hidden = model.forward_packed(&prompts, None)?;

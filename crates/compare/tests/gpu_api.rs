@@ -296,6 +296,54 @@ fn wrapped_cudarc_buffers_run_without_copies() {
     assert_eq!(c.o.to_bytes().expect("c"), b.o.to_bytes().expect("b"));
 }
 
+/// A borrowed buffer (a framework's, lent for one call) runs as an owned one does, is never
+/// written or handed out, and outlives every tensor and view made from it.
+#[test]
+fn borrowed_buffers_run_and_are_left_to_their_owner() {
+    let Some(gpu) = gpu() else { return };
+    let (b, s, h, d) = (2, 70, 3, 64);
+    let host: Vec<f16> = pseudo_random(12, b * s * h * d).into_iter().map(f16::from_f32).collect();
+    let slice = gpu.stream().clone_htod(&host).expect("copy");
+    // `[batch, seq, heads, d]` as `[batch, heads, seq, d]`, as candle lends it.
+    let strides = [s * h * d, d, h * d, 1];
+    let owned = Tensor::from_cuda_slice_strided(
+        gpu.stream().clone_htod(&host).expect("copy"),
+        &[b, h, s, d],
+        &strides,
+    )
+    .expect("owned");
+    let opts = Options::causal();
+    let want = fa2::forward(gpu, &owned, &owned, &owned, &opts).expect("owned forward");
+    for round in 0..3 {
+        // SAFETY: `slice` outlives the tensor and its views (dropped at the end of the round).
+        let q =
+            unsafe { Tensor::from_borrowed_cuda_slice_strided(&slice, &[b, h, s, d], &strides) }
+                .expect("borrow");
+        assert!(q.is_borrowed());
+        let k = q.view(0, &[b, h, s, d], &strides).expect("a view of it");
+        let got = fa2::forward(gpu, &q, &k, &q, &opts).expect("borrowed forward");
+        assert_eq!(
+            got.o.to_bytes().expect("got"),
+            want.o.to_bytes().expect("want"),
+            "round {round}"
+        );
+        let mut k = k;
+        assert!(matches!(gpu.fill_bytes(&mut k, 0xff), Err(KernelError::Shape(_))));
+        drop(k);
+        let mut q = q;
+        assert!(matches!(gpu.fill_bytes(&mut q, 0xff), Err(KernelError::Shape(_))));
+        assert!(matches!(q.into_cuda_slice::<f16>(), Err(KernelError::Shape(_))));
+    }
+    // Every borrowing tensor is gone; the owner's buffer is still there, unchanged.
+    let back: Vec<f16> = gpu.stream().clone_dtoh(&slice).expect("the owner's buffer");
+    assert_eq!(back, host);
+    // A bad layout is an error before anything is borrowed.
+    // SAFETY: `slice` outlives the call.
+    let bad =
+        unsafe { Tensor::from_borrowed_cuda_slice_strided(&slice, &[b, h, s, d + 1], &strides) };
+    assert!(matches!(bad, Err(KernelError::Shape(_))));
+}
+
 /// Q, K and V as three views of one packed `[batch, seq, 3, heads, d]` projection (and of a fused
 /// `[batch, seq, heads_q + 2·heads_kv, d]` one, GQA) give bitwise what three separate tensors
 /// give, in every rung that takes strides, packed batches included; a shared buffer is never

@@ -24,8 +24,7 @@ fn main() {
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     // Your stream, from your own context (here: a fresh one on device 0). cudarc loads libcuda on
     // first use, and panics without it: ask first.
-    // SAFETY: only probes whether the driver library can be opened.
-    if !unsafe { ladder_kernels::cudarc::driver::sys::is_culib_present() } {
+    if !ladder_kernels::driver_library_present() {
         return Err("no CUDA driver (libcuda.so) on this machine".into());
     }
     let ctx = ladder_kernels::cudarc::driver::CudaContext::new(0)

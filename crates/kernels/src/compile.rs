@@ -250,8 +250,7 @@ fn load_error(variant: &Variant) -> KernelError {
 
 /// NVRTC's (major, minor) version, or a clear error when the library cannot be loaded.
 pub fn nvrtc_version(variant: &Variant) -> Result<(i32, i32)> {
-    // SAFETY: probing for the library only opens it; cudarc would panic on first use without it.
-    if !unsafe { nvrtc_sys::is_culib_present() } {
+    if !crate::nvrtc_library_present() {
         return Err(load_error(variant));
     }
     let (mut major, mut minor): (c_int, c_int) = (0, 0);

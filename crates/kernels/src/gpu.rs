@@ -291,8 +291,7 @@ impl Gpu {
 
     /// Open the device `config` names, on its default stream.
     pub fn with_config(config: GpuConfig) -> Result<Gpu> {
-        // SAFETY: only probes whether the driver library can be opened.
-        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        if !crate::driver_library_present() {
             return Err(KernelError::NoCuda(
                 "the CUDA driver library (libcuda.so) is not installed".into(),
             ));

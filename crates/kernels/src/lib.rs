@@ -72,6 +72,26 @@ pub use tensor::{DType, Element, Tensor, round_to};
 /// [`Gpu::from_stream`] without depending on the same `cudarc` version themselves.
 pub use cudarc;
 
+/// Whether the CUDA driver library (`libcuda.so`) can be used. With the default
+/// `dynamic-loading` feature cudarc opens it on first use and panics without it, so this asks
+/// first (only opening it); with `dynamic-linking` the program could not have started without it.
+pub fn driver_library_present() -> bool {
+    #[cfg(feature = "dynamic-loading")]
+    // SAFETY: only probes whether the library can be opened.
+    return unsafe { cudarc::driver::sys::is_culib_present() };
+    #[cfg(not(feature = "dynamic-loading"))]
+    return true;
+}
+
+/// Whether NVRTC (`libnvrtc.so`) can be used, as [`driver_library_present`] asks of the driver.
+pub fn nvrtc_library_present() -> bool {
+    #[cfg(feature = "dynamic-loading")]
+    // SAFETY: only probes whether the library can be opened.
+    return unsafe { cudarc::nvrtc::sys::is_culib_present() };
+    #[cfg(not(feature = "dynamic-loading"))]
+    return true;
+}
+
 /// Every kernel variant the crate can launch on architecture `arch`: what the compile check
 /// (`.ci/kernels`) builds to see that all of them compile and what ptxas makes of them.
 #[cfg(test)]

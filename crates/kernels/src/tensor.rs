@@ -10,9 +10,14 @@
 //! and [`Tensor::from_cuda_slice_strided`] takes any strides that keep every element inside the
 //! buffer and at an address of its own (rows with gaps between them, one of three slots of a
 //! packed QKV projection).
+//!
+//! A framework that owns its buffers and lends them for one call (candle's `CustomOp`s get
+//! `&CudaSlice`s) wraps them with [`Tensor::from_borrowed_cuda_slice_strided`]: the tensor reads
+//! the buffer and never frees it.
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 use half::{bf16, f16};
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 use crate::error::{KernelError, Result};
@@ -144,6 +149,55 @@ fn download<T: Element>(s: &CudaSlice<T>) -> Result<Vec<T>> {
     s.stream().clone_dtoh(s).map_err(KernelError::driver("copying a tensor to the host"))
 }
 
+/// A tensor's buffer: owned (freed with the last tensor that shares it) or borrowed from a caller
+/// who frees it (never freed here, never written).
+#[derive(Debug)]
+pub(crate) struct Buffer {
+    storage: ManuallyDrop<Storage>,
+    borrowed: bool,
+}
+
+impl Buffer {
+    fn owned(storage: Storage) -> Buffer {
+        Buffer { storage: ManuallyDrop::new(storage), borrowed: false }
+    }
+
+    /// The storage, if the buffer is owned (a borrowed one is handed back as it was).
+    fn into_owned(self) -> std::result::Result<Storage, Buffer> {
+        if self.borrowed {
+            return Err(self);
+        }
+        let mut this = ManuallyDrop::new(self);
+        // SAFETY: `this` is never dropped, so the storage is taken exactly once.
+        Ok(unsafe { ManuallyDrop::take(&mut this.storage) })
+    }
+
+    /// The storage for writing: `None` for a borrowed buffer.
+    fn writable(&mut self) -> Option<&mut Storage> {
+        (!self.borrowed).then_some(&mut *self.storage)
+    }
+}
+
+impl std::ops::Deref for Buffer {
+    type Target = Storage;
+    fn deref(&self) -> &Storage {
+        &self.storage
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        // SAFETY: drop runs once; the storage is not used after this.
+        let storage = unsafe { ManuallyDrop::take(&mut self.storage) };
+        if self.borrowed {
+            // The lender frees its buffer: forget ours, after the work queued on it.
+            each_storage!(storage, s => {
+                s.leak();
+            });
+        }
+    }
+}
+
 impl Storage {
     fn dtype(&self) -> DType {
         match self {
@@ -182,7 +236,7 @@ impl Storage {
 #[derive(Debug)]
 pub struct Tensor {
     /// The buffer, shared by the views made from one tensor ([`Tensor::select`], [`Tensor::view`]).
-    pub(crate) storage: Arc<Storage>,
+    pub(crate) storage: Arc<Buffer>,
     /// Elements of the buffer before the tensor's first one (0 unless a view starts later).
     pub(crate) offset: usize,
     pub(crate) shape: Vec<usize>,
@@ -207,7 +261,40 @@ impl Tensor {
 
     /// A tensor that owns all of `storage`, from its first element.
     pub(crate) fn whole(storage: Storage, shape: Vec<usize>, strides: Vec<usize>) -> Tensor {
-        Tensor { storage: Arc::new(storage), offset: 0, shape, strides }
+        Tensor { storage: Arc::new(Buffer::owned(storage)), offset: 0, shape, strides }
+    }
+
+    /// Borrow a buffer someone else owns (no copy), read-only, with `shape` and `strides` as
+    /// [`Tensor::from_cuda_slice_strided`] takes and checks them: the rungs read it, nothing
+    /// writes it ([`Tensor::into_cuda_slice`], [`crate::Gpu::fill_bytes`] and the outputs of
+    /// `decode::forward_into` refuse it), and dropping the tensor leaves it alone.
+    ///
+    /// # Safety
+    /// `slice` must stay allocated, and unwritten, for as long as the tensor or any view of it
+    /// lives and any work the rungs queued on it runs: drop them before the lender frees or
+    /// writes its buffer, or after work queued later on the same stream.
+    pub unsafe fn from_borrowed_cuda_slice_strided<T: Element>(
+        slice: &CudaSlice<T>,
+        shape: &[usize],
+        strides: &[usize],
+    ) -> Result<Tensor> {
+        check_strides(shape, strides, slice.len())?;
+        let (ptr, _guard) = slice.device_ptr(slice.stream());
+        // SAFETY: the same allocation, `slice.len()` elements; our copy is leaked, never freed
+        // (`Buffer::drop`), and the caller keeps the original alive (this function's contract).
+        let alias = unsafe { slice.stream().upgrade_device_ptr::<T>(ptr, slice.len()) };
+        let storage = ManuallyDrop::new(T::wrap(alias));
+        Ok(Tensor {
+            storage: Arc::new(Buffer { storage, borrowed: true }),
+            offset: 0,
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+        })
+    }
+
+    /// Whether the buffer is borrowed ([`Tensor::from_borrowed_cuda_slice_strided`]).
+    pub fn is_borrowed(&self) -> bool {
+        self.storage.borrowed
     }
 
     /// Wrap an existing device buffer (no copy) whose element `[i0, i1, ..]` lies at
@@ -339,11 +426,14 @@ impl Tensor {
     }
 
     /// Hand the whole buffer back (no copy). Fails, returning nothing, if `T` is not the
-    /// tensor's dtype or other views still share the buffer.
+    /// tensor's dtype, other views still share the buffer, or it is borrowed.
     pub fn into_cuda_slice<T: Element>(self) -> Result<CudaSlice<T>> {
         let dtype = self.dtype();
-        let storage = Arc::try_unwrap(self.storage).map_err(|_| {
+        let buffer = Arc::try_unwrap(self.storage).map_err(|_| {
             KernelError::Shape("the buffer is shared with other views of it".to_string())
+        })?;
+        let storage = buffer.into_owned().map_err(|_| {
+            KernelError::Shape("the buffer is borrowed: its owner keeps it".to_string())
         })?;
         T::unwrap(storage).map_err(|_| {
             KernelError::DType(format!("the tensor is {dtype}, not {} as asked", T::DTYPE))
@@ -400,7 +490,7 @@ impl Tensor {
     /// The device address for reading on `stream` (the guard orders the access with the buffer's
     /// other users when the context tracks events).
     pub(crate) fn read_ptr<'a>(&'a self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
-        let (base, guard) = each_storage!(&*self.storage, s => s.device_ptr(stream));
+        let (base, guard) = each_storage!(&**self.storage, s => s.device_ptr(stream));
         (base + (self.offset * self.dtype().size()) as u64, guard)
     }
 
@@ -411,11 +501,14 @@ impl Tensor {
         stream: &'a CudaStream,
     ) -> Result<(u64, SyncOnDrop<'a>)> {
         let bytes = (self.offset * self.dtype().size()) as u64;
-        let storage = Arc::get_mut(&mut self.storage).ok_or_else(|| {
+        let buffer = Arc::get_mut(&mut self.storage).ok_or_else(|| {
             KernelError::Shape(
                 "cannot write into a tensor whose buffer other views share".to_string(),
             )
         })?;
+        let storage = buffer
+            .writable()
+            .ok_or_else(|| KernelError::Shape("cannot write into a borrowed buffer".to_string()))?;
         let (base, guard) = each_storage!(storage, s => s.device_ptr_mut(stream));
         Ok((base + bytes, guard))
     }
@@ -423,7 +516,7 @@ impl Tensor {
     /// Copy to the host in row-major order of the shape, widened to `f32` (waits for the work
     /// queued before).
     pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
-        Ok(each_storage!(&*self.storage, s => {
+        Ok(each_storage!(&**self.storage, s => {
             self.in_order(download(s)?).into_iter().map(Element::to_f32).collect()
         }))
     }
@@ -432,7 +525,7 @@ impl Tensor {
     /// comparisons.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         let mut out = Vec::with_capacity(self.bytes());
-        each_storage!(&*self.storage, s => {
+        each_storage!(&**self.storage, s => {
             self.in_order(download(s)?).into_iter().for_each(|x| x.append_le_bytes(&mut out))
         });
         Ok(out)
