@@ -92,6 +92,20 @@ pub(crate) fn lend<'a>(
     Ok(Lent { tensor, _lender: PhantomData })
 }
 
+/// The device's [`Gpu`] and [`lend`] of a `CustomOp3`'s inputs `q`, `k` and `v` (storage and
+/// layout each), their axes permuted by `axes`.
+pub(crate) fn lend_qkv<'a>(
+    op: &str,
+    inputs: [(&'a CudaStorage, &'a Layout); 3],
+    axes: &[usize],
+) -> Result<(Arc<Gpu>, [Lent<'a>; 3])> {
+    let gpu = gpu(op, &inputs[0].0.device)?;
+    let [(q, q_l), (k, k_l), (v, v_l)] = inputs;
+    let lent =
+        [lend(op, "q", q, q_l, axes)?, lend(op, "k", k, k_l, axes)?, lend(op, "v", v, v_l, axes)?];
+    Ok((gpu, lent))
+}
+
 /// The storage of a candle tensor on a CUDA device, and its layout.
 pub(crate) fn cuda_storage<'a>(
     op: &str,

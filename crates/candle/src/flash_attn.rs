@@ -152,9 +152,8 @@ impl op::Attention for FlashAttn {
         (k, k_l): (&CudaStorage, &Layout),
         (v, v_l): (&CudaStorage, &Layout),
     ) -> Result<(CudaStorage, Shape)> {
-        let gpu = cuda::gpu(Self::NAME, &q.device)?;
-        let lend = |name, s, l| cuda::lend(Self::NAME, name, s, l, &BSHD_AXES);
-        let (q_t, k_t, v_t) = (lend("q", q, q_l)?, lend("k", k, k_l)?, lend("v", v, v_l)?);
+        let (gpu, [q_t, k_t, v_t]) =
+            cuda::lend_qkv(Self::NAME, [(q, q_l), (k, k_l), (v, v_l)], &BSHD_AXES)?;
         let opts = self.modifiers.gpu_options(Self::NAME)?;
         let out = cuda::forward(&gpu, (&q_t, &k_t, &v_t), &opts).map_err(|e| err(Self::NAME, e))?;
         self.lse.keep_device(out.lse);

@@ -185,9 +185,8 @@ impl op::Attention for Decode {
                 Self::NAME
             );
         }
-        let gpu = cuda::gpu(Self::NAME, &q.device)?;
-        let lend = |name, s, l| cuda::lend(Self::NAME, name, s, l, &AXES);
-        let (q_t, k_t, v_t) = (lend("q", q, q_l)?, lend("k", k, k_l)?, lend("v", v, v_l)?);
+        let (gpu, [q_t, k_t, v_t]) =
+            cuda::lend_qkv(Self::NAME, [(q, q_l), (k, k_l), (v, v_l)], &AXES)?;
         let opts = decode::DecodeOptions {
             scale: Some(self.softmax_scale),
             window: ladder_kernels::Window { left: self.window_size_left, right: None },

@@ -158,10 +158,9 @@ impl op::Attention for FlashAttnVarLen {
         (k, k_l): (&CudaStorage, &Layout),
         (v, v_l): (&CudaStorage, &Layout),
     ) -> Result<(CudaStorage, Shape)> {
-        let gpu = cuda::gpu(NAME, &q.device)?;
+        let (gpu, [q_t, k_t, v_t]) =
+            cuda::lend_qkv(NAME, [(q, q_l), (k, k_l), (v, v_l)], &SAME_AXES)?;
         let lens = self.gpu_seqlens(&gpu, q_l.dims()[0], k_l.dims()[0])?;
-        let lend = |name, s, l| cuda::lend(NAME, name, s, l, &SAME_AXES);
-        let (q_t, k_t, v_t) = (lend("q", q, q_l)?, lend("k", k, k_l)?, lend("v", v, v_l)?);
         let opts = self.modifiers.gpu_options(NAME)?;
         let out = cuda::forward_varlen(&gpu, (&q_t, &k_t, &v_t), &lens, &opts)
             .map_err(|e| err(NAME, e))?;

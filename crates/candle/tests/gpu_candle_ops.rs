@@ -12,20 +12,10 @@
 mod common;
 
 use candle_core::{DType, Device, IndexOp, Result, Tensor, Var};
-use common::{Mods, attention_in, cuda, max_diff, meets_the_rule, reference, tensor};
+use common::{Case, Mods, attention_in, cuda, inputs, max_diff, meets_the_rule, reference, tensor};
 use ladder_candle::{
     KvCache, flash_attn, flash_attn_alibi_windowed_softcap, flash_attn_varlen, flash_attn_windowed,
 };
-
-#[derive(Debug)]
-struct Case {
-    b: usize,
-    sq: usize,
-    skv: usize,
-    hq: usize,
-    hkv: usize,
-    d: usize,
-}
 
 const CASES: [Case; 5] = [
     Case { b: 1, sq: 3, skv: 3, hq: 2, hkv: 2, d: 64 },
@@ -35,15 +25,6 @@ const CASES: [Case; 5] = [
     Case { b: 2, sq: 130, skv: 130, hq: 2, hkv: 1, d: 96 },
     Case { b: 1, sq: 64, skv: 257, hq: 8, hkv: 8, d: 256 },
 ];
-
-/// The inputs of case `c` on the CPU, rounded to `dtype` (the reference reads these).
-fn inputs(c: &Case, dtype: DType) -> Result<(Tensor, Tensor, Tensor)> {
-    Ok((
-        tensor(&[c.b, c.sq, c.hq, c.d], 1 + c.d as u64, dtype)?,
-        tensor(&[c.b, c.skv, c.hkv, c.d], 2 + c.d as u64, dtype)?,
-        tensor(&[c.b, c.skv, c.hkv, c.d], 3 + c.d as u64, dtype)?,
-    ))
-}
 
 /// `(q, k, v)` copied to `dev`.
 fn on(dev: &Device, (q, k, v): &(Tensor, Tensor, Tensor)) -> Result<(Tensor, Tensor, Tensor)> {

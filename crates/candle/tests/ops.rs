@@ -11,7 +11,7 @@
 mod common;
 
 use candle_core::{DType, Device, IndexOp, Result, Tensor, Var};
-use common::{Mods, max_diff, reference, tensor};
+use common::{Case, Mods, inputs, max_diff, reference, tensor};
 use ladder_candle::{
     KvCache, flash_attn, flash_attn_alibi_windowed_softcap, flash_attn_varlen,
     flash_attn_varlen_windowed, flash_attn_windowed,
@@ -29,15 +29,6 @@ fn tolerance(dtype: DType, size: f64, terms: usize) -> f64 {
     0.5 * out_ulp * size.max(1.0) + 4.0 * work_ulp * terms as f64 * size.max(1.0)
 }
 
-struct Case {
-    b: usize,
-    sq: usize,
-    skv: usize,
-    hq: usize,
-    hkv: usize,
-    d: usize,
-}
-
 const CASES: [Case; 4] = [
     Case { b: 1, sq: 3, skv: 3, hq: 2, hkv: 2, d: 8 },
     Case { b: 2, sq: 5, skv: 9, hq: 4, hkv: 2, d: 16 },
@@ -45,14 +36,6 @@ const CASES: [Case; 4] = [
     Case { b: 1, sq: 7, skv: 4, hq: 3, hkv: 1, d: 8 },
     Case { b: 2, sq: 33, skv: 70, hq: 2, hkv: 1, d: 32 },
 ];
-
-fn inputs(c: &Case, dtype: DType) -> Result<(Tensor, Tensor, Tensor)> {
-    Ok((
-        tensor(&[c.b, c.sq, c.hq, c.d], 1 + c.d as u64, dtype)?,
-        tensor(&[c.b, c.skv, c.hkv, c.d], 2 + c.d as u64, dtype)?,
-        tensor(&[c.b, c.skv, c.hkv, c.d], 3 + c.d as u64, dtype)?,
-    ))
-}
 
 #[test]
 fn flash_attn_matches_candle_attention_in_every_dtype() -> Result<()> {

@@ -19,6 +19,26 @@ pub fn tensor(dims: &[usize], seed: u64, dtype: DType) -> Result<Tensor> {
     Tensor::from_vec(values, dims, &Device::Cpu)?.to_dtype(dtype)
 }
 
+/// A problem's shape: batch, query and key lengths, query and key/value heads, head dimension.
+#[derive(Debug)]
+pub struct Case {
+    pub b: usize,
+    pub sq: usize,
+    pub skv: usize,
+    pub hq: usize,
+    pub hkv: usize,
+    pub d: usize,
+}
+
+/// The inputs of case `c` on the CPU, `[batch, seq, heads, d]`, rounded to `dtype`.
+pub fn inputs(c: &Case, dtype: DType) -> Result<(Tensor, Tensor, Tensor)> {
+    Ok((
+        tensor(&[c.b, c.sq, c.hq, c.d], 1 + c.d as u64, dtype)?,
+        tensor(&[c.b, c.skv, c.hkv, c.d], 2 + c.d as u64, dtype)?,
+        tensor(&[c.b, c.skv, c.hkv, c.d], 3 + c.d as u64, dtype)?,
+    ))
+}
+
 /// What a call computes: a window `(left, right)`, ALiBi slopes, a softcap.
 #[derive(Clone, Debug, Default)]
 pub struct Mods {
