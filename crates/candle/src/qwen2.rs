@@ -11,9 +11,10 @@
 //!
 //! The model works on tokens packed back to back, `[tokens, hidden]`: a prefill packs every
 //! prompt, a decoding step one token per sequence, and each token's rotary position is its own.
-//! Every part is differentiable (the rotary embedding and RMSNorm in candle's tensor ops, where
-//! candle-nn's fused ones have no backward pass), so a training step's gradients reach every
-//! weight. [`AttentionPath::Candle`] swaps the attention for candle's own (matmul, mask, softmax):
+//! Every part is differentiable where a gradient is wanted: when the weights are variables (a
+//! training step), the rotary embedding and RMSNorm run in candle's tensor ops, since candle-nn's
+//! fused kernels for them have no backward pass; when nothing is tracked (inference, weights
+//! loaded as plain tensors), they run as those fused kernels, as candle-transformers' models do. [`AttentionPath::Candle`] swaps the attention for candle's own (matmul, mask, softmax):
 //! the same model with the other attention, to hold one to the other.
 
 use candle_core::{D, DType, Device, Module, Result, Tensor, bail};
@@ -55,7 +56,8 @@ pub enum AttentionPath {
     Candle,
 }
 
-/// RMSNorm in candle's tensor ops (`candle_nn::ops::rms_norm_slow`): differentiable.
+/// RMSNorm: candle-nn's fused kernel when no gradient is tracked, else in candle's tensor ops
+/// (`rms_norm_slow`, differentiable).
 #[derive(Debug, Clone)]
 struct RmsNorm {
     weight: Tensor,
@@ -71,7 +73,11 @@ impl RmsNorm {
 
 impl Module for RmsNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        candle_nn::ops::rms_norm_slow(x, &self.weight, self.eps)
+        if x.track_op() || self.weight.track_op() {
+            candle_nn::ops::rms_norm_slow(x, &self.weight, self.eps)
+        } else {
+            candle_nn::ops::rms_norm(x, &self.weight, self.eps)
+        }
     }
 }
 
@@ -95,11 +101,17 @@ impl Rotary {
         Ok(Rotary { cos: angles.cos()?.to_dtype(dtype)?, sin: angles.sin()?.to_dtype(dtype)? })
     }
 
-    /// `x` `[tokens, heads, d]` rotated by each token's position (`positions`, u32 `[tokens]`),
-    /// in the differentiable form (`candle_nn::rotary_emb::rope_slow`).
+    /// `x` `[tokens, heads, d]` rotated by each token's position (`positions`, u32 `[tokens]`):
+    /// candle-nn's fused kernel when no gradient is tracked, else the differentiable form
+    /// (`candle_nn::rotary_emb::rope_slow`).
     fn apply(&self, x: &Tensor, positions: &Tensor) -> Result<Tensor> {
         let (cos, sin) =
             (self.cos.index_select(positions, 0)?, self.sin.index_select(positions, 0)?);
+        if !x.track_op() {
+            // rope_thd takes [batch, seq, heads, d], a position per seq entry: the tokens.
+            let x = x.unsqueeze(0)?.contiguous()?;
+            return candle_nn::rotary_emb::rope_thd(&x, &cos, &sin)?.squeeze(0);
+        }
         // rope_slow takes [batch, heads, seq, d] with a position per seq entry: the tokens.
         let x = x.transpose(0, 1)?.unsqueeze(0)?.contiguous()?;
         candle_nn::rotary_emb::rope_slow(&x, &cos, &sin)?.squeeze(0)?.transpose(0, 1)

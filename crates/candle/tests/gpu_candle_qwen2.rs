@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use candle_core::{D, DType, Device, IndexOp, Result, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_transformers::models::qwen2 as candle_qwen2;
-use common::model::{candle_config, prompts, weights_on};
+use common::model::{candle_config, frozen_on, prompts, weights_on};
 use common::{cuda, meets_the_rule};
 use ladder_candle::qwen2::{AttentionPath, Config, Model};
 
@@ -59,8 +59,8 @@ fn prefill_and_64_greedy_steps_meet_the_rule() -> Result<()> {
     let steps = 64;
     let capacity = 130 + steps + 1;
     for dtype in [DType::F16, DType::BF16] {
-        let weights = weights_on(&varmap, &dev, dtype)?;
-        let vb = VarBuilder::from_varmap(&weights, dtype, &dev);
+        // Plain tensors: the inference path (fused RMSNorm and rotary kernels).
+        let vb = frozen_on(&varmap, &dev, dtype)?;
         let mut ours = Model::new(&cfg, vb.clone())?;
         let mut theirs = candle_qwen2::ModelForCausalLM::new(&candle_config(&cfg), vb)?;
         // Ours decides the tokens; the f32 model and candle's are fed them.

@@ -4,6 +4,8 @@
 //!
 //! - prefill: three prompts of different lengths packed into one call (`flash_attn_varlen`)
 //!   against each prompt alone through candle's model: the logits of each prompt's last token;
+//!   Our model reads the weights as plain tensors here (its inference path: candle-nn's fused
+//!   RMSNorm and rotary kernels), as variables in the training test (the differentiable forms);
 //! - generation: 64 greedy steps against the KV cache (`KvCache::attend`): the same tokens as
 //!   candle's model with its own cache;
 //! - training: every weight's gradient of a next-token loss over the packed prompts, through this
@@ -16,7 +18,7 @@ mod common;
 use candle_core::{D, DType, Device, Result, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_transformers::models::qwen2 as candle_qwen2;
-use common::model::{candle_config, prompts};
+use common::model::{candle_config, frozen_on, prompts};
 use ladder_candle::qwen2::{AttentionPath, Config, Model};
 
 fn config() -> Config {
@@ -51,7 +53,8 @@ fn max_diff(a: &Tensor, b: &Tensor) -> Result<(f32, f32)> {
 
 #[test]
 fn prefill_and_64_greedy_steps_match_candles_qwen2() -> Result<()> {
-    let (mut ours, varmap, cfg) = models()?;
+    let (_, varmap, cfg) = models()?;
+    let mut ours = Model::new(&cfg, frozen_on(&varmap, &Device::Cpu, DType::F32)?)?;
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
     let mut theirs = candle_qwen2::ModelForCausalLM::new(&candle_config(&cfg), vb)?;
     let prompts = prompts(&[5, 17, 9], cfg.vocab_size);

@@ -1,8 +1,10 @@
 //! The Qwen2 tests' shared parts: candle-transformers' configuration for ours, the prompts, and
 //! the CPU model's weights copied to another device.
 
+use std::collections::HashMap;
+
 use candle_core::{DType, Device, Result, Var};
-use candle_nn::{Activation, VarMap};
+use candle_nn::{Activation, VarBuilder, VarMap};
 use candle_transformers::models::qwen2 as candle_qwen2;
 use ladder_candle::qwen2::Config;
 
@@ -46,4 +48,18 @@ pub fn weights_on(varmap: &VarMap, dev: &Device, dtype: DType) -> Result<VarMap>
         }
     }
     Ok(copy)
+}
+
+/// The weights of `varmap` as plain tensors on `dev` in `dtype`: nothing is tracked, so the model
+/// takes its inference path (candle-nn's fused RMSNorm and rotary kernels).
+pub fn frozen_on(varmap: &VarMap, dev: &Device, dtype: DType) -> Result<VarBuilder<'static>> {
+    let from = varmap.data().lock().expect("the weights");
+    let tensors = from
+        .iter()
+        .map(|(name, var)| {
+            let t = var.as_tensor().detach();
+            Ok((name.clone(), t.to_device(dev)?.to_dtype(dtype)?))
+        })
+        .collect::<Result<HashMap<_, _>>>()?;
+    Ok(VarBuilder::from_tensors(tensors, dtype, dev))
 }
