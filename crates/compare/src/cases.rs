@@ -76,9 +76,14 @@ impl Case {
         }
     }
 
-    /// The kernels' options `opts` with the case's modifier (its score modifier or sinks: the
-    /// kernels take no mask modifier yet, and the GPU suites draw none).
+    /// The kernels' options `opts` with the case's modifiers: its score modifier or sinks, and
+    /// its mask modifier (a mask that cannot be made, a document id past 2²⁴, is left out and the
+    /// mismatch then shows in the comparison).
     pub fn kernel_modifier(&self, opts: ladder_kernels::Options) -> ladder_kernels::Options {
+        let opts = match self.mask_mod.map(|m| m.gpu(self.shape.n_kv)) {
+            Some(Ok(m)) => opts.with_mask_mod(m),
+            _ => opts,
+        };
         match self.score_mod {
             Some(m) => m.apply_gpu(opts, self.shape.heads_q),
             None => opts,

@@ -422,6 +422,11 @@ impl GpuRung {
         )
     }
 
+    /// Whether the kernel takes a mask modifier (`Options::mask_mod`): the FA2 forward.
+    pub fn takes_mask_mod(self) -> bool {
+        self == GpuRung::Fa2
+    }
+
     /// Whether the kernel runs on `gpu` (FA3 needs Hopper, `sm_90a`; the others sm_80+).
     pub fn available_on(self, gpu: &Gpu) -> bool {
         !matches!(

@@ -223,6 +223,29 @@ impl MaskSpec {
     pub fn apply_cpu(&self, opts: AttentionOptions, n_kv: usize) -> AttentionOptions {
         opts.with_mask_mod(self.cpu(n_kv))
     }
+
+    /// The kernels' form of [`MaskSpec::cpu`], the same function as CUDA source
+    /// ([`ladder_kernels::MaskMod`]).
+    pub fn gpu(&self, n_kv: usize) -> ladder_kernels::Result<ladder_kernels::MaskMod> {
+        use ladder_kernels::MaskMod as Gpu;
+        match *self {
+            MaskSpec::Documents(docs) => {
+                let docs = docs.max(1);
+                Gpu::documents((0..n_kv).map(|j| (j * docs / n_kv) as u32).collect())
+            }
+            MaskSpec::PrefixLm(prefix) => Gpu::prefix_lm(prefix),
+            MaskSpec::Dilated(stride) => {
+                let stride = i32::try_from(stride.max(1)).map_err(|_| {
+                    ladder_kernels::KernelError::Shape(format!("dilated stride {stride}"))
+                })?;
+                Ok(Gpu::new(
+                    format!("dilated({stride})"),
+                    "return (kv_idx - (q_idx + n_kv - n_q)) % stride == 0;",
+                )
+                .int("stride", stride))
+            }
+        }
+    }
 }
 
 /// `documents:N`, `prefix-lm:P` or `dilated:S` (`N`, `S` at least 1).

@@ -252,10 +252,13 @@ impl RunArgs {
                 Plan::Cpu
             }
             Device::Gpu => {
-                if let Some(m) = self.rung_args.mask_mod {
+                let takes_mask = gpu_forward(self.rung).is_some_and(GpuRung::takes_mask_mod);
+                if let Some(m) = self.rung_args.mask_mod
+                    && (!takes_mask || backward.is_some())
+                {
                     return Err(usage(format!(
-                        "--mask-mod {m}: the GPU kernels take no mask modifier yet (every CPU \
-                         rung does: --device cpu)"
+                        "--mask-mod {m}: on the GPU only the fa2 forward takes a mask modifier \
+                         yet (every CPU rung does: --device cpu)"
                     )));
                 }
                 let rung = gpu_forward(self.rung).ok_or_else(|| {
@@ -536,6 +539,10 @@ fn gpu(rung: GpuRung, dtype: GpuDType, x: &Tensors, args: &RunArgs) -> anyhow::R
     };
     let opts = match args.rung_args.score_mod {
         Some(m) => m.apply_gpu(opts, x.q.data.dim().1),
+        None => opts,
+    };
+    let opts = match args.rung_args.mask_mod {
+        Some(m) => opts.with_mask_mod(m.gpu(x.k.data.dim().2).map_err(kernel_error)?),
         None => opts,
     };
     let out = match rung.kernels() {

@@ -160,7 +160,8 @@ fn run_takes_a_score_mod_on_the_cpu() {
 }
 
 /// `--mask-mod` reaches the CPU rungs as the mask by its
-/// definition, composed with `--score-mod`; the GPU, `verify` and a bad spec are one-line errors.
+/// definition, composed with `--score-mod`; a GPU rung other than the fa2 forward, `verify` and a
+/// bad spec are one-line errors.
 #[test]
 fn run_takes_a_mask_mod_on_the_cpu() {
     use ladder_compare::modifiers::{MaskSpec, ModifierSpec};
@@ -192,8 +193,9 @@ fn run_takes_a_mask_mod_on_the_cpu() {
     let bad = run(&["--mask-mod", "documents:0"]);
     assert_eq!(bad.status.code(), Some(2), "{}", String::from_utf8_lossy(&bad.stderr));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("at least 1"));
-    let gpu = run(&["--mask-mod", "documents:2", "--device", "gpu"]);
-    assert_one_line_error(&gpu, 2, "the GPU kernels take no mask modifier yet");
+    let fa3 = ["run", "--rung", "fa3", "--q", &q, "--k", &k, "--v", &v, "--out", &out_s];
+    let gpu = ladder(&[&fa3[..], &["--mask-mod", "documents:2", "--device", "gpu"]].concat());
+    assert_one_line_error(&gpu, 2, "on the GPU only the fa2 forward takes a mask modifier");
     let verify = ladder(&["verify", "--mask-mod", "prefix-lm:3"]);
     assert_one_line_error(&verify, 2, "--mask-mod prefix-lm:3: `ladder verify`");
 }

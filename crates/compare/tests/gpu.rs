@@ -679,3 +679,71 @@ fn gpu_score_mods_are_refused_where_unsupported() {
         assert!(err.contains("twice has no derivative"), "{err}");
     }
 }
+
+/// Mask modifiers in the FA2 forward, on problems of many tiles: the block mask skips the tiles a
+/// document mask empties and the kernel asks the mask per entry on the tiles it leaves partial.
+/// Packed causal training (16 documents), documents with `n_q ≠ n_kv` (more queries than keys:
+/// the first rows see nothing), a prefix-LM mask, LongNet's dilated mask (a user-written body
+/// with an `int`) inside a window, and a document mask under softcap; fp16 and bf16, d = 64, 128
+/// and 256, both layouts a mask takes.
+#[test]
+fn gpu_mask_mods_long_sequences() {
+    use ladder_compare::modifiers::{Cap, MaskSpec, ModifierSpec};
+    use ladder_reference::Window;
+    let none = Window::default();
+    let cases = [
+        (1024, 1024, 128, true, MaskSpec::Documents(16), none, None, Layout::Bhsd),
+        (700, 1500, 64, false, MaskSpec::Documents(5), none, None, Layout::Bshd),
+        (1500, 700, 256, true, MaskSpec::Documents(3), none, None, Layout::Bhsd),
+        (900, 900, 128, false, MaskSpec::PrefixLm(300), none, None, Layout::Bshd),
+        (1029, 1029, 64, true, MaskSpec::Dilated(3), Window::left(400), None, Layout::Bhsd),
+        (
+            600,
+            600,
+            128,
+            true,
+            MaskSpec::Documents(4),
+            none,
+            Some(ModifierSpec::Softcap(Cap::new(5.0).unwrap())),
+            Layout::Bshd,
+        ),
+    ];
+    for (i, &(n_q, n_kv, d, causal, mask, window, score_mod, layout)) in cases.iter().enumerate() {
+        let base = long_case((2, 4, 2, n_q, n_kv, d), causal, 128, 7000 + i as u64);
+        let case = Case { window, score_mod, mask_mod: Some(mask), ..base };
+        let dtype = if i % 2 == 0 { DType::F16 } else { DType::BF16 };
+        check_forward_in(GpuRung::Fa2, &case, dtype, layout).unwrap_or_else(|e| {
+            panic!(
+                "fa2: {n_q}x{n_kv}, d = {d}, causal = {causal}, {mask}, {window:?}, {layout:?}: {e}"
+            )
+        });
+    }
+}
+
+/// A mask modifier reaches only the FA2 forward; the other rungs, a packed batch and bad masks are
+/// errors that say why.
+#[test]
+fn gpu_mask_mods_are_refused_where_unsupported() {
+    use ladder_kernels::MaskMod;
+    let Some(gpu) = gpu() else { return };
+    let q = gpu.upload(&vec![0.25; 2 * 64 * 64], &[1, 2, 64, 64], DType::F16).unwrap();
+    let docs = Options::causal().with_mask_mod(MaskMod::document_lengths(&[20, 44]).unwrap());
+    let out = fa2::forward(gpu, &q, &q, &q, &docs).unwrap();
+    let err = fa2::backward(gpu, &q, &q, &q, &out, &q, &docs).unwrap_err().to_string();
+    assert!(err.contains("fa2 backward takes no mask_mod"), "{err}");
+    let err = fa1::forward(gpu, &q, &q, &q, &docs).unwrap_err().to_string();
+    assert!(err.contains("fa1 takes no mask_mod"), "{err}");
+    // A document table must cover the keys.
+    let short = Options::causal().with_mask_mod(MaskMod::document_lengths(&[20, 40]).unwrap());
+    let err = fa2::forward(gpu, &q, &q, &q, &short).unwrap_err().to_string();
+    assert!(err.contains("table of 60 keys for 64 keys"), "{err}");
+    // A body that does not compile comes back with NVRTC's log, named after the mask.
+    let broken = Options::full().with_mask_mod(MaskMod::new("my mask", "return q_idx <;"));
+    let err = fa2::forward(gpu, &q, &q, &q, &broken).unwrap_err();
+    assert!(matches!(err, KernelError::Compile { .. }), "{err}");
+    assert!(err.to_string().contains("my mask(1)"), "{err}");
+    if GpuRung::Fa3.available_on(gpu) {
+        let err = fa3::forward(gpu, &q, &q, &q, &docs).unwrap_err().to_string();
+        assert!(err.contains("fa3 takes no mask_mod"), "{err}");
+    }
+}

@@ -41,10 +41,13 @@
 //              the tile table names, and every length and offset is its sequence's
 //   LADDER_SCORE_MOD  a score modifier compiled in (score_mod.cuh): S is scaled and rewritten
 //              before the mask, and the softmax runs in base 2 on the result
+//   LADDER_MASK_MOD  a mask modifier compiled in (mask_mod.cuh): the walk skips the key tiles
+//              the block mask says are empty, and a partial tile asks the mask per entry
 
 #include "copy.cuh"
 #include "layout.cuh"
 #include "mask.cuh"
+#include "mask_mod.cuh"
 #include "mma.cuh"
 #include "score_mod.cuh"
 #include "softmax.cuh"
@@ -120,6 +123,7 @@ struct Fa2ForwardParams {
     Band band;         // FA2_WINDOW only: the sliding window (mask.cuh)
     Varlen varlen;     // FA2_VARLEN only
     ModifierArgs mods;  // the score modifier (LADDER_SCORE_MOD) and the sinks (score_mod.cuh)
+    MaskArgs mask;      // the mask modifier and its block mask (LADDER_MASK_MOD; mask_mod.cuh)
 };
 
 // Launch: grid (ceil(n_q / BR), heads_q, batch), or (varlen.n_tiles, heads_q, 1) for a packed
@@ -154,6 +158,16 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
     const int shift = w.n_kv - w.n_q;  // bottom-right alignment (mask.cuh)
     const Band band = band_of<causal, windowed>(p.band);
     const TileSpan tiles = key_tile_span<BC>(q0, q0 + BR - 1, w.n_kv, shift, band);
+    // The tiles of the span the walk computes: all of them, or those the block mask leaves
+    // (tile_kind is FULL for every tile without a mask modifier, and the skipping folds away).
+    auto kind = [&](int j) { return tile_kind(p.mask, w.batch, head, w.block, j); };
+    auto next_tile = [&](int j) {
+        ++j;
+        if constexpr (has_mask_mod)
+            while (j < tiles.end && kind(j) == TILE_EMPTY) ++j;
+        return j;
+    };
+    const int first_tile = has_mask_mod ? next_tile(tiles.first - 1) : tiles.first;
 
     // ---- per-warp state: the warp's rows of O, m and l, in registers for the whole walk ---------
     float acc[MT][DT][4];  // O, unnormalised
@@ -167,8 +181,8 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
 
     // ---- prologue: Q once, and the first K/V tile into stage 0 ----------------------------------
     load_tile<BR, COLS, DK, D, THREADS>(sQ, gQ, Q_ROW, q0, w.n_q);
-    if (!tiles.empty()) {
-        const int n_kv = w.n_kv, first = tiles.first * BC;
+    if (first_tile < tiles.end) {
+        const int n_kv = w.n_kv, first = first_tile * BC;
         const long long k_off = kv_offset(p.k_strides, K_ROW);
         const long long v_off = FA2_V_STRIDES ? kv_offset(p.v_strides, V_ROW) : k_off;
         load_tile<BC, COLS, DK, D, THREADS>(sK, p.k + k_off, K_ROW, first, n_kv);
@@ -183,11 +197,12 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
     const auto kB = b_operand<COLS>(sK);             // K: B of S = Q·Kᵀ (rows = keys = n)
     const auto vB = b_operand_trans<COLS>(sV);       // V: B of O = P·V (rows = keys = k)
 
-    // ---- the K/V walk: copy tile j + 1 into the other stage while tile j is computed ------------
-    for (int j = tiles.first; j < tiles.end; ++j) {
-        const int stage = (j - tiles.first) & 1;
-        if (j + 1 < tiles.end) {
-            const int n_kv = sequence().n_kv, next = (j + 1) * BC;
+    // ---- the K/V walk: copy the next tile into the other stage while tile j is computed ---------
+    for (int j = first_tile, step = 0; j < tiles.end; j = next_tile(j), ++step) {
+        const int stage = (has_mask_mod ? step : j - tiles.first) & 1;
+        const int j_next = next_tile(j);
+        if (j_next < tiles.end) {
+            const int n_kv = sequence().n_kv, next = j_next * BC;
             u16* k_stage = sK + (stage ^ 1) * BC * COLS;
             u16* v_stage = sV + (stage ^ 1) * BC * COLS;
             const long long k_off = kv_offset(p.k_strides, K_ROW);
@@ -250,6 +265,16 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
                               LADDER_NEG_INF);
                 }
         }
+        // ---- the mask modifier, on the tiles it leaves partly visible --------------------------
+        if (has_mask_mod && kind(j) == TILE_PARTIAL) {
+            const MaskAt at{now.batch, head, 0, 0, now.n_q, now.n_kv};
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    mask_hidden(s[mt], h, q0 + warp_row0 + mt * 16 + acc_row(2 * h), k0, at,
+                                p.mask, LADDER_NEG_INF);
+        }
 
         // ---- online softmax: P = 2^(S·scale_log2 − m), rounded to 16 bits -----------------------
         u32 pk[MT][NT][2];
@@ -296,7 +321,7 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
         // The next iteration's copies overwrite the stage read here.
         __syncthreads();
     }
-    if (tiles.empty()) cp_async_wait<0>();
+    if (first_tile >= tiles.end) cp_async_wait<0>();
 
     // ---- epilogue: O = acc / l, lse = m·ln2 + ln l, the head's sink folded in first; rows that
     // saw no key (l = 0) get O = 0 and lse = −inf (σ with a sink), rows that met a NaN (l = NaN)

@@ -36,14 +36,19 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("varlen.cuh", include_str!("../cuda/varlen.cuh")),
     ("backward.cuh", include_str!("../cuda/backward.cuh")),
     ("score_mod.cuh", include_str!("../cuda/score_mod.cuh")),
+    ("mask_mod.cuh", include_str!("../cuda/mask_mod.cuh")),
 ];
 
 /// The header a variant compiled with a score modifier includes (`cuda/score_mod.cuh` includes it
 /// under `LADDER_SCORE_MOD`): generated from the modifier ([`crate::ScoreMod`]).
 pub const SCORE_MOD_HEADER: &str = "score_mod_body.cuh";
 
+/// The header a variant compiled with a mask modifier includes (`cuda/mask_mod.cuh` includes it
+/// under `LADDER_MASK_MOD`): generated from the modifier ([`crate::MaskMod`]).
+pub const MASK_MOD_HEADER: &str = "mask_mod_body.cuh";
+
 /// The crate's kernel files, by stem (the `.cu` file under `cuda/`), with their text.
-const SOURCES: [(&str, &str); 8] = [
+const SOURCES: [(&str, &str); 9] = [
     ("fa1", crate::fa1::SRC),
     ("fa2_forward", crate::fa2::FORWARD_SRC),
     ("fa2_backward", crate::fa2::BACKWARD_SRC),
@@ -52,6 +57,7 @@ const SOURCES: [(&str, &str); 8] = [
     ("fa3_fp8_quantize", crate::fa3::fp8::QUANTIZE_SRC),
     ("flash_decoding", crate::decode::SRC),
     ("flash_decoding_pp", crate::decode::PP_SRC),
+    ("block_mask", crate::mask_mod::BLOCK_MASK_SRC),
 ];
 
 /// Every kernel file of the crate, by stem (the `.cu` file under `cuda/`): what
@@ -85,9 +91,11 @@ pub struct Variant {
     pub source: &'static str,
     /// `-D` definitions, in order.
     pub defines: Vec<(&'static str, String)>,
-    /// A score modifier's generated header ([`SCORE_MOD_HEADER`]); a variant with one also
-    /// defines `LADDER_SCORE_MOD` as the header's hash, which equality and hashing see.
-    pub score_mod: Option<std::sync::Arc<str>>,
+    /// Headers generated for this variant, by name: a score modifier's ([`SCORE_MOD_HEADER`]) and
+    /// a mask modifier's ([`MASK_MOD_HEADER`]). A variant with one also defines its macro
+    /// (`LADDER_SCORE_MOD`, `LADDER_MASK_MOD`) as the header's hash, which equality and hashing
+    /// see.
+    pub generated: Vec<(&'static str, std::sync::Arc<str>)>,
 }
 
 impl PartialEq for Variant {
@@ -105,22 +113,39 @@ impl Hash for Variant {
 }
 
 impl Variant {
+    /// The variant of `file` (its `source`) with `defines`, nothing generated.
+    pub fn new(
+        file: &'static str,
+        source: &'static str,
+        defines: Vec<(&'static str, String)>,
+    ) -> Variant {
+        Variant { file, source, defines, generated: Vec::new() }
+    }
+
     /// This variant with the score modifier `m` compiled in.
     pub fn with_score_mod(mut self, m: Option<&crate::ScoreMod>) -> Variant {
         if let Some(m) = m {
             let generated = m.generated();
             self.defines.push(("LADDER_SCORE_MOD", generated.key.clone()));
-            self.score_mod = Some(generated.header.clone());
+            self.generated.push((SCORE_MOD_HEADER, generated.header.clone()));
         }
         self
     }
 
-    /// The headers NVRTC gets for this variant: [`HEADERS`], and the modifier's.
+    /// This variant with the mask modifier `m` compiled in.
+    pub fn with_mask_mod(mut self, m: Option<&crate::MaskMod>) -> Variant {
+        if let Some(m) = m {
+            let generated = m.generated();
+            self.defines.push(("LADDER_MASK_MOD", generated.key.clone()));
+            self.generated.push((MASK_MOD_HEADER, generated.header.clone()));
+        }
+        self
+    }
+
+    /// The headers NVRTC gets for this variant: [`HEADERS`], and the generated ones.
     fn headers(&self) -> Vec<(&str, &str)> {
         let mut headers = HEADERS.to_vec();
-        if let Some(text) = &self.score_mod {
-            headers.push((SCORE_MOD_HEADER, text));
-        }
+        headers.extend(self.generated.iter().map(|(name, text)| (*name, &**text)));
         headers
     }
 

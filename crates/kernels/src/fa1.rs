@@ -41,7 +41,7 @@ pub(crate) fn variant(d: usize, dtype: DType) -> Result<Variant> {
             ("FA1_BC", BC.to_string()),
             ("FA1_WARPS", WARPS.to_string()),
         ],
-        score_mod: None,
+        generated: Vec::new(),
     })
 }
 
@@ -84,6 +84,7 @@ unsafe impl DeviceRepr for Params {}
 /// head dim 32, 64 or 128; any lengths, bottom-right causal, grouped-query attention.
 pub fn forward(gpu: &Gpu, q: &Tensor, k: &Tensor, v: &Tensor, opts: &Options) -> Result<Output> {
     let p = Problem::new(gpu, q, k, v, opts)?;
+    p.require_no_mask_mod("fa1")?;
     p.require_contiguous("fa1")?;
     p.require_no_window("fa1")?;
     p.require_no_score_mod("fa1")?;

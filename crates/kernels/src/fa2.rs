@@ -29,6 +29,7 @@ use cudarc::driver::DeviceRepr;
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, GpuConfig, Kernel, parse_counts};
+use crate::mask_mod::{MaskArgs, block_mask};
 use crate::problem::{
     Band, Gradients, Masking, Options, Output, Packed, Problem, Strides, grid, multiples,
 };
@@ -287,7 +288,7 @@ pub(crate) fn forward_variant(
     if mask.windowed {
         defines.push(("FA2_WINDOW", "1".into()));
     }
-    Variant { file: "fa2_forward", source: FORWARD_SRC, defines, score_mod: None }
+    Variant::new("fa2_forward", FORWARD_SRC, defines)
 }
 
 /// The backward kernels' variant (the entry points live in one module), for a packed batch or
@@ -322,7 +323,7 @@ pub(crate) fn backward_variant(
     if mask.windowed {
         defines.push(("FA2_WINDOW", "1".into()));
     }
-    let variant = Variant { file: "fa2_backward", source: BACKWARD_SRC, defines, score_mod: None };
+    let variant = Variant::new("fa2_backward", BACKWARD_SRC, defines);
     Ok(variant.with_score_mod(score_mod))
 }
 
@@ -347,6 +348,7 @@ struct ForwardParams {
     band: Band,
     varlen: VarlenParams,
     mods: ModifierArgs,
+    mask: MaskArgs,
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror.
@@ -373,6 +375,7 @@ pub fn forward_varlen(
     opts: &Options,
 ) -> Result<Output> {
     let p = Problem::packed(gpu, (q, k, v), lens, opts)?;
+    p.require_no_mask_mod("fa2 (packed)")?;
     forward_problem(gpu, &p, (q, k, v), Some(lens))
 }
 
@@ -388,7 +391,8 @@ fn forward_problem(
         return Err(KernelError::UnsupportedHeadDim { rung: "fa2", d: p.d, supported: HEAD_DIMS });
     }
     let mut tiles = ForwardTiles::for_config(gpu.config(), p.d, gpu.arch())?;
-    if p.score_mod.is_some() && gpu.config().tuned::<ForwardTiles>().is_none() {
+    let modified = p.score_mod.is_some() || p.mask_mod.is_some();
+    if modified && gpu.config().tuned::<ForwardTiles>().is_none() {
         tiles = tiles.with_score_mod();
     }
     let mut o = gpu.output_like(q, p.dtype)?;
@@ -399,12 +403,21 @@ fn forward_problem(
     let packed = lens.is_some();
     let mask = Masking::of(p);
     let variant = forward_variant(p.d, p.dtype, mask, tiles, rows, v_strides_differ, packed)
-        .with_score_mod(p.score_mod.as_ref());
+        .with_score_mod(p.score_mod.as_ref())
+        .with_mask_mod(p.mask_mod.as_ref());
     let kernel = Kernel { variant, entry: "fa2_forward" };
     let smem = tiles.shared_bytes(p.d);
     gpu.prepare(&kernel, smem)?;
     let mut lse = gpu.output(&p.lse_shape(), DType::F32)?;
     let table = lens.map(|lens| lens.tiles(gpu, tiles.br(), p.causal)).transpose()?;
+    // The mask modifier's block mask, at this kernel's tiles (kept until the launch is queued).
+    let (mask_args, _blocks) = match &p.mask_mod {
+        Some(m) => {
+            let (args, blocks) = block_mask(gpu, m, p, (tiles.br(), tiles.bc))?;
+            (args, Some(blocks))
+        }
+        None => (MaskArgs::default(), None),
+    };
     {
         let s = gpu.stream();
         let (q_ptr, _g0) = q.read_ptr(s);
@@ -415,7 +428,7 @@ fn forward_problem(
         let [hq, hkv, nq, nkv] = p.dims_i32();
         let packed_batch = lens.zip(table.as_deref());
         let (varlen, _g_varlen) = VarlenParams::of(gpu, packed_batch);
-        let (mods, _tables) = p.modifier_args(gpu)?;
+        let mods = p.modifier_args(gpu)?;
         let params = ForwardParams {
             q: q_ptr,
             k: k_ptr,
@@ -434,6 +447,7 @@ fn forward_problem(
             band: p.band(),
             varlen,
             mods,
+            mask: mask_args,
         };
         let grid = match &table {
             Some(table) => grid(table.len(), p.heads_q, 1)?,
@@ -504,6 +518,7 @@ pub fn backward(
     opts: &Options,
 ) -> Result<Gradients> {
     let p = Problem::new(gpu, q, k, v, opts)?;
+    p.require_no_mask_mod("fa2 backward")?;
     p.require_score_mod_derivative()?;
     backward_problem(gpu, &p, (q, k, v), (out, d_o), None, opts.deterministic, None)
 }
@@ -525,6 +540,7 @@ pub fn backward_varlen(
     opts: &Options,
 ) -> Result<Gradients> {
     let p = Problem::packed(gpu, (q, k, v), lens, opts)?;
+    p.require_no_mask_mod("fa2 backward (packed)")?;
     p.require_score_mod_derivative()?;
     backward_problem(gpu, &p, (q, k, v), (out, d_o), Some(lens), opts.deterministic, None)
 }
@@ -636,7 +652,7 @@ pub(crate) fn backward_problem(
         };
         let (main_varlen, _g14) = VarlenParams::of(gpu, lens.zip(key_table.as_deref()));
         let (dq_varlen, _g15) = VarlenParams::of(gpu, lens.zip(query_table.as_deref()));
-        let (mods, _tables) = p.modifier_args(gpu)?;
+        let mods = p.modifier_args(gpu)?;
         // In range: the rows by Problem's checks, the totals by SeqLens's 32-bit offsets.
         let params = BackwardParams {
             q: q_ptr,
@@ -730,6 +746,9 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
     let mods = crate::ScoreMod::softcap(30.0)
         .expect("a valid cap")
         .then(crate::ScoreMod::alibi(vec![0.5; 8]).expect("valid slopes"));
+    let masks = crate::MaskMod::document_lengths(&[100, 28])
+        .expect("valid ids")
+        .or(crate::MaskMod::prefix_lm(16).expect("a valid prefix"));
     for d in [64, 128, 256] {
         for (causal, windowed) in [(false, false), (true, false), (true, true)] {
             let mask = Masking { causal, windowed };
@@ -743,7 +762,12 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
                 let tiles = tiles.with_score_mod();
                 let mask = Masking { causal, windowed };
                 let v = forward_variant(d, DType::F16, mask, tiles, [d as i64; 4], false, false);
-                all.push(v.with_score_mod(Some(&mods)));
+                all.push(v.clone().with_score_mod(Some(&mods)));
+                // A mask modifier (a document mask and a prefix-LM mask, the built-ins' heaviest
+                // composition) alone and under the score modifiers.
+                all.push(v.clone().with_mask_mod(Some(&masks)));
+                all.push(v.with_score_mod(Some(&mods)).with_mask_mod(Some(&masks)));
+                all.push(crate::mask_mod::block_mask_variant(&masks, tiles.br(), tiles.bc));
             }
         }
     }

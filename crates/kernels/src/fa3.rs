@@ -401,7 +401,7 @@ pub(crate) fn variant(
             ),
             ("FA3_HOST_PARAMS_BYTES", std::mem::size_of::<ForwardParams>().to_string()),
         ],
-        score_mod: None,
+        generated: Vec::new(),
     }
 }
 
@@ -584,6 +584,7 @@ pub fn forward_with(
     schedule: Schedule,
 ) -> Result<Output> {
     let p = Problem::new(gpu, q, k, v, opts)?;
+    p.require_no_mask_mod("fa3")?;
     forward_problem(gpu, &p, (q, k, v), schedule, None)
 }
 
@@ -606,6 +607,7 @@ pub fn forward_varlen(
     opts: &Options,
 ) -> Result<Output> {
     let p = Problem::packed(gpu, (q, k, v), lens, opts)?;
+    p.require_no_mask_mod("fa3 (packed)")?;
     forward_problem(gpu, &p, (q, k, v), Schedule::on(gpu, p.d, false), Some(lens))
 }
 
@@ -823,7 +825,7 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
         let blocks = if schedule.persistent { work.min(gpu.sm_count() as usize) } else { work };
         let packed_batch = lens.zip(table.as_deref());
         let (varlen, _g_varlen) = VarlenParams::of(gpu, packed_batch);
-        let (mods, _tables) = p.modifier_args(gpu)?;
+        let mods = p.modifier_args(gpu)?;
         let params = |tile_counter: u64| ForwardParams {
             q,
             k,
@@ -1089,6 +1091,7 @@ mod tests {
             window: Default::default(),
             score_mod: None,
             sinks: None,
+            mask_mod: None,
             strides: Default::default(),
             contiguous: true,
             packed: None,

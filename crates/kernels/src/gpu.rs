@@ -5,14 +5,14 @@ use std::any::Any;
 use std::collections::HashMap;
 use std::fmt::Debug;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use std::path::PathBuf;
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, LaunchConfig,
-    PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -254,7 +254,13 @@ pub struct Gpu {
     sync_launches: AtomicBool,
     /// Memory the kernels reuse from call to call ([`Gpu::with_scratch`]).
     scratch: Mutex<ScratchBuffers>,
+    /// Device copies of the modifiers' small tables ([`Gpu::table`]), each with the host `Arc`
+    /// it copies.
+    tables: Mutex<Vec<DeviceTable>>,
 }
+
+/// A host table (held weakly: its owner decides how long it lives) and its device copy.
+type DeviceTable = (Weak<[f32]>, CudaSlice<f32>);
 
 /// Elements the scratch buffers grow by ([`Gpu::with_scratch`]): calls of nearby sizes share a
 /// buffer without reallocating, and a large one costs at most this much more than it needs.
@@ -350,6 +356,7 @@ impl Gpu {
             poison_outputs: AtomicBool::new(config.poison_outputs),
             sync_launches: AtomicBool::new(config.sync_launches),
             scratch: Mutex::new(ScratchBuffers::default()),
+            tables: Mutex::new(Vec::new()),
             config,
         })
     }
@@ -464,6 +471,34 @@ impl Gpu {
             self.stream.clone_htod(values).map_err(KernelError::alloc(bytes))?
         };
         Tensor::from_cuda_slice(data, shape)
+    }
+
+    /// The device address of a small `f32` table (ALiBi's slopes, the attention sinks, a score
+    /// modifier's table), copied on its first use and kept while the host's `Arc` lives: a
+    /// decoding step at batch 1 lasts a few microseconds, about what uploading a few hundred
+    /// bytes per call costs. The host table is immutable and alive, so an address match is the
+    /// same table; the copies of dropped tables are freed on the next call (stream-ordered, after
+    /// the launches that read them). An empty table gets one zero, which no in-bounds index reads.
+    pub(crate) fn table(&self, values: &Arc<[f32]>) -> Result<u64> {
+        let mut tables = self.tables.lock().unwrap_or_else(|e| e.into_inner());
+        tables.retain(|(host, _)| host.strong_count() > 0);
+        let at = tables
+            .iter()
+            .position(|(host, _)| std::ptr::addr_eq(host.as_ptr(), Arc::as_ptr(values)));
+        let at = match at {
+            Some(at) => at,
+            None => {
+                let data: &[f32] = if values.is_empty() { &[0.0] } else { values };
+                let copy = self
+                    .stream
+                    .clone_htod(data)
+                    .map_err(KernelError::alloc(std::mem::size_of_val(data)))?;
+                tables.push((Arc::downgrade(values), copy));
+                tables.len() - 1
+            }
+        };
+        let (ptr, _guard) = tables[at].1.device_ptr(&self.stream);
+        Ok(ptr)
     }
 
     /// A tensor of zeros.

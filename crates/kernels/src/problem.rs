@@ -4,6 +4,7 @@ use cudarc::driver::DeviceRepr;
 
 use crate::error::{KernelError, Result};
 use crate::gpu::Gpu;
+use crate::mask_mod::MaskMod;
 use crate::score_mod::{ModifierArgs, ScoreMod};
 use crate::sinks::Sinks;
 use crate::tensor::{DType, Tensor};
@@ -61,6 +62,10 @@ pub struct Options {
     /// a value of zero, gpt-oss); the backward pass returns their gradient. FA2 and FA3 take
     /// them, forward (16-bit) and backward; the other rungs refuse them with an error.
     pub sinks: Option<Sinks>,
+    /// Which keys each query sees beyond the band ([`MaskMod`]: document masks, prefix-LM, your
+    /// own CUDA), compiled into the kernels with a block mask that skips the tiles it empties.
+    /// The FA2 forward takes it (not packed); the other rungs refuse it with an error.
+    pub mask_mod: Option<MaskMod>,
 }
 
 /// A sliding window (flash-attention's `window_size = (left, right)`), bottom-right aligned as
@@ -157,6 +162,15 @@ impl Options {
             None => score_mod,
         });
         Options { score_mod, ..self }
+    }
+
+    /// These options with `mask_mod`, kept where any mask they already have keeps (both must).
+    pub fn with_mask_mod(self, mask_mod: MaskMod) -> Options {
+        let mask_mod = Some(match self.mask_mod {
+            Some(first) => first.and(mask_mod),
+            None => mask_mod,
+        });
+        Options { mask_mod, ..self }
     }
 
     /// These options with attention sinks.
@@ -343,6 +357,8 @@ pub struct Problem {
     pub score_mod: Option<ScoreMod>,
     /// Attention sinks (checked against the heads).
     pub sinks: Option<Sinks>,
+    /// Mask modifier (checked against the keys).
+    pub mask_mod: Option<MaskMod>,
     /// Where the rows of Q, K and V lie ([`Strides::of`]; checked by [`Problem::new`]).
     pub(crate) strides: [Strides; 3],
     /// Whether Q, K and V are all row-major with no gaps.
@@ -463,6 +479,9 @@ impl Problem {
         if let Some(sinks) = &opts.sinks {
             sinks.check(heads_q)?;
         }
+        if let Some(m) = &opts.mask_mod {
+            m.check(n_kv)?;
+        }
         // A band's sides travel as ints (mask.cuh) and are added to row indices: keep every sum
         // inside an int.
         if opts.window.is_some() && n_q.max(n_kv) >= WINDOW_MAX_LEN {
@@ -493,6 +512,7 @@ impl Problem {
             window: opts.window,
             score_mod: opts.score_mod.clone(),
             sinks: opts.sinks.clone(),
+            mask_mod: opts.mask_mod.clone(),
             strides,
             contiguous: [q, k, v].iter().all(|t| t.is_contiguous()),
             packed,
@@ -544,6 +564,18 @@ impl Problem {
         }
     }
 
+    /// Fails if the options carry a mask modifier, for the rungs that take none yet (`rung` names
+    /// the one that refuses).
+    pub(crate) fn require_no_mask_mod(&self, rung: &str) -> Result<()> {
+        match &self.mask_mod {
+            Some(m) => Err(KernelError::Shape(format!(
+                "{rung} takes no mask_mod yet ({}); the fa2 forward does (not packed)",
+                m.name()
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// Fails if the options carry attention sinks, for the rungs that take none yet (`rung`
     /// names the one that refuses).
     pub(crate) fn require_no_sinks(&self, rung: &str) -> Result<()> {
@@ -563,9 +595,8 @@ impl Problem {
         }
     }
 
-    /// The score modifier's and the sinks' parameters for a launch (zeros without them) and the
-    /// tables they read, to keep alive until the launch is queued.
-    pub(crate) fn modifier_args(&self, gpu: &Gpu) -> Result<(ModifierArgs, Vec<Tensor>)> {
+    /// The score modifier's and the sinks' parameters for a launch (zeros without them).
+    pub(crate) fn modifier_args(&self, gpu: &Gpu) -> Result<ModifierArgs> {
         ModifierArgs::of(gpu, self.score_mod.as_ref(), self.sinks.as_ref(), self.scale)
     }
 

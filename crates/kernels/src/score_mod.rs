@@ -52,7 +52,6 @@ use cudarc::driver::DeviceRepr;
 
 use crate::error::{KernelError, Result};
 use crate::gpu::Gpu;
-use crate::tensor::Tensor;
 
 /// Scalars and tables a modifier (all stages of a composed one together) may name.
 pub const MAX_SCALARS: usize = 8;
@@ -130,7 +129,8 @@ impl ScoreMod {
         self
     }
 
-    /// A table the body reads as `const float* name` (copied to the device at each call).
+    /// A table the body reads as `const float* name` (copied to the device on its first use and
+    /// kept there while this modifier or a clone of it lives).
     pub fn tensor(mut self, name: impl Into<String>, values: Vec<f32>) -> ScoreMod {
         self.last().tensors.push((name.into(), values.into()));
         self
@@ -322,25 +322,19 @@ impl ScoreMod {
         })
     }
 
-    /// The parameters the kernels read (`ModifierArgs`), the tables uploaded: keep the returned
-    /// tensors alive until the launch is queued.
-    pub(crate) fn args(&self, gpu: &Gpu, scale: f32) -> Result<(ModifierArgs, Vec<Tensor>)> {
+    /// The parameters the kernels read (`ModifierArgs`), the tables on the device
+    /// ([`Gpu::table`]).
+    pub(crate) fn args(&self, gpu: &Gpu, scale: f32) -> Result<ModifierArgs> {
         let mut args = ModifierArgs { scale, ..ModifierArgs::default() };
         let scalars = self.stages.iter().flat_map(|s| &s.scalars);
         for (slot, (_, value)) in args.scalar.iter_mut().zip(scalars) {
             *slot = *value;
         }
-        let mut tables = Vec::new();
         let tensors = self.stages.iter().flat_map(|s| &s.tensors);
         for (slot, (_, values)) in args.tensor.iter_mut().zip(tensors) {
-            // (an empty table still gets an address: one zero, which no in-bounds index reads)
-            let values: &[f32] = if values.is_empty() { &[0.0] } else { values };
-            let table = gpu.upload_slice(values, &[values.len()])?;
-            // Uploaded on the kernels' stream, which the launch follows: nothing to order.
-            *slot = table.read_ptr(gpu.stream()).0;
-            tables.push(table);
+            *slot = gpu.table(values)?;
         }
-        Ok((args, tables))
+        Ok(args)
     }
 }
 
@@ -363,30 +357,26 @@ unsafe impl DeviceRepr for ModifierArgs {}
 
 impl ModifierArgs {
     /// The parameters of `score_mod` (applied after softmax scale `scale`) and `sinks` for one
-    /// launch, zeros without them, and the tables uploaded for it: keep the returned tensors
-    /// alive until the launch is queued.
+    /// launch, zeros without them; their tables live on the device ([`Gpu::table`]).
     pub(crate) fn of(
         gpu: &Gpu,
         score_mod: Option<&ScoreMod>,
         sinks: Option<&crate::Sinks>,
         scale: f32,
-    ) -> Result<(ModifierArgs, Vec<Tensor>)> {
-        let (mut args, mut tables) = match score_mod {
+    ) -> Result<ModifierArgs> {
+        let mut args = match score_mod {
             Some(m) => m.args(gpu, scale)?,
-            None => (ModifierArgs::default(), Vec::new()),
+            None => ModifierArgs::default(),
         };
         if let Some(sinks) = sinks {
-            let table = sinks.upload(gpu)?;
-            // Uploaded on the kernels' stream, which the launch follows: nothing to order.
-            args.sinks = table.read_ptr(gpu.stream()).0;
-            tables.push(table);
+            args.sinks = gpu.table(sinks.shared())?;
         }
-        Ok((args, tables))
+        Ok(args)
     }
 }
 
 /// Whether `body` names `name` as a whole identifier.
-fn mentions(body: &str, name: &str) -> bool {
+pub(crate) fn mentions(body: &str, name: &str) -> bool {
     let ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
     body.match_indices(name).any(|(at, _)| {
         let before = body[..at].chars().next_back();
@@ -395,7 +385,7 @@ fn mentions(body: &str, name: &str) -> bool {
     })
 }
 
-fn is_identifier(name: &str) -> bool {
+pub(crate) fn is_identifier(name: &str) -> bool {
     let mut chars = name.chars();
     chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')

@@ -16,11 +16,9 @@
 use std::sync::Arc;
 
 use crate::error::{KernelError, Result};
-use crate::gpu::Gpu;
-use crate::tensor::Tensor;
 
 /// One logit per query head, in the units of the scaled scores (`scale · q·k`, after any score
-/// modifier), uploaded with each call (a few hundred bytes). Cheap to clone.
+/// modifier), copied to the device on first use and kept there while a clone lives. Cheap to clone.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sinks {
     values: Arc<[f32]>,
@@ -52,8 +50,8 @@ impl Sinks {
         }
     }
 
-    /// The logits on the device, for one call.
-    pub(crate) fn upload(&self, gpu: &Gpu) -> Result<Tensor> {
-        gpu.upload_slice(&self.values, &[self.values.len()])
+    /// The logits as the host shares them (the key of their device copy, `Gpu::table`).
+    pub(crate) fn shared(&self) -> &Arc<[f32]> {
+        &self.values
     }
 }

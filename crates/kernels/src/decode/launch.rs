@@ -44,7 +44,7 @@ pub(super) fn split_variant(
             ("FD_MAX_BATCH", MAX_BATCH_PER_LAUNCH.to_string()),
             ("FD_HOST_PARAMS_BYTES", std::mem::size_of::<Params>().to_string()),
         ],
-        score_mod: None,
+        generated: Vec::new(),
     };
     if modifiers.windowed {
         variant.defines.push(("FD_WINDOW", "1".to_string()));
@@ -261,8 +261,8 @@ pub(super) fn launch(
                 .map_err(KernelError::alloc(rows * std::mem::size_of::<i32>()))?,
         ),
     };
-    // The modifiers' parameters and tables (kept alive until the launches are queued).
-    let (mods, _tables) = ModifierArgs::of(gpu, score_mod.as_ref(), sinks.as_ref(), p.scale)?;
+    // The modifiers' parameters (their tables stay on the device between calls).
+    let mods = ModifierArgs::of(gpu, score_mod.as_ref(), sinks.as_ref(), p.scale)?;
     // At most MAX_LENGTH (checked), which fits in i32.
     let window_left = p.window_left.unwrap_or(0) as i32;
     let s = gpu.stream();

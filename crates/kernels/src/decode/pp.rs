@@ -72,7 +72,7 @@ pub(crate) fn variant(
             ("FDPP_NT", n_tiles.to_string()),
             ("FD_HOST_PARAMS_BYTES", std::mem::size_of::<PpParams>().to_string()),
         ],
-        score_mod: None,
+        generated: Vec::new(),
     }
 }
 

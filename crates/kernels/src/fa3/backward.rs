@@ -83,7 +83,7 @@ pub(crate) fn variant(
             ("FA3B_HOST_SHARED_BYTES", shared_bytes(d).to_string()),
             ("FA3B_HOST_PARAMS_BYTES", std::mem::size_of::<Fa3BackwardParams>().to_string()),
         ],
-        score_mod: None,
+        generated: Vec::new(),
     };
     variant.with_score_mod(score_mod)
 }
@@ -123,6 +123,7 @@ pub fn backward(
 ) -> Result<Gradients> {
     require_hopper(gpu, "fa3 backward")?;
     let p = Problem::new(gpu, q, k, v, opts)?;
+    p.require_no_mask_mod("fa3 backward")?;
     p.require_dtype("fa3 backward", super::DTYPES, "fp16, bf16")?;
     p.require_no_window("fa3 backward")?;
     p.require_score_mod_derivative()?;

@@ -242,7 +242,7 @@ fn quantize_variant(d: usize, dtype: DType, bc: usize, hadamard: bool, packed: b
             ("FP8Q_VARLEN", (packed as u32).to_string()),
             ("FP8Q_HOST_PARAMS_BYTES", size_of::<QuantizeParams>().to_string()),
         ],
-        score_mod: None,
+        generated: Vec::new(),
     }
 }
 
@@ -292,6 +292,7 @@ pub fn quantize(
     fp8: &Fp8Options,
 ) -> Result<Fp8Inputs> {
     let p = Problem::new(gpu, q, k, v, opts)?;
+    p.require_no_mask_mod("fa3-fp8")?;
     quantize_problem(gpu, p, (q, k, v), None, fp8)
 }
 
@@ -312,6 +313,7 @@ pub fn quantize_varlen(
     fp8: &Fp8Options,
 ) -> Result<Fp8Inputs> {
     let p = Problem::packed(gpu, (q, k, v), lens, opts)?;
+    p.require_no_mask_mod("fa3-fp8 (packed)")?;
     quantize_problem(gpu, p, (q, k, v), Some(lens), fp8)
 }
 

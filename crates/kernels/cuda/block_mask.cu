@@ -1,0 +1,54 @@
+// The block mask of a mask modifier (mask_mod.cuh): one kind per tile of BR queries by BC keys of
+// each (batch, head) the mask distinguishes. Each block classifies one tile: its threads evaluate
+// the mask on every pair inside the sequences and the band (causal, a window: mask.cuh), and the
+// block votes. FlexAttention's create_block_mask, computed where the mask can run: the host cannot
+// evaluate CUDA source.
+//
+// Compile-time constants, set by the host for each variant:
+//   BM_BR, BM_BC  the attention kernel's query rows and keys per tile
+//   LADDER_MASK_MOD  the mask (always: this kernel exists for it)
+
+#include "mask.cuh"
+#include "mask_mod.cuh"
+
+#ifndef BM_BR
+#define BM_BR 128
+#endif
+#ifndef BM_BC
+#define BM_BC 64
+#endif
+
+constexpr int BR = BM_BR, BC = BM_BC;
+constexpr int THREADS = 256;
+
+struct BlockMaskParams {
+    MaskArgs mask;
+    unsigned char* kinds;  // [batches][heads][query_tiles][key_tiles]
+    int heads;             // heads the mask distinguishes (1 when it never names h)
+    int n_q;
+    int n_kv;
+    int query_tiles;
+    int key_tiles;
+    Band band;  // the attention's band: the causal mask as right = 0, a window, or UNBOUNDED sides
+};
+
+// Launch: grid (key_tiles, query_tiles, batches · heads), block (THREADS, 1, 1).
+extern "C" __global__ void __launch_bounds__(THREADS)
+block_mask(const __grid_constant__ BlockMaskParams p) {
+    const int kt = blockIdx.x, qt = blockIdx.y;
+    const int b = blockIdx.z / p.heads, h = blockIdx.z % p.heads;
+    const int shift = p.n_kv - p.n_q;  // bottom-right alignment (mask.cuh)
+    bool seen = false, hidden = false;
+    for (int i = threadIdx.x; i < BR * BC; i += THREADS) {
+        const int q = qt * BR + i / BC, k = kt * BC + i % BC;
+        if (outside(q, k, p.n_q, p.n_kv, shift, p.band)) continue;
+        const bool sees = mask_mod(MaskAt{b, h, q, k, p.n_q, p.n_kv}, p.mask);
+        seen |= sees;
+        hidden |= !sees;
+    }
+    seen = __syncthreads_or(seen);
+    hidden = __syncthreads_or(hidden);
+    if (threadIdx.x == 0)
+        p.kinds[((size_t)blockIdx.z * p.query_tiles + qt) * p.key_tiles + kt] =
+            !seen ? TILE_EMPTY : hidden ? TILE_PARTIAL : TILE_FULL;
+}

@@ -1,0 +1,105 @@
+//! What a mask modifier costs and saves in the FA2 forward: fp16, d = 128, 16 heads, 16k tokens
+//! per call (n = 8k and 16k), causal, plain against document masks of 4 and 16 equal documents;
+//! not causal, plain against a prefix-LM mask of n / 4 keys. TFLOP/s count the pairs each mask
+//! attends (4 · d FLOPs a pair); the masked calls include computing the block mask, as a call does
+//! today (it is not kept between calls).
+//!
+//! ```sh
+//! cargo run --release -p ladder-kernels --example mask_mod_speed
+//! ```
+//!
+//! Without a GPU it says so and exits with status 1. Each figure is the median of 10 calls timed
+//! with CUDA events, after 3 warm-up calls.
+
+use ladder_kernels::{DType, Gpu, MaskMod, Options, fa2};
+
+const D: usize = 128;
+const HEADS: usize = 16;
+const TOKENS: usize = 16384;
+
+/// Pairs query `i` of `n` sees: causal, within its document (`docs` equal documents), or all the
+/// first `prefix` keys and causally after them.
+fn pairs(n: usize, mask: &Mask) -> u64 {
+    let n = n as u64;
+    match *mask {
+        Mask::Causal => n * (n + 1) / 2,
+        Mask::Documents(docs) => {
+            let len = n / docs as u64;
+            docs as u64 * len * (len + 1) / 2
+        }
+        Mask::Full => n * n,
+        Mask::PrefixLm(p) => (0..n).map(|i| (i + 1).max(p as u64)).sum(),
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Mask {
+    Causal,
+    Documents(usize),
+    Full,
+    PrefixLm(usize),
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
+    let gpu = Gpu::new()?;
+    println!(
+        "{} ({}), fp16, d = {D}, {HEADS} heads, {TOKENS} tokens per call",
+        gpu.name(),
+        gpu.arch()
+    );
+    println!("{:>6} {:>16} {:>10} {:>8} {:>8}", "n", "mask", "ms", "TFLOP/s", "×plain");
+    for n in [8192, 16384] {
+        let batch = TOKENS / n;
+        let shape = [batch, HEADS, n, D];
+        // Fixed pseudo-random values in [-0.5, 0.5), a different stretch of them for K.
+        let values = |seed: usize| -> Vec<f32> {
+            (0..batch * HEADS * n * D)
+                .map(|i| ((i * 7919 + seed) % 1000) as f32 / 1000.0 - 0.5)
+                .collect()
+        };
+        let q = gpu.upload(&values(0), &shape, DType::F16)?;
+        let k = gpu.upload(&values(333), &shape, DType::F16)?;
+        let v = gpu.upload(&values(667), &shape, DType::F16)?;
+        let cases = [
+            (Mask::Causal, Options::causal()),
+            (
+                Mask::Documents(4),
+                Options::causal().with_mask_mod(MaskMod::document_lengths(&[n / 4; 4])?),
+            ),
+            (
+                Mask::Documents(16),
+                Options::causal().with_mask_mod(MaskMod::document_lengths(&[n / 16; 16])?),
+            ),
+            (Mask::Full, Options::full()),
+            (Mask::PrefixLm(n / 4), Options::full().with_mask_mod(MaskMod::prefix_lm(n / 4)?)),
+        ];
+        let mut plain_tflops = 0.0;
+        for (mask, opts) in cases {
+            let call = || fa2::forward(&gpu, &q, &k, &v, &opts).map(drop);
+            for _ in 0..3 {
+                call()?;
+            }
+            let mut times = Vec::new();
+            for _ in 0..10 {
+                times.push(f64::from(gpu.time_ms(call)?));
+            }
+            times.sort_by(f64::total_cmp);
+            let ms = times[times.len() / 2];
+            let flops = 4.0 * D as f64 * pairs(n, &mask) as f64 * (batch * HEADS) as f64;
+            let tflops = flops / (ms * 1e-3) / 1e12;
+            if matches!(mask, Mask::Causal | Mask::Full) {
+                plain_tflops = tflops;
+            }
+            let label = format!("{mask:?}");
+            println!("{n:>6} {label:>16} {ms:>10.3} {tflops:>8.1} {:>8.2}", tflops / plain_tflops);
+        }
+    }
+    Ok(())
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("mask_mod_speed: {e}");
+        std::process::exit(1);
+    }
+}

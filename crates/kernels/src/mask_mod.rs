@@ -1,0 +1,475 @@
+//! Mask modifiers compiled into the kernels: document masks, prefix-LM masks, and your own.
+//!
+//! A [`MaskMod`] says which keys each query sees, as FlexAttention's `mask_mod` does:
+//! `O = softmax(score_mod(s) + band + mask_mod) V`, a pair it hides getting `−∞` as a pair outside
+//! the band (causal, a window) does; a pair must pass both. It is CUDA source, the body of
+//!
+//! ```text
+//! bool mask_mod(int b, int h, int q_idx, int kv_idx, int n_q, int n_kv)
+//! ```
+//!
+//! (`true`: query `q_idx` of head `h` of batch entry `b` sees key `kv_idx`; `n_q` and `n_kv` the
+//! lengths), with named `int` scalars and `f32` tables it may read (an integer table, a document
+//! id per key, holds integers below 2²⁴ exactly). The built-ins are written the same way
+//! ([`MaskMod::documents`], [`MaskMod::prefix_lm`]); masks compose with [`MaskMod::and`] and
+//! [`MaskMod::or`]. A compile error in a body comes back as [`crate::KernelError::Compile`] with
+//! NVRTC's log, its lines numbered as in the body.
+//!
+//! What makes a mask pay is the **block mask**: before the attention kernel runs, a generated
+//! kernel evaluates the body on every pair of every tile (the attention kernel's own tile sizes)
+//! and records whether the tile's pairs inside the band are all visible (*full*: computed with no
+//! per-entry test), none is (*empty*: skipped, its K and V never read) or some are (*partial*:
+//! the body evaluated per entry). A batch or head the body never names (`b`, `h`) shares one row
+//! of the block mask, as FlexAttention's `B = None`, `H = None` do. The kernels evaluate the body
+//! only where `q_idx < n_q` and `kv_idx < n_kv` (padding entries see the last row or key, and are
+//! masked anyway), so a table indexed by them stays in bounds.
+//!
+//! ```
+//! use ladder_kernels::MaskMod;
+//!
+//! // Three documents of 96, 160 and 256 tokens packed into one sequence of 512.
+//! let packed = MaskMod::document_lengths(&[96, 160, 256])?;
+//! // LongNet's dilated attention, as a user-written mask: every second key from the diagonal.
+//! let dilated = MaskMod::new(
+//!     "dilated",
+//!     "return (kv_idx - (q_idx + n_kv - n_q)) % stride == 0;",
+//! )
+//! .int("stride", 2);
+//! let both = packed.and(dilated);
+//! assert_eq!(both.name(), "(documents(512 keys) ∧ dilated)");
+//! # Ok::<(), ladder_kernels::KernelError>(())
+//! ```
+
+use std::fmt::Write as _;
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::DeviceRepr;
+
+use crate::compile::Variant;
+use crate::error::{KernelError, Result};
+use crate::gpu::{Gpu, Kernel};
+use crate::problem::{Band, Problem, grid};
+use crate::score_mod::{Generated, is_identifier, mentions};
+
+pub(crate) const BLOCK_MASK_SRC: &str = include_str!("../cuda/block_mask.cu");
+
+/// Threads of `block_mask` (`THREADS` in `cuda/block_mask.cu`).
+const BLOCK_MASK_THREADS: u32 = 256;
+
+/// `int` scalars a mask (all its terms together) may name.
+pub const MAX_MASK_INTS: usize = 4;
+/// `f32` tables a mask (all its terms together) may name.
+pub const MAX_MASK_TABLES: usize = 2;
+
+/// One term of a mask: its source and what it reads.
+#[derive(Clone, Debug, PartialEq)]
+struct Term {
+    /// The name in the generated source (its `#line` file).
+    name: String,
+    /// The name in errors and [`MaskMod::name`].
+    label: String,
+    body: String,
+    ints: Vec<(String, i32)>,
+    tables: Vec<(String, Arc<[f32]>)>,
+    /// The keys a per-key table covers (a document mask's ids), checked against the problem.
+    keys: Option<usize>,
+}
+
+/// How the terms combine: a tree of `∧` and `∨` over them.
+#[derive(Clone, Debug, PartialEq)]
+enum Expr {
+    Term(usize),
+    And(Box<Expr>, Box<Expr>),
+    Or(Box<Expr>, Box<Expr>),
+}
+
+impl Expr {
+    fn shifted(self, by: usize) -> Expr {
+        match self {
+            Expr::Term(i) => Expr::Term(i + by),
+            Expr::And(a, b) => Expr::And(Box::new(a.shifted(by)), Box::new(b.shifted(by))),
+            Expr::Or(a, b) => Expr::Or(Box::new(a.shifted(by)), Box::new(b.shifted(by))),
+        }
+    }
+
+    fn source(&self) -> String {
+        match self {
+            Expr::Term(i) => format!("mask_mod_{i}::apply(at, args)"),
+            Expr::And(a, b) => format!("({} && {})", a.source(), b.source()),
+            Expr::Or(a, b) => format!("({} || {})", a.source(), b.source()),
+        }
+    }
+
+    fn label(&self, terms: &[Term]) -> String {
+        match self {
+            Expr::Term(i) => terms[*i].label.clone(),
+            Expr::And(a, b) => format!("({} ∧ {})", a.label(terms), b.label(terms)),
+            Expr::Or(a, b) => format!("({} ∨ {})", a.label(terms), b.label(terms)),
+        }
+    }
+}
+
+/// Which keys each query sees, compiled into the kernels (see the [module](self)).
+#[derive(Clone, Debug)]
+pub struct MaskMod {
+    terms: Vec<Term>,
+    expr: Expr,
+    /// The generated header and its key, made once and dropped whenever a term changes.
+    generated: OnceLock<Generated>,
+}
+
+/// Two masks are equal when their terms and how they combine are.
+impl PartialEq for MaskMod {
+    fn eq(&self, other: &MaskMod) -> bool {
+        (&self.terms, &self.expr) == (&other.terms, &other.expr)
+    }
+}
+
+impl MaskMod {
+    /// A mask from the body of `bool mask_mod(int b, int h, int q_idx, int kv_idx, int n_q, int
+    /// n_kv)` (see the [module](self)), named for errors and logs.
+    pub fn new(name: impl Into<String>, body: impl Into<String>) -> MaskMod {
+        let name = name.into();
+        let term = Term {
+            label: name.clone(),
+            name,
+            body: body.into(),
+            ints: Vec::new(),
+            tables: Vec::new(),
+            keys: None,
+        };
+        MaskMod { terms: vec![term], expr: Expr::Term(0), generated: OnceLock::new() }
+    }
+
+    /// An `int` the body reads as `const int name`.
+    pub fn int(mut self, name: impl Into<String>, value: i32) -> MaskMod {
+        self.last().ints.push((name.into(), value));
+        self
+    }
+
+    /// A table the body reads as `const float* name` (copied to the device on its first use and
+    /// kept there while this mask or a clone of it lives).
+    pub fn table(mut self, name: impl Into<String>, values: Vec<f32>) -> MaskMod {
+        self.last().tables.push((name.into(), values.into()));
+        self
+    }
+
+    /// A document mask: `ids[j]` is the document of key position `j` (one per key, shared by every
+    /// batch entry and head), and a query sees only the keys of its own document. Query `i` sits
+    /// at position `i + n_kv − n_q` (bottom-right, as the causal mask: the queries are the last
+    /// `n_q` positions); a query before position 0 sees nothing. With the causal flag this is the
+    /// mask of packed causal training; the documents need not be contiguous. Ids must be below
+    /// 2²⁴ (the table holds them as `f32`).
+    pub fn documents(ids: Vec<u32>) -> Result<MaskMod> {
+        if let Some(bad) = ids.iter().find(|&&id| id >= 1 << 24) {
+            return Err(KernelError::Shape(format!("document ids must be below 2^24, got {bad}")));
+        }
+        let keys = ids.len();
+        let mut mask = MaskMod::new(
+            "documents",
+            "const int p = q_idx + n_kv - n_q;\nreturn p >= 0 && ids[p] == ids[kv_idx];",
+        )
+        .table("ids", ids.iter().map(|&id| id as f32).collect());
+        let term = mask.last();
+        term.label = format!("documents({keys} keys)");
+        term.keys = Some(keys);
+        Ok(mask)
+    }
+
+    /// The document mask of documents of `lengths` tokens, back to back ([`MaskMod::documents`]
+    /// with ids `0, 0, …, 1, 1, …`).
+    pub fn document_lengths(lengths: &[usize]) -> Result<MaskMod> {
+        let ids = lengths
+            .iter()
+            .enumerate()
+            .flat_map(|(doc, &len)| std::iter::repeat_n(doc as u32, len))
+            .collect();
+        MaskMod::documents(ids)
+    }
+
+    /// A prefix-LM mask: every query sees the first `prefix` keys (the prompt, attended
+    /// bidirectionally) and the keys up to its own position (causally). A whole mask, the causal
+    /// part included: use it without the causal flag.
+    pub fn prefix_lm(prefix: usize) -> Result<MaskMod> {
+        let prefix = i32::try_from(prefix)
+            .map_err(|_| KernelError::Shape(format!("prefix-LM prefix {prefix} is too long")))?;
+        let mut mask =
+            MaskMod::new("prefix-lm", "return kv_idx < prefix || kv_idx <= q_idx + n_kv - n_q;")
+                .int("prefix", prefix);
+        mask.last().label = format!("prefix-lm({prefix})");
+        Ok(mask)
+    }
+
+    /// The pairs both masks keep.
+    pub fn and(self, other: MaskMod) -> MaskMod {
+        self.combine(other, |a, b| Expr::And(Box::new(a), Box::new(b)))
+    }
+
+    /// The pairs either mask keeps.
+    pub fn or(self, other: MaskMod) -> MaskMod {
+        self.combine(other, |a, b| Expr::Or(Box::new(a), Box::new(b)))
+    }
+
+    fn combine(mut self, other: MaskMod, op: fn(Expr, Expr) -> Expr) -> MaskMod {
+        let right = other.expr.shifted(self.terms.len());
+        self.terms.extend(other.terms);
+        MaskMod { expr: op(self.expr, right), terms: self.terms, generated: OnceLock::new() }
+    }
+
+    /// The mask's name: its terms' names joined by `∧` and `∨`.
+    pub fn name(&self) -> String {
+        self.expr.label(&self.terms)
+    }
+
+    /// The last term, to change (which drops the generated header).
+    fn last(&mut self) -> &mut Term {
+        self.generated = OnceLock::new();
+        self.terms.last_mut().expect("a mask has a term")
+    }
+
+    /// Whether some term's body names `name` (`b`, `h`): the block mask then has a row per batch
+    /// entry or head.
+    fn reads(&self, name: &str) -> bool {
+        self.terms.iter().any(|t| mentions(&t.body, name))
+    }
+
+    /// Checks what the kernels need: the counts of scalars and tables, names that are C
+    /// identifiers, and per-key tables as long as the keys.
+    pub(crate) fn check(&self, n_kv: usize) -> Result<()> {
+        let ints: usize = self.terms.iter().map(|t| t.ints.len()).sum();
+        let tables: usize = self.terms.iter().map(|t| t.tables.len()).sum();
+        if ints > MAX_MASK_INTS || tables > MAX_MASK_TABLES {
+            return Err(KernelError::Shape(format!(
+                "mask_mod {} names {ints} ints and {tables} tables; the kernels take up to \
+                 {MAX_MASK_INTS} and {MAX_MASK_TABLES}",
+                self.name()
+            )));
+        }
+        for term in &self.terms {
+            let names = term.ints.iter().map(|(n, _)| n).chain(term.tables.iter().map(|(n, _)| n));
+            for name in names {
+                if !is_identifier(name) {
+                    return Err(KernelError::Shape(format!(
+                        "mask_mod {}: {name:?} is not a C identifier",
+                        term.label
+                    )));
+                }
+            }
+            if let Some(keys) = term.keys
+                && keys != n_kv
+            {
+                return Err(KernelError::Shape(format!(
+                    "mask_mod {} has a table of {keys} keys for {n_kv} keys",
+                    term.label
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The header `mask_mod_body.cuh` the kernels include when compiled with `LADDER_MASK_MOD`
+    /// (`cuda/mask_mod.cuh`): one namespace per term, then the composed `mask_mod`.
+    pub(crate) fn header(&self) -> String {
+        const ARGS: &str = "const MaskAt& at, const MaskArgs& args";
+        const PLACE: &str = "const int b = at.b, h = at.h, q_idx = at.q_idx, kv_idx = at.kv_idx;\n    \
+             const int n_q = at.n_q, n_kv = at.n_kv;\n    \
+             (void)b; (void)h; (void)q_idx; (void)kv_idx; (void)n_q; (void)n_kv; (void)args;";
+        let mut text = String::from("// Generated from a ladder_kernels::MaskMod.\n");
+        let (mut int, mut table) = (0, 0);
+        for (i, term) in self.terms.iter().enumerate() {
+            let mut reads = String::new();
+            for (name, _) in &term.ints {
+                if mentions(&term.body, name) {
+                    let _ = writeln!(reads, "    const int {name} = args.ints[{int}];");
+                }
+                int += 1;
+            }
+            for (name, _) in &term.tables {
+                if mentions(&term.body, name) {
+                    let _ = writeln!(
+                        reads,
+                        "    const float* __restrict__ {name} = args.tables[{table}];"
+                    );
+                }
+                table += 1;
+            }
+            let file = term.name.replace(['"', '\\', '\n'], "_");
+            let _ = write!(
+                text,
+                "namespace mask_mod_{i} {{\n\
+                 __device__ __forceinline__ bool apply({ARGS}) {{\n    {PLACE}\n{reads}\
+                 #line 1 \"{file}\"\n{}\n}}\n}}\n",
+                term.body
+            );
+        }
+        let _ = writeln!(
+            text,
+            "__device__ __forceinline__ bool mask_mod({ARGS}) {{\n    return {};\n}}",
+            self.expr.source()
+        );
+        text
+    }
+
+    /// The header and a key for the variant, its hash (the kernels compiled with one mask serve
+    /// every value of its ints and tables, which travel in the parameters); made on first use.
+    pub(crate) fn generated(&self) -> &Generated {
+        self.generated.get_or_init(|| {
+            let header = self.header();
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            header.hash(&mut hasher);
+            Generated { key: format!("{:016x}", hasher.finish()), header: header.into() }
+        })
+    }
+
+    /// The parameters the kernels read ([`MaskArgs`]), the tables on the device
+    /// ([`Gpu::table`]), and the block mask's place (set by the caller).
+    pub(crate) fn args(&self, gpu: &Gpu) -> Result<MaskArgs> {
+        let mut args = MaskArgs::default();
+        let ints = self.terms.iter().flat_map(|t| &t.ints);
+        for (slot, (_, value)) in args.ints.iter_mut().zip(ints) {
+            *slot = *value;
+        }
+        let tables = self.terms.iter().flat_map(|t| &t.tables);
+        for (slot, (_, values)) in args.tables.iter_mut().zip(tables) {
+            *slot = gpu.table(values)?;
+        }
+        Ok(args)
+    }
+
+    /// The block mask's extent in batch entries and heads: 1 where the body never names `b` or
+    /// `h`.
+    pub(crate) fn block_extent(&self, batch: usize, heads_q: usize) -> (usize, usize) {
+        (if self.reads("b") { batch } else { 1 }, if self.reads("h") { heads_q } else { 1 })
+    }
+}
+
+/// The block mask of `mask` for problem `p` at the attention kernel's tiles of `br` queries by
+/// `bc` keys, computed on the device (`cuda/block_mask.cu`), and the parameters that point the
+/// attention kernel at it: keep the returned buffer alive until that kernel is queued.
+pub(crate) fn block_mask(
+    gpu: &Gpu,
+    mask: &MaskMod,
+    p: &Problem,
+    (br, bc): (usize, usize),
+) -> Result<(MaskArgs, cudarc::driver::CudaSlice<u8>)> {
+    mask.check(p.n_kv)?;
+    let (batches, heads) = mask.block_extent(p.batch, p.heads_q);
+    let (query_tiles, key_tiles) = (p.n_q.div_ceil(br), p.n_kv.div_ceil(bc));
+    let len = batches * heads * query_tiles * key_tiles;
+    // SAFETY: block_mask writes every entry before anything reads one.
+    let kinds = unsafe { gpu.stream().alloc::<u8>(len.max(1)) }.map_err(KernelError::alloc(len))?;
+    let kernel = Kernel { variant: block_mask_variant(mask, br, bc), entry: "block_mask" };
+    gpu.prepare(&kernel, 0)?;
+    let mut args = mask.args(gpu)?;
+    let int = |x: usize, what: &str| {
+        i32::try_from(x).map_err(|_| {
+            KernelError::Shape(format!("the block mask's {what} ({x}) exceeds an int"))
+        })
+    };
+    {
+        use cudarc::driver::DevicePtr;
+        let (kinds_ptr, _guard) = kinds.device_ptr(gpu.stream());
+        let params = BlockMaskParams {
+            mask: args,
+            kinds: kinds_ptr,
+            heads: int(heads, "heads")?,
+            n_q: int(p.n_q, "queries")?,
+            n_kv: int(p.n_kv, "keys")?,
+            query_tiles: int(query_tiles, "query tiles")?,
+            key_tiles: int(key_tiles, "key tiles")?,
+            band: p.band(),
+        };
+        let launch = grid(key_tiles, query_tiles, batches * heads)?;
+        gpu.launch(&kernel, launch, BLOCK_MASK_THREADS, 0, &params)?;
+        args.blocks = kinds_ptr;
+    }
+    let per_head = query_tiles * key_tiles;
+    args.block_head_stride = if heads > 1 { int(per_head, "tiles per head")? } else { 0 };
+    args.block_batch_stride =
+        if batches > 1 { int(heads * per_head, "tiles per batch entry")? } else { 0 };
+    args.key_tiles = int(key_tiles, "key tiles")?;
+    Ok((args, kinds))
+}
+
+/// The block mask kernel of `mask` at tiles of `br` × `bc`.
+pub(crate) fn block_mask_variant(mask: &MaskMod, br: usize, bc: usize) -> Variant {
+    let defines = vec![("BM_BR", br.to_string()), ("BM_BC", bc.to_string())];
+    Variant::new("block_mask", BLOCK_MASK_SRC, defines).with_mask_mod(Some(mask))
+}
+
+/// Mirror of `BlockMaskParams` in `cuda/block_mask.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct BlockMaskParams {
+    mask: MaskArgs,
+    kinds: u64,
+    heads: i32,
+    n_q: i32,
+    n_kv: i32,
+    query_tiles: i32,
+    key_tiles: i32,
+    band: Band,
+}
+
+// SAFETY: a plain #[repr(C)] struct of integers, laid out as its CUDA mirror.
+unsafe impl DeviceRepr for BlockMaskParams {}
+
+/// A mask's ints and tables and the block mask, as the kernels read them (mirror of `MaskArgs`
+/// in `cuda/mask_mod.cuh`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct MaskArgs {
+    pub(crate) tables: [u64; MAX_MASK_TABLES],
+    pub(crate) ints: [i32; MAX_MASK_INTS],
+    /// The block mask, `u8` kinds `[batch or 1][heads or 1][query tiles][key tiles]`, or null.
+    pub(crate) blocks: u64,
+    /// Elements between batch entries and heads of `blocks` (0 for an extent of 1).
+    pub(crate) block_batch_stride: i32,
+    pub(crate) block_head_stride: i32,
+    /// Key tiles per query tile of `blocks`.
+    pub(crate) key_tiles: i32,
+    _pad: i32,
+}
+
+// SAFETY: a plain #[repr(C)] struct of integers, laid out as its CUDA mirror.
+unsafe impl DeviceRepr for MaskArgs {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_header_composes_the_terms_and_binds_what_each_reads() {
+        let m = MaskMod::document_lengths(&[3, 5])
+            .unwrap()
+            .and(MaskMod::prefix_lm(2).unwrap().or(MaskMod::new("all", "return true;")));
+        assert_eq!(m.name(), "(documents(8 keys) ∧ (prefix-lm(2) ∨ all))");
+        let h = m.header();
+        assert!(h.contains("const float* __restrict__ ids = args.tables[0];"), "{h}");
+        assert!(h.contains("const int prefix = args.ints[0];"), "{h}");
+        assert!(
+            h.contains(
+                "return (mask_mod_0::apply(at, args) && (mask_mod_1::apply(at, args) || \
+                 mask_mod_2::apply(at, args)));"
+            ),
+            "{h}"
+        );
+        assert_eq!(m.block_extent(4, 8), (1, 1));
+        let per_head = MaskMod::new("even heads", "return h % 2 == 0;");
+        assert_eq!(per_head.block_extent(4, 8), (1, 8));
+    }
+
+    #[test]
+    fn bad_masks_are_errors() {
+        let docs = MaskMod::document_lengths(&[4, 4]).unwrap();
+        assert!(docs.check(8).is_ok());
+        let err = docs.check(9).unwrap_err().to_string();
+        assert!(err.contains("table of 8 keys for 9 keys"), "{err}");
+        let err = MaskMod::new("x", "return true;").int("not an ident", 1).check(4).unwrap_err();
+        assert!(err.to_string().contains("not a C identifier"), "{err}");
+        let many = (0..5).fold(MaskMod::new("x", "return true;"), |m, i| m.int(format!("i{i}"), i));
+        assert!(many.check(4).unwrap_err().to_string().contains("up to 4"));
+        assert!(MaskMod::documents(vec![1 << 24]).is_err());
+    }
+}
