@@ -29,10 +29,16 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use candle_core::{D, DType, Device, Tensor};
-use candle_nn::{Activation, VarBuilder, VarMap};
+use candle_nn::{VarBuilder, VarMap};
 use candle_transformers::models::qwen2 as candle_qwen2;
 use clap::{Parser, ValueEnum};
 use ladder_candle::qwen2::{AttentionPath, Config, Model};
+
+// candle-transformers' configuration for ours, shared with the tests.
+#[path = "../tests/common/model.rs"]
+#[allow(dead_code)]
+mod model;
+use model::candle_config;
 
 #[derive(Parser)]
 #[command(about = "ladder-candle against candle's own attention on a GPU")]
@@ -126,25 +132,6 @@ fn qwen25_1_5b(layers: usize, positions: usize) -> Config {
         rope_theta: 1_000_000.0,
         rms_norm_eps: 1e-6,
         tie_word_embeddings: true,
-    }
-}
-
-fn candle_config(c: &Config) -> candle_qwen2::Config {
-    candle_qwen2::Config {
-        vocab_size: c.vocab_size,
-        hidden_size: c.hidden_size,
-        intermediate_size: c.intermediate_size,
-        num_hidden_layers: c.num_hidden_layers,
-        num_attention_heads: c.num_attention_heads,
-        num_key_value_heads: c.num_key_value_heads,
-        max_position_embeddings: c.max_position_embeddings,
-        sliding_window: c.max_position_embeddings,
-        max_window_layers: c.num_hidden_layers,
-        tie_word_embeddings: c.tie_word_embeddings,
-        rope_theta: c.rope_theta,
-        rms_norm_eps: c.rms_norm_eps,
-        use_sliding_window: false,
-        hidden_act: Activation::Silu,
     }
 }
 

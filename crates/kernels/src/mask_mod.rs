@@ -41,7 +41,6 @@
 //! ```
 
 use std::fmt::Write as _;
-use std::hash::{Hash, Hasher};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::DeviceRepr;
@@ -50,7 +49,7 @@ use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, Kernel};
 use crate::problem::{Band, Problem, grid};
-use crate::score_mod::{Generated, is_identifier, mentions};
+use crate::score_mod::{Generated, check_identifiers, mentions};
 
 pub(crate) const BLOCK_MASK_SRC: &str = include_str!("../cuda/block_mask.cu");
 
@@ -248,14 +247,7 @@ impl MaskMod {
         }
         for term in &self.terms {
             let names = term.ints.iter().map(|(n, _)| n).chain(term.tables.iter().map(|(n, _)| n));
-            for name in names {
-                if !is_identifier(name) {
-                    return Err(KernelError::Shape(format!(
-                        "mask_mod {}: {name:?} is not a C identifier",
-                        term.label
-                    )));
-                }
-            }
+            check_identifiers("mask_mod", &term.label, names)?;
             if let Some(keys) = term.keys
                 && keys != n_kv
             {
@@ -314,12 +306,7 @@ impl MaskMod {
     /// The header and a key for the variant, its hash (the kernels compiled with one mask serve
     /// every value of its ints and tables, which travel in the parameters); made on first use.
     pub(crate) fn generated(&self) -> &Generated {
-        self.generated.get_or_init(|| {
-            let header = self.header();
-            let mut hasher = std::collections::hash_map::DefaultHasher::new();
-            header.hash(&mut hasher);
-            Generated { key: format!("{:016x}", hasher.finish()), header: header.into() }
-        })
+        self.generated.get_or_init(|| Generated::of(self.header()))
     }
 
     /// The parameters the kernels read ([`MaskArgs`]), the tables on the device

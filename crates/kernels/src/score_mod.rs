@@ -83,11 +83,34 @@ pub struct ScoreMod {
     generated: OnceLock<Generated>,
 }
 
-/// [`ScoreMod::header`]'s text and the variant key hashed from it.
+/// A modifier's generated header ([`ScoreMod::header`], [`crate::MaskMod`]'s) and the variant key
+/// hashed from it.
 #[derive(Clone, Debug)]
 pub(crate) struct Generated {
     pub(crate) key: String,
     pub(crate) header: Arc<str>,
+}
+
+impl Generated {
+    pub(crate) fn of(header: String) -> Generated {
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        header.hash(&mut hasher);
+        Generated { key: format!("{:016x}", hasher.finish()), header: header.into() }
+    }
+}
+
+/// Fails unless every name a modifier (`kind`, `label`) binds for its body is a C identifier.
+pub(crate) fn check_identifiers<'a>(
+    kind: &str,
+    label: &str,
+    names: impl IntoIterator<Item = &'a String>,
+) -> Result<()> {
+    match names.into_iter().find(|name| !is_identifier(name)) {
+        Some(name) => {
+            Err(KernelError::Shape(format!("{kind} {label}: {name:?} is not a C identifier")))
+        }
+        None => Ok(()),
+    }
 }
 
 /// Two modifiers are equal when their stages are (whether either has made its header yet does not
@@ -216,14 +239,7 @@ impl ScoreMod {
         for stage in &self.stages {
             let names =
                 stage.scalars.iter().map(|(n, _)| n).chain(stage.tensors.iter().map(|(n, _)| n));
-            for name in names {
-                if !is_identifier(name) {
-                    return Err(KernelError::Shape(format!(
-                        "score_mod {}: {name:?} is not a C identifier",
-                        stage.label
-                    )));
-                }
-            }
+            check_identifiers("score_mod", &stage.label, names)?;
             if let Some(heads) = stage.heads
                 && heads != heads_q
             {
@@ -314,12 +330,7 @@ impl ScoreMod {
     /// compiled with one modifier serve every value of its scalars and tables, which travel in
     /// the parameters); made on first use.
     pub(crate) fn generated(&self) -> &Generated {
-        self.generated.get_or_init(|| {
-            let header = self.header();
-            let mut hasher = std::collections::hash_map::DefaultHasher::new();
-            header.hash(&mut hasher);
-            Generated { key: format!("{:016x}", hasher.finish()), header: header.into() }
-        })
+        self.generated.get_or_init(|| Generated::of(self.header()))
     }
 
     /// The parameters the kernels read (`ModifierArgs`), the tables on the device
