@@ -24,7 +24,6 @@
 //! and rotary kernels: they differ only in attention. Times are medians of `--reps` runs after a
 //! warm-up, the GPU synchronised around each.
 
-use std::collections::HashMap;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -38,7 +37,7 @@ use ladder_candle::qwen2::{AttentionPath, Config, Model};
 #[path = "../tests/common/model.rs"]
 #[allow(dead_code)]
 mod model;
-use model::candle_config;
+use model::{candle_config, frozen_on, prompts};
 
 #[derive(Parser)]
 #[command(about = "ladder-candle against candle's own attention on a GPU")]
@@ -135,25 +134,12 @@ fn qwen25_1_5b(layers: usize, positions: usize) -> Config {
     }
 }
 
-/// The model's weights, initialised as the model initialises them, as plain (untracked) tensors.
-fn random_weights(cfg: &Config, dtype: DType, dev: &Device) -> Result<HashMap<String, Tensor>> {
+/// The model's weights, initialised as the model initialises them, as plain (untracked) tensors
+/// that every model built from the returned builder shares.
+fn random_weights(cfg: &Config, dtype: DType, dev: &Device) -> Result<VarBuilder<'static>> {
     let varmap = VarMap::new();
     Model::new(cfg, VarBuilder::from_varmap(&varmap, dtype, dev))?;
-    let vars = varmap.data().lock().map_err(|_| anyhow::anyhow!("the weights' lock"))?;
-    Ok(vars.iter().map(|(name, var)| (name.clone(), var.as_tensor().detach())).collect())
-}
-
-fn vb(weights: &HashMap<String, Tensor>, dtype: DType, dev: &Device) -> VarBuilder<'static> {
-    VarBuilder::from_tensors(weights.clone(), dtype, dev)
-}
-
-/// Prompts of the given lengths, fixed pseudo-random tokens.
-fn prompts(lengths: &[usize], vocab: usize) -> Vec<Vec<u32>> {
-    lengths
-        .iter()
-        .enumerate()
-        .map(|(p, &n)| (0..n).map(|i| ((p * 7919 + i * 104_729 + 3) % vocab) as u32).collect())
-        .collect()
+    Ok(frozen_on(&varmap, dev, dtype)?)
 }
 
 /// Seconds `f` takes, the GPU synchronised before and after.
@@ -181,7 +167,7 @@ fn median_time(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> 
 
 fn prefill(
     cfg: &Config,
-    weights: &HashMap<String, Tensor>,
+    weights: &VarBuilder<'static>,
     args: &Args,
     dev: &Device,
     table: &mut Table,
@@ -190,14 +176,13 @@ fn prefill(
     let prompts = prompts(&lengths, cfg.vocab_size);
     let tokens: usize = lengths.iter().sum();
     let longest = lengths.iter().copied().max().unwrap_or(0);
-    let dtype = weights.values().next().map_or(DType::BF16, Tensor::dtype);
     let case = format!("prefill 8 prompts, {tokens} tokens");
     for (path, name) in [
         (AttentionPath::Ladder, "ladder-candle (flash_attn_varlen)"),
         (AttentionPath::Candle, "same model, candle's attention"),
     ] {
         eprintln!("candle_bench: {case}, {name}…");
-        let mut model = Model::new(cfg, vb(weights, dtype, dev))?.with_attention(path);
+        let mut model = Model::new(cfg, weights.clone())?.with_attention(path);
         let t = median_time(dev, args.reps, || {
             model.prefill(&prompts, longest + 1)?;
             Ok(())
@@ -205,8 +190,7 @@ fn prefill(
         table.push(Row { case: case.clone(), path: name, figure: per_second(tokens, t) });
     }
     eprintln!("candle_bench: {case}, candle-transformers' Qwen2…");
-    let mut theirs =
-        candle_qwen2::ModelForCausalLM::new(&candle_config(cfg), vb(weights, dtype, dev))?;
+    let mut theirs = candle_qwen2::ModelForCausalLM::new(&candle_config(cfg), weights.clone())?;
     // Padded to the longest (the tail of a shorter prompt is padding the causal mask keeps out
     // of its tokens); only the prompts' own tokens count.
     let padded: Vec<u32> = prompts
@@ -229,7 +213,7 @@ fn prefill(
 
 fn decode(
     cfg: &Config,
-    weights: &HashMap<String, Tensor>,
+    weights: &VarBuilder<'static>,
     batch: usize,
     args: &Args,
     dev: &Device,
@@ -237,12 +221,11 @@ fn decode(
 ) -> Result<()> {
     let (context, steps) = (args.context, args.steps);
     let prompts = prompts(&vec![context; batch], cfg.vocab_size);
-    let dtype = weights.values().next().map_or(DType::BF16, Tensor::dtype);
     let case = format!("decode batch {batch}, {context} context, {steps} steps");
     let first: Vec<u32> = vec![1; batch];
 
     eprintln!("candle_bench: {case}, ladder-candle…");
-    let mut ours = Model::new(cfg, vb(weights, dtype, dev))?;
+    let mut ours = Model::new(cfg, weights.clone())?;
     let ours_t = median_of(args.reps, || {
         ours.prefill(&prompts, context + steps + 1)?;
         timed(dev, || {
@@ -262,8 +245,7 @@ fn decode(
     drop(ours);
 
     eprintln!("candle_bench: {case}, candle-transformers' Qwen2…");
-    let mut theirs =
-        candle_qwen2::ModelForCausalLM::new(&candle_config(cfg), vb(weights, dtype, dev))?;
+    let mut theirs = candle_qwen2::ModelForCausalLM::new(&candle_config(cfg), weights.clone())?;
     let ids: Vec<u32> = prompts.iter().flatten().copied().collect();
     let ids = Tensor::from_vec(ids, (batch, context), dev)?;
     let theirs_t = median_of(args.reps, || {

@@ -200,11 +200,11 @@ impl op::Attention for Decode {
     #[cfg(feature = "cuda")]
     fn cuda_gradients(
         &self,
-        _: (&Tensor, &Tensor, &Tensor),
-        _: &Tensor,
-        _: &Tensor,
+        qkv: (&Tensor, &Tensor, &Tensor),
+        o: &Tensor,
+        d_o: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        bail!("{}: decoding is inference only (no backward pass)", Self::NAME)
+        self.gradients::<f32>(qkv, o, d_o)
     }
 }
 

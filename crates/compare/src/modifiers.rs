@@ -204,10 +204,7 @@ impl MaskSpec {
     /// The CPU form for a problem of `n_kv` keys.
     pub fn cpu(&self, n_kv: usize) -> MaskMod {
         match *self {
-            MaskSpec::Documents(docs) => {
-                let docs = docs.max(1);
-                MaskMod::documents((0..n_kv).map(|j| (j * docs / n_kv) as u32).collect())
-            }
+            MaskSpec::Documents(docs) => MaskMod::documents(document_ids(docs, n_kv)),
             MaskSpec::PrefixLm(prefix) => MaskMod::prefix_lm(prefix),
             MaskSpec::Dilated(stride) => {
                 let stride = stride.max(1) as i64;
@@ -229,10 +226,7 @@ impl MaskSpec {
     pub fn gpu(&self, n_kv: usize) -> ladder_kernels::Result<ladder_kernels::MaskMod> {
         use ladder_kernels::MaskMod as Gpu;
         match *self {
-            MaskSpec::Documents(docs) => {
-                let docs = docs.max(1);
-                Gpu::documents((0..n_kv).map(|j| (j * docs / n_kv) as u32).collect())
-            }
+            MaskSpec::Documents(docs) => Gpu::documents(document_ids(docs, n_kv)),
             MaskSpec::PrefixLm(prefix) => Gpu::prefix_lm(prefix),
             MaskSpec::Dilated(stride) => {
                 let stride = i32::try_from(stride.max(1)).map_err(|_| {
@@ -246,6 +240,13 @@ impl MaskSpec {
             }
         }
     }
+}
+
+/// The document of each of `n_kv` keys split into `docs` documents of near-equal length
+/// ([`MaskSpec::Documents`]): key `j` is in document `j · docs / n_kv`.
+fn document_ids(docs: usize, n_kv: usize) -> Vec<u32> {
+    let docs = docs.max(1);
+    (0..n_kv).map(|j| (j * docs / n_kv) as u32).collect()
 }
 
 /// `documents:N`, `prefix-lm:P` or `dilated:S` (`N`, `S` at least 1).
