@@ -422,9 +422,10 @@ impl GpuRung {
         )
     }
 
-    /// Whether the kernel takes a mask modifier (`Options::mask_mod`): the FA2 forward.
+    /// Whether the kernel takes a mask modifier (`Options::mask_mod`): the FA2 and FA3 forwards
+    /// (16-bit).
     pub fn takes_mask_mod(self) -> bool {
-        self == GpuRung::Fa2
+        matches!(self, GpuRung::Fa2 | GpuRung::Fa3)
     }
 
     /// Whether the kernel runs on `gpu` (FA3 needs Hopper, `sm_90a`; the others sm_80+).

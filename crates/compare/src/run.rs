@@ -257,8 +257,8 @@ impl RunArgs {
                     && (!takes_mask || backward.is_some())
                 {
                     return Err(usage(format!(
-                        "--mask-mod {m}: on the GPU only the fa2 forward takes a mask modifier \
-                         yet (every CPU rung does: --device cpu)"
+                        "--mask-mod {m}: on the GPU only the fa2 and fa3 forwards take a mask \
+                         modifier yet (every CPU rung does: --device cpu)"
                     )));
                 }
                 let rung = gpu_forward(self.rung).ok_or_else(|| {

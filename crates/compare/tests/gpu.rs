@@ -680,8 +680,10 @@ fn gpu_score_mods_are_refused_where_unsupported() {
     }
 }
 
-/// Mask modifiers in the FA2 forward, on problems of many tiles: the block mask skips the tiles a
-/// document mask empties and the kernel asks the mask per entry on the tiles it leaves partial.
+/// Mask modifiers in the FA2 and FA3 forwards, on problems of many tiles: the block mask skips
+/// the tiles a document mask empties and the kernel asks the mask per entry on the tiles it leaves
+/// partial. Each case runs twice on the same mask, the second time on the block mask the first
+/// made and kept.
 /// Packed causal training (16 documents), documents with `n_q ≠ n_kv` (more queries than keys:
 /// the first rows see nothing), a prefix-LM mask, LongNet's dilated mask (a user-written body
 /// with an `int`) inside a window, and a document mask under softcap; fp16 and bf16, d = 64, 128
@@ -712,16 +714,53 @@ fn gpu_mask_mods_long_sequences() {
         let base = long_case((2, 4, 2, n_q, n_kv, d), causal, 128, 7000 + i as u64);
         let case = Case { window, score_mod, mask_mod: Some(mask), ..base };
         let dtype = if i % 2 == 0 { DType::F16 } else { DType::BF16 };
-        check_forward_in(GpuRung::Fa2, &case, dtype, layout).unwrap_or_else(|e| {
-            panic!(
-                "fa2: {n_q}x{n_kv}, d = {d}, causal = {causal}, {mask}, {window:?}, {layout:?}: {e}"
-            )
-        });
+        for rung in [GpuRung::Fa2, GpuRung::Fa3] {
+            check_forward_in(rung, &case, dtype, layout).unwrap_or_else(|e| {
+                panic!(
+                    "{rung}: {n_q}x{n_kv}, d = {d}, causal = {causal}, {mask}, {window:?}, \
+                     {layout:?}: {e}"
+                )
+            });
+        }
     }
 }
 
-/// A mask modifier reaches only the FA2 forward; the other rungs, a packed batch and bad masks are
-/// errors that say why.
+/// A block mask is made once per mask and shape and kept with the mask (its clones too): a second
+/// call with the mask gives the same bits, and so does a call with an equal mask made anew (its
+/// own block mask); a mask of other documents on the same shape gets its own.
+#[test]
+fn gpu_block_masks_are_kept_per_mask_and_shape() {
+    use ladder_kernels::MaskMod;
+    let Some(gpu) = gpu() else { return };
+    let n = 1000;
+    let values: Vec<f32> =
+        (0..2 * 4 * n * 64).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
+    let q = gpu.upload(&values, &[2, 4, n, 64], DType::F16).unwrap();
+    let docs = || MaskMod::document_lengths(&[300, 200, 500]).unwrap();
+    let other = Options::causal().with_mask_mod(MaskMod::document_lengths(&[500, 500]).unwrap());
+    let kept = Options::causal().with_mask_mod(docs());
+    let mut rungs = vec![GpuRung::Fa2];
+    if GpuRung::Fa3.available_on(gpu) {
+        rungs.push(GpuRung::Fa3);
+    }
+    for rung in rungs {
+        let run = |opts: &Options| {
+            let out = match rung {
+                GpuRung::Fa3 => fa3::forward(gpu, &q, &q, &q, opts),
+                _ => fa2::forward(gpu, &q, &q, &q, opts),
+            };
+            out.unwrap().o.to_f32_vec().unwrap()
+        };
+        let first = run(&kept);
+        assert_eq!(run(&kept.clone()), first, "{rung}: the kept block mask");
+        assert_eq!(run(&Options::causal().with_mask_mod(docs())), first, "{rung}: a new mask");
+        assert_ne!(run(&other), first, "{rung}: other documents");
+        assert_eq!(run(&kept), first, "{rung}: after another mask");
+    }
+}
+
+/// A mask modifier reaches the FA2 and FA3 forwards; the other rungs, a packed batch and bad
+/// masks are errors that say why.
 #[test]
 fn gpu_mask_mods_are_refused_where_unsupported() {
     use ladder_kernels::MaskMod;
@@ -743,7 +782,12 @@ fn gpu_mask_mods_are_refused_where_unsupported() {
     assert!(matches!(err, KernelError::Compile { .. }), "{err}");
     assert!(err.to_string().contains("my mask(1)"), "{err}");
     if GpuRung::Fa3.available_on(gpu) {
-        let err = fa3::forward(gpu, &q, &q, &q, &docs).unwrap_err().to_string();
-        assert!(err.contains("fa3 takes no mask_mod"), "{err}");
+        let out = fa3::forward(gpu, &q, &q, &q, &docs).unwrap();
+        let err = fa3::backward(gpu, &q, &q, &q, &out, &q, &docs).unwrap_err().to_string();
+        assert!(err.contains("fa3 backward takes no mask_mod"), "{err}");
+        let err = fa3::fp8::forward(gpu, &q, &q, &q, &docs, &Default::default());
+        assert!(err.unwrap_err().to_string().contains("fa3-fp8 takes no mask_mod"));
+        let err = fa3::forward(gpu, &q, &q, &q, &short).unwrap_err().to_string();
+        assert!(err.contains("table of 60 keys for 64 keys"), "{err}");
     }
 }

@@ -1,8 +1,11 @@
-// The block mask of a mask modifier (mask_mod.cuh): one kind per tile of BR queries by BC keys of
-// each (batch, head) the mask distinguishes. Each block classifies one tile: its threads evaluate
-// the mask on every pair inside the sequences and the band (causal, a window: mask.cuh), and the
-// block votes. FlexAttention's create_block_mask, computed where the mask can run: the host cannot
-// evaluate CUDA source.
+// The block mask of a mask modifier (mask_mod.cuh), FlexAttention's create_block_mask computed
+// where the mask can run (the host cannot evaluate CUDA source), in two launches:
+//   block_mask  one kind per tile of BR queries by BC keys of each (batch, head) the mask
+//               distinguishes: each block classifies one tile, its threads evaluating the mask on
+//               every pair inside the sequences and the band (causal, a window: mask.cuh), and
+//               the block votes;
+//   block_list  each row of kinds (a query tile's) becomes the list of its live key tiles that
+//               the attention kernels walk (MaskArgs), one warp per row.
 //
 // Compile-time constants, set by the host for each variant:
 //   BM_BR, BM_BC  the attention kernel's query rows and keys per tile
@@ -24,11 +27,14 @@ constexpr int THREADS = 256;
 struct BlockMaskParams {
     MaskArgs mask;
     unsigned char* kinds;  // [batches][heads][query_tiles][key_tiles]
+    int* live;             // block_list: [batches][heads][query_tiles][key_tiles] (MaskArgs)
+    int* live_count;       // block_list: [batches][heads][query_tiles]
     int heads;             // heads the mask distinguishes (1 when it never names h)
     int n_q;
     int n_kv;
     int query_tiles;
     int key_tiles;
+    int rows;   // batches · heads · query_tiles
     Band band;  // the attention's band: the causal mask as right = 0, a window, or UNBOUNDED sides
 };
 
@@ -51,4 +57,24 @@ block_mask(const __grid_constant__ BlockMaskParams p) {
     if (threadIdx.x == 0)
         p.kinds[((size_t)blockIdx.z * p.query_tiles + qt) * p.key_tiles + kt] =
             !seen ? TILE_EMPTY : hidden ? TILE_PARTIAL : TILE_FULL;
+}
+
+// Launch: grid (ceil(rows / LIST_WARPS), 1, 1), block (32 · LIST_WARPS, 1, 1); after block_mask.
+constexpr int LIST_WARPS = 4;
+extern "C" __global__ void __launch_bounds__(32 * LIST_WARPS)
+block_list(const __grid_constant__ BlockMaskParams p) {
+    const int row = blockIdx.x * LIST_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= p.rows) return;
+    const unsigned char* kinds = p.kinds + (size_t)row * p.key_tiles;
+    int* live = p.live + (size_t)row * p.key_tiles;
+    int count = 0;  // live tiles listed so far (the same in every lane)
+    for (int k0 = 0; k0 < p.key_tiles; k0 += 32) {
+        const int kt = k0 + lane;
+        const unsigned char kind = kt < p.key_tiles ? kinds[kt] : TILE_EMPTY;
+        const unsigned alive = __ballot_sync(0xffffffff, kind != TILE_EMPTY);
+        if (kind != TILE_EMPTY)
+            live[count + __popc(alive & ((1u << lane) - 1))] = 2 * kt + (kind == TILE_PARTIAL);
+        count += __popc(alive);
+    }
+    if (lane == 0) p.live_count[row] = count;
 }

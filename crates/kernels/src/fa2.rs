@@ -29,7 +29,7 @@ use cudarc::driver::DeviceRepr;
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, GpuConfig, Kernel, parse_counts};
-use crate::mask_mod::{MaskArgs, block_mask};
+use crate::mask_mod::{MaskArgs, mask_args};
 use crate::problem::{
     Band, Gradients, Masking, Options, Output, Packed, Problem, Strides, grid, multiples,
 };
@@ -411,13 +411,7 @@ fn forward_problem(
     let mut lse = gpu.output(&p.lse_shape(), DType::F32)?;
     let table = lens.map(|lens| lens.tiles(gpu, tiles.br(), p.causal)).transpose()?;
     // The mask modifier's block mask, at this kernel's tiles (kept until the launch is queued).
-    let (mask_args, _blocks) = match &p.mask_mod {
-        Some(m) => {
-            let (args, blocks) = block_mask(gpu, m, p, (tiles.br(), tiles.bc))?;
-            (args, Some(blocks))
-        }
-        None => (MaskArgs::default(), None),
-    };
+    let (mask_args, _blocks) = mask_args(gpu, p, (tiles.br(), tiles.bc))?;
     {
         let s = gpu.stream();
         let (q_ptr, _g0) = q.read_ptr(s);
