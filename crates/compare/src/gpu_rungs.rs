@@ -423,9 +423,12 @@ impl GpuRung {
     }
 
     /// Whether the kernel takes a mask modifier (`Options::mask_mod`): the FA2 and FA3 forwards
-    /// (16-bit).
+    /// (16-bit) and the FA2 backward (fixed-length batches).
     pub fn takes_mask_mod(self) -> bool {
-        matches!(self, GpuRung::Fa2 | GpuRung::Fa3)
+        matches!(
+            self,
+            GpuRung::Fa2 | GpuRung::Fa3 | GpuRung::Fa2Backward | GpuRung::Fa2BackwardDeterministic
+        )
     }
 
     /// Whether the kernel runs on `gpu` (FA3 needs Hopper, `sm_90a`; the others sm_80+).

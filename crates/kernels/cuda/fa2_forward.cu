@@ -174,7 +174,7 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
 
     // ---- prologue: Q once, and the first K/V tile into stage 0 ----------------------------------
     load_tile<BR, COLS, DK, D, THREADS>(sQ, gQ, Q_ROW, q0, w.n_q);
-    if (walk.count > 0) {
+    if (!walk.empty()) {
         const int n_kv = w.n_kv, first = walk[0].index * BC;
         const long long k_off = kv_offset(p.k_strides, K_ROW);
         const long long v_off = FA2_V_STRIDES ? kv_offset(p.v_strides, V_ROW) : k_off;
@@ -191,11 +191,11 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
     const auto vB = b_operand_trans<COLS>(sV);       // V: B of O = P·V (rows = keys = k)
 
     // ---- the K/V walk: copy the next tile into the other stage while tile j is computed ---------
-    for (int i = 0; i < walk.count; ++i) {
-        const int stage = i & 1;
-        const KeyTile tile = walk[i];
-        if (i + 1 < walk.count) {
-            const int n_kv = sequence().n_kv, next = walk[i + 1].index * BC;
+    for (int pos = walk.start(); pos < walk.end(); ++pos) {
+        const int stage = (pos - walk.start()) & 1;
+        const KeyTile tile = walk.at(pos);
+        if (pos + 1 < walk.end()) {
+            const int n_kv = sequence().n_kv, next = walk.at(pos + 1).index * BC;
             u16* k_stage = sK + (stage ^ 1) * BC * COLS;
             u16* v_stage = sV + (stage ^ 1) * BC * COLS;
             const long long k_off = kv_offset(p.k_strides, K_ROW);
@@ -314,7 +314,7 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
         // The next iteration's copies overwrite the stage read here.
         __syncthreads();
     }
-    if (walk.count == 0) cp_async_wait<0>();
+    if (walk.empty()) cp_async_wait<0>();
 
     // ---- epilogue: O = acc / l, lse = m·ln2 + ln l, the head's sink folded in first; rows that
     // saw no key (l = 0) get O = 0 and lse = −inf (σ with a sink), rows that met a NaN (l = NaN)

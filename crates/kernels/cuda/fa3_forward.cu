@@ -396,8 +396,8 @@ __device__ void producer(const Fa3ForwardParams& p, SharedTiles& t) {
         tma_load_tile<BR, COLS>(t.q, &p.q, &t.q_full, 0, seq.q_start + tile.q0, tile.head,
                                 seq.batch);
         const KeyWalk walk = kv_walk(p, tile);
-        for (int i = 0; i < walk.count; ++i, ++kv.count) {
-            const int j = walk[i].index;
+        for (int pos = walk.start(); pos < walk.end(); ++pos, ++kv.count) {
+            const int j = walk.at(pos).index;
             const int stage = kv.stage(), free = kv.parity() ^ 1;
             const int k0 = seq.k_start + j * BC;
             mbar_wait(&t.k_empty[stage], free);
@@ -635,9 +635,10 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
     zero(o);
     RowState st = {{LADDER_NEG_INF, LADDER_NEG_INF}, {0.f, 0.f}};
     const int q_row0 = wg * 64;  // the warpgroup's rows inside the Q tile
-    // The K/V tiles walk[0 … n_tiles − 1] (n_tiles = 0: none).
+    // The K/V tiles at the walk's positions first … first + n_tiles − 1 (n_tiles ≤ 0: none).
     const KeyWalk walk = kv_walk(p, tile);
-    const int n_tiles = walk.count;
+    const int first = walk.start();
+    const int n_tiles = walk.end() - first;
     const Scales sc = scales_of(p, tile, tile.head / (p.heads_q / p.heads_kv));
 
     // Algorithm 2. Prologue: S_0 and its softmax (O is still zero: nothing to rescale).
@@ -647,7 +648,7 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
     bool moved = false;  // whether the last softmax moved a row's max: O needs alpha
     KvPosition v_read = kv;  // V lags K by one tile
     if (n_tiles > 0) {
-        const KeyTile kv_0 = walk[0];
+        const KeyTile kv_0 = walk.at(first);
         const float scale_0 = score_scale(p, sc, kv_0.index), lift_0 = p_lift(p, sc, kv_0.index);
         wait_turn(wg);
         mbar_wait(&t.k_full[kv.stage()], kv.parity());
@@ -667,7 +668,7 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
         // memory here, before the waits and the products, so that their latency hides under them
         // (after the waits' memory clobbers the compiler could not hoist the loads, and the
         // softmax would stall on them).
-        const KeyTile kv_j = walk[j];
+        const KeyTile kv_j = walk.at(first + j);
         const float scale_j = score_scale(p, sc, kv_j.index), lift_j = p_lift(p, sc, kv_j.index);
         if constexpr (overlap) land_product(o, pk, s, t, v_read, j >= 2);
         // Both tiles are waited for before the products are issued: ptxas serialises every

@@ -29,7 +29,7 @@ use cudarc::driver::DeviceRepr;
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, GpuConfig, Kernel, parse_counts};
-use crate::mask_mod::{MaskArgs, mask_args};
+use crate::mask_mod::{MaskArgs, Walk, mask_args};
 use crate::problem::{
     Band, Gradients, Masking, Options, Output, Packed, Problem, Strides, grid, multiples,
 };
@@ -216,7 +216,8 @@ impl BackwardTiles {
     /// in a packed batch's dQ pass, at 32 rows per warp (so 16). A score modifier (`modified`)
     /// keeps its slopes `∂t/∂s` beside the score tiles, which at the tuned tiles spilled 64–108
     /// bytes in the main kernel at d = 128 and 320–340 in the dQ pass at d = 64: it takes 32-row
-    /// steps and 16 rows per warp of the dQ pass.
+    /// steps and 16 rows per warp of the dQ pass. So does a mask modifier (`modified` too), whose
+    /// per-entry test on partial tiles runs beside the same tiles (not tried at the tuned ones).
     pub fn of(d: usize, packed: bool, windowed: bool, modified: bool) -> Result<BackwardTiles> {
         let t = if packed || windowed || modified {
             BackwardTiles::for_packed(d)?
@@ -299,9 +300,9 @@ pub(crate) fn backward_variant(
     dtype: DType,
     mask: Masking,
     (deterministic, packed): (bool, bool),
-    score_mod: Option<&crate::ScoreMod>,
+    (score_mod, mask_mod): (Option<&crate::ScoreMod>, Option<&crate::MaskMod>),
 ) -> Result<Variant> {
-    let modified = score_mod.is_some();
+    let modified = score_mod.is_some() || mask_mod.is_some();
     let t = BackwardTiles::of(d, packed, mask.windowed, modified)?;
     let mut defines = vec![
         ("LADDER_DTYPE", dtype.code().to_string()),
@@ -324,7 +325,7 @@ pub(crate) fn backward_variant(
         defines.push(("FA2_WINDOW", "1".into()));
     }
     let variant = Variant::new("fa2_backward", BACKWARD_SRC, defines);
-    Ok(variant.with_score_mod(score_mod))
+    Ok(variant.with_score_mod(score_mod).with_mask_mod(mask_mod))
 }
 
 /// Mirror of `Fa2ForwardParams` in `cuda/fa2_forward.cu` (device pointers as `u64`).
@@ -411,7 +412,7 @@ fn forward_problem(
     let mut lse = gpu.output(&p.lse_shape(), DType::F32)?;
     let table = lens.map(|lens| lens.tiles(gpu, tiles.br(), p.causal)).transpose()?;
     // The mask modifier's block mask, at this kernel's tiles (kept until the launch is queued).
-    let (mask_args, _blocks) = mask_args(gpu, p, (tiles.br(), tiles.bc))?;
+    let (mask_args, _blocks) = mask_args(gpu, p, (tiles.br(), tiles.bc), Walk::KeysOfQueryTile)?;
     {
         let s = gpu.stream();
         let (q_ptr, _g0) = q.read_ptr(s);
@@ -491,6 +492,8 @@ pub(crate) struct BackwardParams {
     dv_strides: Strides,
     varlen: VarlenParams,
     mods: ModifierArgs,
+    mask: MaskArgs,
+    mask_dq: MaskArgs,
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror.
@@ -512,7 +515,6 @@ pub fn backward(
     opts: &Options,
 ) -> Result<Gradients> {
     let p = Problem::new(gpu, q, k, v, opts)?;
-    p.require_no_mask_mod("fa2 backward")?;
     p.require_score_mod_derivative()?;
     backward_problem(gpu, &p, (q, k, v), (out, d_o), None, opts.deterministic, None)
 }
@@ -564,7 +566,8 @@ pub(crate) fn backward_problem(
     p.require_like(gpu, "d_o", d_o, q.shape(), p.dtype)?;
     p.require_like(gpu, "out.lse", &out.lse, &p.lse_shape(), DType::F32)?;
     let batching = (deterministic, lens.is_some());
-    let variant = backward_variant(p.d, p.dtype, Masking::of(p), batching, p.score_mod.as_ref())?;
+    let modifiers = (p.score_mod.as_ref(), p.mask_mod.as_ref());
+    let variant = backward_variant(p.d, p.dtype, Masking::of(p), batching, modifiers)?;
     let entry = |entry| Kernel { variant: variant.clone(), entry };
     let (prep, main, dq_pass, finish, sinks) = (
         entry("fa2_backward_prep"),
@@ -573,7 +576,8 @@ pub(crate) fn backward_problem(
         entry("fa2_backward_finish"),
         entry("fa2_backward_sinks"),
     );
-    let t = BackwardTiles::of(p.d, lens.is_some(), p.window.is_some(), p.score_mod.is_some())?;
+    let modified = p.score_mod.is_some() || p.mask_mod.is_some();
+    let t = BackwardTiles::of(p.d, lens.is_some(), p.window.is_some(), modified)?;
     let smem = t.shared_bytes(p.d, deterministic);
     let dq_smem = t.dq_shared_bytes(p.d);
     gpu.prepare(&prep, 0)?;
@@ -647,6 +651,14 @@ pub(crate) fn backward_problem(
         let (main_varlen, _g14) = VarlenParams::of(gpu, lens.zip(key_table.as_deref()));
         let (dq_varlen, _g15) = VarlenParams::of(gpu, lens.zip(query_table.as_deref()));
         let mods = p.modifier_args(gpu)?;
+        // The mask modifier's block masks: the main kernel walks a key tile's query tiles, the
+        // dQ pass a query tile's key tiles (kept until the launches are queued).
+        let (mask, _blocks) = mask_args(gpu, p, (t.br, t.bc()), Walk::QueriesOfKeyTile)?;
+        let (mask_dq, _dq_blocks) = if deterministic {
+            mask_args(gpu, p, (t.dq_br(), t.dq_bc), Walk::KeysOfQueryTile)?
+        } else {
+            (MaskArgs::default(), None)
+        };
         // In range: the rows by Problem's checks, the totals by SeqLens's 32-bit offsets.
         let params = BackwardParams {
             q: q_ptr,
@@ -683,6 +695,8 @@ pub(crate) fn backward_problem(
             dv_strides,
             varlen: main_varlen,
             mods,
+            mask,
+            mask_dq,
         };
 
         // 1. D = rowsum(dO ∘ O), lse in base 2, dQ accumulator zeroed: one warp per padded row,
@@ -749,7 +763,20 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
             for deterministic in [false, true] {
                 for packed in [false, true] {
                     let batching = (deterministic, packed);
-                    all.extend(backward_variant(d, DType::F16, mask, batching, Some(&mods)));
+                    all.extend(backward_variant(
+                        d,
+                        DType::F16,
+                        mask,
+                        batching,
+                        (Some(&mods), None),
+                    ));
+                    if !packed {
+                        // A mask modifier, alone and under the score modifiers.
+                        let masked = (None, Some(&masks));
+                        all.extend(backward_variant(d, DType::F16, mask, batching, masked));
+                        let both = (Some(&mods), Some(&masks));
+                        all.extend(backward_variant(d, DType::F16, mask, batching, both));
+                    }
                 }
             }
             if let Ok(tiles) = ForwardTiles::for_head_dim(d, arch) {
@@ -788,14 +815,20 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
                         }
                     }
                     for deterministic in [false, true] {
-                        all.extend(backward_variant(d, dtype, mask, (deterministic, false), None));
+                        all.extend(backward_variant(
+                            d,
+                            dtype,
+                            mask,
+                            (deterministic, false),
+                            (None, None),
+                        ));
                         if d == 64 || d == 128 {
                             all.extend(backward_variant(
                                 d,
                                 dtype,
                                 mask,
                                 (deterministic, true),
-                                None,
+                                (None, None),
                             ));
                         }
                     }
@@ -858,7 +891,7 @@ mod tests {
                 DType::F16,
                 Masking { causal: false, windowed: false },
                 (false, false),
-                None
+                (None, None)
             ),
             Err(KernelError::UnsupportedHeadDim { d: 136, .. })
         ));

@@ -46,7 +46,7 @@ use cudarc::driver::sys::{
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, GpuConfig, Kernel, parse_counts};
-use crate::mask_mod::{MaskArgs, mask_args};
+use crate::mask_mod::{MaskArgs, Walk, mask_args};
 use crate::problem::{Band, Masking, Options, Output, Problem, Strides, grid, multiples};
 use crate::score_mod::ModifierArgs;
 use crate::tensor::{DType, Tensor};
@@ -804,7 +804,7 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
     let mut lse = gpu.output(&p.lse_shape(), DType::F32)?;
     let table = lens.map(|lens| lens.tiles(gpu, tiles.br(), p.causal)).transpose()?;
     // The mask modifier's block mask, at this kernel's tiles (kept until the launch is queued).
-    let (mask_args, _blocks) = mask_args(gpu, p, (tiles.br(), tiles.bc))?;
+    let (mask_args, _blocks) = mask_args(gpu, p, (tiles.br(), tiles.bc), Walk::KeysOfQueryTile)?;
     {
         let s = gpu.stream();
         let (o_ptr, _g3) = o.write_ptr(s)?;

@@ -352,28 +352,41 @@ impl MaskMod {
     }
 }
 
-/// The parameters of `p`'s mask modifier for an attention kernel of tiles of `br` queries by `bc`
-/// keys, and its block mask ([`block_mask`]; none and null parameters without a modifier).
+/// Which tiles a kernel's walk visits, and so which lists of the block mask it reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Walk {
+    /// Each query tile walks its key tiles (the forwards, the backward's dQ pass).
+    KeysOfQueryTile,
+    /// Each key tile walks its query tiles (the backward's main kernel, keys outer).
+    QueriesOfKeyTile,
+}
+
+/// The parameters of `p`'s mask modifier for a kernel of tiles of `br` queries by `bc` keys
+/// walking them as `walk` says, and its block mask ([`block_mask`]; none and null parameters
+/// without a modifier).
 pub(crate) fn mask_args(
     gpu: &Gpu,
     p: &Problem,
     tiles: (usize, usize),
+    walk: Walk,
 ) -> Result<(MaskArgs, Option<Arc<DeviceBlockMask>>)> {
     match &p.mask_mod {
-        Some(m) => block_mask(gpu, m, p, tiles).map(|(args, blocks)| (args, Some(blocks))),
+        Some(m) => block_mask(gpu, m, p, tiles, walk).map(|(args, blocks)| (args, Some(blocks))),
         None => Ok((MaskArgs::default(), None)),
     }
 }
 
 /// The block mask of `mask` for problem `p` at the attention kernel's tiles of `br` queries by
-/// `bc` keys (`cuda/block_mask.cu`), and the parameters that point the attention kernel at it:
-/// keep the returned block mask alive until that kernel is queued. Made on the device at the
-/// first call of a shape and kept with the mask ([`MaskMod`]'s cache) for the next ones.
+/// `bc` keys (`cuda/block_mask.cu`) as lists for `walk`, and the parameters that point the
+/// attention kernel at it: keep the returned block mask alive until that kernel is queued. Made
+/// on the device at the first call of a shape and kept with the mask ([`MaskMod`]'s cache) for
+/// the next ones.
 fn block_mask(
     gpu: &Gpu,
     mask: &MaskMod,
     p: &Problem,
     (br, bc): (usize, usize),
+    walk: Walk,
 ) -> Result<(MaskArgs, Arc<DeviceBlockMask>)> {
     // (`p` is checked: `Problem` held the mask to its keys.)
     let (batches, heads) = mask.block_extent(p.batch, p.heads_q);
@@ -386,6 +399,7 @@ fn block_mask(
         band: p.band(),
         br,
         bc,
+        walk,
     };
     let blocks = match mask.blocks.find(&key) {
         Some(blocks) => blocks,
@@ -401,16 +415,16 @@ fn block_mask(
         args.live = blocks.live.device_ptr(gpu.stream()).0;
         args.live_count = blocks.counts.device_ptr(gpu.stream()).0;
     }
-    let query_tiles = key.n_q.div_ceil(br);
+    let (tiles, entries) = key.lists();
     // (The sizes fit an int: make_block_mask checked them.)
-    args.head_rows = if heads > 1 { query_tiles as i32 } else { 0 };
-    args.batch_rows = if batches > 1 { (heads * query_tiles) as i32 } else { 0 };
-    args.key_tiles = key.n_kv.div_ceil(bc) as i32;
+    args.head_rows = if heads > 1 { tiles as i32 } else { 0 };
+    args.batch_rows = if batches > 1 { (heads * tiles) as i32 } else { 0 };
+    args.row_len = entries as i32;
     Ok((args, blocks))
 }
 
-/// A block mask on the device: per query tile, its live key tiles (`MaskArgs` in
-/// `cuda/mask_mod.cuh`).
+/// A block mask on the device: per query tile its live key tiles, or per key tile its live query
+/// tiles (`MaskArgs` in `cuda/mask_mod.cuh`).
 #[derive(Debug)]
 pub(crate) struct DeviceBlockMask {
     key: BlockKey,
@@ -419,7 +433,7 @@ pub(crate) struct DeviceBlockMask {
 }
 
 /// What a block mask depends on besides the mask: the stream (a device) it was made on, the
-/// extents it distinguishes, the lengths and band, and the kernel's tiles.
+/// extents it distinguishes, the lengths and band, the kernel's tiles and its walk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct BlockKey {
     stream: usize,
@@ -430,6 +444,19 @@ struct BlockKey {
     band: Band,
     br: usize,
     bc: usize,
+    walk: Walk,
+}
+
+impl BlockKey {
+    /// The lists' count per (batch, head) and their length: query tiles and key tiles, or the
+    /// other way round.
+    fn lists(&self) -> (usize, usize) {
+        let (query_tiles, key_tiles) = (self.n_q.div_ceil(self.br), self.n_kv.div_ceil(self.bc));
+        match self.walk {
+            Walk::KeysOfQueryTile => (query_tiles, key_tiles),
+            Walk::QueriesOfKeyTile => (key_tiles, query_tiles),
+        }
+    }
 }
 
 /// How many block masks a mask keeps (the latest shapes it was called with).
@@ -456,18 +483,19 @@ impl BlockMasks {
 }
 
 /// Computes the block mask of `key` on the device: the kinds of every tile (`block_mask`), then
-/// each query tile's list of live key tiles (`block_list`).
+/// the lists of live tiles for the key's walk (`block_list`).
 fn make_block_mask(gpu: &Gpu, mask: &MaskMod, key: BlockKey) -> Result<DeviceBlockMask> {
     let (query_tiles, key_tiles) = (key.n_q.div_ceil(key.br), key.n_kv.div_ceil(key.bc));
-    let rows = key.batches * key.heads * query_tiles;
+    let (tiles, entries) = key.lists();
+    let rows = key.batches * key.heads * tiles;
     let int = |x: usize, what: &str| {
         i32::try_from(x).map_err(|_| {
             KernelError::Shape(format!("the block mask's {what} ({x}) exceeds an int"))
         })
     };
-    let len = rows * key_tiles;
-    // Key tiles are listed as 2·tile + partial.
-    int(2 * key_tiles, "key tiles")?;
+    let len = rows * entries;
+    // Tiles are listed as 2·tile + partial.
+    int(2 * entries, "tiles")?;
     let s = gpu.stream();
     // SAFETY (the three allocations): block_mask writes every kind, and block_list every count
     // and the entries the counts cover, before the attention kernel reads them.
@@ -495,6 +523,7 @@ fn make_block_mask(gpu: &Gpu, mask: &MaskMod, key: BlockKey) -> Result<DeviceBlo
             query_tiles: int(query_tiles, "query tiles")?,
             key_tiles: int(key_tiles, "key tiles")?,
             rows: int(rows, "rows")?,
+            by_key: i32::from(key.walk == Walk::QueriesOfKeyTile),
             band: key.band,
         };
         let launch = grid(key_tiles, query_tiles, key.batches * key.heads)?;
@@ -525,6 +554,7 @@ struct BlockMaskParams {
     query_tiles: i32,
     key_tiles: i32,
     rows: i32,
+    by_key: i32,
     band: Band,
 }
 
@@ -539,14 +569,15 @@ pub(crate) struct MaskArgs {
     pub(crate) tables: [u64; MAX_MASK_TABLES],
     pub(crate) ints: [i32; MAX_MASK_INTS],
     /// The block mask: per query tile (rows `[batch or 1][heads or 1][query tiles]`) its live
-    /// key tiles, `[rows][key tiles]` as `2·tile + partial`, and their count `[rows]`; or null.
+    /// key tiles, `[rows][key tiles]` as `2·tile + partial`, and their count `[rows]` (or per key
+    /// tile its query tiles: [`Walk`]); or null.
     pub(crate) live: u64,
     pub(crate) live_count: u64,
     /// Rows between batch entries and heads (0 for an extent of 1).
     pub(crate) batch_rows: i32,
     pub(crate) head_rows: i32,
     /// Entries per row of `live`.
-    pub(crate) key_tiles: i32,
+    pub(crate) row_len: i32,
     _pad: i32,
 }
 
