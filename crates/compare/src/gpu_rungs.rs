@@ -422,12 +422,17 @@ impl GpuRung {
         )
     }
 
-    /// Whether the kernel takes a mask modifier (`Options::mask_mod`): the FA2 and FA3 forwards
-    /// (16-bit) and the FA2 backward (fixed-length batches).
+    /// Whether the kernel takes a mask modifier (`Options::mask_mod`): FA2 and FA3, forward
+    /// (16-bit) and backward (fixed-length batches).
     pub fn takes_mask_mod(self) -> bool {
         matches!(
             self,
-            GpuRung::Fa2 | GpuRung::Fa3 | GpuRung::Fa2Backward | GpuRung::Fa2BackwardDeterministic
+            GpuRung::Fa2
+                | GpuRung::Fa3
+                | GpuRung::Fa2Backward
+                | GpuRung::Fa2BackwardDeterministic
+                | GpuRung::Fa3Backward
+                | GpuRung::Fa3BackwardDeterministic
         )
     }
 

@@ -261,8 +261,8 @@ impl RunArgs {
                     && !takes_mask
                 {
                     return Err(usage(format!(
-                        "--mask-mod {m}: on the GPU only the fa2 and fa3 forwards and the fa2 \
-                         backward take a mask modifier yet (every CPU rung does: --device cpu)"
+                        "--mask-mod {m}: on the GPU only fa2 and fa3 (forward and backward) take \
+                         a mask modifier yet (every CPU rung does: --device cpu)"
                     )));
                 }
                 let rung = gpu_forward(self.rung).ok_or_else(|| {

@@ -198,7 +198,7 @@ fn run_takes_a_mask_mod_on_the_cpu() {
     assert_one_line_error(
         &gpu,
         2,
-        "on the GPU only the fa2 and fa3 forwards and the fa2 backward take a mask modifier",
+        "on the GPU only fa2 and fa3 (forward and backward) take a mask modifier",
     );
     let verify = ladder(&["verify", "--mask-mod", "prefix-lm:3"]);
     assert_one_line_error(&verify, 2, "--mask-mod prefix-lm:3: `ladder verify`");

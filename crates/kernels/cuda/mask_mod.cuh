@@ -100,14 +100,14 @@ __device__ __forceinline__ KeyWalk key_walk(const MaskArgs& m, TileSpan span, in
 // them; those entries are masked by the band's test anyway. The mask is asked in a loop that is
 // not unrolled, one bit per entry, and the bits applied after: unrolled, the body's loads for
 // every entry are live at once, and FA3's consumers, whose registers S, P and O already fill,
-// spill.
+// spill. (hidden_entries and clear_hidden are the two halves, for a kernel that asks before its
+// register peak and applies after.)
 template <int EN, int NT, class QueryOf, class KeyOf>
-__device__ __forceinline__ void mask_entries(float (&s)[NT][4], int e0, QueryOf query_of,
-                                             KeyOf key_of, MaskAt at, const MaskArgs& m,
-                                             float value) {
+__device__ __forceinline__ unsigned long long hidden_entries(int e0, QueryOf query_of, KeyOf key_of,
+                                                             MaskAt at, const MaskArgs& m) {
+    static_assert(EN * NT <= 64, "one bit per entry");
+    unsigned long long hidden = 0;
     if constexpr (has_mask_mod) {
-        static_assert(EN * NT <= 64, "one bit per entry");
-        unsigned long long hidden = 0;
 #pragma unroll 1
         for (int c = 0; c < EN * NT; ++c) {
             const int nt = c / EN, e = e0 + c % EN;
@@ -115,12 +115,25 @@ __device__ __forceinline__ void mask_entries(float (&s)[NT][4], int e0, QueryOf 
             at.kv_idx = min(key_of(nt, e), at.n_kv - 1);
             if (!mask_mod(at, m)) hidden |= 1ull << c;
         }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < EN; ++i)
-                if ((hidden >> (EN * nt + i)) & 1) s[nt][e0 + i] = value;
     }
+    return hidden;
+}
+// Set the entries whose bit is set in `hidden` (hidden_entries') to `value`.
+template <int EN, int NT>
+__device__ __forceinline__ void clear_hidden(float (&s)[NT][4], int e0, unsigned long long hidden,
+                                             float value) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < EN; ++i)
+            if ((hidden >> (EN * nt + i)) & 1) s[nt][e0 + i] = value;
+}
+template <int EN, int NT, class QueryOf, class KeyOf>
+__device__ __forceinline__ void mask_entries(float (&s)[NT][4], int e0, QueryOf query_of,
+                                             KeyOf key_of, MaskAt at, const MaskArgs& m,
+                                             float value) {
+    if constexpr (has_mask_mod)
+        clear_hidden<EN>(s, e0, hidden_entries<EN, NT>(e0, query_of, key_of, at, m), value);
 }
 
 // mask_entries on row half h of S (queries on the rows): row `row`, first key k0.

@@ -544,8 +544,9 @@ pub fn backward_varlen(
 /// Another rung's main kernel in place of FA2's (FA3's, `crate::fa3::backward`): it takes the
 /// same parameter block and fills the same accumulators, between FA2's preparation and finish.
 pub(crate) struct MainPass<'a> {
-    /// Query rows per step of its walk: lse2 and D are padded to whole tiles of them.
-    pub(crate) br: usize,
+    /// Query rows per step of its walk (lse2 and D are padded to whole tiles of them) and keys
+    /// per block: the tiles of its block mask.
+    pub(crate) tiles: (usize, usize),
     /// Launches it (after the preparation, on the same stream).
     pub(crate) launch: &'a dyn Fn(&BackwardParams) -> Result<()>,
 }
@@ -600,7 +601,7 @@ pub(crate) fn backward_problem(
     let heads = batch * p.heads_q;
     // Query rows padded to whole tiles of both passes, so that a fixed-length batch's tiles of
     // lse2 and D are copied without checks.
-    let pad = t.br.max(t.dq_br()).max(main_pass.as_ref().map_or(1, |m| m.br));
+    let pad = t.br.max(t.dq_br()).max(main_pass.as_ref().map_or(1, |m| m.tiles.0));
     let n_q_pad = n_q.div_ceil(pad) * pad;
     let n_q_pad_i = i32::try_from(n_q_pad)
         .map_err(|_| KernelError::Shape(format!("{n_q} query rows are too many")))?;
@@ -653,7 +654,8 @@ pub(crate) fn backward_problem(
         let mods = p.modifier_args(gpu)?;
         // The mask modifier's block masks: the main kernel walks a key tile's query tiles, the
         // dQ pass a query tile's key tiles (kept until the launches are queued).
-        let (mask, _blocks) = mask_args(gpu, p, (t.br, t.bc()), Walk::QueriesOfKeyTile)?;
+        let main_tiles = main_pass.as_ref().map_or((t.br, t.bc()), |m| m.tiles);
+        let (mask, _blocks) = mask_args(gpu, p, main_tiles, Walk::QueriesOfKeyTile)?;
         let (mask_dq, _dq_blocks) = if deterministic {
             mask_args(gpu, p, (t.dq_br(), t.dq_bc), Walk::KeysOfQueryTile)?
         } else {
