@@ -4,7 +4,9 @@
 //! count the pairs each mask attends (4 · d FLOPs a pair). A mask keeps the block mask it made at
 //! its first call of a shape: the timed calls reuse it, as a training loop that keeps its mask
 //! does; the last column times calls that each make a new mask (its table uploaded and its block
-//! mask computed again), what a loop that rebuilds its mask every step pays.
+//! mask computed again), what a loop that rebuilds its mask every step pays; the backward
+//! columns time the rung's backward pass (dO = Q) on the kept mask, TFLOP/s counting 2.5× the
+//! forward's FLOPs.
 //!
 //! ```sh
 //! cargo run --release -p ladder-kernels --example mask_mod_speed
@@ -13,7 +15,7 @@
 //! Without a GPU it says so and exits with status 1. Each figure is the median of 10 calls timed
 //! with CUDA events, after 3 warm-up calls.
 
-use ladder_kernels::{DType, Gpu, MaskMod, Options, Output, Result, Tensor, fa2, fa3};
+use ladder_kernels::{DType, Gpu, Gradients, MaskMod, Options, Output, Result, Tensor, fa2, fa3};
 
 const D: usize = 128;
 const HEADS: usize = 16;
@@ -57,6 +59,8 @@ impl Mask {
 }
 
 type Forward = fn(&Gpu, &Tensor, &Tensor, &Tensor, &Options) -> Result<Output>;
+type Backward =
+    fn(&Gpu, &Tensor, &Tensor, &Tensor, &Output, &Tensor, &Options) -> Result<Gradients>;
 
 /// The median of 10 timed calls after 3 warm-up calls, in milliseconds.
 fn median_ms(gpu: &Gpu, mut call: impl FnMut() -> Result<()>) -> Result<f64> {
@@ -78,15 +82,15 @@ fn run() -> std::result::Result<(), Box<dyn std::error::Error>> {
         gpu.name(),
         gpu.arch()
     );
-    let mut rungs: Vec<(&str, Forward)> = vec![("fa2", fa2::forward)];
+    let mut rungs: Vec<(&str, Forward, Backward)> = vec![("fa2", fa2::forward, fa2::backward)];
     if gpu.arch() == fa3::ARCH {
-        rungs.push(("fa3", fa3::forward));
+        rungs.push(("fa3", fa3::forward, fa3::backward));
     }
     println!(
-        "{:>4} {:>6} {:>16} {:>10} {:>8} {:>8} {:>14}",
-        "rung", "n", "mask", "ms", "TFLOP/s", "×plain", "ms (new mask)"
+        "{:>4} {:>6} {:>16} {:>10} {:>8} {:>8} {:>14} {:>8} {:>8}",
+        "rung", "n", "mask", "ms", "TFLOP/s", "×plain", "ms (new mask)", "bwd ms", "TFLOP/s"
     );
-    for (rung, forward) in rungs {
+    for (rung, forward, backward) in rungs {
         for n in [8192, 16384] {
             let batch = TOKENS / n;
             let shape = [batch, HEADS, n, D];
@@ -107,6 +111,7 @@ fn run() -> std::result::Result<(), Box<dyn std::error::Error>> {
                 Mask::PrefixLm(n / 4),
             ];
             let mut plain_tflops = 0.0;
+            let d_o = &q;
             for mask in cases {
                 let kept = mask.options(n)?;
                 let ms = median_ms(&gpu, || forward(&gpu, &q, &k, &v, &kept).map(drop))?;
@@ -120,9 +125,14 @@ fn run() -> std::result::Result<(), Box<dyn std::error::Error>> {
                     plain_tflops = tflops;
                     "-".to_string()
                 };
+                let out = forward(&gpu, &q, &k, &v, &kept)?;
+                let bwd =
+                    median_ms(&gpu, || backward(&gpu, &q, &k, &v, &out, d_o, &kept).map(drop))?;
+                let bwd_tflops = 2.5 * flops / (bwd * 1e-3) / 1e12;
                 let label = format!("{mask:?}");
                 println!(
-                    "{rung:>4} {n:>6} {label:>16} {ms:>10.3} {tflops:>8.1} {:>8.2} {new_mask:>14}",
+                    "{rung:>4} {n:>6} {label:>16} {ms:>10.3} {tflops:>8.1} {:>8.2} {new_mask:>14} \
+                     {bwd:>8.3} {bwd_tflops:>8.1}",
                     tflops / plain_tflops
                 );
             }
