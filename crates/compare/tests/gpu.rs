@@ -619,18 +619,27 @@ fn gpu_score_mods_backward_long_sequences() {
     for (i, &(n_q, n_kv, d, causal, spec, window, layout)) in cases.iter().enumerate() {
         let base = long_case((1, 4, 2, n_q, n_kv, d), causal, 64, 6000 + i as u64);
         let case = Case { window, score_mod: Some(spec), ..base };
-        let rungs = [
-            GpuRung::Fa2Backward,
-            GpuRung::Fa2BackwardDeterministic,
-            GpuRung::Fa3Backward,
-            GpuRung::Fa3BackwardDeterministic,
-        ];
-        // (the FA3 backward takes no window yet)
-        for rung in rungs.into_iter().filter(|r| !window.is_some() || r.takes_window()) {
-            check_backward(rung, &case, DType::F16, layout).unwrap_or_else(|e| {
-                panic!("{rung}, {n_q}x{n_kv}, d = {d}, causal = {causal}, {spec}, {layout:?}: {e}")
-            });
-        }
+        check_every_backward(&case, layout, &spec.to_string());
+    }
+}
+
+/// Runs every backward rung that takes `case`'s window (the FA3 backward takes none yet), both dQ
+/// modes, on `case` in fp16 and `layout`; a failure names the case and `what` it modifies.
+fn check_every_backward(case: &Case, layout: Layout, what: &str) {
+    let rungs = [
+        GpuRung::Fa2Backward,
+        GpuRung::Fa2BackwardDeterministic,
+        GpuRung::Fa3Backward,
+        GpuRung::Fa3BackwardDeterministic,
+    ];
+    for rung in rungs.into_iter().filter(|r| !case.window.is_some() || r.takes_window()) {
+        check_backward(rung, case, DType::F16, layout).unwrap_or_else(|e| {
+            let s = &case.shape;
+            panic!(
+                "{rung}, {}x{}, d = {}, causal = {}, {what}, {layout:?}: {e}",
+                s.n_q, s.n_kv, s.d, case.causal
+            )
+        });
     }
 }
 
@@ -745,17 +754,7 @@ fn gpu_mask_mods_backward_long_sequences() {
     for (i, &(n_q, n_kv, d, causal, mask, window, score_mod, layout)) in cases.iter().enumerate() {
         let base = long_case((1, 4, 2, n_q, n_kv, d), causal, 64, 8000 + i as u64);
         let case = Case { window, score_mod, mask_mod: Some(mask), ..base };
-        let rungs = [
-            GpuRung::Fa2Backward,
-            GpuRung::Fa2BackwardDeterministic,
-            GpuRung::Fa3Backward,
-            GpuRung::Fa3BackwardDeterministic,
-        ];
-        for rung in rungs.into_iter().filter(|r| !window.is_some() || r.takes_window()) {
-            check_backward(rung, &case, DType::F16, layout).unwrap_or_else(|e| {
-                panic!("{rung}, {n_q}x{n_kv}, d = {d}, causal = {causal}, {mask}, {layout:?}: {e}")
-            });
-        }
+        check_every_backward(&case, layout, &mask.to_string());
     }
 }
 
