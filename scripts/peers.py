@@ -57,7 +57,11 @@ A windowed case counts TFLOP/s on the query-key pairs the window attends, as `la
 only `flex` takes a window. `--score-mod` (softcap:CAP, alibi, softcap:CAP+alibi, relative-bias,
 the ladder's modifiers: crates/compare/src/modifiers.rs) gives `flex` the same function as its
 `score_mod`, counting the FLOPs of the unmodified case; its first call is then checked against the
-same modifier applied to the scores of one (batch, head) slice by hand.
+same modifier applied to the scores of one (batch, head) slice by hand. `--mask-mod` (documents:N,
+prefix-lm:P, as `ladder run --mask-mod`: N near-equal documents, key j in document j·N // n, or a
+prefix of P keys seen by every query) adds the same mask to `flex`'s `mask_mod` (and its
+BlockMask, made once per shape outside the timed region, as FlexAttention advises), counting
+TFLOP/s on the pairs the mask attends; its first call is checked against SDPA with the dense mask.
 
 The frontend is not on the GPU machine's index: its wheel (cp312, manylinux x86_64, ~12 MB) is
 downloaded here into .whl/ (kept out of git by .git/info/exclude), carried to the machine with the
@@ -103,7 +107,8 @@ HEADER = ["impl", "direction", "dtype", "causal", "batch", "heads_q", "heads_kv"
           "n_q", "n_kv", "d", "ms", "tflops", "tbps", "page_size",  # page_size: empty (no paged peers)
           "layout",  # empty for [b, h, s, d]; bshd: [b, s, h, d] in memory, a transposed view
           "window",  # empty for none; LEFT:RIGHT (-1 open) for a sliding window
-          "score_mod"]  # empty for none; softcap:CAP, alibi, softcap:CAP+alibi or relative-bias
+          "score_mod",  # empty for none; softcap:CAP, alibi, softcap:CAP+alibi or relative-bias
+          "mask_mod"]  # empty for none; documents:N or prefix-lm:P
 IMPLS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "triton", "triton-fp8", "cudnn-fp8", "flex",
          "flashinfer"]
 # Peers that take a sliding window (--window): FlexAttention's mask_mod. SDPA's backends have no
@@ -111,6 +116,8 @@ IMPLS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "triton", "triton-fp8", "
 WINDOW_IMPLS = ["flex"]
 # Peers that take a score modifier (--score-mod): FlexAttention's score_mod.
 SCORE_MOD_IMPLS = ["flex"]
+# Peers that take a mask modifier (--mask-mod): FlexAttention's mask_mod, with its BlockMask.
+MASK_MOD_IMPLS = ["flex"]
 BIAS_RADIUS = 16  # the relative bias's table: distances clamped to +-16 (as modifiers.rs)
 L2_BYTES = 50 << 20  # H100/H200 L2: inputs smaller than this rotate among several sets
 SAMPLE_MS = 1.0      # a timed sample spans at least this long
@@ -235,6 +242,29 @@ def score_mod_fn(torch, spec, heads, shift):
     return score_mod
 
 
+def parse_mask_mod(text):
+    """documents:N (N near-equal documents: key j in document j·N // n, as the ladder's
+    MaskSpec), prefix-lm:P, or none."""
+    if text == "none":
+        return None
+    name, _, value = text.partition(":")
+    if name not in ("documents", "prefix-lm") or not value.isdigit() or (name == "documents" and int(value) < 1):
+        raise argparse.ArgumentTypeError(f"a mask modifier is documents:N (N >= 1) or prefix-lm:P, got {text!r}")
+    return f"{name}:{int(value)}"
+
+
+def mask_mod_pairs(spec, n, causal):
+    """The pairs a mask modifier attends at n_q = n_kv = n (results.rs's mask_pairs)."""
+    name, _, value = spec.partition(":")
+    value = int(value)
+    if name == "documents":
+        start = [-(-i * n // value) for i in range(value + 1)]
+        lens = [b - a for a, b in zip(start, start[1:])]
+        return sum(x * (x + 1) // 2 if causal else x * x for x in lens)
+    p = min(value, n)  # prefix-lm: a whole mask
+    return p * p + sum(range(p + 1, n + 1))
+
+
 def csv_list(convert, choices=None):
     def parse(text):
         items = [convert(x.strip()) for x in text.split(",") if x.strip()]
@@ -268,6 +298,10 @@ def parse_args(argv=None):
                    help="a score modifier (softcap:CAP, alibi, softcap:CAP+alibi, relative-bias) or "
                         "none; once per modifier [none]; modified cases run on the peers that take "
                         "one (flex)")
+    p.add_argument("--mask-mod", action="append", type=parse_mask_mod,
+                   help="a mask modifier (documents:N, prefix-lm:P: as `ladder run --mask-mod`) or "
+                        "none; once per modifier [none]; masked cases run on the peers that take "
+                        "one (flex), their TFLOP/s counting the pairs the mask attends")
     p.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
     p.add_argument("--repeats", type=int, help="timed samples per case [30; 5 with --quick]")
     p.add_argument("--warmup", type=int, help="warm-up calls per case [5; 2 with --quick]")
@@ -297,6 +331,7 @@ def parse_args(argv=None):
     a.causals = {"true": [True], "false": [False]}.get(a.causal, [False] if a.quick else [False, True])
     a.windows = a.window or [None]
     a.score_mods = a.score_mod or [None]
+    a.mask_mods = a.mask_mod or [None]
     a.repeats = max(1, a.repeats if a.repeats is not None else (5 if a.quick else 30))
     a.warmup = max(1, a.warmup if a.warmup is not None else (2 if a.quick else 5))
     for d in a.d:
@@ -340,11 +375,13 @@ def attended_pairs(n_q, n_kv, causal, window):
     return total
 
 
-def flops(direction, batch, heads_q, n_q, n_kv, d, causal, window=None):
+def flops(direction, batch, heads_q, n_q, n_kv, d, causal, window=None, mask_mod=None):
     """The ladder's convention: forward 4·B·Hq·n_q·n_kv·d, halved for causal with n_q == n_kv
-    (bottom-right causal with n_q != n_kv, and any window, count the visible pairs); backward
-    2.5× forward."""
-    if window is not None:
+    (bottom-right causal with n_q != n_kv, any window, and a mask modifier count the visible
+    pairs); backward 2.5× forward."""
+    if mask_mod is not None and window is None and n_q == n_kv:
+        pairs = mask_mod_pairs(mask_mod, n_q, causal)
+    elif window is not None:
         pairs = attended_pairs(n_q, n_kv, causal, window)
     elif not causal:
         pairs = n_q * n_kv
@@ -369,13 +406,13 @@ def sets_for(bytes_per_set):
 
 
 def csv_row(impl, direction, dtype, causal, batch, heads, n, d, ms, layout="bhsd", window=None,
-            score_mod=None):
-    tflops = flops(direction, batch, heads, n, n, d, causal, window) / (ms * 1e-3) / 1e12
+            score_mod=None, mask_mod=None):
+    tflops = flops(direction, batch, heads, n, n, d, causal, window, mask_mod) / (ms * 1e-3) / 1e12
     return {"impl": impl, "direction": direction, "dtype": dtype, "causal": str(causal).lower(),
             "batch": batch, "heads_q": heads, "heads_kv": heads, "n_q": n, "n_kv": n, "d": d,
             "ms": f"{ms:.6f}", "tflops": f"{tflops:.3f}", "tbps": "",
             "layout": "" if layout == "bhsd" else layout, "window": window_field(window),
-            "score_mod": score_mod or ""}
+            "score_mod": score_mod or "", "mask_mod": mask_mod or ""}
 
 
 def decode_row(impl, dtype, batch, heads_q, heads_kv, n_q, n_kv, d, ms, elem_bytes=2):
@@ -491,10 +528,11 @@ def step_of(torch, attend, sets, direction):
     return backward
 
 
-def mask_label(causal, window, score_mod=None):
-    """full, causal, or w{LEFT}:{RIGHT} after the causal mask, then +MOD for a score modifier (as
-    `ladder bench` labels it)."""
+def mask_label(causal, window, score_mod=None, mask_mod=None):
+    """full, causal, or w{LEFT}:{RIGHT} after the causal mask, then ·MASK for a mask modifier and
+    +MOD for a score modifier (as `ladder bench` labels it)."""
     mask = ("causal" if causal else "full") if window is None else "w" + window_field(band(causal, window))
+    mask = mask if mask_mod is None else f"{mask}·{mask_mod}"
     return mask if score_mod is None else f"{mask}+{score_mod}"
 
 
@@ -514,7 +552,20 @@ def check_first_call(torch, attend, sets, reference, who):
 _flex = []  # [flex_attention compiled, create_block_mask] once imported
 
 
-def make_flex_step(torch, sets, causal, window, direction, score_mod_spec=None):
+def mask_mod_rows(torch, spec, n_q, n_kv):
+    """A mask modifier as a function of (q_idx, kv_idx) tensors (bottom-right aligned, as the
+    ladder's), for FlexAttention's mask_mod and for the dense reference mask."""
+    if spec is None:
+        return None
+    name, _, value = spec.partition(":")
+    value, shift = int(value), n_kv - n_q
+    if name == "documents":
+        ids = torch.arange(n_kv, device="cuda") * value // n_kv
+        return lambda q_idx, kv_idx: ids[(q_idx + shift).clamp(min=0)] == ids[kv_idx]
+    return lambda q_idx, kv_idx: (kv_idx < value) | (kv_idx <= q_idx + shift)
+
+
+def make_flex_step(torch, sets, causal, window, direction, score_mod_spec=None, mask_mod_spec=None):
     """FlexAttention on the input sets: its BlockMask made here (untimed), its first call checked
     against SDPA on the first (batch, head) slice of set 0 (with a score modifier, against the
     modifier applied by hand to that slice's scores)."""
@@ -533,7 +584,8 @@ def make_flex_step(torch, sets, causal, window, direction, score_mod_spec=None):
     shift = n_kv - n_q
     left, right = band(causal, window)
     block_mask = None
-    if left is not None or right is not None:
+    extra = mask_mod_rows(torch, mask_mod_spec, n_q, n_kv)
+    if left is not None or right is not None or extra is not None:
         def mask_mod(b, h, q_idx, kv_idx):
             diag = q_idx + shift
             keep = kv_idx >= 0
@@ -541,6 +593,8 @@ def make_flex_step(torch, sets, causal, window, direction, score_mod_spec=None):
                 keep = keep & (kv_idx <= diag + right)
             if left is not None:
                 keep = keep & (kv_idx >= diag - left)
+            if extra is not None:
+                keep = keep & extra(q_idx, kv_idx)
             return keep
         block_mask = create_block_mask(mask_mod, B=None, H=None, Q_LEN=n_q, KV_LEN=n_kv, device="cuda")
 
@@ -566,6 +620,8 @@ def make_flex_step(torch, sets, causal, window, direction, score_mod_spec=None):
             dense &= j <= i + right
         if left is not None:
             dense &= j >= i - left
+        if extra is not None:
+            dense &= extra(i - shift, j)
         if score_mod is None and sinks is None:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
         s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
@@ -581,15 +637,18 @@ def make_flex_step(torch, sets, causal, window, direction, score_mod_spec=None):
     return step_of(torch, attend, sets, direction)
 
 
-def make_step(torch, impl, sets, causal, direction, d, args, window=None, score_mod=None):
+def make_step(torch, impl, sets, causal, direction, d, args, window=None, score_mod=None,
+              mask_mod=None):
     """A function of the input set index that runs one call of `impl`."""
     F = torch.nn.functional
+    if mask_mod is not None and impl not in MASK_MOD_IMPLS:
+        raise Skip(f"{impl} takes no mask modifier (only {', '.join(MASK_MOD_IMPLS)} here)")
     if window is not None and impl not in WINDOW_IMPLS:
         raise Skip(f"{impl} takes no sliding window (only {', '.join(WINDOW_IMPLS)} here)")
     if score_mod is not None and impl not in SCORE_MOD_IMPLS:
         raise Skip(f"{impl} takes no score modifier (only {', '.join(SCORE_MOD_IMPLS)} here)")
     if impl == "flex":
-        return make_flex_step(torch, sets, causal, window, direction, score_mod)
+        return make_flex_step(torch, sets, causal, window, direction, score_mod, mask_mod)
     if impl == "flashinfer":
         raise Skip("FlashInfer is timed in decode only (--direction decode)")
     if impl == "cudnn-fp8":
@@ -961,7 +1020,8 @@ def fp8_outlier_error(torch, args):
     return out
 
 
-def time_case(torch, backend, impl, sets, causal, direction, d, args, window=None, score_mod=None):
+def time_case(torch, backend, impl, sets, causal, direction, d, args, window=None, score_mod=None,
+              mask_mod=None):
     """Median ms per call of one case; raises Skip with the reason when it does not run."""
     if direction == "decode" and impl == "flashinfer":
         make = lambda: make_flashinfer_decode_step(  # noqa: E731
@@ -969,7 +1029,8 @@ def time_case(torch, backend, impl, sets, causal, direction, d, args, window=Non
     elif direction == "decode":
         make = lambda: make_decode_step(torch, sets, sets[0][0].shape[1] != sets[0][1].shape[1])  # noqa: E731
     else:
-        make = lambda: make_step(torch, impl, sets, causal, direction, d, args, window, score_mod)  # noqa: E731
+        make = lambda: make_step(torch, impl, sets, causal, direction, d, args, window, score_mod,  # noqa: E731
+                                 mask_mod)
     from torch.nn.attention import sdpa_kernel
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -989,10 +1050,12 @@ def time_case(torch, backend, impl, sets, causal, direction, d, args, window=Non
             raise Skip("; ".join(why)) from None
 
 
-def impls_for(impls, window, score_mod):
-    """The peers among `impls` that take `window` and `score_mod` (all when both are none)."""
+def impls_for(impls, window, score_mod, mask_mod=None):
+    """The peers among `impls` that take `window`, `score_mod` and `mask_mod` (all when they are
+    none)."""
     return [i for i in impls if (window is None or i in WINDOW_IMPLS)
-            and (score_mod is None or i in SCORE_MOD_IMPLS)]
+            and (score_mod is None or i in SCORE_MOD_IMPLS)
+            and (mask_mod is None or i in MASK_MOD_IMPLS)]
 
 
 def main(argv=None):
@@ -1041,7 +1104,8 @@ def main(argv=None):
         left_out = ", ".join(i for i in args.impl if i not in DECODE_IMPLS)
         print(f"note: decode leaves out {left_out} (prefill kernels)", file=sys.stderr)
     total = (len(args.layout) * len(args.d) * len(args.n) * len(args.causals) * len(prefill)
-             * sum(len(impls_for(args.impl, w, m)) for w in args.windows for m in args.score_mods)
+             * sum(len(impls_for(args.impl, w, m, k)) for w in args.windows for m in args.score_mods
+                   for k in args.mask_mods)
              + len(args.decode_d) * len(args.decode) * len(decode_impls))
     done, rows, results = 0, [], []
     shapes = [(layout, d, n) for layout in args.layout for d in args.d for n in args.n]
@@ -1061,13 +1125,14 @@ def main(argv=None):
                 ts = [torch.empty(shape, device="cuda", dtype=dtype).uniform_(-1, 1)
                       for _ in range(tensors)]
             sets.append(tuple(ts) if tensors == 4 else (*ts, None))
-        masks = [(c, w, m) for c in args.causals for w in args.windows for m in args.score_mods]
-        for causal, window, score_mod in masks:
+        masks = [(c, w, m, k) for c in args.causals for w in args.windows for m in args.score_mods
+                 for k in args.mask_mods]
+        for causal, window, score_mod, mask_mod in masks:
             for direction in prefill:
-                for impl in impls_for(args.impl, window, score_mod):
+                for impl in impls_for(args.impl, window, score_mod, mask_mod):
                     done += 1
                     name = impl if layout == "bhsd" else f"{impl}/{layout}"
-                    mask = mask_label(causal, window, score_mod)
+                    mask = mask_label(causal, window, score_mod, mask_mod)
                     key = (name, direction, args.dtype, d, n, mask)
                     label = (f"[{done:>3}/{total}] {name:<15} {direction} {args.dtype} d={d:<3} "
                              f"n={n:<5} {mask:<6} b={batch} h={heads}")
@@ -1075,13 +1140,13 @@ def main(argv=None):
                         if layout != "bhsd" and impl.startswith("triton"):
                             raise Skip("the Triton tutorial kernel takes contiguous [b, h, s, d]")
                         ms = time_case(torch, backends.get(impl), impl, sets, causal, direction, d, args,
-                                       window, score_mod)
+                                       window, score_mod, mask_mod)
                     except Skip as e:
                         results.append((key, str(e)))
                         print(f"{label}  skipped: {e}", file=sys.stderr)
                         continue
                     row = csv_row(impl, direction, args.dtype, causal, batch, heads, n, d, ms, layout,
-                                  window, score_mod)
+                                  window, score_mod, mask_mod)
                     rows.append(row)
                     results.append((key, (ms, float(row["tflops"]))))
                     print(f"{label}  {ms:>9.4f} ms  {float(row['tflops']):>7.1f} TFLOP/s", file=sys.stderr)

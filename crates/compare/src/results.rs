@@ -16,13 +16,15 @@ use std::path::Path;
 
 use anyhow::{Context, bail};
 use ladder_reference::{Mask, Window};
+
+use crate::modifiers::MaskSpec;
 use serde_json::{Map, Value, json};
 
 /// The CSV columns, in the order they are written. `scripts/peers.py` writes the same schema;
 /// other tools read it by column name, so columns are only ever added at the end, and a reader
-/// takes a column added later (`page_size`, `layout`, `window`, `score_mod`) as empty when a file
+/// takes a column added later (`page_size`, `layout`, `window`, `score_mod`, `mask_mod`) as empty when a file
 /// has none.
-pub const COLUMNS: [&str; 17] = [
+pub const COLUMNS: [&str; 18] = [
     "impl",
     "direction",
     "dtype",
@@ -40,13 +42,14 @@ pub const COLUMNS: [&str; 17] = [
     "layout",
     "window",
     "score_mod",
+    "mask_mod",
 ];
 
 /// [`COLUMNS`] as the CSV header line.
-pub const CSV_HEADER: &str = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps,page_size,layout,window,score_mod";
+pub const CSV_HEADER: &str = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps,page_size,layout,window,score_mod,mask_mod";
 
 /// The columns a file may lack (added to the schema later): read as empty.
-pub const OPTIONAL_COLUMNS: [&str; 4] = ["page_size", "layout", "window", "score_mod"];
+pub const OPTIONAL_COLUMNS: [&str; 5] = ["page_size", "layout", "window", "score_mod", "mask_mod"];
 
 /// The keys of `meta.json` (both `ladder bench` and `scripts/peers.py` fill it).
 pub const META_KEYS: [&str; 6] = ["card", "driver", "cuda", "date", "torch", "note"];
@@ -121,6 +124,35 @@ fn pairs_flops(direction: Direction, heads: usize, pairs: f64, d: usize) -> f64 
     }
 }
 
+/// The query-key pairs a mask modifier attends with `n_q = n_kv` (causal or not), where they have
+/// a closed form: documents (near-equal, [`crate::modifiers::MaskSpec::Documents`]'s split) and a
+/// prefix-LM mask (a whole mask: `causal` ignored, as the kernels' causal flag would only hide
+/// the prefix's later keys); `None` otherwise.
+pub fn mask_pairs(mask: MaskSpec, n_q: usize, n_kv: usize, causal: bool) -> Option<f64> {
+    if n_q != n_kv {
+        return None;
+    }
+    let n = n_kv as u64;
+    match mask {
+        MaskSpec::Documents(docs) => {
+            let docs = docs.max(1) as u64;
+            // Key j is in document j·docs / n: document i holds keys ceil(i·n/docs) onwards.
+            let start = |i: u64| (i * n).div_ceil(docs);
+            let pairs = (0..docs)
+                .map(|i| start(i + 1) - start(i))
+                .map(|len| if causal { len * (len + 1) / 2 } else { len * len })
+                .sum::<u64>();
+            Some(pairs as f64)
+        }
+        MaskSpec::PrefixLm(prefix) => {
+            let p = (prefix as u64).min(n);
+            // Rows below the prefix see it whole; the others see themselves and what precedes.
+            Some((p * p + (p + 1..=n).sum::<u64>()) as f64)
+        }
+        MaskSpec::Dilated(_) => None,
+    }
+}
+
 /// A window as the CSV writes it, `LEFT:RIGHT` (`-1` for an open side; empty for no window): a
 /// comma would split the field.
 pub fn window_field(window: Window) -> String {
@@ -167,6 +199,10 @@ pub struct Case {
     /// Prefill only: a score modifier by name (`softcap:50`, `alibi`, …: a
     /// [`crate::modifiers::ModifierSpec`]); `None` for none. It does not change the FLOPs counted.
     pub score_mod: Option<String>,
+    /// Prefill only: a mask modifier by name (`documents:16`, `prefix-lm:4096`: a
+    /// [`crate::modifiers::MaskSpec`]); `None` for none. Its FLOPs count the pairs it attends
+    /// where [`mask_pairs`] knows them.
+    pub mask_mod: Option<String>,
 }
 
 impl Case {
@@ -197,6 +233,7 @@ impl Case {
             layout: None,
             window: Window::default(),
             score_mod: None,
+            mask_mod: None,
         }
     }
 
@@ -245,6 +282,7 @@ impl Case {
             layout: None,
             window: Window::default(),
             score_mod: None,
+            mask_mod: None,
         }
     }
 
@@ -280,9 +318,13 @@ impl Case {
     }
 
     /// FLOPs of this case by the ladder's convention (an unknown direction counts as forward);
-    /// with a window, on the pairs it attends.
+    /// with a window or a mask modifier [`mask_pairs`] counts, on the pairs it attends.
     pub fn flops(&self) -> f64 {
         let direction = Direction::parse(&self.direction).unwrap_or(Direction::Fwd);
+        let mask = self.mask_mod.as_deref().and_then(|m| m.parse().ok());
+        if let Some(pairs) = mask.and_then(|m| mask_pairs(m, self.n_q, self.n_kv, self.causal)) {
+            return pairs_flops(direction, self.batch * self.heads_q, pairs, self.d);
+        }
         if self.window.is_some() {
             let pairs = attended_pairs(self.n_q, self.n_kv, self.causal, self.window);
             return pairs_flops(direction, self.batch * self.heads_q, pairs, self.d);
@@ -307,6 +349,10 @@ impl Case {
         } else {
             let right = if self.causal { Some(0) } else { self.window.right };
             format!("w{}", window_field(Window { right, ..self.window }))
+        };
+        let mask = match &self.mask_mod {
+            Some(m) => format!("{mask}·{m}"),
+            None => mask,
         };
         match &self.score_mod {
             Some(m) => format!("{mask}+{m}"),
@@ -401,7 +447,7 @@ pub fn to_csv(rows: &[Row]) -> String {
         let c = &row.case;
         let _ = writeln!(
             s,
-            "{},{},{},{},{},{},{},{},{},{},{ms:.6},{tflops:.3},{},{},{},{},{}",
+            "{},{},{},{},{},{},{},{},{},{},{ms:.6},{tflops:.3},{},{},{},{},{},{}",
             c.imp,
             c.direction,
             c.dtype,
@@ -416,7 +462,8 @@ pub fn to_csv(rows: &[Row]) -> String {
             c.page_size.map_or(String::new(), |p| p.to_string()),
             c.layout.as_deref().unwrap_or(""),
             window_field(c.window),
-            c.score_mod.as_deref().unwrap_or("")
+            c.score_mod.as_deref().unwrap_or(""),
+            c.mask_mod.as_deref().unwrap_or("")
         );
     }
     s
@@ -487,6 +534,10 @@ pub fn parse_csv(text: &str) -> anyhow::Result<Vec<Row>> {
                     "" => None,
                     m => Some(m.to_string()),
                 },
+                mask_mod: match get(17) {
+                    "" => None,
+                    m => Some(m.to_string()),
+                },
             };
             Ok(Some(Row { case, outcome: Outcome::Measured { ms, tflops, tbps: float(12)? } }))
         };
@@ -511,7 +562,7 @@ pub fn row_json(row: &Row, extra: &Map<String, Value>) -> Value {
         "impl": c.imp, "direction": c.direction, "dtype": c.dtype, "causal": c.causal,
         "batch": c.batch, "heads_q": c.heads_q, "heads_kv": c.heads_kv,
         "n_q": c.n_q, "n_kv": c.n_kv, "d": c.d, "page_size": c.page_size, "layout": c.layout,
-        "window": window_field(c.window), "score_mod": c.score_mod,
+        "window": window_field(c.window), "score_mod": c.score_mod, "mask_mod": c.mask_mod,
     });
     let map = obj.as_object_mut().expect("an object literal");
     match &row.outcome {
@@ -647,13 +698,48 @@ mod tests {
             ("fa3/bshd".into(), "fa3".into())
         );
         let text = to_csv(&[Row::measured(bshd.clone(), 1.0)]);
-        assert!(text.lines().nth(1).unwrap().ends_with(",,bshd,,"), "{text}");
+        assert!(text.lines().nth(1).unwrap().ends_with(",,bshd,,,"), "{text}");
         assert_eq!(parse_csv(&text).unwrap()[0].case, bshd);
         // A file written before the column existed reads as [b, h, s, d].
         let old = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps\n\
                    fa3,fwd,fp16,true,4,16,16,4096,4096,128,1.0,500.0,\n";
         assert_eq!(parse_csv(old).unwrap()[0].case.layout, None);
         assert!(bshd.label().ends_with(" bshd"));
+    }
+
+    #[test]
+    fn a_mask_modifier_counts_the_pairs_it_attends_and_round_trips() {
+        // 16 documents of 1024 keys, causal: 16 · 1024 · 1025 / 2 pairs; the brute-force count
+        // of the same mask on a small problem with uneven documents.
+        let docs = case("flex", "fwd", true, 16384);
+        let docs = Case { mask_mod: Some("documents:16".into()), ..docs };
+        assert_eq!(docs.flops(), 4.0 * 16.0 * (16.0 * 1024.0 * 1025.0 / 2.0) * 128.0);
+        assert_eq!(docs.mask_label(), "causal·documents:16");
+        for (spec, causal) in
+            [("documents:3", true), ("documents:3", false), ("prefix-lm:4", false)]
+        {
+            let mask: MaskSpec = spec.parse().unwrap();
+            let m = mask.cpu(10);
+            let band = Mask::banded(causal, Window::default(), 10, 10);
+            let mut brute = 0;
+            for i in 0..10 {
+                for j in band.visible(i) {
+                    let at = ladder_reference::ScoreIndex {
+                        batch: 0,
+                        head: 0,
+                        q: i,
+                        kv: j,
+                        n_q: 10,
+                        n_kv: 10,
+                    };
+                    brute += usize::from(m.sees(&at));
+                }
+            }
+            assert_eq!(mask_pairs(mask, 10, 10, causal), Some(brute as f64), "{spec} {causal}");
+        }
+        let text = to_csv(&[Row::measured(docs.clone(), 1.0)]);
+        assert!(text.lines().nth(1).unwrap().ends_with(",,,documents:16"), "{text}");
+        assert_eq!(parse_csv(&text).unwrap()[0].case, docs);
     }
 
     #[test]
@@ -676,7 +762,7 @@ mod tests {
         assert_eq!(case("fa2", "fwd", false, 8).windowed(Window::left(3)).mask_label(), "w3:-1");
         let text = to_csv(&[Row::measured(windowed.clone(), 1.0), Row::measured(two.clone(), 1.0)]);
         // The window as given (the causal mask's right = 0 is in `causal`).
-        assert!(text.lines().nth(1).unwrap().ends_with(",,4095:-1,"), "{text}");
+        assert!(text.lines().nth(1).unwrap().ends_with(",,4095:-1,,"), "{text}");
         let back = parse_csv(&text).unwrap();
         assert_eq!((&back[0].case, &back[1].case), (&windowed, &two));
         let bad = text.replace("4095:-1", "4095");
@@ -691,7 +777,7 @@ mod tests {
         assert_eq!(plain.clone().modified(Some("alibi".into())).mask_label(), "causal+alibi");
         assert_eq!(plain.clone().modified(Some("alibi".into())).flops(), plain.flops());
         let text = to_csv(&[Row::measured(capped.clone(), 1.0)]);
-        assert!(text.lines().nth(1).unwrap().ends_with(",511:-1,softcap:50"), "{text}");
+        assert!(text.lines().nth(1).unwrap().ends_with(",511:-1,softcap:50,"), "{text}");
         assert_eq!(parse_csv(&text).unwrap()[0].case, capped);
         // A file written before the column existed reads as no modifier.
         let old = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps\n\
@@ -719,7 +805,7 @@ mod tests {
             line.starts_with("flash-decoding,decode,fp16,false,1,32,8,1,8192,128,0.010000,"),
             "{line}"
         );
-        assert!(line.ends_with(",3.3554,,,,"), "{line}");
+        assert!(line.ends_with(",3.3554,,,,,"), "{line}");
         let back = parse_csv(&text).unwrap();
         assert_eq!(back.len(), 1);
         assert_eq!(back[0].case, case);
@@ -730,7 +816,7 @@ mod tests {
         assert!(paged.causal && paged.label().ends_with("new=4 page=16"), "{}", paged.label());
         assert_eq!(paged.kv_bytes(), case.kv_bytes());
         let text = to_csv(&[Row::measured(paged.clone(), 0.01)]);
-        assert!(text.lines().nth(1).unwrap().ends_with(",16,,,"), "{text}");
+        assert!(text.lines().nth(1).unwrap().ends_with(",16,,,,"), "{text}");
         assert_eq!(parse_csv(&text).unwrap()[0].case, paged);
         assert_eq!(row_json(&Row::measured(paged, 0.01), &Map::new())["page_size"], 16);
         // Prefill rows have no TB/s.

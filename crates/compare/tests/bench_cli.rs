@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-const HEADER: &str = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps,page_size,layout,window,score_mod";
+const HEADER: &str = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps,page_size,layout,window,score_mod,mask_mod";
 
 /// The `ladder` binary: cargo's, or where gpu-bundle puts it when this test binary was carried to
 /// another machine (it runs there from the crate folder).
@@ -196,6 +196,9 @@ fn peers_py_writes_the_schema_ladder_reads() {
          m = peers.parse_args(['--score-mod', 'softcap:50', '--score-mod', 'none']).score_mods\n\
          assert m == ['softcap:50', None], m\n\
          rows.append(peers.csv_row('flex', 'fwd', 'fp16', True, 1, 16, 16384, 128, 3.2, 'bhsd', None, m[0]))\n\
+         k = peers.parse_args(['--mask-mod', 'documents:16', '--mask-mod', 'none']).mask_mods\n\
+         assert k == ['documents:16', None], k\n\
+         rows.append(peers.csv_row('flex', 'fwd', 'fp16', True, 1, 16, 16384, 128, 0.1, 'bhsd', None, None, k[0]))\n\
          peers.write_csv({csv:?}, rows)\n",
         scripts = path(script.parent().unwrap()),
         csv = path(&dir.path().join("peers.csv")),
@@ -216,12 +219,19 @@ fn peers_py_writes_the_schema_ladder_reads() {
     assert!(stdout.contains("3.36"), "{stdout}");
     assert!(dir.path().join("decode-fp16-d128-b1.svg").exists());
     // The windowed row: its window round-trips, and its FLOPs are the pairs `ladder` counts.
-    assert!(csv.lines().any(|l| l.starts_with("flex,") && l.ends_with(",4095:-1,")), "{csv}");
+    assert!(csv.lines().any(|l| l.starts_with("flex,") && l.ends_with(",4095:-1,,")), "{csv}");
     // The modified row: its modifier round-trips and labels its mask; its FLOPs are the plain
     // causal case's (½ · 4·16·16384²·128 in 3.2 ms).
-    assert!(csv.lines().any(|l| l.starts_with("flex,") && l.ends_with(",,softcap:50")), "{csv}");
+    assert!(csv.lines().any(|l| l.starts_with("flex,") && l.ends_with(",,softcap:50,")), "{csv}");
     assert!(
         stdout.lines().any(|l| l.contains("causal+softcap:50") && l.contains("343.6")),
+        "{stdout}"
+    );
+    // The masked row: its FLOPs count the 16 documents' causal pairs (4·16·16·1024·1025/2·128
+    // in 0.1 ms), the same in the file and in `ladder`'s table.
+    assert!(csv.lines().any(|l| l.starts_with("flex,") && l.ends_with(",,documents:16")), "{csv}");
+    assert!(
+        stdout.lines().any(|l| l.contains("causal·documents:16") && l.contains("687.9")),
         "{stdout}"
     );
     let windowed = ladder_compare::results::Case::square(
