@@ -254,14 +254,17 @@ def parse_mask_mod(text):
 
 
 def mask_mod_pairs(spec, n, causal):
-    """The pairs a mask modifier attends at n_q = n_kv = n (results.rs's mask_pairs)."""
+    """The pairs a mask modifier attends at n_q = n_kv = n (results.rs's mask_pairs); prefix-LM is
+    a whole mask, meant without --causal: with it, the causal pairs."""
     name, _, value = spec.partition(":")
     value = int(value)
     if name == "documents":
         start = [-(-i * n // value) for i in range(value + 1)]
         lens = [b - a for a, b in zip(start, start[1:])]
         return sum(x * (x + 1) // 2 if causal else x * x for x in lens)
-    p = min(value, n)  # prefix-lm: a whole mask
+    if causal:
+        return n * (n + 1) // 2
+    p = min(value, n)
     return p * p + sum(range(p + 1, n + 1))
 
 

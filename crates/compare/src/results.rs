@@ -16,9 +16,9 @@ use std::path::Path;
 
 use anyhow::{Context, bail};
 use ladder_reference::{Mask, Window};
+use serde_json::{Map, Value, json};
 
 use crate::modifiers::MaskSpec;
-use serde_json::{Map, Value, json};
 
 /// The CSV columns, in the order they are written. `scripts/peers.py` writes the same schema;
 /// other tools read it by column name, so columns are only ever added at the end, and a reader
@@ -126,8 +126,8 @@ fn pairs_flops(direction: Direction, heads: usize, pairs: f64, d: usize) -> f64 
 
 /// The query-key pairs a mask modifier attends with `n_q = n_kv` (causal or not), where they have
 /// a closed form: documents (near-equal, [`crate::modifiers::MaskSpec::Documents`]'s split) and a
-/// prefix-LM mask (a whole mask: `causal` ignored, as the kernels' causal flag would only hide
-/// the prefix's later keys); `None` otherwise.
+/// prefix-LM mask (a whole mask, meant without the causal flag: with it, the causal pairs, as
+/// the flag hides the prefix's later keys); `None` otherwise.
 pub fn mask_pairs(mask: MaskSpec, n_q: usize, n_kv: usize, causal: bool) -> Option<f64> {
     if n_q != n_kv {
         return None;
@@ -144,6 +144,7 @@ pub fn mask_pairs(mask: MaskSpec, n_q: usize, n_kv: usize, causal: bool) -> Opti
                 .sum::<u64>();
             Some(pairs as f64)
         }
+        MaskSpec::PrefixLm(_) if causal => Some((n * (n + 1) / 2) as f64),
         MaskSpec::PrefixLm(prefix) => {
             let p = (prefix as u64).min(n);
             // Rows below the prefix see it whole; the others see themselves and what precedes.
@@ -318,11 +319,13 @@ impl Case {
     }
 
     /// FLOPs of this case by the ladder's convention (an unknown direction counts as forward);
-    /// with a window or a mask modifier [`mask_pairs`] counts, on the pairs it attends.
+    /// with a window, or without one a mask modifier [`mask_pairs`] counts, on the pairs it
+    /// attends (as `scripts/peers.py` counts them).
     pub fn flops(&self) -> f64 {
         let direction = Direction::parse(&self.direction).unwrap_or(Direction::Fwd);
         let mask = self.mask_mod.as_deref().and_then(|m| m.parse().ok());
-        if let Some(pairs) = mask.and_then(|m| mask_pairs(m, self.n_q, self.n_kv, self.causal)) {
+        let mask_pairs = mask.and_then(|m| mask_pairs(m, self.n_q, self.n_kv, self.causal));
+        if let Some(pairs) = mask_pairs.filter(|_| !self.window.is_some()) {
             return pairs_flops(direction, self.batch * self.heads_q, pairs, self.d);
         }
         if self.window.is_some() {
@@ -715,9 +718,12 @@ mod tests {
         let docs = Case { mask_mod: Some("documents:16".into()), ..docs };
         assert_eq!(docs.flops(), 4.0 * 16.0 * (16.0 * 1024.0 * 1025.0 / 2.0) * 128.0);
         assert_eq!(docs.mask_label(), "causal·documents:16");
-        for (spec, causal) in
-            [("documents:3", true), ("documents:3", false), ("prefix-lm:4", false)]
-        {
+        for (spec, causal) in [
+            ("documents:3", true),
+            ("documents:3", false),
+            ("prefix-lm:4", false),
+            ("prefix-lm:4", true),
+        ] {
             let mask: MaskSpec = spec.parse().unwrap();
             let m = mask.cpu(10);
             let band = Mask::banded(causal, Window::default(), 10, 10);

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-const HEADER: &str = "impl,direction,dtype,causal,batch,heads_q,heads_kv,n_q,n_kv,d,ms,tflops,tbps,page_size,layout,window,score_mod,mask_mod";
+use ladder_compare::results::CSV_HEADER as HEADER;
 
 /// The `ladder` binary: cargo's, or where gpu-bundle puts it when this test binary was carried to
 /// another machine (it runs there from the crate folder).
