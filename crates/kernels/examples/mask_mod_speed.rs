@@ -1,6 +1,7 @@
 //! What a mask modifier costs and saves in the FA2 and FA3 forwards (FA3 on Hopper): fp16,
 //! d = 128, 16 heads, 16k tokens per call (n = 8k and 16k), causal, plain against document masks
-//! of 4 and 16 equal documents; not causal, plain against a prefix-LM mask of n / 4 keys. TFLOP/s
+//! of 4 and 16 equal documents and of 16 documents of uneven lengths (n / 16 ± 100 tokens, whose
+//! boundaries fall inside tiles); not causal, plain against a prefix-LM mask of n / 4 keys. TFLOP/s
 //! count the pairs each mask attends (4 · d FLOPs a pair). A mask keeps the block mask it made at
 //! its first call of a shape: the timed calls reuse it, as a training loop that keeps its mask
 //! does; the last column times calls that each make a new mask (its table uploaded and its block
@@ -12,10 +13,14 @@
 //! cargo run --release -p ladder-kernels --example mask_mod_speed
 //! ```
 //!
-//! Without a GPU it says so and exits with status 1. Each figure is the median of 10 calls timed
+//! `FA3_TILES=bc,consumers,stages` runs FA3 on those tiles instead of its own (an experiment;
+//! `fa3::Fa3Tiles`); `ONLY=TEXT` runs only the rows whose `rung n mask` contains TEXT (e.g.
+//! `ONLY="fa3 16384 Documents(16)"`, one case to profile). Without a GPU it says so and exits with status 1. Each figure is the median of 10 calls timed
 //! with CUDA events, after 3 warm-up calls.
 
-use ladder_kernels::{DType, Gpu, Gradients, MaskMod, Options, Output, Result, Tensor, fa2, fa3};
+use ladder_kernels::{
+    DType, Gpu, GpuConfig, Gradients, MaskMod, Options, Output, Result, Tensor, fa2, fa3,
+};
 
 const D: usize = 128;
 const HEADS: usize = 16;
@@ -27,9 +32,8 @@ fn pairs(n: usize, mask: &Mask) -> u64 {
     let n = n as u64;
     match *mask {
         Mask::Causal => n * (n + 1) / 2,
-        Mask::Documents(docs) => {
-            let len = n / docs as u64;
-            docs as u64 * len * (len + 1) / 2
+        Mask::Documents(_) | Mask::Ragged(_) => {
+            mask.lengths(n as usize).iter().map(|&len| (len * (len + 1) / 2) as u64).sum()
         }
         Mask::Full => n * n,
         Mask::PrefixLm(p) => (0..n).map(|i| (i + 1).max(p as u64)).sum(),
@@ -40,17 +44,33 @@ fn pairs(n: usize, mask: &Mask) -> u64 {
 enum Mask {
     Causal,
     Documents(usize),
+    Ragged(usize),
     Full,
     PrefixLm(usize),
 }
 
 impl Mask {
+    /// The document lengths of a document mask over `n` tokens: equal, or alternately 100 tokens
+    /// longer and shorter than `n / docs` (the last takes what is left).
+    fn lengths(self, n: usize) -> Vec<usize> {
+        match self {
+            Mask::Documents(docs) => vec![n / docs; docs],
+            Mask::Ragged(docs) => {
+                let mut lens: Vec<usize> =
+                    (0..docs).map(|i| if i % 2 == 0 { n / docs + 100 } else { n / docs - 100 }).collect();
+                lens[docs - 1] = n - lens[..docs - 1].iter().sum::<usize>();
+                lens
+            }
+            _ => Vec::new(),
+        }
+    }
+
     /// The options of this mask for `n` tokens (a new `MaskMod` at each call).
     fn options(self, n: usize) -> Result<Options> {
         Ok(match self {
             Mask::Causal => Options::causal(),
-            Mask::Documents(docs) => {
-                Options::causal().with_mask_mod(MaskMod::document_lengths(&vec![n / docs; docs])?)
+            Mask::Documents(_) | Mask::Ragged(_) => {
+                Options::causal().with_mask_mod(MaskMod::document_lengths(&self.lengths(n))?)
             }
             Mask::Full => Options::full(),
             Mask::PrefixLm(p) => Options::full().with_mask_mod(MaskMod::prefix_lm(p)?),
@@ -76,7 +96,15 @@ fn median_ms(gpu: &Gpu, mut call: impl FnMut() -> Result<()>) -> Result<f64> {
 }
 
 fn run() -> std::result::Result<(), Box<dyn std::error::Error>> {
-    let gpu = Gpu::new()?;
+    let mut config = GpuConfig::default();
+    if let Ok(text) = std::env::var("FA3_TILES") {
+        let t: Vec<usize> = text.split(',').map(str::parse).collect::<std::result::Result<_, _>>()?;
+        let [bc, consumers, stages] = t[..] else {
+            return Err(format!("FA3_TILES={text}: expected bc,consumers,stages").into());
+        };
+        config = config.tune(fa3::Fa3Tiles::new(bc, consumers, stages)?);
+    }
+    let gpu = Gpu::with_config(config)?;
     println!(
         "{} ({}), fp16, d = {D}, {HEADS} heads, {TOKENS} tokens per call",
         gpu.name(),
@@ -107,12 +135,17 @@ fn run() -> std::result::Result<(), Box<dyn std::error::Error>> {
                 Mask::Causal,
                 Mask::Documents(4),
                 Mask::Documents(16),
+                Mask::Ragged(16),
                 Mask::Full,
                 Mask::PrefixLm(n / 4),
             ];
             let mut plain_tflops = 0.0;
             let d_o = &q;
+            let only = std::env::var("ONLY").unwrap_or_default();
             for mask in cases {
+                if !format!("{rung} {n} {mask:?}").contains(&only) {
+                    continue;
+                }
                 let kept = mask.options(n)?;
                 let ms = median_ms(&gpu, || forward(&gpu, &q, &k, &v, &kept).map(drop))?;
                 let flops = 4.0 * D as f64 * pairs(n, &mask) as f64 * (batch * HEADS) as f64;
