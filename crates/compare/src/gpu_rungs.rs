@@ -422,9 +422,18 @@ impl GpuRung {
         )
     }
 
-    /// Whether the kernel takes a mask modifier (`Options::mask_mod`): the FA2 forward.
+    /// Whether the kernel takes a mask modifier (`Options::mask_mod`): FA2 and FA3, forward
+    /// (16-bit) and backward (fixed-length batches).
     pub fn takes_mask_mod(self) -> bool {
-        self == GpuRung::Fa2
+        matches!(
+            self,
+            GpuRung::Fa2
+                | GpuRung::Fa3
+                | GpuRung::Fa2Backward
+                | GpuRung::Fa2BackwardDeterministic
+                | GpuRung::Fa3Backward
+                | GpuRung::Fa3BackwardDeterministic
+        )
     }
 
     /// Whether the kernel runs on `gpu` (FA3 needs Hopper, `sm_90a`; the others sm_80+).

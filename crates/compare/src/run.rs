@@ -252,13 +252,17 @@ impl RunArgs {
                 Plan::Cpu
             }
             Device::Gpu => {
-                let takes_mask = gpu_forward(self.rung).is_some_and(GpuRung::takes_mask_mod);
+                let forward = gpu_forward(self.rung);
+                let takes_mask = match backward {
+                    Some(_) => forward.and_then(gpu_backward).is_some_and(GpuRung::takes_mask_mod),
+                    None => forward.is_some_and(GpuRung::takes_mask_mod),
+                };
                 if let Some(m) = self.rung_args.mask_mod
-                    && (!takes_mask || backward.is_some())
+                    && !takes_mask
                 {
                     return Err(usage(format!(
-                        "--mask-mod {m}: on the GPU only the fa2 forward takes a mask modifier \
-                         yet (every CPU rung does: --device cpu)"
+                        "--mask-mod {m}: on the GPU only fa2 and fa3 (forward and backward) take \
+                         a mask modifier yet (every CPU rung does: --device cpu)"
                     )));
                 }
                 let rung = gpu_forward(self.rung).ok_or_else(|| {

@@ -193,9 +193,13 @@ fn run_takes_a_mask_mod_on_the_cpu() {
     let bad = run(&["--mask-mod", "documents:0"]);
     assert_eq!(bad.status.code(), Some(2), "{}", String::from_utf8_lossy(&bad.stderr));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("at least 1"));
-    let fa3 = ["run", "--rung", "fa3", "--q", &q, "--k", &k, "--v", &v, "--out", &out_s];
-    let gpu = ladder(&[&fa3[..], &["--mask-mod", "documents:2", "--device", "gpu"]].concat());
-    assert_one_line_error(&gpu, 2, "on the GPU only the fa2 forward takes a mask modifier");
+    let fa1 = ["run", "--rung", "fa1", "--q", &q, "--k", &k, "--v", &v, "--out", &out_s];
+    let gpu = ladder(&[&fa1[..], &["--mask-mod", "documents:2", "--device", "gpu"]].concat());
+    assert_one_line_error(
+        &gpu,
+        2,
+        "on the GPU only fa2 and fa3 (forward and backward) take a mask modifier",
+    );
     let verify = ladder(&["verify", "--mask-mod", "prefix-lm:3"]);
     assert_one_line_error(&verify, 2, "--mask-mod prefix-lm:3: `ladder verify`");
 }

@@ -619,18 +619,27 @@ fn gpu_score_mods_backward_long_sequences() {
     for (i, &(n_q, n_kv, d, causal, spec, window, layout)) in cases.iter().enumerate() {
         let base = long_case((1, 4, 2, n_q, n_kv, d), causal, 64, 6000 + i as u64);
         let case = Case { window, score_mod: Some(spec), ..base };
-        let rungs = [
-            GpuRung::Fa2Backward,
-            GpuRung::Fa2BackwardDeterministic,
-            GpuRung::Fa3Backward,
-            GpuRung::Fa3BackwardDeterministic,
-        ];
-        // (the FA3 backward takes no window yet)
-        for rung in rungs.into_iter().filter(|r| !window.is_some() || r.takes_window()) {
-            check_backward(rung, &case, DType::F16, layout).unwrap_or_else(|e| {
-                panic!("{rung}, {n_q}x{n_kv}, d = {d}, causal = {causal}, {spec}, {layout:?}: {e}")
-            });
-        }
+        check_every_backward(&case, layout, &spec.to_string());
+    }
+}
+
+/// Runs every backward rung that takes `case`'s window (the FA3 backward takes none yet), both dQ
+/// modes, on `case` in fp16 and `layout`; a failure names the case and `what` it modifies.
+fn check_every_backward(case: &Case, layout: Layout, what: &str) {
+    let rungs = [
+        GpuRung::Fa2Backward,
+        GpuRung::Fa2BackwardDeterministic,
+        GpuRung::Fa3Backward,
+        GpuRung::Fa3BackwardDeterministic,
+    ];
+    for rung in rungs.into_iter().filter(|r| !case.window.is_some() || r.takes_window()) {
+        check_backward(rung, case, DType::F16, layout).unwrap_or_else(|e| {
+            let s = &case.shape;
+            panic!(
+                "{rung}, {}x{}, d = {}, causal = {}, {what}, {layout:?}: {e}",
+                s.n_q, s.n_kv, s.d, case.causal
+            )
+        });
     }
 }
 
@@ -680,8 +689,9 @@ fn gpu_score_mods_are_refused_where_unsupported() {
     }
 }
 
-/// Mask modifiers in the FA2 forward, on problems of many tiles: the block mask skips the tiles a
-/// document mask empties and the kernel asks the mask per entry on the tiles it leaves partial.
+/// Mask modifiers in the FA2 and FA3 forwards, on problems of many tiles: the block mask skips
+/// the tiles a document mask empties and the kernel asks the mask per entry on the tiles it leaves
+/// partial.
 /// Packed causal training (16 documents), documents with `n_q ≠ n_kv` (more queries than keys:
 /// the first rows see nothing), a prefix-LM mask, LongNet's dilated mask (a user-written body
 /// with an `int`) inside a window, and a document mask under softcap; fp16 and bf16, d = 64, 128
@@ -712,25 +722,84 @@ fn gpu_mask_mods_long_sequences() {
         let base = long_case((2, 4, 2, n_q, n_kv, d), causal, 128, 7000 + i as u64);
         let case = Case { window, score_mod, mask_mod: Some(mask), ..base };
         let dtype = if i % 2 == 0 { DType::F16 } else { DType::BF16 };
-        check_forward_in(GpuRung::Fa2, &case, dtype, layout).unwrap_or_else(|e| {
-            panic!(
-                "fa2: {n_q}x{n_kv}, d = {d}, causal = {causal}, {mask}, {window:?}, {layout:?}: {e}"
-            )
-        });
+        for rung in [GpuRung::Fa2, GpuRung::Fa3] {
+            check_forward_in(rung, &case, dtype, layout).unwrap_or_else(|e| {
+                panic!(
+                    "{rung}: {n_q}x{n_kv}, d = {d}, causal = {causal}, {mask}, {window:?}, \
+                     {layout:?}: {e}"
+                )
+            });
+        }
     }
 }
 
-/// A mask modifier reaches only the FA2 forward; the other rungs, a packed batch and bad masks are
-/// errors that say why.
+/// Mask modifiers in the FA2 and FA3 backwards, both dQ modes: the main kernels walk each key
+/// tile's live query tiles, the dQ pass each query tile's live key tiles; 16 packed documents,
+/// documents with `n_q ≠ n_kv` both ways, prefix-LM, dilated inside a window (FA2: the FA3
+/// backward takes no window), documents under softcap.
+#[test]
+fn gpu_mask_mods_backward_long_sequences() {
+    use ladder_compare::modifiers::{Cap, MaskSpec, ModifierSpec};
+    use ladder_reference::Window;
+    let none = Window::default();
+    let softcap = Some(ModifierSpec::Softcap(Cap::new(5.0).unwrap()));
+    let cases = [
+        (1024, 1024, 128, true, MaskSpec::Documents(16), none, None, Layout::Bhsd),
+        (300, 700, 64, false, MaskSpec::Documents(5), none, None, Layout::Bshd),
+        (700, 300, 128, true, MaskSpec::Documents(3), none, None, Layout::Bhsd),
+        (600, 600, 96, false, MaskSpec::PrefixLm(200), none, None, Layout::Bshd),
+        (515, 515, 64, true, MaskSpec::Dilated(3), Window::left(200), None, Layout::Bhsd),
+        (400, 400, 128, true, MaskSpec::Documents(4), none, softcap, Layout::Bshd),
+    ];
+    for (i, &(n_q, n_kv, d, causal, mask, window, score_mod, layout)) in cases.iter().enumerate() {
+        let base = long_case((1, 4, 2, n_q, n_kv, d), causal, 64, 8000 + i as u64);
+        let case = Case { window, score_mod, mask_mod: Some(mask), ..base };
+        check_every_backward(&case, layout, &mask.to_string());
+    }
+}
+
+/// A block mask is made once per mask and shape and kept with the mask (its clones too): a second
+/// call with the mask gives the same bits, and so does a call with an equal mask made anew (its
+/// own block mask); a mask of other documents on the same shape gets its own.
+#[test]
+fn gpu_block_masks_are_kept_per_mask_and_shape() {
+    use ladder_kernels::MaskMod;
+    let Some(gpu) = gpu() else { return };
+    let n = 1000;
+    let values: Vec<f32> =
+        (0..2 * 4 * n * 64).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
+    let q = gpu.upload(&values, &[2, 4, n, 64], DType::F16).unwrap();
+    let docs = || MaskMod::document_lengths(&[300, 200, 500]).unwrap();
+    let other = Options::causal().with_mask_mod(MaskMod::document_lengths(&[500, 500]).unwrap());
+    let kept = Options::causal().with_mask_mod(docs());
+    let mut rungs = vec![GpuRung::Fa2];
+    if GpuRung::Fa3.available_on(gpu) {
+        rungs.push(GpuRung::Fa3);
+    }
+    for rung in rungs {
+        let run = |opts: &Options| {
+            let out = match rung {
+                GpuRung::Fa3 => fa3::forward(gpu, &q, &q, &q, opts),
+                _ => fa2::forward(gpu, &q, &q, &q, opts),
+            };
+            out.unwrap().o.to_f32_vec().unwrap()
+        };
+        let first = run(&kept);
+        assert_eq!(run(&kept.clone()), first, "{rung}: the kept block mask");
+        assert_eq!(run(&Options::causal().with_mask_mod(docs())), first, "{rung}: a new mask");
+        assert_ne!(run(&other), first, "{rung}: other documents");
+        assert_eq!(run(&kept), first, "{rung}: after another mask");
+    }
+}
+
+/// A mask modifier reaches FA2 and FA3, forward and backward; the other rungs (FA1, FP8) and bad
+/// masks are errors that say why.
 #[test]
 fn gpu_mask_mods_are_refused_where_unsupported() {
     use ladder_kernels::MaskMod;
     let Some(gpu) = gpu() else { return };
     let q = gpu.upload(&vec![0.25; 2 * 64 * 64], &[1, 2, 64, 64], DType::F16).unwrap();
     let docs = Options::causal().with_mask_mod(MaskMod::document_lengths(&[20, 44]).unwrap());
-    let out = fa2::forward(gpu, &q, &q, &q, &docs).unwrap();
-    let err = fa2::backward(gpu, &q, &q, &q, &out, &q, &docs).unwrap_err().to_string();
-    assert!(err.contains("fa2 backward takes no mask_mod"), "{err}");
     let err = fa1::forward(gpu, &q, &q, &q, &docs).unwrap_err().to_string();
     assert!(err.contains("fa1 takes no mask_mod"), "{err}");
     // A document table must cover the keys.
@@ -743,7 +812,9 @@ fn gpu_mask_mods_are_refused_where_unsupported() {
     assert!(matches!(err, KernelError::Compile { .. }), "{err}");
     assert!(err.to_string().contains("my mask(1)"), "{err}");
     if GpuRung::Fa3.available_on(gpu) {
-        let err = fa3::forward(gpu, &q, &q, &q, &docs).unwrap_err().to_string();
-        assert!(err.contains("fa3 takes no mask_mod"), "{err}");
+        let err = fa3::fp8::forward(gpu, &q, &q, &q, &docs, &Default::default());
+        assert!(err.unwrap_err().to_string().contains("fa3-fp8 takes no mask_mod"));
+        let err = fa3::forward(gpu, &q, &q, &q, &short).unwrap_err().to_string();
+        assert!(err.contains("table of 60 keys for 64 keys"), "{err}");
     }
 }

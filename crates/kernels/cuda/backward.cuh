@@ -11,6 +11,7 @@
 
 #include "layout.cuh"
 #include "mask.cuh"
+#include "mask_mod.cuh"
 #include "types.cuh"
 #include "score_mod.cuh"
 #include "varlen.cuh"
@@ -55,6 +56,11 @@ struct BackwardParams {
     Strides dv_strides;
     Varlen varlen;  // FA2_VARLEN only
     ModifierArgs mods;  // the score modifier (LADDER_SCORE_MOD) and the sinks (score_mod.cuh)
+    // The mask modifier (LADDER_MASK_MOD, mask_mod.cuh; FA2 only), its block mask as lists for
+    // each kernel's walk: the main kernel's key tiles' query tiles, the dQ pass's query tiles' key
+    // tiles.
+    MaskArgs mask;
+    MaskArgs mask_dq;
 };
 
 // Where the rows of (sequence `s`, query head `head`) start in lse2 and D (padded per head to

@@ -60,6 +60,10 @@
 //                      they are.
 //   LADDER_SCORE_MOD   a score modifier compiled in (score_mod.cuh): both kernels rewrite their S
 //                      tiles with it before the exponential and scale dS by its derivative
+//   LADDER_MASK_MOD    a mask modifier compiled in (mask_mod.cuh): both kernels walk the tiles the
+//                      block mask lists as live (the main kernel a key tile's query tiles, the dQ
+//                      pass a query tile's key tiles) and ask the mask per entry on partial ones
+//                      (fixed-length batches)
 //   FA2_HOST_PARAMS_BYTES  the host's size of the parameter block, checked against this one's
 
 #include "backward.cuh"
@@ -105,6 +109,7 @@ constexpr bool causal = FA2_CAUSAL;
 constexpr bool windowed = FA2_WINDOW;
 constexpr bool deterministic = FA2_DETERMINISTIC;
 constexpr bool packed = FA2_VARLEN;
+static_assert(!(packed && has_mask_mod), "a mask modifier: fixed-length batches");
 constexpr int NQ = BR / 8;  // 8-column accumulator tiles across the queries of a tile
 // Row length of the dSᵀ tile: BR, but at least the swizzle's span (copy.cuh: 8 chunks of 16 bytes).
 constexpr int DS_COLS = BR < 64 ? 64 : BR;
@@ -243,7 +248,8 @@ fa2_backward(const __grid_constant__ BackwardParams p) {
     const Band band = band_of<causal, windowed>(p.band);
     const int first_shift = first.n_kv - first.n_q;
     const TileSpan t_span = query_tile_span<BR>(k0, k0 + BC - 1, first.n_q, first_shift, band);
-    const int t_begin = t_span.first, t_end = t_span.end;
+    // The query tiles walked: all of the span, or those the block mask lists as live.
+    const KeyWalk walk = key_walk(p.mask, t_span, batch, head, blockIdx.x);
 
     auto load_query_tile = [&](int t, int stage) {
         const long long q_ld = p.q_strides.row, d_o_ld = p.d_o_strides.row;
@@ -277,7 +283,7 @@ fa2_backward(const __grid_constant__ BackwardParams p) {
 
     load_tile<BC, COLS, DK, D, THREADS>(sK, gK, p.k_strides.row, k0, first.n_kv);
     load_tile<BC, COLS, DK, D, THREADS>(sV, gV, p.v_strides.row, k0, first.n_kv);
-    if (t_begin < t_end) load_query_tile(t_begin, 0);
+    if (!walk.empty()) load_query_tile(walk[0].index, 0);
     cp_async_commit();
 
     float dk[DT][4], dv[DT][4];
@@ -295,19 +301,21 @@ fa2_backward(const __grid_constant__ BackwardParams p) {
 
     // First key of the warp; a thread's accumulator rows (keys) are warp_key0() + acc_row(e).
     auto warp_key0 = [&]() { return key0() + warp * 16; };
-    // The loop's end, and the stage of tile t, (t − t_begin) mod 2: a packed batch's end read
-    // again, its stage toggled (neither kept beside the loop index).
-    auto t_stop = [&]() -> int {
+    // The walk's end, and the stage of position `pos`, (pos − start) mod 2: a packed batch's end
+    // read again, its stage toggled (neither kept beside the loop index).
+    auto stop = [&]() -> int {
         if constexpr (packed) {
             const int n_q = ps.n_q;
             return query_tile_span<BR>(key0(), key0() + BC - 1, n_q, ps.n_kv - n_q, band).end;
         } else {
-            return t_end;
+            return walk.end();
         }
     };
     int toggled = 0;
-    for (int t = t_begin; t < t_stop(); ++t, toggled ^= 1) {
-        const int stage = packed ? toggled : (t - t_begin) & 1;
+    for (int pos = walk.start(); pos < stop(); ++pos, toggled ^= 1) {
+        const int stage = packed ? toggled : (pos - walk.start()) & 1;
+        const KeyTile tile = walk.at(pos);
+        const int t = tile.index;
         // Query tile t is the only copy in flight; after the barrier no warp reads the other
         // stage (tile t − 1) any more, so tile t + 1 is copied there during this tile's work
         // (issued after Pᵀ below, outside the register peak of the Sᵀ product). sdS needs no
@@ -359,9 +367,16 @@ fa2_backward(const __grid_constant__ BackwardParams p) {
                                 band))
                         pt[nt][e] = 0.f;
         }
+        // The mask modifier on a partial tile (Pᵀ: keys on the rows, queries on the columns).
+        if (has_mask_mod && tile.partial) {
+            const int warp_key = warp_key0();
+            mask_entries<4>(pt, 0, [&](int nt, int e) { return i0 + acc_col(nt, e); },
+                            [&](int, int e) { return warp_key + acc_row(e); },
+                            MaskAt{batch, head, 0, 0, p.n_q, p.n_kv}, p.mask, 0.f);
+        }
 
-        if (t + 1 < t_stop()) {  // the copy of the next query tile (see the top of the loop)
-            load_query_tile(t + 1, stage ^ 1);
+        if (pos + 1 < stop()) {  // the copy of the next query tile (see the top of the loop)
+            load_query_tile(walk.at(pos + 1).index, stage ^ 1);
             cp_async_commit();
         }
 
@@ -525,15 +540,17 @@ fa2_backward_dq(const __grid_constant__ BackwardParams p) {
 
     const int shift = w.n_kv - w.n_q;  // bottom-right alignment (mask.cuh)
     const Band band = band_of<causal, windowed>(p.band);
-    const TileSpan tiles = key_tile_span<BC_DQ>(q0, q0 + BR_DQ - 1, w.n_kv, shift, band);
+    // The key tiles walked: the band's span, or those the block mask lists as live.
+    const KeyWalk walk = key_walk(p.mask_dq, key_tile_span<BC_DQ>(q0, q0 + BR_DQ - 1, w.n_kv, shift, band),
+                                  w.batch, head, w.block);
 
     const u16* gQ = head_base(p.q, p.q_strides, w.batch, head) + w.q_start * p.q_strides.row;
     const u16* gdO =
         head_base(p.d_o, p.d_o_strides, w.batch, head) + w.q_start * p.d_o_strides.row;
     load_tile<BR_DQ, COLS, DK, D, THREADS_DQ>(sQ, gQ, p.q_strides.row, q0, w.n_q);
     load_tile<BR_DQ, COLS, DK, D, THREADS_DQ>(sdO, gdO, p.d_o_strides.row, q0, w.n_q);
-    if (!tiles.empty()) {
-        const int n_kv = w.n_kv, first = tiles.first * BC_DQ;
+    if (!walk.empty()) {
+        const int n_kv = w.n_kv, first = walk[0].index * BC_DQ;
         load_tile<BC_DQ, COLS, DK, D, THREADS_DQ>(sK, gK(), p.k_strides.row, first, n_kv);
         load_tile<BC_DQ, COLS, DK, D, THREADS_DQ>(sV, gV(), p.v_strides.row, first, n_kv);
     }
@@ -564,10 +581,11 @@ fa2_backward_dq(const __grid_constant__ BackwardParams p) {
     const auto vB = b_operand<COLS>(sV);               // V: B of dP = dO·Vᵀ (rows = keys = n)
     const auto kBt = b_operand_trans<COLS>(sK);        // K: B of dQ += dS·K (rows = keys = k)
 
-    for (int j = tiles.first; j < tiles.end; ++j) {
-        const int stage = (j - tiles.first) & 1;
-        if (j + 1 < tiles.end) {
-            const int n_kv = sequence().n_kv, next = (j + 1) * BC_DQ;
+    for (int i = 0; i < walk.count(); ++i) {
+        const int stage = i & 1;
+        const KeyTile tile = walk[i];
+        if (i + 1 < walk.count()) {
+            const int n_kv = sequence().n_kv, next = walk[i + 1].index * BC_DQ;
             u16* k_stage = sK + (stage ^ 1) * BC_DQ * COLS;
             u16* v_stage = sV + (stage ^ 1) * BC_DQ * COLS;
             load_tile<BC_DQ, COLS, DK, D, THREADS_DQ>(k_stage, gK(), p.k_strides.row, next, n_kv);
@@ -579,7 +597,7 @@ fa2_backward_dq(const __grid_constant__ BackwardParams p) {
         }
         __syncthreads();
         const int stage_rows = stage * BC_DQ;
-        const int k0 = j * BC_DQ;
+        const int k0 = tile.index * BC_DQ;
 
         // ---- S = Q·Kᵀ -------------------------------------------------------------------------
         float s[MT_DQ][NT_DQ][4];
@@ -619,6 +637,17 @@ fa2_backward_dq(const __grid_constant__ BackwardParams p) {
                     mask_band(s[mt], h, key_columns(row, k0, n_kv, shift, band), band, 0.f);
                 }
         }
+        if constexpr (has_mask_mod) {
+            if (tile.partial) {
+                const MaskAt at{w.batch, head, 0, 0, w.n_q, n_kv};
+#pragma unroll
+                for (int mt = 0; mt < MT_DQ; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        mask_hidden(s[mt], h, q0 + warp_row0 + mt * 16 + acc_row(2 * h), k0, at,
+                                    p.mask_dq, 0.f);
+            }
+        }
 
         // ---- dP = dO·Vᵀ, then dS = P ∘ (dP − D), kept in s --------------------------------------
         {
@@ -657,7 +686,7 @@ fa2_backward_dq(const __grid_constant__ BackwardParams p) {
         // The next iteration's copies overwrite the stage read here.
         __syncthreads();
     }
-    if (tiles.empty()) cp_async_wait<0>();
+    if (walk.empty()) cp_async_wait<0>();
 
     // ---- dQ rows to the f32 accumulator (unscaled; finish applies the softmax scale) ------------
     float* gdQ = p.dq_acc + q_rows * D;

@@ -41,8 +41,8 @@
 //              the tile table names, and every length and offset is its sequence's
 //   LADDER_SCORE_MOD  a score modifier compiled in (score_mod.cuh): S is scaled and rewritten
 //              before the mask, and the softmax runs in base 2 on the result
-//   LADDER_MASK_MOD  a mask modifier compiled in (mask_mod.cuh): the walk skips the key tiles
-//              the block mask says are empty, and a partial tile asks the mask per entry
+//   LADDER_MASK_MOD  a mask modifier compiled in (mask_mod.cuh): the walk visits only the key
+//              tiles the block mask lists as live, and a partial tile asks the mask per entry
 
 #include "copy.cuh"
 #include "layout.cuh"
@@ -157,17 +157,10 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
 
     const int shift = w.n_kv - w.n_q;  // bottom-right alignment (mask.cuh)
     const Band band = band_of<causal, windowed>(p.band);
-    const TileSpan tiles = key_tile_span<BC>(q0, q0 + BR - 1, w.n_kv, shift, band);
-    // The tiles of the span the walk computes: all of them, or those the block mask leaves
-    // (tile_kind is FULL for every tile without a mask modifier, and the skipping folds away).
-    auto kind = [&](int j) { return tile_kind(p.mask, w.batch, head, w.block, j); };
-    auto next_tile = [&](int j) {
-        ++j;
-        if constexpr (has_mask_mod)
-            while (j < tiles.end && kind(j) == TILE_EMPTY) ++j;
-        return j;
-    };
-    const int first_tile = has_mask_mod ? next_tile(tiles.first - 1) : tiles.first;
+    // The key tiles the walk computes: every tile of the band's span, or those the block mask
+    // leaves live (mask_mod.cuh).
+    const KeyWalk walk = key_walk(p.mask, key_tile_span<BC>(q0, q0 + BR - 1, w.n_kv, shift, band),
+                                  w.batch, head, w.block);
 
     // ---- per-warp state: the warp's rows of O, m and l, in registers for the whole walk ---------
     float acc[MT][DT][4];  // O, unnormalised
@@ -181,8 +174,8 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
 
     // ---- prologue: Q once, and the first K/V tile into stage 0 ----------------------------------
     load_tile<BR, COLS, DK, D, THREADS>(sQ, gQ, Q_ROW, q0, w.n_q);
-    if (first_tile < tiles.end) {
-        const int n_kv = w.n_kv, first = first_tile * BC;
+    if (!walk.empty()) {
+        const int n_kv = w.n_kv, first = walk[0].index * BC;
         const long long k_off = kv_offset(p.k_strides, K_ROW);
         const long long v_off = FA2_V_STRIDES ? kv_offset(p.v_strides, V_ROW) : k_off;
         load_tile<BC, COLS, DK, D, THREADS>(sK, p.k + k_off, K_ROW, first, n_kv);
@@ -198,11 +191,11 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
     const auto vB = b_operand_trans<COLS>(sV);       // V: B of O = P·V (rows = keys = k)
 
     // ---- the K/V walk: copy the next tile into the other stage while tile j is computed ---------
-    for (int j = first_tile, step = 0; j < tiles.end; j = next_tile(j), ++step) {
-        const int stage = (has_mask_mod ? step : j - tiles.first) & 1;
-        const int j_next = next_tile(j);
-        if (j_next < tiles.end) {
-            const int n_kv = sequence().n_kv, next = j_next * BC;
+    for (int pos = walk.start(); pos < walk.end(); ++pos) {
+        const int stage = (pos - walk.start()) & 1;
+        const KeyTile tile = walk.at(pos);
+        if (pos + 1 < walk.end()) {
+            const int n_kv = sequence().n_kv, next = walk.at(pos + 1).index * BC;
             u16* k_stage = sK + (stage ^ 1) * BC * COLS;
             u16* v_stage = sV + (stage ^ 1) * BC * COLS;
             const long long k_off = kv_offset(p.k_strides, K_ROW);
@@ -216,7 +209,7 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
         }
         __syncthreads();
         const int stage_rows = stage * BC;
-        const int k0 = j * BC;
+        const int k0 = tile.index * BC;
 
         // ---- S = Q·Kᵀ -------------------------------------------------------------------------
         // (mma_abt in mma.cuh is this loop; written out here because calling it tips ptxas into
@@ -266,7 +259,7 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
                 }
         }
         // ---- the mask modifier, on the tiles it leaves partly visible --------------------------
-        if (has_mask_mod && kind(j) == TILE_PARTIAL) {
+        if (has_mask_mod && tile.partial) {
             const MaskAt at{now.batch, head, 0, 0, now.n_q, now.n_kv};
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
@@ -321,7 +314,7 @@ fa2_forward(const __grid_constant__ Fa2ForwardParams p) {
         // The next iteration's copies overwrite the stage read here.
         __syncthreads();
     }
-    if (first_tile >= tiles.end) cp_async_wait<0>();
+    if (walk.empty()) cp_async_wait<0>();
 
     // ---- epilogue: O = acc / l, lse = m·ln2 + ln l, the head's sink folded in first; rows that
     // saw no key (l = 0) get O = 0 and lse = −inf (σ with a sink), rows that met a NaN (l = NaN)

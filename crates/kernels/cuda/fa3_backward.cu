@@ -55,6 +55,9 @@
 //
 // Compile-time constants, set by the host for each variant:
 //   FA3B_D (any multiple of 8 up to 128), FA3B_STAGES, FA3B_CAUSAL, FA3B_DETERMINISTIC,
+//   LADDER_SCORE_MOD (score_mod.cuh), LADDER_MASK_MOD (mask_mod.cuh: producer and consumers
+//   walk the query tiles the block mask lists as live for the block's keys, in its order, and
+//   the consumers ask the mask per entry on the partial ones),
 //   FA3B_HOST_SHARED_BYTES, FA3B_HOST_PARAMS_BYTES (the host's sizes, checked below)
 
 #include "backward.cuh"
@@ -160,8 +163,7 @@ struct Work {
     int k0;
     int head;
     int kv_head;
-    int i_begin;  // query tiles i_begin … i_end − 1
-    int i_end;
+    KeyWalk walk;  // the query tiles it walks: the span's, or the block mask's live ones
 };
 
 __device__ __forceinline__ Work work_of(const BackwardParams& p) {
@@ -170,10 +172,10 @@ __device__ __forceinline__ Work work_of(const BackwardParams& p) {
     w.k0 = w.seq.block * BC;
     w.head = blockIdx.y;
     w.kv_head = w.head / (p.heads_q / p.heads_kv);
-    w.i_end = (p.n_q + BR - 1) / BR;
     // Bottom-right causal: query i sees key j when j <= i + shift, so tiles wholly before
     // k0 − shift see none of the block's keys.
-    w.i_begin = causal ? max(0, (w.k0 - (p.n_kv - p.n_q)) / BR) : 0;
+    const TileSpan span{causal ? max(0, (w.k0 - (p.n_kv - p.n_q)) / BR) : 0, (p.n_q + BR - 1) / BR};
+    w.walk = key_walk(p.mask, span, w.seq.batch, w.head, w.seq.block);
     return w;
 }
 
@@ -189,8 +191,8 @@ __device__ void producer(const Fa3BackwardParams& p, SharedTiles& t, const Work&
     // lse2 and D rows of (batch, head), padded per head to n_q_pad.
     const long long stats = stat_rows<false>(p.b, w.seq, w.head);
     QueryPosition pos;
-    for (int i = w.i_begin; i < w.i_end; ++i, ++pos.count) {
-        const int stage = pos.stage();
+    for (int at = w.walk.start(); at < w.walk.end(); ++at, ++pos.count) {
+        const int i = w.walk.at(at).index, stage = pos.stage();
         mbar_wait(&t.q_empty[stage], pos.parity() ^ 1);
         mbar_expect_tx(&t.q_full[stage], sizeof(t.q[0]) + sizeof(t.d_o[0]) + 2 * BR * 4);
         tma_load_tile<BR, COLS>(t.q[stage], &p.q, &t.q_full[stage], 0, i * BR, w.head, batch);
@@ -260,8 +262,16 @@ __device__ void consumer(const Fa3BackwardParams& p, SharedTiles& t, const Work&
 
     mbar_wait(&t.kv_full, 0);
     QueryPosition pos;
-    for (int i = w.i_begin; i < w.i_end; ++i, ++pos.count) {
-        const int stage = pos.stage(), i0 = i * BR;
+    for (int at = w.walk.start(); at < w.walk.end(); ++at, ++pos.count) {
+        const KeyTile tile = w.walk.at(at);
+        const int stage = pos.stage(), i0 = tile.index * BR;
+        // The mask modifier on a partial tile, asked here (Pᵀ: keys on the rows, queries on the
+        // columns), before the products' register peak, and applied to Pᵀ below.
+        unsigned long long hidden = 0;
+        if (has_mask_mod && tile.partial)
+            hidden = hidden_entries<4, NQ>(0, [&](int nt, int e) { return i0 + acc_col(nt, e); },
+                                           [&](int, int e) { return warp_key0 + acc_row(e); },
+                                           MaskAt{w.seq.batch, w.head, 0, 0, b.n_q, b.n_kv}, b.mask);
         mbar_wait(&t.q_full[stage], pos.parity());
 
         // Sᵀ = K Q_iᵀ and dPᵀ = V dO_iᵀ, issued together; Pᵀ is computed under the second.
@@ -300,6 +310,7 @@ __device__ void consumer(const Fa3BackwardParams& p, SharedTiles& t, const Work&
                                        shift))
                         s[nt][e] = 0.f;
         }
+        if constexpr (has_mask_mod) clear_hidden<4>(s, 0, hidden, 0.f);
         wgmma_wait<0>();
         wgmma_hold(dp);
         const float* delta = t.delta[stage];

@@ -60,12 +60,16 @@
 //   only the K/V tiles its rows' bands reach, from the first, not from 0),
 //   LADDER_SCORE_MOD (a score modifier compiled in, score_mod.cuh: each S_j is scaled and
 //   rewritten in softmax_step, before the mask),
+//   LADDER_MASK_MOD (a mask modifier compiled in, mask_mod.cuh: producer and consumers walk the
+//   K/V tiles the block mask lists as live, in its order, and softmax_step asks the mask per
+//   entry on the partial ones; 16-bit, fixed-length batches),
 //   FA3_HOST_SHARED_BYTES, FA3_HOST_PARAMS_BYTES (the host's sizes, checked below)
 
 #include "barrier.cuh"
 #include "fp8.cuh"
 #include "layout.cuh"
 #include "mask.cuh"
+#include "mask_mod.cuh"
 #include "mma.cuh"
 #include "score_mod.cuh"
 #include "softmax.cuh"
@@ -127,6 +131,7 @@ constexpr bool windowed = FA3_WINDOW;
 // end of the walk makes ptxas serialise every wgmma, C7518, even behind a vote).
 constexpr bool dynamic = FA3_DYNAMIC && windowed && !overlap;
 static_assert(!(packed && o_smem), "a packed batch stores O from registers (see FA3_VARLEN)");
+static_assert(!(has_mask_mod && (FA3_FP8 || packed)), "a mask modifier: 16-bit, fixed length");
 constexpr int BR = 64 * CONSUMERS;
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int NT = BC / 8;  // 8-column accumulator tiles across one row of S
@@ -200,6 +205,7 @@ struct Fa3ForwardParams {
     // launch, and the last block out puts them back to zero.
     unsigned* tile_counter;
     ModifierArgs mods;  // the score modifier (LADDER_SCORE_MOD) and the sinks (score_mod.cuh)
+    MaskArgs mask;      // the mask modifier and its block mask (LADDER_MASK_MOD; mask_mod.cuh)
 };
 
 // Shared memory (dynamic, 1024-byte aligned for the swizzle), in this order: with FA3_O_SMEM,
@@ -296,6 +302,12 @@ __device__ __forceinline__ TileSpan kv_span(const Fa3ForwardParams& p, int q0, c
 __device__ __forceinline__ int first_kv_tile(const Fa3ForwardParams& p, const Tile& t) {
     return windowed ? kv_span(p, t.q0, t.seq).first : 0;
 }
+// The K/V tiles a tile walks, in order: those its band reaches (from first_kv_tile), or the
+// block mask's live ones.
+__device__ __forceinline__ KeyWalk kv_walk(const Fa3ForwardParams& p, const Tile& t) {
+    return key_walk(p.mask, TileSpan{first_kv_tile(p, t), t.kv_end}, t.seq.batch, t.head,
+                    t.q0 / BR);
+}
 __device__ __forceinline__ int tile_count(const Fa3ForwardParams& p) {
     return packed ? p.varlen.n_tiles * p.heads_q : q_blocks(p) * p.heads_q * p.batch;
 }
@@ -383,7 +395,9 @@ __device__ void producer(const Fa3ForwardParams& p, SharedTiles& t) {
         const SeqBlock& seq = tile.seq;
         tma_load_tile<BR, COLS>(t.q, &p.q, &t.q_full, 0, seq.q_start + tile.q0, tile.head,
                                 seq.batch);
-        for (int j = first_kv_tile(p, tile); j < tile.kv_end; ++j, ++kv.count) {
+        const KeyWalk walk = kv_walk(p, tile);
+        for (int pos = walk.start(); pos < walk.end(); ++pos, ++kv.count) {
+            const int j = walk.at(pos).index;
             const int stage = kv.stage(), free = kv.parity() ^ 1;
             const int k0 = seq.k_start + j * BC;
             mbar_wait(&t.k_empty[stage], free);
@@ -499,12 +513,14 @@ __device__ __forceinline__ void pack(const float (&s)[NT][4], PRegs& pk) {
 }
 
 // score_mod(scale · S_j) where a modifier is compiled in, then mask S_j where needed (the
-// sequence tail, the edges of the band), then the online softmax in place: s becomes
+// sequence tail, the edges of the band, the mask modifier on a `partial` tile), then the online
+// softmax in place: s becomes
 // P = 2^(S·scale_log2 − m) in f32. Returns whether any row's max moved (alpha ≠ 1), in which
 // case O must be rescaled by alpha.
 __device__ __forceinline__ bool softmax_step(float (&s)[NT][4], float (&alpha)[2], RowState& st,
                                              const Fa3ForwardParams& p, const Tile& tile,
-                                             float scale_log2, float lift, int row0, int k0) {
+                                             float scale_log2, float lift, int row0, int k0,
+                                             bool partial) {
     const SeqBlock& seq = tile.seq;
     const Band band = ::band(p);
     if constexpr (has_score_mod) {
@@ -520,6 +536,13 @@ __device__ __forceinline__ bool softmax_step(float (&s)[NT][4], float (&alpha)[2
             const int row = row0 + (warp_id() % 4) * 16 + acc_row(2 * h);
             mask_band(s, h, key_columns(row, k0, seq.n_kv, shift, band), band, LADDER_NEG_INF);
         }
+    }
+    if (has_mask_mod && partial) {
+        const MaskAt at{seq.batch, tile.head, 0, 0, seq.n_q, seq.n_kv};
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            mask_hidden(s, h, row0 + (warp_id() % 4) * 16 + acc_row(2 * h), k0, at, p.mask,
+                        LADDER_NEG_INF);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h)
@@ -612,9 +635,10 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
     zero(o);
     RowState st = {{LADDER_NEG_INF, LADDER_NEG_INF}, {0.f, 0.f}};
     const int q_row0 = wg * 64;  // the warpgroup's rows inside the Q tile
-    // K/V tiles first … first + n_tiles − 1 (first = 0 without a window; n_tiles ≤ 0: none).
-    const int first = first_kv_tile(p, tile);
-    const int n_tiles = tile.kv_end - first;
+    // The K/V tiles at the walk's positions first … first + n_tiles − 1 (n_tiles ≤ 0: none).
+    const KeyWalk walk = kv_walk(p, tile);
+    const int first = walk.start();
+    const int n_tiles = walk.end() - first;
     const Scales sc = scales_of(p, tile, tile.head / (p.heads_q / p.heads_kv));
 
     // Algorithm 2. Prologue: S_0 and its softmax (O is still zero: nothing to rescale).
@@ -624,7 +648,8 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
     bool moved = false;  // whether the last softmax moved a row's max: O needs alpha
     KvPosition v_read = kv;  // V lags K by one tile
     if (n_tiles > 0) {
-        const float scale_0 = score_scale(p, sc, first), lift_0 = p_lift(p, sc, first);
+        const KeyTile kv_0 = walk.at(first);
+        const float scale_0 = score_scale(p, sc, kv_0.index), lift_0 = p_lift(p, sc, kv_0.index);
         wait_turn(wg);
         mbar_wait(&t.k_full[kv.stage()], kv.parity());
         wgmma_fence();
@@ -635,14 +660,16 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
         wgmma_hold(s);
         release(&t.k_empty[kv.stage()]);
         ++kv.count;
-        softmax_step(s, alpha, st, p, tile, scale_0, lift_0, row0, first * BC);
+        softmax_step(s, alpha, st, p, tile, scale_0, lift_0, row0, kv_0.index * BC, kv_0.partial);
         if constexpr (!overlap) pack(s, pk);
     }
     for (int j = 1; j < n_tiles; ++j, ++kv.count, ++v_read.count) {
-        // FP8: tile j's scales are read from global memory here, before the waits and the
-        // products, so that their latency hides under them (after the waits' memory clobbers the
-        // compiler could not hoist the loads, and the softmax would stall on them).
-        const float scale_j = score_scale(p, sc, first + j), lift_j = p_lift(p, sc, first + j);
+        // Which tile j is (a mask modifier's list), and its scales (FP8), are read from global
+        // memory here, before the waits and the products, so that their latency hides under them
+        // (after the waits' memory clobbers the compiler could not hoist the loads, and the
+        // softmax would stall on them).
+        const KeyTile kv_j = walk.at(first + j);
+        const float scale_j = score_scale(p, sc, kv_j.index), lift_j = p_lift(p, sc, kv_j.index);
         if constexpr (overlap) land_product(o, pk, s, t, v_read, j >= 2);
         // Both tiles are waited for before the products are issued: ptxas serialises every
         // wgmma of a kernel that waits (branches) between the issues of one batch.
@@ -668,7 +695,8 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
             wgmma_hold(pk);
             release(&t.v_empty[v_read.stage()]);  // V_{j-1}
         }
-        moved = softmax_step(s, alpha, st, p, tile, scale_j, lift_j, row0, (first + j) * BC);
+        moved = softmax_step(s, alpha, st, p, tile, scale_j, lift_j, row0, kv_j.index * BC,
+                             kv_j.partial);
         if constexpr (!overlap) pack(s, pk);
     }
     // Every S = Q·Kᵀ of the tile is done: the producer may load the next tile's Q.

@@ -29,7 +29,7 @@ use cudarc::driver::DeviceRepr;
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, GpuConfig, Kernel, parse_counts};
-use crate::mask_mod::{MaskArgs, block_mask};
+use crate::mask_mod::{MaskArgs, Walk, mask_args};
 use crate::problem::{
     Band, Gradients, Masking, Options, Output, Packed, Problem, Strides, grid, multiples,
 };
@@ -216,7 +216,8 @@ impl BackwardTiles {
     /// in a packed batch's dQ pass, at 32 rows per warp (so 16). A score modifier (`modified`)
     /// keeps its slopes `∂t/∂s` beside the score tiles, which at the tuned tiles spilled 64–108
     /// bytes in the main kernel at d = 128 and 320–340 in the dQ pass at d = 64: it takes 32-row
-    /// steps and 16 rows per warp of the dQ pass.
+    /// steps and 16 rows per warp of the dQ pass. So does a mask modifier (`modified` too), whose
+    /// per-entry test on partial tiles runs beside the same tiles (not tried at the tuned ones).
     pub fn of(d: usize, packed: bool, windowed: bool, modified: bool) -> Result<BackwardTiles> {
         let t = if packed || windowed || modified {
             BackwardTiles::for_packed(d)?
@@ -299,9 +300,9 @@ pub(crate) fn backward_variant(
     dtype: DType,
     mask: Masking,
     (deterministic, packed): (bool, bool),
-    score_mod: Option<&crate::ScoreMod>,
+    (score_mod, mask_mod): (Option<&crate::ScoreMod>, Option<&crate::MaskMod>),
 ) -> Result<Variant> {
-    let modified = score_mod.is_some();
+    let modified = score_mod.is_some() || mask_mod.is_some();
     let t = BackwardTiles::of(d, packed, mask.windowed, modified)?;
     let mut defines = vec![
         ("LADDER_DTYPE", dtype.code().to_string()),
@@ -324,7 +325,7 @@ pub(crate) fn backward_variant(
         defines.push(("FA2_WINDOW", "1".into()));
     }
     let variant = Variant::new("fa2_backward", BACKWARD_SRC, defines);
-    Ok(variant.with_score_mod(score_mod))
+    Ok(variant.with_score_mod(score_mod).with_mask_mod(mask_mod))
 }
 
 /// Mirror of `Fa2ForwardParams` in `cuda/fa2_forward.cu` (device pointers as `u64`).
@@ -411,13 +412,7 @@ fn forward_problem(
     let mut lse = gpu.output(&p.lse_shape(), DType::F32)?;
     let table = lens.map(|lens| lens.tiles(gpu, tiles.br(), p.causal)).transpose()?;
     // The mask modifier's block mask, at this kernel's tiles (kept until the launch is queued).
-    let (mask_args, _blocks) = match &p.mask_mod {
-        Some(m) => {
-            let (args, blocks) = block_mask(gpu, m, p, (tiles.br(), tiles.bc))?;
-            (args, Some(blocks))
-        }
-        None => (MaskArgs::default(), None),
-    };
+    let (mask_args, _blocks) = mask_args(gpu, p, (tiles.br(), tiles.bc), Walk::KeysOfQueryTile)?;
     {
         let s = gpu.stream();
         let (q_ptr, _g0) = q.read_ptr(s);
@@ -497,6 +492,8 @@ pub(crate) struct BackwardParams {
     dv_strides: Strides,
     varlen: VarlenParams,
     mods: ModifierArgs,
+    mask: MaskArgs,
+    mask_dq: MaskArgs,
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers and floats, laid out as its CUDA mirror.
@@ -518,7 +515,6 @@ pub fn backward(
     opts: &Options,
 ) -> Result<Gradients> {
     let p = Problem::new(gpu, q, k, v, opts)?;
-    p.require_no_mask_mod("fa2 backward")?;
     p.require_score_mod_derivative()?;
     backward_problem(gpu, &p, (q, k, v), (out, d_o), None, opts.deterministic, None)
 }
@@ -548,8 +544,9 @@ pub fn backward_varlen(
 /// Another rung's main kernel in place of FA2's (FA3's, `crate::fa3::backward`): it takes the
 /// same parameter block and fills the same accumulators, between FA2's preparation and finish.
 pub(crate) struct MainPass<'a> {
-    /// Query rows per step of its walk: lse2 and D are padded to whole tiles of them.
-    pub(crate) br: usize,
+    /// Query rows per step of its walk (lse2 and D are padded to whole tiles of them) and keys
+    /// per block: the tiles of its block mask.
+    pub(crate) tiles: (usize, usize),
     /// Launches it (after the preparation, on the same stream).
     pub(crate) launch: &'a dyn Fn(&BackwardParams) -> Result<()>,
 }
@@ -570,7 +567,8 @@ pub(crate) fn backward_problem(
     p.require_like(gpu, "d_o", d_o, q.shape(), p.dtype)?;
     p.require_like(gpu, "out.lse", &out.lse, &p.lse_shape(), DType::F32)?;
     let batching = (deterministic, lens.is_some());
-    let variant = backward_variant(p.d, p.dtype, Masking::of(p), batching, p.score_mod.as_ref())?;
+    let modifiers = (p.score_mod.as_ref(), p.mask_mod.as_ref());
+    let variant = backward_variant(p.d, p.dtype, Masking::of(p), batching, modifiers)?;
     let entry = |entry| Kernel { variant: variant.clone(), entry };
     let (prep, main, dq_pass, finish, sinks) = (
         entry("fa2_backward_prep"),
@@ -579,7 +577,8 @@ pub(crate) fn backward_problem(
         entry("fa2_backward_finish"),
         entry("fa2_backward_sinks"),
     );
-    let t = BackwardTiles::of(p.d, lens.is_some(), p.window.is_some(), p.score_mod.is_some())?;
+    let modified = p.score_mod.is_some() || p.mask_mod.is_some();
+    let t = BackwardTiles::of(p.d, lens.is_some(), p.window.is_some(), modified)?;
     let smem = t.shared_bytes(p.d, deterministic);
     let dq_smem = t.dq_shared_bytes(p.d);
     gpu.prepare(&prep, 0)?;
@@ -602,7 +601,7 @@ pub(crate) fn backward_problem(
     let heads = batch * p.heads_q;
     // Query rows padded to whole tiles of both passes, so that a fixed-length batch's tiles of
     // lse2 and D are copied without checks.
-    let pad = t.br.max(t.dq_br()).max(main_pass.as_ref().map_or(1, |m| m.br));
+    let pad = t.br.max(t.dq_br()).max(main_pass.as_ref().map_or(1, |m| m.tiles.0));
     let n_q_pad = n_q.div_ceil(pad) * pad;
     let n_q_pad_i = i32::try_from(n_q_pad)
         .map_err(|_| KernelError::Shape(format!("{n_q} query rows are too many")))?;
@@ -653,6 +652,15 @@ pub(crate) fn backward_problem(
         let (main_varlen, _g14) = VarlenParams::of(gpu, lens.zip(key_table.as_deref()));
         let (dq_varlen, _g15) = VarlenParams::of(gpu, lens.zip(query_table.as_deref()));
         let mods = p.modifier_args(gpu)?;
+        // The mask modifier's block masks: the main kernel walks a key tile's query tiles, the
+        // dQ pass a query tile's key tiles (kept until the launches are queued).
+        let main_tiles = main_pass.as_ref().map_or((t.br, t.bc()), |m| m.tiles);
+        let (mask, _blocks) = mask_args(gpu, p, main_tiles, Walk::QueriesOfKeyTile)?;
+        let (mask_dq, _dq_blocks) = if deterministic {
+            mask_args(gpu, p, (t.dq_br(), t.dq_bc), Walk::KeysOfQueryTile)?
+        } else {
+            (MaskArgs::default(), None)
+        };
         // In range: the rows by Problem's checks, the totals by SeqLens's 32-bit offsets.
         let params = BackwardParams {
             q: q_ptr,
@@ -689,6 +697,8 @@ pub(crate) fn backward_problem(
             dv_strides,
             varlen: main_varlen,
             mods,
+            mask,
+            mask_dq,
         };
 
         // 1. D = rowsum(dO ∘ O), lse in base 2, dQ accumulator zeroed: one warp per padded row,
@@ -755,7 +765,20 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
             for deterministic in [false, true] {
                 for packed in [false, true] {
                     let batching = (deterministic, packed);
-                    all.extend(backward_variant(d, DType::F16, mask, batching, Some(&mods)));
+                    all.extend(backward_variant(
+                        d,
+                        DType::F16,
+                        mask,
+                        batching,
+                        (Some(&mods), None),
+                    ));
+                    if !packed {
+                        // A mask modifier, alone and under the score modifiers.
+                        let masked = (None, Some(&masks));
+                        all.extend(backward_variant(d, DType::F16, mask, batching, masked));
+                        let both = (Some(&mods), Some(&masks));
+                        all.extend(backward_variant(d, DType::F16, mask, batching, both));
+                    }
                 }
             }
             if let Ok(tiles) = ForwardTiles::for_head_dim(d, arch) {
@@ -794,14 +817,20 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
                         }
                     }
                     for deterministic in [false, true] {
-                        all.extend(backward_variant(d, dtype, mask, (deterministic, false), None));
+                        all.extend(backward_variant(
+                            d,
+                            dtype,
+                            mask,
+                            (deterministic, false),
+                            (None, None),
+                        ));
                         if d == 64 || d == 128 {
                             all.extend(backward_variant(
                                 d,
                                 dtype,
                                 mask,
                                 (deterministic, true),
-                                None,
+                                (None, None),
                             ));
                         }
                     }
@@ -864,7 +893,7 @@ mod tests {
                 DType::F16,
                 Masking { causal: false, windowed: false },
                 (false, false),
-                None
+                (None, None)
             ),
             Err(KernelError::UnsupportedHeadDim { d: 136, .. })
         ));

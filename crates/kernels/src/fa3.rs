@@ -46,6 +46,7 @@ use cudarc::driver::sys::{
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
 use crate::gpu::{Gpu, GpuConfig, Kernel, parse_counts};
+use crate::mask_mod::{MaskArgs, Walk, mask_args};
 use crate::problem::{Band, Masking, Options, Output, Problem, Strides, grid, multiples};
 use crate::score_mod::ModifierArgs;
 use crate::tensor::{DType, Tensor};
@@ -450,6 +451,7 @@ struct ForwardParams {
     varlen: VarlenParams,
     tile_counter: u64,
     mods: ModifierArgs,
+    mask: MaskArgs,
 }
 
 /// Device addresses of the FP8 path's scales (`q, k, p, o` in the kernel's order); zero on the
@@ -584,7 +586,6 @@ pub fn forward_with(
     schedule: Schedule,
 ) -> Result<Output> {
     let p = Problem::new(gpu, q, k, v, opts)?;
-    p.require_no_mask_mod("fa3")?;
     forward_problem(gpu, &p, (q, k, v), schedule, None)
 }
 
@@ -625,7 +626,7 @@ fn forward_problem(
         return Err(KernelError::UnsupportedHeadDim { rung: "fa3", d: p.d, supported: HEAD_DIMS });
     }
     let mut tiles = Fa3Tiles::on(gpu, p.d, p.causal, p.n_kv)?;
-    if p.score_mod.is_some() {
+    if p.score_mod.is_some() || p.mask_mod.is_some() {
         tiles = tiles.with_score_mod();
     }
     let o = gpu.output_like(q, p.dtype)?;
@@ -790,7 +791,8 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
     let mask = Masking::of(p);
     let kernel = Kernel {
         variant: variant(p.d, p.dtype, mask, (tiles, schedule), fp8, packed)
-            .with_score_mod(p.score_mod.as_ref()),
+            .with_score_mod(p.score_mod.as_ref())
+            .with_mask_mod(p.mask_mod.as_ref()),
         entry: "fa3_forward",
     };
     let o_smem = o_through_shared(tiles, p.d, operand_bytes, packed);
@@ -801,6 +803,8 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
     let o_layout = (p.kernel_dims(&o), o.dtype());
     let mut lse = gpu.output(&p.lse_shape(), DType::F32)?;
     let table = lens.map(|lens| lens.tiles(gpu, tiles.br(), p.causal)).transpose()?;
+    // The mask modifier's block mask, at this kernel's tiles (kept until the launch is queued).
+    let (mask_args, _blocks) = mask_args(gpu, p, (tiles.br(), tiles.bc), Walk::KeysOfQueryTile)?;
     {
         let s = gpu.stream();
         let (o_ptr, _g3) = o.write_ptr(s)?;
@@ -852,6 +856,7 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
             varlen,
             tile_counter,
             mods,
+            mask: mask_args,
         };
         // With Schedule::dynamic, a windowed problem's blocks take their tiles from two counters
         // (the kernel's next_dynamic_tile), zero at launch and left zero by its last block.
@@ -918,6 +923,31 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
         let mask = Masking { causal: true, windowed: true };
         let v = variant(d, DType::BF16, mask, (t, Schedule::for_head_dim(d, false)), false, false);
         all.push(v.with_score_mod(Some(&softcap)));
+    }
+    // Mask modifiers (a document mask and a prefix-LM mask, the built-ins' heaviest composition)
+    // at the tuned head dims, alone and under softcap, under a causal window, and at the short
+    // problems' tiles (d = 128); with their block masks.
+    let masks = crate::MaskMod::document_lengths(&[64, 64])
+        .expect("valid documents")
+        .or(crate::MaskMod::prefix_lm(16).expect("a valid prefix"));
+    for d in [64, 128, 256] {
+        for (causal, windowed) in [(false, false), (true, false), (true, true)] {
+            let schedule = Schedule::for_head_dim(d, false);
+            let mut tiles = vec![Fa3Tiles::for_head_dim(d, causal).expect("d has tiles")];
+            if d == 128 && !windowed {
+                tiles.push(Fa3Tiles::for_problem(d, causal, 1).expect("d has tiles"));
+            }
+            for t in tiles {
+                let t = t.with_score_mod();
+                let mask = Masking { causal, windowed };
+                let v = variant(d, DType::F16, mask, (t, schedule), false, false);
+                all.push(v.clone().with_mask_mod(Some(&masks)));
+                if !windowed {
+                    all.push(v.with_score_mod(Some(&softcap)).with_mask_mod(Some(&masks)));
+                }
+                all.push(crate::mask_mod::block_mask_variant(&masks, t.br(), t.bc));
+            }
+        }
     }
     // Packed variable-length batches (O from registers), with the long and the short tiles.
     for d in [64, 128, 256] {

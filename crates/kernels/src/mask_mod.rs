@@ -20,7 +20,13 @@
 //! and records whether the tile's pairs inside the band are all visible (*full*: computed with no
 //! per-entry test), none is (*empty*: skipped, its K and V never read) or some are (*partial*:
 //! the body evaluated per entry). A batch or head the body never names (`b`, `h`) shares one row
-//! of the block mask, as FlexAttention's `B = None`, `H = None` do. The kernels evaluate the body
+//! of the block mask, as FlexAttention's `B = None`, `H = None` do. A second small kernel turns
+//! each query tile's row into the list of its live key tiles, which the FA2 and FA3 forwards walk
+//! (FlexAttention's `kv_indices`): a walk jumps from one live tile to the next with one load. The
+//! block mask is made at a mask's first call of a shape (lengths, band, the kernel's tiles) and
+//! kept with the mask for its next calls (its clones share it; [`MaskMod::int`] and
+//! [`MaskMod::table`] drop it): keep the mask, as you keep FlexAttention's `BlockMask`, and a
+//! training loop computes it once. The kernels evaluate the body
 //! only where `q_idx < n_q` and `kv_idx < n_kv` (padding entries see the last row or key, and are
 //! masked anyway), so a table indexed by them stays in bounds.
 //!
@@ -41,9 +47,9 @@
 //! ```
 
 use std::fmt::Write as _;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::DeviceRepr;
+use cudarc::driver::{CudaSlice, DeviceRepr};
 
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
@@ -55,6 +61,8 @@ pub(crate) const BLOCK_MASK_SRC: &str = include_str!("../cuda/block_mask.cu");
 
 /// Threads of `block_mask` (`THREADS` in `cuda/block_mask.cu`).
 const BLOCK_MASK_THREADS: u32 = 256;
+/// Warps of `block_list` (`LIST_WARPS`), one per row.
+const BLOCK_LIST_WARPS: usize = 4;
 
 /// `int` scalars a mask (all its terms together) may name.
 pub const MAX_MASK_INTS: usize = 4;
@@ -116,6 +124,8 @@ pub struct MaskMod {
     expr: Expr,
     /// The generated header and its key, made once and dropped whenever a term changes.
     generated: OnceLock<Generated>,
+    /// The block masks made for it on the device (see [`block_mask`]).
+    blocks: BlockMasks,
 }
 
 /// Two masks are equal when their terms and how they combine are.
@@ -138,7 +148,12 @@ impl MaskMod {
             tables: Vec::new(),
             keys: None,
         };
-        MaskMod { terms: vec![term], expr: Expr::Term(0), generated: OnceLock::new() }
+        MaskMod {
+            terms: vec![term],
+            expr: Expr::Term(0),
+            generated: OnceLock::new(),
+            blocks: BlockMasks::default(),
+        }
     }
 
     /// An `int` the body reads as `const int name`.
@@ -213,7 +228,12 @@ impl MaskMod {
     fn combine(mut self, other: MaskMod, op: fn(Expr, Expr) -> Expr) -> MaskMod {
         let right = other.expr.shifted(self.terms.len());
         self.terms.extend(other.terms);
-        MaskMod { expr: op(self.expr, right), terms: self.terms, generated: OnceLock::new() }
+        MaskMod {
+            expr: op(self.expr, right),
+            terms: self.terms,
+            generated: OnceLock::new(),
+            blocks: BlockMasks::default(),
+        }
     }
 
     /// The mask's name: its terms' names joined by `∧` and `∨`.
@@ -221,9 +241,10 @@ impl MaskMod {
         self.expr.label(&self.terms)
     }
 
-    /// The last term, to change (which drops the generated header).
+    /// The last term, to change (which drops the generated header and the block masks).
     fn last(&mut self) -> &mut Term {
         self.generated = OnceLock::new();
+        self.blocks = BlockMasks::default();
         self.terms.last_mut().expect("a mask has a term")
     }
 
@@ -331,52 +352,186 @@ impl MaskMod {
     }
 }
 
+/// Which tiles a kernel's walk visits, and so which lists of the block mask it reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Walk {
+    /// Each query tile walks its key tiles (the forwards, the backward's dQ pass).
+    KeysOfQueryTile,
+    /// Each key tile walks its query tiles (the backward's main kernel, keys outer).
+    QueriesOfKeyTile,
+}
+
+/// The parameters of `p`'s mask modifier for a kernel of tiles of `br` queries by `bc` keys
+/// walking them as `walk` says, and its block mask ([`block_mask`]; none and null parameters
+/// without a modifier).
+pub(crate) fn mask_args(
+    gpu: &Gpu,
+    p: &Problem,
+    tiles: (usize, usize),
+    walk: Walk,
+) -> Result<(MaskArgs, Option<Arc<DeviceBlockMask>>)> {
+    match &p.mask_mod {
+        Some(m) => block_mask(gpu, m, p, tiles, walk).map(|(args, blocks)| (args, Some(blocks))),
+        None => Ok((MaskArgs::default(), None)),
+    }
+}
+
 /// The block mask of `mask` for problem `p` at the attention kernel's tiles of `br` queries by
-/// `bc` keys, computed on the device (`cuda/block_mask.cu`), and the parameters that point the
-/// attention kernel at it: keep the returned buffer alive until that kernel is queued.
-pub(crate) fn block_mask(
+/// `bc` keys (`cuda/block_mask.cu`) as lists for `walk`, and the parameters that point the
+/// attention kernel at it: keep the returned block mask alive until that kernel is queued. Made
+/// on the device at the first call of a shape and kept with the mask ([`MaskMod`]'s cache) for
+/// the next ones.
+fn block_mask(
     gpu: &Gpu,
     mask: &MaskMod,
     p: &Problem,
     (br, bc): (usize, usize),
-) -> Result<(MaskArgs, cudarc::driver::CudaSlice<u8>)> {
+    walk: Walk,
+) -> Result<(MaskArgs, Arc<DeviceBlockMask>)> {
     // (`p` is checked: `Problem` held the mask to its keys.)
     let (batches, heads) = mask.block_extent(p.batch, p.heads_q);
-    let (query_tiles, key_tiles) = (p.n_q.div_ceil(br), p.n_kv.div_ceil(bc));
-    let len = batches * heads * query_tiles * key_tiles;
-    // SAFETY: block_mask writes every entry before anything reads one.
-    let kinds = unsafe { gpu.stream().alloc::<u8>(len.max(1)) }.map_err(KernelError::alloc(len))?;
-    let kernel = Kernel { variant: block_mask_variant(mask, br, bc), entry: "block_mask" };
-    gpu.prepare(&kernel, 0)?;
+    let key = BlockKey {
+        stream: Arc::as_ptr(gpu.stream()) as usize,
+        batches,
+        heads,
+        n_q: p.n_q,
+        n_kv: p.n_kv,
+        band: p.band(),
+        br,
+        bc,
+        walk,
+    };
+    let blocks = match mask.blocks.find(&key) {
+        Some(blocks) => blocks,
+        None => {
+            let blocks = Arc::new(make_block_mask(gpu, mask, key)?);
+            mask.blocks.keep(blocks.clone());
+            blocks
+        }
+    };
     let mut args = mask.args(gpu)?;
+    {
+        use cudarc::driver::DevicePtr;
+        args.live = blocks.live.device_ptr(gpu.stream()).0;
+        args.live_count = blocks.counts.device_ptr(gpu.stream()).0;
+    }
+    let (tiles, entries) = key.lists();
+    // (The sizes fit an int: make_block_mask checked them.)
+    args.head_rows = if heads > 1 { tiles as i32 } else { 0 };
+    args.batch_rows = if batches > 1 { (heads * tiles) as i32 } else { 0 };
+    args.row_len = entries as i32;
+    Ok((args, blocks))
+}
+
+/// A block mask on the device: per query tile its live key tiles, or per key tile its live query
+/// tiles (`MaskArgs` in `cuda/mask_mod.cuh`).
+#[derive(Debug)]
+pub(crate) struct DeviceBlockMask {
+    key: BlockKey,
+    live: CudaSlice<i32>,
+    counts: CudaSlice<i32>,
+}
+
+/// What a block mask depends on besides the mask: the stream (a device) it was made on, the
+/// extents it distinguishes, the lengths and band, the kernel's tiles and its walk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct BlockKey {
+    stream: usize,
+    batches: usize,
+    heads: usize,
+    n_q: usize,
+    n_kv: usize,
+    band: Band,
+    br: usize,
+    bc: usize,
+    walk: Walk,
+}
+
+impl BlockKey {
+    /// The lists' count per (batch, head) and their length: query tiles and key tiles, or the
+    /// other way round.
+    fn lists(&self) -> (usize, usize) {
+        let (query_tiles, key_tiles) = (self.n_q.div_ceil(self.br), self.n_kv.div_ceil(self.bc));
+        match self.walk {
+            Walk::KeysOfQueryTile => (query_tiles, key_tiles),
+            Walk::QueriesOfKeyTile => (key_tiles, query_tiles),
+        }
+    }
+}
+
+/// How many block masks a mask keeps (the latest shapes it was called with).
+const BLOCK_MASKS_KEPT: usize = 8;
+
+/// The block masks made for a mask, shared by its clones (they are the same mask) and dropped
+/// with the last of them, or when a term changes.
+#[derive(Clone, Debug, Default)]
+struct BlockMasks(Arc<Mutex<Vec<Arc<DeviceBlockMask>>>>);
+
+impl BlockMasks {
+    fn find(&self, key: &BlockKey) -> Option<Arc<DeviceBlockMask>> {
+        let kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        kept.iter().find(|b| b.key == *key).cloned()
+    }
+
+    fn keep(&self, blocks: Arc<DeviceBlockMask>) {
+        let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if kept.len() == BLOCK_MASKS_KEPT {
+            kept.remove(0);
+        }
+        kept.push(blocks);
+    }
+}
+
+/// Computes the block mask of `key` on the device: the kinds of every tile (`block_mask`), then
+/// the lists of live tiles for the key's walk (`block_list`).
+fn make_block_mask(gpu: &Gpu, mask: &MaskMod, key: BlockKey) -> Result<DeviceBlockMask> {
+    let (query_tiles, key_tiles) = (key.n_q.div_ceil(key.br), key.n_kv.div_ceil(key.bc));
+    let (tiles, entries) = key.lists();
+    let rows = key.batches * key.heads * tiles;
     let int = |x: usize, what: &str| {
         i32::try_from(x).map_err(|_| {
             KernelError::Shape(format!("the block mask's {what} ({x}) exceeds an int"))
         })
     };
+    let len = rows * entries;
+    // Tiles are listed as 2·tile + partial.
+    int(2 * entries, "tiles")?;
+    let s = gpu.stream();
+    // SAFETY (the three allocations): block_mask writes every kind, and block_list every count
+    // and the entries the counts cover, before the attention kernel reads them.
+    let kinds = unsafe { s.alloc::<u8>(len.max(1)) }.map_err(KernelError::alloc(len))?;
+    let live = unsafe { s.alloc::<i32>(len.max(1)) }.map_err(KernelError::alloc(4 * len))?;
+    let counts = unsafe { s.alloc::<i32>(rows.max(1)) }.map_err(KernelError::alloc(4 * rows))?;
+    let variant = block_mask_variant(mask, key.br, key.bc);
+    let classify = Kernel { variant: variant.clone(), entry: "block_mask" };
+    let list = Kernel { variant, entry: "block_list" };
+    gpu.prepare(&classify, 0)?;
+    gpu.prepare(&list, 0)?;
     {
         use cudarc::driver::DevicePtr;
-        let (kinds_ptr, _guard) = kinds.device_ptr(gpu.stream());
+        let (kinds_ptr, _g0) = kinds.device_ptr(s);
+        let (live_ptr, _g1) = live.device_ptr(s);
+        let (counts_ptr, _g2) = counts.device_ptr(s);
         let params = BlockMaskParams {
-            mask: args,
+            mask: mask.args(gpu)?,
             kinds: kinds_ptr,
-            heads: int(heads, "heads")?,
-            n_q: int(p.n_q, "queries")?,
-            n_kv: int(p.n_kv, "keys")?,
+            live: live_ptr,
+            live_count: counts_ptr,
+            heads: int(key.heads, "heads")?,
+            n_q: int(key.n_q, "queries")?,
+            n_kv: int(key.n_kv, "keys")?,
             query_tiles: int(query_tiles, "query tiles")?,
             key_tiles: int(key_tiles, "key tiles")?,
-            band: p.band(),
+            rows: int(rows, "rows")?,
+            by_key: i32::from(key.walk == Walk::QueriesOfKeyTile),
+            band: key.band,
         };
-        let launch = grid(key_tiles, query_tiles, batches * heads)?;
-        gpu.launch(&kernel, launch, BLOCK_MASK_THREADS, 0, &params)?;
-        args.blocks = kinds_ptr;
+        let launch = grid(key_tiles, query_tiles, key.batches * key.heads)?;
+        gpu.launch(&classify, launch, BLOCK_MASK_THREADS, 0, &params)?;
+        let launch = grid(rows.div_ceil(BLOCK_LIST_WARPS), 1, 1)?;
+        gpu.launch(&list, launch, 32 * BLOCK_LIST_WARPS as u32, 0, &params)?;
     }
-    let per_head = query_tiles * key_tiles;
-    args.block_head_stride = if heads > 1 { int(per_head, "tiles per head")? } else { 0 };
-    args.block_batch_stride =
-        if batches > 1 { int(heads * per_head, "tiles per batch entry")? } else { 0 };
-    args.key_tiles = int(key_tiles, "key tiles")?;
-    Ok((args, kinds))
+    Ok(DeviceBlockMask { key, live, counts })
 }
 
 /// The block mask kernel of `mask` at tiles of `br` × `bc`.
@@ -391,11 +546,15 @@ pub(crate) fn block_mask_variant(mask: &MaskMod, br: usize, bc: usize) -> Varian
 struct BlockMaskParams {
     mask: MaskArgs,
     kinds: u64,
+    live: u64,
+    live_count: u64,
     heads: i32,
     n_q: i32,
     n_kv: i32,
     query_tiles: i32,
     key_tiles: i32,
+    rows: i32,
+    by_key: i32,
     band: Band,
 }
 
@@ -409,13 +568,16 @@ unsafe impl DeviceRepr for BlockMaskParams {}
 pub(crate) struct MaskArgs {
     pub(crate) tables: [u64; MAX_MASK_TABLES],
     pub(crate) ints: [i32; MAX_MASK_INTS],
-    /// The block mask, `u8` kinds `[batch or 1][heads or 1][query tiles][key tiles]`, or null.
-    pub(crate) blocks: u64,
-    /// Elements between batch entries and heads of `blocks` (0 for an extent of 1).
-    pub(crate) block_batch_stride: i32,
-    pub(crate) block_head_stride: i32,
-    /// Key tiles per query tile of `blocks`.
-    pub(crate) key_tiles: i32,
+    /// The block mask: per query tile (rows `[batch or 1][heads or 1][query tiles]`) its live
+    /// key tiles, `[rows][key tiles]` as `2·tile + partial`, and their count `[rows]` (or per key
+    /// tile its query tiles: [`Walk`]); or null.
+    pub(crate) live: u64,
+    pub(crate) live_count: u64,
+    /// Rows between batch entries and heads (0 for an extent of 1).
+    pub(crate) batch_rows: i32,
+    pub(crate) head_rows: i32,
+    /// Entries per row of `live`.
+    pub(crate) row_len: i32,
     _pad: i32,
 }
 

@@ -64,7 +64,8 @@ pub struct Options {
     pub sinks: Option<Sinks>,
     /// Which keys each query sees beyond the band ([`MaskMod`]: document masks, prefix-LM, your
     /// own CUDA), compiled into the kernels with a block mask that skips the tiles it empties.
-    /// The FA2 forward takes it (not packed); the other rungs refuse it with an error.
+    /// FA2 and FA3 take it, forward and backward (16-bit, not packed); the other rungs refuse it
+    /// with an error.
     pub mask_mod: Option<MaskMod>,
 }
 
@@ -569,7 +570,8 @@ impl Problem {
     pub(crate) fn require_no_mask_mod(&self, rung: &str) -> Result<()> {
         match &self.mask_mod {
             Some(m) => Err(KernelError::Shape(format!(
-                "{rung} takes no mask_mod yet ({}); the fa2 forward does (not packed)",
+                "{rung} takes no mask_mod yet ({}); fa2 and fa3 do, forward and backward \
+                 (16-bit, not packed)",
                 m.name()
             ))),
             None => Ok(()),

@@ -63,13 +63,13 @@ pub fn shared_bytes(d: usize) -> usize {
 }
 
 /// The kernel variant for head dim `d`, element type, masking and dQ mode, with a score modifier
-/// compiled in or not.
+/// and a mask modifier compiled in or not.
 pub(crate) fn variant(
     d: usize,
     dtype: DType,
     causal: bool,
     deterministic: bool,
-    score_mod: Option<&crate::ScoreMod>,
+    (score_mod, mask_mod): (Option<&crate::ScoreMod>, Option<&crate::MaskMod>),
 ) -> Variant {
     let variant = Variant {
         file: "fa3_backward",
@@ -85,7 +85,7 @@ pub(crate) fn variant(
         ],
         generated: Vec::new(),
     };
-    variant.with_score_mod(score_mod)
+    variant.with_score_mod(score_mod).with_mask_mod(mask_mod)
 }
 
 /// Mirror of `Fa3BackwardParams` in `cuda/fa3_backward.cu`: the tensor maps of Q, K, V, dO and
@@ -123,7 +123,6 @@ pub fn backward(
 ) -> Result<Gradients> {
     require_hopper(gpu, "fa3 backward")?;
     let p = Problem::new(gpu, q, k, v, opts)?;
-    p.require_no_mask_mod("fa3 backward")?;
     p.require_dtype("fa3 backward", super::DTYPES, "fp16, bf16")?;
     p.require_no_window("fa3 backward")?;
     p.require_score_mod_derivative()?;
@@ -134,8 +133,9 @@ pub fn backward(
             supported: BACKWARD_HEAD_DIMS,
         });
     }
+    let modifiers = (p.score_mod.as_ref(), p.mask_mod.as_ref());
     let kernel = Kernel {
-        variant: variant(p.d, p.dtype, p.causal, opts.deterministic, p.score_mod.as_ref()),
+        variant: variant(p.d, p.dtype, p.causal, opts.deterministic, modifiers),
         entry: "fa3_backward",
     };
     let smem = shared_bytes(p.d);
@@ -171,7 +171,7 @@ pub fn backward(
         let blocks = grid(p.n_kv.div_ceil(BC), p.heads_q, p.batch)?;
         gpu.launch(&kernel, blocks, THREADS, smem, &params)
     };
-    let main = MainPass { br: BR, launch: &launch };
+    let main = MainPass { tiles: (BR, BC), launch: &launch };
     fa2::backward_problem(gpu, &p, (q, k, v), (out, d_o), None, opts.deterministic, Some(main))
 }
 
@@ -187,13 +187,13 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
         for d in [64, 128] {
             for causal in [false, true] {
                 for deterministic in [false, true] {
-                    all.push(variant(d, dtype, causal, deterministic, None));
+                    all.push(variant(d, dtype, causal, deterministic, (None, None)));
                 }
             }
         }
     }
     for (d, causal) in [(8, false), (40, true), (96, false), (96, true), (120, false)] {
-        all.push(variant(d, DType::F16, causal, false, None));
+        all.push(variant(d, DType::F16, causal, false, (None, None)));
     }
     // Score modifiers at the tuned head dims: each built-in.
     let softcap = crate::ScoreMod::softcap(30.0).expect("a valid cap");
@@ -201,8 +201,21 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
     for d in [64, 128] {
         for causal in [false, true] {
             for m in [&softcap, &alibi] {
-                all.push(variant(d, DType::F16, causal, false, Some(m)));
+                all.push(variant(d, DType::F16, causal, false, (Some(m), None)));
             }
+        }
+    }
+    // Mask modifiers (a document mask and a prefix-LM mask), alone and under softcap, in both dQ
+    // modes.
+    let masks = crate::MaskMod::document_lengths(&[64, 64])
+        .expect("valid documents")
+        .or(crate::MaskMod::prefix_lm(16).expect("a valid prefix"));
+    for d in [64, 128] {
+        for causal in [false, true] {
+            for deterministic in [false, true] {
+                all.push(variant(d, DType::F16, causal, deterministic, (None, Some(&masks))));
+            }
+            all.push(variant(d, DType::F16, causal, false, (Some(&softcap), Some(&masks))));
         }
     }
     all
