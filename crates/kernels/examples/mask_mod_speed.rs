@@ -14,7 +14,8 @@
 //! ```
 //!
 //! `FA3_TILES=bc,consumers,stages` runs FA3 on those tiles instead of its own (an experiment;
-//! `fa3::Fa3Tiles`); `ONLY=TEXT` runs only the rows whose `rung n mask` contains TEXT (e.g.
+//! `fa3::Fa3Tiles`), `FA3_SCHEDULE=no-persistent` (or `no-pingpong`, `no-overlap`, comma-separated)
+//! on that schedule (`fa3::Schedule`); `ONLY=TEXT` runs only the rows whose `rung n mask` contains TEXT (e.g.
 //! `ONLY="fa3 16384 Documents(16)"`, one case to profile). Without a GPU it says so and exits with status 1. Each figure is the median of 10 calls timed
 //! with CUDA events, after 3 warm-up calls.
 
@@ -103,6 +104,18 @@ fn run() -> std::result::Result<(), Box<dyn std::error::Error>> {
             return Err(format!("FA3_TILES={text}: expected bc,consumers,stages").into());
         };
         config = config.tune(fa3::Fa3Tiles::new(bc, consumers, stages)?);
+    }
+    if let Ok(text) = std::env::var("FA3_SCHEDULE") {
+        let mut schedule = fa3::Schedule::for_head_dim(D, false);
+        for flag in text.split(',') {
+            match flag {
+                "no-persistent" => schedule.persistent = false,
+                "no-pingpong" => schedule.pingpong = false,
+                "no-overlap" => schedule.overlap = false,
+                _ => return Err(format!("FA3_SCHEDULE: unknown {flag}").into()),
+            }
+        }
+        config = config.tune(schedule);
     }
     let gpu = Gpu::with_config(config)?;
     println!(
