@@ -57,8 +57,9 @@ impl Mask {
         match self {
             Mask::Documents(docs) => vec![n / docs; docs],
             Mask::Ragged(docs) => {
-                let mut lens: Vec<usize> =
-                    (0..docs).map(|i| if i % 2 == 0 { n / docs + 100 } else { n / docs - 100 }).collect();
+                let mut lens: Vec<usize> = (0..docs)
+                    .map(|i| if i % 2 == 0 { n / docs + 100 } else { n / docs - 100 })
+                    .collect();
                 lens[docs - 1] = n - lens[..docs - 1].iter().sum::<usize>();
                 lens
             }
@@ -99,7 +100,8 @@ fn median_ms(gpu: &Gpu, mut call: impl FnMut() -> Result<()>) -> Result<f64> {
 fn run() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let mut config = GpuConfig::default();
     if let Ok(text) = std::env::var("FA3_TILES") {
-        let t: Vec<usize> = text.split(',').map(str::parse).collect::<std::result::Result<_, _>>()?;
+        let t: Vec<usize> =
+            text.split(',').map(str::parse).collect::<std::result::Result<_, _>>()?;
         let [bc, consumers, stages] = t[..] else {
             return Err(format!("FA3_TILES={text}: expected bc,consumers,stages").into());
         };
