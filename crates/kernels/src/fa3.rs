@@ -804,7 +804,10 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
     let mut lse = gpu.output(&p.lse_shape(), DType::F32)?;
     let table = lens.map(|lens| lens.tiles(gpu, tiles.br(), p.causal)).transpose()?;
     // The mask modifier's block mask, at this kernel's tiles (kept until the launch is queued).
-    let (mask_args, _blocks) = mask_args(gpu, p, (tiles.br(), tiles.bc), Walk::KeysOfQueryTile)?;
+    let (mut mask_args, blocks) = mask_args(gpu, p, (tiles.br(), tiles.bc), Walk::KeysOfQueryTile)?;
+    if let Some(blocks) = &blocks {
+        blocks.order_longest_first(gpu, &mut mask_args)?;
+    }
     {
         let s = gpu.stream();
         let (o_ptr, _g3) = o.write_ptr(s)?;

@@ -424,12 +424,52 @@ fn block_mask(
 }
 
 /// A block mask on the device: per query tile its live key tiles, or per key tile its live query
-/// tiles (`MaskArgs` in `cuda/mask_mod.cuh`).
+/// tiles (`MaskArgs` in `cuda/mask_mod.cuh`), and where asked its rows longest first.
 #[derive(Debug)]
 pub(crate) struct DeviceBlockMask {
     key: BlockKey,
     live: CudaSlice<i32>,
     counts: CudaSlice<i32>,
+    order: Mutex<Option<CudaSlice<i32>>>,
+}
+
+impl DeviceBlockMask {
+    /// Points `args` (this block mask's) at its rows in the order of their live counts, most
+    /// first ([`longest_first`]), made at the first ask (one copy of the counts to the host) and
+    /// kept: FA3's persistent blocks take their query tiles in this order, the longest-processing-
+    /// time-first rule, which a mask's uneven walks need (documents make every query tile's walk as
+    /// long as its place in its document, and the causal order would give some blocks 1.3–1.5× the
+    /// mean's work).
+    pub(crate) fn order_longest_first(&self, gpu: &Gpu, args: &mut MaskArgs) -> Result<()> {
+        use cudarc::driver::DevicePtr;
+        let mut order = self.order.lock().unwrap_or_else(|e| e.into_inner());
+        if order.is_none() {
+            let s = gpu.stream();
+            let counts = s
+                .clone_dtoh(&self.counts)
+                .map_err(KernelError::driver("copying the block mask's counts to the host"))?;
+            let (tiles, _) = self.key.lists();
+            let rows = longest_first(&counts[..self.key.batches * self.key.heads * tiles], tiles);
+            let bytes = 4 * rows.len();
+            *order = Some(s.clone_htod(&rows).map_err(KernelError::alloc(bytes))?);
+        }
+        if let Some(order) = order.as_ref() {
+            args.order = order.device_ptr(gpu.stream()).0;
+        }
+        Ok(())
+    }
+}
+
+/// The rows of a block mask (`counts[row]` live tiles each, `tiles` rows per batch entry and head)
+/// sorted by their counts, most first; equal counts keep the later tile first (the causal
+/// order), then the row order.
+fn longest_first(counts: &[i32], tiles: usize) -> Vec<i32> {
+    let mut rows: Vec<i32> = (0..counts.len() as i32).collect();
+    rows.sort_by_key(|&r| {
+        let r = r as usize;
+        (std::cmp::Reverse(counts[r]), std::cmp::Reverse(r % tiles.max(1)), r)
+    });
+    rows
 }
 
 /// What a block mask depends on besides the mask: the stream (a device) it was made on, the
@@ -531,7 +571,7 @@ fn make_block_mask(gpu: &Gpu, mask: &MaskMod, key: BlockKey) -> Result<DeviceBlo
         let launch = grid(rows.div_ceil(BLOCK_LIST_WARPS), 1, 1)?;
         gpu.launch(&list, launch, 32 * BLOCK_LIST_WARPS as u32, 0, &params)?;
     }
-    Ok(DeviceBlockMask { key, live, counts })
+    Ok(DeviceBlockMask { key, live, counts, order: Mutex::new(None) })
 }
 
 /// The block mask kernel of `mask` at tiles of `br` × `bc`.
@@ -579,6 +619,8 @@ pub(crate) struct MaskArgs {
     /// Entries per row of `live`.
     pub(crate) row_len: i32,
     _pad: i32,
+    /// The rows, most live tiles first ([`DeviceBlockMask::order_longest_first`]), or null.
+    pub(crate) order: u64,
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers, laid out as its CUDA mirror.
@@ -587,6 +629,13 @@ unsafe impl DeviceRepr for MaskArgs {}
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rows_are_ordered_longest_first_then_the_later_tile() {
+        // Two (batch, head) rows of 3 query tiles: counts 1 2 2 | 2 0 3.
+        let order = longest_first(&[1, 2, 2, 2, 0, 3], 3);
+        assert_eq!(order, [5, 2, 1, 3, 0, 4]);
+    }
 
     #[test]
     fn the_header_composes_the_terms_and_binds_what_each_reads() {
