@@ -282,10 +282,11 @@ static_assert(sizeof(Fa3ForwardParams) == FA3_HOST_PARAMS_BYTES,
 // sections keep a head's query blocks close in time: they all read its K and V, which the host
 // sizes the sections to keep in L2 (a head's next query block comes section_heads tiles later).
 //
-// Under a mask modifier the tiles come in the block mask's order instead, most live key tiles first
-// (mask_mod.cuh's longest_first), causal or not, in the same snake order: a mask makes each query
-// tile's walk as long as what it keeps (a document's first query tile walks one key tile, its last
-// the whole document), which the causal numbering does not follow.
+// Under a mask modifier the host orders the tiles instead (mask_mod.rs's tile_order: head after
+// head, and within every two rounds the most live key tiles first), causal or not, taken in the
+// same snake order: a mask makes each query tile's walk as long as what it keeps (a document's
+// first query tile walks one key tile, its last the whole document), which the causal numbering
+// does not follow.
 //
 // A packed batch's tiles are the host's list of (sequence, query block) pairs, longest first,
 // for each head: under the mask the heads of one query block are neighbours (a section of every
@@ -332,9 +333,9 @@ __device__ __forceinline__ Tile tile_at(const Fa3ForwardParams& p, int index) {
     const int blocks = q_blocks(p), heads = p.heads_q * p.batch;
     int q_block, bh;
     if (has_mask_mod) {
-        const QueryTileAt at = longest_first(p.mask, index, p.batch, p.heads_q, blocks);
-        q_block = at.tile;
-        bh = at.batch * p.heads_q + at.head;
+        const int tile = p.mask.order[index];
+        q_block = tile % blocks;
+        bh = tile / blocks;
     } else if (causal) {
         const int section = index / (p.section_heads * blocks);
         const int first = section * p.section_heads;

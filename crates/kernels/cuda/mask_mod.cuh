@@ -29,7 +29,8 @@ struct MaskArgs {
     int head_rows;
     int row_len;
     int pad;
-    const int* order;  // the rows, most live tiles first (FA3's forward), or null
+    const int* order;  // FA3's forward: the query tiles (b·heads + h)·tiles + tile in the order
+                       // its blocks take them (mask_mod.rs's tile_order), or null
 };
 
 // Where a pair sits, as the mask's body sees it.
@@ -92,26 +93,6 @@ __device__ __forceinline__ KeyWalk key_walk(const MaskArgs& m, TileSpan span, in
     } else {
         return {nullptr, span.first, span.end};
     }
-}
-
-// The index-th of the tiles × heads × batch query tiles when they are taken longest first: the
-// block mask's rows in `order` (most live key tiles first), a row that a head or batch entry the
-// mask does not distinguish shares repeated for each of them, side by side.
-struct QueryTileAt {
-    int batch;
-    int head;
-    int tile;
-};
-__device__ __forceinline__ QueryTileAt longest_first(const MaskArgs& m, int index, int batch,
-                                                     int heads, int tiles) {
-    const int row_heads = m.head_rows ? heads : 1, row_batch = m.batch_rows ? batch : 1;
-    const int copies = (heads / row_heads) * (batch / row_batch);
-    const int row = m.order[index / copies], copy = index % copies;
-    QueryTileAt t;
-    t.tile = row % tiles;
-    t.head = m.head_rows ? (row / tiles) % heads : copy % heads;
-    t.batch = m.batch_rows ? row / (tiles * row_heads) : m.head_rows ? copy : copy / heads;
-    return t;
 }
 
 // Set the entries e0 … e0 + EN − 1 of every 8-column tile nt of an accumulator (its row half
