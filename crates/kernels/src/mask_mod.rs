@@ -440,8 +440,9 @@ type TileOrderKey = (usize, usize, usize);
 
 impl DeviceBlockMask {
     /// Points `args` (this block mask's) at the order in which `grid` persistent blocks take the
-    /// query tiles of `batch` × `heads_q` heads ([`tile_order`]), made at the first ask (one copy
-    /// of the live counts to the host) and kept for the next calls of the same extents.
+    /// query tiles of `batch` × `heads_q` heads ([`tile_order`], each tile's work its live key
+    /// tiles, a partial one counted twice), made at the first ask (one copy of the lists to the
+    /// host) and kept for the next calls of the same extents.
     pub(crate) fn set_tile_order(
         &self,
         gpu: &Gpu,
@@ -453,12 +454,20 @@ impl DeviceBlockMask {
         let mut order = self.order.lock().unwrap_or_else(|e| e.into_inner());
         if order.as_ref().is_none_or(|(k, _)| *k != key) {
             let s = gpu.stream();
-            let counts = s
-                .clone_dtoh(&self.counts)
-                .map_err(KernelError::driver("copying the block mask's counts to the host"))?;
-            let (tiles, _) = self.key.lists();
+            let copy = || KernelError::driver("copying the block mask to the host");
+            let counts = s.clone_dtoh(&self.counts).map_err(copy())?;
+            let live = s.clone_dtoh(&self.live).map_err(copy())?;
+            let (tiles, entries) = self.key.lists();
+            let rows = self.key.batches * self.key.heads * tiles;
+            // A partial tile costs about twice a full one: the mask asked per entry.
+            let work: Vec<i32> = (0..rows)
+                .map(|row| {
+                    let listed = &live[row * entries..][..counts[row].max(0) as usize];
+                    listed.iter().map(|&tile| 1 + (tile & 1)).sum()
+                })
+                .collect();
             let extents = (batch, heads_q, self.key.batches > 1, self.key.heads > 1);
-            let tiles = tile_order(&counts, tiles, extents, 2 * grid);
+            let tiles = tile_order(&work, tiles, extents, 2 * grid);
             let bytes = 4 * tiles.len();
             *order = Some((key, s.clone_htod(&tiles).map_err(KernelError::alloc(bytes))?));
         }
@@ -470,8 +479,8 @@ impl DeviceBlockMask {
 }
 
 /// The query tiles of `batch` × `heads_q` heads (`tiles` each, numbered `(b · heads_q + h) ·
-/// tiles + tile`) in the order persistent blocks should take them, by the block mask's live
-/// counts (`counts`, its rows distinguishing the batch entries and heads as `distinct` says):
+/// tiles + tile`) in the order persistent blocks should take them, by the work of the block
+/// mask's rows (`work`, its rows distinguishing the batch entries and heads or not):
 /// heads one after the other, each from its last tile back (the causal order), and within each
 /// run of `window` tiles (two rounds of the blocks) the most live key tiles first.
 ///
@@ -484,7 +493,7 @@ impl DeviceBlockMask {
 /// within a window, the tiles running together are those of about two heads, whose K and V stay
 /// in L2.
 fn tile_order(
-    counts: &[i32],
+    work: &[i32],
     tiles: usize,
     (batch, heads_q, batch_rows, head_rows): (usize, usize, bool, bool),
     window: usize,
@@ -496,7 +505,7 @@ fn tile_order(
     let mut order: Vec<(i32, i32)> = (0..batch * heads_q)
         .flat_map(|bh| (0..tiles).rev().map(move |tile| (bh, tile)))
         .map(|(bh, tile)| {
-            let count = counts[row(bh / heads_q, bh % heads_q, tile)];
+            let count = work[row(bh / heads_q, bh % heads_q, tile)];
             (count, (bh * tiles + tile) as i32)
         })
         .collect();
