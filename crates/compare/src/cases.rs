@@ -265,7 +265,8 @@ pub fn score_mods(on: bool) -> BoxedStrategy<Option<ModifierSpec>> {
 }
 
 /// No mask modifier, or (a quarter of the time, when `on`) documents (1 to 5), a prefix of up to
-/// `longest` keys, or a dilated mask (strides 2 and 3: rows that see keys in several runs).
+/// `longest` keys, or a dilated mask (strides 2 and 3: rows that see keys in several runs), or
+/// masks that name the head or the batch entry (a stride per head, a prefix per entry).
 pub fn mask_mods(on: bool, longest: usize) -> BoxedStrategy<Option<MaskSpec>> {
     if !on {
         return Just(None).boxed();
@@ -274,6 +275,8 @@ pub fn mask_mods(on: bool, longest: usize) -> BoxedStrategy<Option<MaskSpec>> {
         (1..=5usize).prop_map(MaskSpec::Documents),
         (0..=longest).prop_map(MaskSpec::PrefixLm),
         (2..=3usize).prop_map(MaskSpec::Dilated),
+        (2..=3usize).prop_map(MaskSpec::HeadDilated),
+        (0..=longest / 2).prop_map(MaskSpec::BatchPrefixLm),
     ];
     prop_oneof![3 => Just(None), 1 => spec.prop_map(Some)].boxed()
 }

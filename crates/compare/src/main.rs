@@ -80,9 +80,10 @@ struct RungArgs {
     /// A mask modifier, which hides query–key pairs inside the band (the causal mask and the
     /// window): documents:N (the keys in N documents of near-equal length, each query seeing its
     /// own document's keys; with --causal, packed causal training), prefix-lm:P (the first P keys
-    /// for every query, then causal; without --causal) or dilated:S (keys at distances from the
-    /// diagonal that are multiples of S). Every CPU rung (and the FA2 backward); not the GPU
-    /// kernels yet. `ladder run` only.
+    /// for every query, then causal; without --causal), dilated:S (keys at distances from the
+    /// diagonal that are multiples of S), head-dilated:S (a stride of 1 + h mod S for head h) or
+    /// batch-prefix-lm:P (a prefix of P·(b + 1) keys for batch entry b). Every CPU rung (and the
+    /// FA2 backward); on the GPU FA2 and FA3, forward and backward (16-bit). `ladder run` only.
     #[arg(long = "mask-mod")]
     mask_mod: Option<MaskSpec>,
 }

@@ -198,6 +198,12 @@ pub enum MaskSpec {
     /// `S` (LongNet's dilated attention, as one user-written `mask_mod`): every row's keys come in
     /// runs of one.
     Dilated(usize),
+    /// `head-dilated:S`: `dilated` with a stride per head, `1 + h mod S` (LongNet's heads dilate
+    /// differently): a mask that names the head, so its block mask has a row per head.
+    HeadDilated(usize),
+    /// `batch-prefix-lm:P`: `prefix-lm` with a prefix per batch entry, `P · (b + 1)` keys: a mask
+    /// that names the batch entry, so its block mask has a row per entry.
+    BatchPrefixLm(usize),
 }
 
 impl MaskSpec {
@@ -210,6 +216,17 @@ impl MaskSpec {
                 let stride = stride.max(1) as i64;
                 MaskMod::new(format!("dilated({stride})"), move |at: &ScoreIndex| {
                     at.from_diagonal() % stride == 0
+                })
+            }
+            MaskSpec::HeadDilated(strides) => {
+                let strides = strides.max(1);
+                MaskMod::new(format!("head-dilated({strides})"), move |at: &ScoreIndex| {
+                    at.from_diagonal() % (1 + at.head % strides) as i64 == 0
+                })
+            }
+            MaskSpec::BatchPrefixLm(prefix) => {
+                MaskMod::new(format!("batch-prefix-lm({prefix})"), move |at: &ScoreIndex| {
+                    at.kv < prefix * (at.batch + 1) || at.from_diagonal() <= 0
                 })
             }
         }
@@ -225,6 +242,10 @@ impl MaskSpec {
     /// ([`ladder_kernels::MaskMod`]).
     pub fn gpu(&self, n_kv: usize) -> ladder_kernels::Result<ladder_kernels::MaskMod> {
         use ladder_kernels::MaskMod as Gpu;
+        let int = |x: usize, what: &str| {
+            i32::try_from(x)
+                .map_err(|_| ladder_kernels::KernelError::Shape(format!("{what} {x} is too large")))
+        };
         match *self {
             MaskSpec::Documents(docs) => Gpu::documents(document_ids(docs, n_kv)),
             MaskSpec::PrefixLm(prefix) => Gpu::prefix_lm(prefix),
@@ -238,6 +259,16 @@ impl MaskSpec {
                 )
                 .int("stride", stride))
             }
+            MaskSpec::HeadDilated(strides) => Ok(Gpu::new(
+                format!("head-dilated({strides})"),
+                "return (kv_idx - (q_idx + n_kv - n_q)) % (1 + h % strides) == 0;",
+            )
+            .int("strides", int(strides.max(1), "head-dilated strides")?)),
+            MaskSpec::BatchPrefixLm(prefix) => Ok(Gpu::new(
+                format!("batch-prefix-lm({prefix})"),
+                "return kv_idx < prefix * (b + 1) || kv_idx <= q_idx + n_kv - n_q;",
+            )
+            .int("prefix", int(prefix, "batch-prefix-lm prefix")?)),
         }
     }
 }
@@ -249,20 +280,29 @@ fn document_ids(docs: usize, n_kv: usize) -> Vec<u32> {
     (0..n_kv).map(|j| (j * docs / n_kv) as u32).collect()
 }
 
-/// `documents:N`, `prefix-lm:P` or `dilated:S` (`N`, `S` at least 1).
+/// `documents:N`, `prefix-lm:P`, `dilated:S`, `head-dilated:S` or `batch-prefix-lm:P` (`N`, `S`
+/// at least 1).
 impl FromStr for MaskSpec {
     type Err = String;
 
     fn from_str(text: &str) -> Result<Self, String> {
-        let usage =
-            || format!("a mask modifier is documents:N, prefix-lm:P or dilated:S, got {text:?}");
+        let usage = || {
+            format!(
+                "a mask modifier is documents:N, prefix-lm:P, dilated:S, head-dilated:S or \
+                 batch-prefix-lm:P, got {text:?}"
+            )
+        };
         let (name, value) = text.trim().split_once(':').ok_or_else(usage)?;
         let value: usize = value.parse().map_err(|_| usage())?;
         match name {
             "documents" if value >= 1 => Ok(MaskSpec::Documents(value)),
             "prefix-lm" => Ok(MaskSpec::PrefixLm(value)),
             "dilated" if value >= 1 => Ok(MaskSpec::Dilated(value)),
-            "documents" | "dilated" => Err(format!("{name} takes a count of at least 1, got 0")),
+            "head-dilated" if value >= 1 => Ok(MaskSpec::HeadDilated(value)),
+            "batch-prefix-lm" => Ok(MaskSpec::BatchPrefixLm(value)),
+            "documents" | "dilated" | "head-dilated" => {
+                Err(format!("{name} takes a count of at least 1, got 0"))
+            }
             _ => Err(usage()),
         }
     }
@@ -274,6 +314,8 @@ impl fmt::Display for MaskSpec {
             MaskSpec::Documents(n) => write!(f, "documents:{n}"),
             MaskSpec::PrefixLm(p) => write!(f, "prefix-lm:{p}"),
             MaskSpec::Dilated(s) => write!(f, "dilated:{s}"),
+            MaskSpec::HeadDilated(s) => write!(f, "head-dilated:{s}"),
+            MaskSpec::BatchPrefixLm(p) => write!(f, "batch-prefix-lm:{p}"),
         }
     }
 }
@@ -313,11 +355,26 @@ mod tests {
 
     #[test]
     fn mask_specs_read_back_what_they_print_and_are_their_definitions() {
-        for text in ["documents:4", "prefix-lm:0", "prefix-lm:17", "dilated:2"] {
+        for text in [
+            "documents:4",
+            "prefix-lm:0",
+            "prefix-lm:17",
+            "dilated:2",
+            "head-dilated:3",
+            "batch-prefix-lm:5",
+        ] {
             let spec: MaskSpec = text.parse().unwrap();
             assert_eq!(spec.to_string(), text);
         }
-        for bad in ["documents:0", "dilated:0", "documents", "prefix-lm:-1", "causal:1", "x:y"] {
+        for bad in [
+            "documents:0",
+            "dilated:0",
+            "head-dilated:0",
+            "documents",
+            "prefix-lm:-1",
+            "causal:1",
+            "x:y",
+        ] {
             assert!(bad.parse::<MaskSpec>().is_err(), "{bad}");
         }
         // 10 keys in 3 documents: keys 0-3, 4-6, 7-9; 4 queries at positions 6…9.
@@ -333,6 +390,21 @@ mod tests {
         let dilated = MaskSpec::Dilated(3).cpu(10);
         let seen: Vec<usize> = (0..10).filter(|&j| dilated.sees(&at(3, j))).collect();
         assert_eq!(seen, [0, 3, 6, 9]);
+        // Head 1 of head-dilated:2 dilates by 2, head 2 by 1 (every key).
+        let per_head = MaskSpec::HeadDilated(2).cpu(10);
+        let on = |head, q| -> Vec<usize> {
+            (0..10).filter(|&j| per_head.sees(&ScoreIndex { head, ..at(q, j) })).collect()
+        };
+        assert_eq!(on(1, 3), [1, 3, 5, 7, 9]);
+        assert_eq!(on(2, 3).len(), 10);
+        // Query 0 of 10 (position 0) sees the prefix: 2 keys in batch entry 0, 4 in entry 1.
+        let per_batch = MaskSpec::BatchPrefixLm(2).cpu(10);
+        let first = |batch| -> Vec<usize> {
+            let at = |kv| ScoreIndex { batch, head: 0, q: 0, kv, n_q: 10, n_kv: 10 };
+            (0..10).filter(|&j| per_batch.sees(&at(j))).collect()
+        };
+        assert_eq!(first(0), [0, 1]);
+        assert_eq!(first(1), [0, 1, 2, 3]);
     }
 
     #[test]

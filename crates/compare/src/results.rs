@@ -150,7 +150,7 @@ pub fn mask_pairs(mask: MaskSpec, n_q: usize, n_kv: usize, causal: bool) -> Opti
             // Rows below the prefix see it whole; the others see themselves and what precedes.
             Some((p * p + (p + 1..=n).sum::<u64>()) as f64)
         }
-        MaskSpec::Dilated(_) => None,
+        MaskSpec::Dilated(_) | MaskSpec::HeadDilated(_) | MaskSpec::BatchPrefixLm(_) => None,
     }
 }
 

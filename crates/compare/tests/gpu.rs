@@ -694,8 +694,8 @@ fn gpu_score_mods_are_refused_where_unsupported() {
 /// partial.
 /// Packed causal training (16 documents), documents with `n_q ≠ n_kv` (more queries than keys:
 /// the first rows see nothing), a prefix-LM mask, LongNet's dilated mask (a user-written body
-/// with an `int`) inside a window, and a document mask under softcap; fp16 and bf16, d = 64, 128
-/// and 256, both layouts a mask takes.
+/// with an `int`) inside a window, a document mask under softcap, and masks that name the head and
+/// the batch entry; fp16 and bf16, d = 64, 128 and 256, both layouts a mask takes.
 #[test]
 fn gpu_mask_mods_long_sequences() {
     use ladder_compare::modifiers::{Cap, MaskSpec, ModifierSpec};
@@ -717,6 +717,10 @@ fn gpu_mask_mods_long_sequences() {
             Some(ModifierSpec::Softcap(Cap::new(5.0).unwrap())),
             Layout::Bshd,
         ),
+        // Masks that name the head, or the batch entry: their block masks have a row each, which
+        // FA3's longest-first tile order must map back to every (batch, head).
+        (1100, 1100, 128, true, MaskSpec::HeadDilated(3), none, None, Layout::Bhsd),
+        (1000, 1000, 64, false, MaskSpec::BatchPrefixLm(300), none, None, Layout::Bshd),
     ];
     for (i, &(n_q, n_kv, d, causal, mask, window, score_mod, layout)) in cases.iter().enumerate() {
         let base = long_case((2, 4, 2, n_q, n_kv, d), causal, 128, 7000 + i as u64);

@@ -282,6 +282,12 @@ static_assert(sizeof(Fa3ForwardParams) == FA3_HOST_PARAMS_BYTES,
 // sections keep a head's query blocks close in time: they all read its K and V, which the host
 // sizes the sections to keep in L2 (a head's next query block comes section_heads tiles later).
 //
+// Under a mask modifier the host orders the tiles instead (mask_mod.rs's tile_order: head after
+// head, and within every two rounds the most live key tiles first), causal or not, taken in the
+// same snake order: a mask makes each query tile's walk as long as what it keeps (a document's
+// first query tile walks one key tile, its last the whole document), which the causal numbering
+// does not follow.
+//
 // A packed batch's tiles are the host's list of (sequence, query block) pairs, longest first,
 // for each head: under the mask the heads of one query block are neighbours (a section of every
 // head, as above), without it one head's list comes after the other's.
@@ -326,7 +332,11 @@ __device__ __forceinline__ Tile tile_at(const Fa3ForwardParams& p, int index) {
     if (packed) return packed_tile_at(p, index);
     const int blocks = q_blocks(p), heads = p.heads_q * p.batch;
     int q_block, bh;
-    if (causal) {
+    if (has_mask_mod) {
+        const int tile = p.mask.order[index];
+        q_block = tile % blocks;
+        bh = tile / blocks;
+    } else if (causal) {
         const int section = index / (p.section_heads * blocks);
         const int first = section * p.section_heads;
         const int in_section = min(p.section_heads, heads - first);  // the last may be short
@@ -345,7 +355,8 @@ __device__ __forceinline__ Tile tile_at(const Fa3ForwardParams& p, int index) {
     return t;
 }
 
-// This block's first tile and the one after `index` (snake order for causal, see above).
+// This block's first tile and the one after `index` (snake order for causal and under a mask, see
+// above).
 //
 // Under a window the tiles are all about as long, and the static order that evens out the falling
 // lengths of causal tiles leaves the blocks uneven at run time instead (the SMs' active cycles
@@ -356,7 +367,7 @@ __device__ __forceinline__ Tile tile_at(const Fa3ForwardParams& p, int index) {
 // faster (docs/perf-notes.md, seventeenth session), so it is off unless the schedule asks.
 __device__ __forceinline__ int first_tile() { return blockIdx.x; }
 __device__ __forceinline__ int next_tile(int index) {
-    if (!causal) return index + gridDim.x;
+    if (!causal && !has_mask_mod) return index + gridDim.x;
     const int round = index / gridDim.x, lane = index % gridDim.x;  // lane: this block's place
     const int block = round % 2 == 0 ? lane : gridDim.x - 1 - lane;
     const int next = round + 1;

@@ -29,6 +29,8 @@ struct MaskArgs {
     int head_rows;
     int row_len;
     int pad;
+    const int* order;  // FA3's forward: the query tiles (b·heads + h)·tiles + tile in the order
+                       // its blocks take them (mask_mod.rs's tile_order), or null
 };
 
 // Where a pair sits, as the mask's body sees it.
@@ -108,7 +110,7 @@ __device__ __forceinline__ unsigned long long hidden_entries(int e0, QueryOf que
     static_assert(EN * NT <= 64, "one bit per entry");
     unsigned long long hidden = 0;
     if constexpr (has_mask_mod) {
-#pragma unroll 1
+#pragma unroll 4
         for (int c = 0; c < EN * NT; ++c) {
             const int nt = c / EN, e = e0 + c % EN;
             at.q_idx = min(query_of(nt, e), at.n_q - 1);

@@ -118,7 +118,8 @@ impl Fa3Tiles {
     /// | 72 … 128 | 128 × 176, 2 | two warpgroups at 240 registers; 176 keys beat FA3's 128 under the mask too (625 against 542 TFLOP/s at d = 128, n = 16k) |
     /// | 136 … 192 | 128 × 112, 2 | 192-element rows: two stages of 112 keys are what fits beside Q (222 KB of 227) |
     /// | 200 … 256 | 128 × 80, 2 | 256-element rows: 80 keys fit |
-    /// The mask does not change them (short problems do: [`Fa3Tiles::for_problem`]).
+    /// The mask does not change them (short problems and mask modifiers do:
+    /// [`Fa3Tiles::for_problem`]).
     pub fn for_head_dim(d: usize, _causal: bool) -> Result<Fa3Tiles> {
         if !HEAD_DIMS.contains(&d) {
             return Err(KernelError::UnsupportedHeadDim { rung: "fa3", d, supported: HEAD_DIMS });
@@ -142,7 +143,8 @@ impl Fa3Tiles {
     /// - d = 8 … 64, causal: 128 query rows (two consumer warpgroups) instead of 192 (+10 %,
     ///   +16 %, +2 % at n = 512, 1k, 2k; level at 4k).
     ///
-    /// (Measured at d = 64 and 128; the head dims that share their shared rows take the same.)
+    /// (Measured at d = 64 and 128; the head dims that share their shared rows take the same.) A
+    /// mask modifier takes these tiles at every length ([`forward`]).
     pub fn for_problem(d: usize, causal: bool, n_kv: usize) -> Result<Fa3Tiles> {
         let tiles = Fa3Tiles::for_head_dim(d, causal)?;
         Ok(match (tile_cols(d), causal) {
@@ -625,7 +627,11 @@ fn forward_problem(
     if !HEAD_DIMS.contains(&p.d) {
         return Err(KernelError::UnsupportedHeadDim { rung: "fa3", d: p.d, supported: HEAD_DIMS });
     }
-    let mut tiles = Fa3Tiles::on(gpu, p.d, p.causal, p.n_kv)?;
+    // A mask modifier takes the short problems' tiles at every length: 128 keys (d = 72 … 128)
+    // line up with the block mask's documents and prefixes where 176 cut across them, and waste
+    // less on its partial tiles (H100, 16 documents in 16k: 207 against 141 TFLOP/s).
+    let n_kv = if p.mask_mod.is_some() { p.n_kv.min(SHORT_KEYS) } else { p.n_kv };
+    let mut tiles = Fa3Tiles::on(gpu, p.d, p.causal, n_kv)?;
     if p.score_mod.is_some() || p.mask_mod.is_some() {
         tiles = tiles.with_score_mod();
     }
@@ -804,7 +810,7 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
     let mut lse = gpu.output(&p.lse_shape(), DType::F32)?;
     let table = lens.map(|lens| lens.tiles(gpu, tiles.br(), p.causal)).transpose()?;
     // The mask modifier's block mask, at this kernel's tiles (kept until the launch is queued).
-    let (mask_args, _blocks) = mask_args(gpu, p, (tiles.br(), tiles.bc), Walk::KeysOfQueryTile)?;
+    let (mut mask_args, blocks) = mask_args(gpu, p, (tiles.br(), tiles.bc), Walk::KeysOfQueryTile)?;
     {
         let s = gpu.stream();
         let (o_ptr, _g3) = o.write_ptr(s)?;
@@ -826,7 +832,13 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
                 tiles.br()
             )));
         }
-        let blocks = if schedule.persistent { work.min(gpu.sm_count() as usize) } else { work };
+        let grid_blocks =
+            if schedule.persistent { work.min(gpu.sm_count() as usize) } else { work };
+        // Under a mask modifier the blocks take the query tiles in the order its block mask's
+        // counts give (mask_mod::tile_order).
+        if let Some(blocks) = &blocks {
+            blocks.set_tile_order(gpu, (p.batch, p.heads_q, grid_blocks), &mut mask_args)?;
+        }
         let packed_batch = lens.zip(table.as_deref());
         let (varlen, _g_varlen) = VarlenParams::of(gpu, packed_batch);
         let mods = p.modifier_args(gpu)?;
@@ -848,7 +860,7 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
             section_heads: section_heads(
                 p,
                 (tiles.br(), tiles.bc),
-                blocks,
+                grid_blocks,
                 operand_bytes,
                 gpu.config().tuned::<L2Section>().map_or(L2_SECTION_BYTES, |s| s.0),
             ),
@@ -860,7 +872,7 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
         };
         // With Schedule::dynamic, a windowed problem's blocks take their tiles from two counters
         // (the kernel's next_dynamic_tile), zero at launch and left zero by its last block.
-        let shape = (grid(blocks, 1, 1)?, tiles.threads() as u32, smem);
+        let shape = (grid(grid_blocks, 1, 1)?, tiles.threads() as u32, smem);
         if dynamic {
             gpu.with_scratch(2, 0, |scratch| {
                 gpu.launch(&kernel, shape.0, shape.1, shape.2, &params(scratch.counters))
@@ -933,9 +945,11 @@ pub(crate) fn variants(arch: &str) -> Vec<Variant> {
     for d in [64, 128, 256] {
         for (causal, windowed) in [(false, false), (true, false), (true, true)] {
             let schedule = Schedule::for_head_dim(d, false);
-            let mut tiles = vec![Fa3Tiles::for_head_dim(d, causal).expect("d has tiles")];
+            // The tiles a mask takes (the short problems'), and at d = 128 the long ones too
+            // (a configuration may set them).
+            let mut tiles = vec![Fa3Tiles::for_problem(d, causal, 1).expect("d has tiles")];
             if d == 128 && !windowed {
-                tiles.push(Fa3Tiles::for_problem(d, causal, 1).expect("d has tiles"));
+                tiles.push(Fa3Tiles::for_head_dim(d, causal).expect("d has tiles"));
             }
             for t in tiles {
                 let t = t.with_score_mod();

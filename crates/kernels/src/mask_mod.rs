@@ -424,12 +424,95 @@ fn block_mask(
 }
 
 /// A block mask on the device: per query tile its live key tiles, or per key tile its live query
-/// tiles (`MaskArgs` in `cuda/mask_mod.cuh`).
+/// tiles (`MaskArgs` in `cuda/mask_mod.cuh`), and where asked the order FA3's persistent blocks
+/// take the query tiles in ([`DeviceBlockMask::set_tile_order`]).
 #[derive(Debug)]
 pub(crate) struct DeviceBlockMask {
     key: BlockKey,
     live: CudaSlice<i32>,
     counts: CudaSlice<i32>,
+    order: Mutex<Option<(TileOrderKey, CudaSlice<i32>)>>,
+}
+
+/// What a tile order depends on besides its block mask: the batch, the query heads, and the
+/// persistent blocks that walk it.
+type TileOrderKey = (usize, usize, usize);
+
+impl DeviceBlockMask {
+    /// Points `args` (this block mask's) at the order in which `grid` persistent blocks take the
+    /// query tiles of `batch` × `heads_q` heads ([`tile_order`], each tile's work its live key
+    /// tiles, a partial one counted twice), made at the first ask (one copy of the lists to the
+    /// host) and kept for the next calls of the same extents.
+    pub(crate) fn set_tile_order(
+        &self,
+        gpu: &Gpu,
+        (batch, heads_q, grid): TileOrderKey,
+        args: &mut MaskArgs,
+    ) -> Result<()> {
+        use cudarc::driver::DevicePtr;
+        let key = (batch, heads_q, grid);
+        let mut order = self.order.lock().unwrap_or_else(|e| e.into_inner());
+        if order.as_ref().is_none_or(|(k, _)| *k != key) {
+            let s = gpu.stream();
+            let copy = || KernelError::driver("copying the block mask to the host");
+            let counts = s.clone_dtoh(&self.counts).map_err(copy())?;
+            let live = s.clone_dtoh(&self.live).map_err(copy())?;
+            let (tiles, entries) = self.key.lists();
+            let rows = self.key.batches * self.key.heads * tiles;
+            // A partial tile costs about twice a full one: the mask asked per entry.
+            let work: Vec<i32> = (0..rows)
+                .map(|row| {
+                    let listed = &live[row * entries..][..counts[row].max(0) as usize];
+                    listed.iter().map(|&tile| 1 + (tile & 1)).sum()
+                })
+                .collect();
+            let extents = (batch, heads_q, self.key.batches > 1, self.key.heads > 1);
+            let tiles = tile_order(&work, tiles, extents, 2 * grid);
+            let bytes = 4 * tiles.len();
+            *order = Some((key, s.clone_htod(&tiles).map_err(KernelError::alloc(bytes))?));
+        }
+        if let Some((_, order)) = order.as_ref() {
+            args.order = order.device_ptr(gpu.stream()).0;
+        }
+        Ok(())
+    }
+}
+
+/// The query tiles of `batch` × `heads_q` heads (`tiles` each, numbered `(b · heads_q + h) ·
+/// tiles + tile`) in the order persistent blocks should take them, by the work of the block
+/// mask's rows (`work`, its rows distinguishing the batch entries and heads or not):
+/// heads one after the other, each from its last tile back (the causal order), and within each
+/// run of `window` tiles (two rounds of the blocks) the most live key tiles first.
+///
+/// A mask makes the walks uneven in ways the causal order does not follow (documents: a
+/// document's first query tile walks one key tile, its last the whole document); sorted
+/// longest-first in each window, the blocks' static snake order gives every block about the
+/// same work. Sorting all the tiles at once would balance as well, but then the query tiles of
+/// one document run far apart in time and each reads the document's K and V from memory again
+/// (measured: the kernel became DRAM-bound, 85 % of its bandwidth, at 16 documents in 16k);
+/// within a window, the tiles running together are those of about two heads, whose K and V stay
+/// in L2.
+fn tile_order(
+    work: &[i32],
+    tiles: usize,
+    (batch, heads_q, batch_rows, head_rows): (usize, usize, bool, bool),
+    window: usize,
+) -> Vec<i32> {
+    let row = |b: usize, h: usize, tile: usize| {
+        let (b, h) = (if batch_rows { b } else { 0 }, if head_rows { h } else { 0 });
+        (b * if head_rows { heads_q } else { 1 } + h) * tiles + tile
+    };
+    let mut order: Vec<(i32, i32)> = (0..batch * heads_q)
+        .flat_map(|bh| (0..tiles).rev().map(move |tile| (bh, tile)))
+        .map(|(bh, tile)| {
+            let count = work[row(bh / heads_q, bh % heads_q, tile)];
+            (count, (bh * tiles + tile) as i32)
+        })
+        .collect();
+    for run in order.chunks_mut(window.max(1)) {
+        run.sort_by_key(|&(count, _)| std::cmp::Reverse(count));
+    }
+    order.into_iter().map(|(_, tile)| tile).collect()
 }
 
 /// What a block mask depends on besides the mask: the stream (a device) it was made on, the
@@ -531,7 +614,7 @@ fn make_block_mask(gpu: &Gpu, mask: &MaskMod, key: BlockKey) -> Result<DeviceBlo
         let launch = grid(rows.div_ceil(BLOCK_LIST_WARPS), 1, 1)?;
         gpu.launch(&list, launch, 32 * BLOCK_LIST_WARPS as u32, 0, &params)?;
     }
-    Ok(DeviceBlockMask { key, live, counts })
+    Ok(DeviceBlockMask { key, live, counts, order: Mutex::new(None) })
 }
 
 /// The block mask kernel of `mask` at tiles of `br` × `bc`.
@@ -579,6 +662,9 @@ pub(crate) struct MaskArgs {
     /// Entries per row of `live`.
     pub(crate) row_len: i32,
     _pad: i32,
+    /// The query tiles in the order FA3's persistent blocks take them
+    /// ([`DeviceBlockMask::set_tile_order`]), or null.
+    pub(crate) order: u64,
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers, laid out as its CUDA mirror.
@@ -587,6 +673,21 @@ unsafe impl DeviceRepr for MaskArgs {}
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tiles_are_ordered_by_head_then_longest_first_in_each_window() {
+        // 2 heads of 3 query tiles, a block mask with a row per head: counts 1 2 2 | 2 0 3.
+        let counts = [1, 2, 2, 2, 0, 3];
+        // Head 0 from its last tile (2, 1, 0), then head 1's (5, 4, 3); windows of 4 sorted
+        // (stably) by count: [2, 1, 0, 5] → [5, 2, 1, 0]; [4, 3] → [3, 4].
+        assert_eq!(tile_order(&counts, 3, (1, 2, false, true), 4), [5, 2, 1, 0, 3, 4]);
+        // One window: every tile sorted, the causal order among equal counts.
+        assert_eq!(tile_order(&counts, 3, (1, 2, false, true), 6), [5, 2, 1, 3, 0, 4]);
+        // A row the heads share (the first three counts) repeated for each head, and for each
+        // batch entry of a row per batch entry (the batch entries' rows: 1 2 2 and 2 0 3).
+        assert_eq!(tile_order(&counts[..3], 3, (1, 2, false, false), 6), [2, 1, 5, 4, 0, 3]);
+        assert_eq!(tile_order(&counts, 3, (2, 1, true, false), 6), [5, 2, 1, 3, 0, 4]);
+    }
 
     #[test]
     fn the_header_composes_the_terms_and_binds_what_each_reads() {
