@@ -467,9 +467,9 @@ impl DeviceBlockMask {
                 })
                 .collect();
             let extents = (batch, heads_q, self.key.batches > 1, self.key.heads > 1);
-            let tiles = tile_order(&work, tiles, extents, 2 * grid);
-            let bytes = 4 * tiles.len();
-            *order = Some((key, s.clone_htod(&tiles).map_err(KernelError::alloc(bytes))?));
+            let ordered = tile_order(&work, tiles, extents, 2 * grid);
+            let bytes = 4 * ordered.len();
+            *order = Some((key, s.clone_htod(&ordered).map_err(KernelError::alloc(bytes))?));
         }
         if let Some((_, order)) = order.as_ref() {
             args.order = order.device_ptr(gpu.stream()).0;
@@ -706,8 +706,9 @@ mod tests {
     fn the_tile_order_shares_a_document_mask_out_evenly() {
         // 16 documents of 256 tokens in 4,096, causal, tiles of 128: query tile i walks
         // (i mod 2) + 1 key tiles; 8 documents of 512: (i mod 4) + 1; 4 of 1,024: (i mod 8) + 1.
-        // 64 heads share the row; 132 blocks. The causal numbering (tiles from the last, all heads of one before the next)
-        // leaves the busiest block far above the mean; the order stays within 5 %.
+        // 64 heads share the row; 132 blocks. The causal numbering (tiles from the last, all
+        // heads of one before the next) leaves the busiest block far above the mean; the order
+        // stays within 5 %.
         let (tiles, heads, grid) = (32, 64, 132);
         for period in [2, 4, 8] {
             let work: Vec<i32> = (0..tiles).map(|i| (i % period) as i32 + 1).collect();
