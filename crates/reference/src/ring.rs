@@ -73,9 +73,7 @@ impl RingOptions {
     }
 
     fn check(&self, shape: &AttentionShape) -> Result<()> {
-        if self.ranks == 0 {
-            return Err(invalid("ranks", "a ring needs at least 1 rank"));
-        }
+        self.check_ring()?;
         if shape.n_q != shape.n_kv {
             return Err(invalid(
                 "ring",
@@ -84,6 +82,14 @@ impl RingOptions {
                     shape.n_q, shape.n_kv
                 ),
             ));
+        }
+        Ok(())
+    }
+
+    /// What the ring takes whatever the shape: a rank or more, the causal mask or none.
+    fn check_ring(&self) -> Result<()> {
+        if self.ranks == 0 {
+            return Err(invalid("ranks", "a ring needs at least 1 rank"));
         }
         let a = &self.attention;
         if a.window.is_some() || a.score_mod.is_some() || a.mask_mod.is_some() {
@@ -163,6 +169,26 @@ fn schedule(n: usize, opts: &RingOptions) -> Vec<Pair> {
     pairs
 }
 
+impl Pair {
+    /// The query–key pairs it attends (of one head): the causal square's triangle, or all.
+    fn attended(&self) -> u64 {
+        let (q, k) = (self.q.len() as u64, self.k.len() as u64);
+        if self.square { q * (q + 1) / 2 } else { q * k }
+    }
+}
+
+/// `work[s][r]`: the query–key pairs rank `r` attends at step `s` (of one head) on a sequence of
+/// `n` tokens, counted without attending: what [`forward`] reports, for planning a ring of any
+/// length (with [`critical_path`]).
+pub fn work(n: usize, opts: &RingOptions) -> Result<Vec<Vec<u64>>> {
+    opts.check_ring()?;
+    let mut work = vec![vec![0u64; opts.ranks]; opts.ranks];
+    for pair in schedule(n, opts) {
+        work[pair.step][pair.rank] += pair.attended();
+    }
+    Ok(work)
+}
+
 /// The options of one chunk pair's FA2 call: the causal square or no mask, no sinks (they join
 /// once, in the merge).
 fn pair_options(opts: &RingOptions, square: bool) -> Fa2Options {
@@ -187,12 +213,9 @@ pub fn forward<T: Element>(
     let (b, hq, n, d) = (shape.batch, shape.heads_q, shape.n_q, shape.d);
     // Each query row's partials, one per key chunk it met: (lse_s, O_s).
     let mut parts: Vec<Vec<(Array3<T>, Array4<T>)>> = vec![Vec::new(); n];
-    let mut work = vec![vec![0u64; opts.ranks]; opts.ranks];
-    for Pair { step, rank, q: qr, k: kr, square } in schedule(n, opts) {
+    for Pair { q: qr, k: kr, square, .. } in schedule(n, opts) {
         let out =
             fa2::forward(chunk(q, &qr), chunk(k, &kr), chunk(v, &kr), &pair_options(opts, square))?;
-        let pairs = if square { qr.len() * (qr.len() + 1) / 2 } else { qr.len() * kr.len() };
-        work[step][rank] += pairs as u64;
         for (i, row) in qr.clone().enumerate() {
             let lse = out.lse.slice(s![.., .., i..i + 1]).to_owned();
             parts[row].push((lse, out.o.slice(s![.., .., i..i + 1, ..]).to_owned()));
@@ -216,7 +239,7 @@ pub fn forward<T: Element>(
         }
     }
     let stats = RunStats { work_items: opts.ranks, ..RunStats::default() };
-    Ok(RingOutput { out: AttentionOutput { o, lse, stats }, work })
+    Ok(RingOutput { out: AttentionOutput { o, lse, stats }, work: work(n, opts)? })
 }
 
 /// Ring attention backward: the gradients FA2's backward gives on the whole sequence, computed
@@ -294,5 +317,28 @@ mod tests {
             }
         }
         assert_eq!(shards(16, 2, Sharding::Zigzag), vec![vec![0..4, 12..16], vec![4..8, 8..12]]);
+    }
+
+    #[test]
+    fn the_work_counts_every_attended_pair_once() {
+        for (n, p) in [(16, 4), (10, 3), (3, 4), (1, 1), (131_072, 8)] {
+            for sharding in [Sharding::Contiguous, Sharding::Zigzag] {
+                for causal in [false, true] {
+                    let attention = AttentionOptions { causal, ..AttentionOptions::default() };
+                    let opts = RingOptions::new(attention, p).with_sharding(sharding);
+                    let total: u64 = work(n, &opts).unwrap().iter().flatten().sum();
+                    let n = n as u64;
+                    let want = if causal { n * (n + 1) / 2 } else { n * n };
+                    assert_eq!(total, want, "n {n}, P {p}, {sharding:?}, causal {causal}");
+                }
+            }
+        }
+        // Two ranks, zigzag, 8 tokens: rank 0 holds 0..2 and 6..8, rank 1 holds 2..4 and 4..6.
+        // Step 0, each rank its own chunks: rank 0 the squares 0..2 (3) and 6..8 (3) and 6..8
+        // against 0..2 (4); rank 1 the squares 2..4, 4..6 and 4..6 against 2..4, as many.
+        // Step 1: rank 0's 6..8 against 2..4 and 4..6 (8), rank 1's 2..4 and 4..6 against 0..2.
+        let causal = RingOptions::new(AttentionOptions::causal(), 2);
+        assert_eq!(work(8, &causal).unwrap(), vec![vec![10, 10], vec![8, 8]]);
+        assert!(work(8, &RingOptions::new(AttentionOptions::causal(), 0)).is_err());
     }
 }
