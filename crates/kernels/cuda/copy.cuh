@@ -92,18 +92,21 @@ __device__ __forceinline__ void load_tile(u16* smem, const u16* gmem, int row0, 
 }
 
 // N consecutive floats (N = 2 or a multiple of 4, the address aligned to 4·min(N, 4) bytes), in
-// one load per 4.
-template <int N>
+// one load per 4; from L2 (ld.cg, past the SM's L1, which is not coherent) when L2 is set: what
+// other blocks of the same launch wrote.
+template <int N, bool L2 = false>
 __device__ __forceinline__ void load_f32(float (&x)[N], const float* src) {
     static_assert(N == 2 || N % 4 == 0, "float2 or float4s");
     if constexpr (N % 4 == 0) {
 #pragma unroll
         for (int i = 0; i < N; i += 4) {
-            const float4 v = *reinterpret_cast<const float4*>(src + i);
+            const float4* at = reinterpret_cast<const float4*>(src + i);
+            const float4 v = L2 ? __ldcg(at) : *at;
             x[i] = v.x, x[i + 1] = v.y, x[i + 2] = v.z, x[i + 3] = v.w;
         }
     } else {
-        const float2 v = *reinterpret_cast<const float2*>(src);
+        const float2* at = reinterpret_cast<const float2*>(src);
+        const float2 v = L2 ? __ldcg(at) : *at;
         x[0] = v.x, x[1] = v.y;
     }
 }

@@ -139,4 +139,44 @@ __device__ __forceinline__ void load_head_rows(u16* smem, const u16* q, const St
         smem, q, [&](int r) { return rows.at(s, r0 + r); }, n);
 }
 
+// ---- the last block of a group of splits ---------------------------------------------------------
+//
+// Both decoders combine a group's splits (the same rows of one kv head of one sequence, every
+// split) in the last of its blocks to finish. Each block counts itself in on counters[group] once
+// its partials are written: after a barrier, one thread adds 1 with a device-scope atomic that
+// releases the block's stores (PTX release patterns are cumulative: the barrier orders the other
+// threads' stores before it) and acquires the other splits'. The block that brings the count to
+// `splits` is the last: every other split's partials are in memory, and it reads them from L2
+// (ld.cg: the SM's L1 is not coherent). It puts the counter back to 0, so the host zeroes the
+// counters once, not per call. One thread's atomic instead of every thread's __threadfence
+// (fence.sc) then a relaxed atomic: a shorter wait at the end of every call (docs/perf-notes.md,
+// eighth session).
+
+// Adds 1 to *counter and returns the old value, as a device-scope release and acquire.
+__device__ __forceinline__ unsigned count_in(unsigned* counter) {
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+                 : "=r"(old)
+                 : "l"(counter)
+                 : "memory");
+    return old;
+}
+
+// Whether this block is the last of its group of splits to finish: counters has one per (sequence,
+// kv head, row block) of the launch (grid (splits · row_blocks, heads_kv, batch)). Every thread
+// of the block calls it, after writing its partials; the barrier after the count orders thread
+// 0's acquire before every thread's reads of the other splits' partials.
+__device__ bool last_to_finish(unsigned* counters, const DecodeCall& call, int row_block) {
+    __shared__ bool last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const size_t group = ((size_t)blockIdx.z * gridDim.y + blockIdx.y) * call.row_blocks;
+        unsigned* counter = counters + group + row_block;
+        last = count_in(counter) == (unsigned)call.splits - 1;
+        if (last) atomicExch(counter, 0u);  // every split has counted: ready for the next launch
+    }
+    __syncthreads();
+    return last;
+}
+
 #endif  // LADDER_DECODE_CUH

@@ -58,14 +58,10 @@
 // of whose rows is flagged returns at once, and only flagged rows are written, each exactly what
 // a FlashDecoding call with the same split count computes.
 //
-// The combine. Blocks of one group (the same rows of one kv head of one sequence, every split)
-// count themselves in on counters[group] once their partials are written: after a barrier, one
-// thread adds 1 with a device-scope atomic that releases the block's stores (and acquires the
-// other splits'). The block that brings the count to `splits` is the last: every other split's
-// partials are in memory, and it reads them from L2 (ld.cg: the SM's L1 is not coherent). It puts
-// the counter back to 0, so the host zeroes the counters once, not per call. Blocks of a group
-// all return early together or none does (FlashDecoding++'s fallback flags are per row, and a
-// group's splits share their rows), so a count is never left short.
+// The combine. The last of a group's blocks to finish combines its splits: each counts itself in
+// on a counter once its partials are written (last_to_finish, decode.cuh, which FlashDecoding++
+// shares). Blocks of a group all return early together or none does (FlashDecoding++'s fallback
+// flags are per row, and a group's splits share their rows), so a count is never left short.
 //
 // Inside a split block: the block walks the chunk in tiles of BC = 64 keys, K and V in a
 // STAGES-deep cp.async pipeline (STAGES − 1 tiles in flight while one is read). Each of the 4
@@ -201,37 +197,6 @@ __device__ __forceinline__ void store_output(const FdParams& p, const HeadRows& 
 }
 
 // ---- the combine (phase 2), in the last block of a group ----------------------------------------
-
-// Adds 1 to *counter and returns the old value, as a device-scope release and acquire: the
-// block's partials, stored before the __syncthreads that precedes the call, are published with
-// the count (PTX release patterns are cumulative: the barrier orders the other threads' stores
-// before it), and what the other splits published with theirs is visible after it. One thread's
-// atomic instead of every thread's __threadfence (fence.sc) then a relaxed atomic: a shorter wait
-// at the end of every call (docs/perf-notes.md, eighth session).
-__device__ __forceinline__ unsigned count_in(unsigned* counter) {
-    unsigned old;
-    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
-                 : "=r"(old)
-                 : "l"(counter)
-                 : "memory");
-    return old;
-}
-
-// Whether this block is the last of its group of splits to finish (see "The combine" above).
-// Every thread of the block calls it, after writing its partials; the barrier after the count
-// orders thread 0's acquire before every thread's reads of the other splits' partials.
-__device__ bool last_to_finish(const FdParams& p, int row_block) {
-    __shared__ bool last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const size_t group = ((size_t)blockIdx.z * gridDim.y + blockIdx.y) * p.call.row_blocks;
-        unsigned* counter = p.counters + group + row_block;
-        last = count_in(counter) == (unsigned)p.call.splits - 1;
-        if (last) atomicExch(counter, 0u);  // every split has counted: ready for the next launch
-    }
-    __syncthreads();
-    return last;
-}
 
 // Rows r0 … r0 + RB − 1 of the kv head: lse = ln Σ_s exp(lse_s), O = Σ_s w_s · O_s / Σ_s w_s with
 // w_s = exp(lse_s − max_s lse_s) ∈ [0, 1]. Each thread takes 8 columns of a row at a time (4 in
@@ -589,6 +554,6 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
             make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
         if (c == 0) p.lse_part[out] = lse_s;
     }
-    if (call.splits == 1 || !last_to_finish(p, row_block)) return;
+    if (call.splits == 1 || !last_to_finish(p.counters, call, row_block)) return;
     combine_rows(p, rows, r0, RB);
 }

@@ -12,10 +12,12 @@
 // a max and nothing is rescaled. In base 2 (t = s·log2(e) − φ·log2(e), s = scale·q·k, so that
 // 2^t = e^(s − φ) is one ex2 instruction):
 //
-//   phase 1, flash_decoding_pp_split, grid (splits · row_blocks, heads_kv, batch):
+//   phase 1, block (s, kv_head, b) of flash_decoding_pp_split, grid (splits · row_blocks,
+//   heads_kv, batch), over chunk s of the keys:
 //       acc_s = Σ_{j∈s} P_j · v_j,   l_s = Σ_{j∈s} 2^(t_j),   lr_s = Σ_{j∈s} P_j,
 //       max_s = max_{j∈s} t_j,       with P_j = 2^(t_j) as it multiplies V (below)
-//   phase 2, flash_decoding_pp_combine, one warp per output row:
+//   phase 2, in the same kernel: the last of a group's split blocks to finish (last_to_finish,
+//   decode.cuh, FlashDecoding's rule), one warp per output row:
 //       O = Σ_s acc_s / Σ_s lr_s,   lse = φ + ln Σ_s l_s        (plain sums, in split order)
 //
 // Why two sums: the flat GEMM rounds 2^t to 16 bits (P) before it multiplies V, and with no max
@@ -29,7 +31,9 @@
 // max_s is each thread's own fmax of the exponents it computed: it is never reduced across
 // threads inside the loop, and the exponentials never wait for it; it serves only the decision
 // below. (The paper adds the partials with atomics as they come; here they go through a workspace
-// and are summed in a fixed order, so that a call gives the same bits every time.)
+// and are summed in a fixed order, so that a call gives the same bits every time.) Where
+// FlashDecoding's combine must first find the largest lse_s and weigh every split by it, this one
+// reads the splits' sums once and adds them: the unified max is what makes it a plain sum.
 //
 // The safe window. 2^t must neither overflow the 16-bit P it is rounded to nor leave every term
 // of a row tiny. A row whose largest exponent max_s t leaves [lo, hi] (log2 units; the host's
@@ -37,7 +41,7 @@
 // whose sum came out infinite or zero, falls back: the combine writes 1 into fallback[row] instead
 // of the row, and the host then launches flash_decoding_split with that array, which runs only the
 // blocks holding a flagged row and writes only the flagged rows (the FlashDecoding path, exact for
-// any scores). This is the CPU rung's rule: a row that saw no key
+// any scores; launched programmatically, its blocks wait for this kernel's end). This is the CPU rung's rule: a row that saw no key
 // (max = −inf) is O = 0, lse = −inf, and a row with a NaN score (its sum is NaN) is NaN; neither
 // falls back.
 //
@@ -138,7 +142,9 @@ struct FdppParams {
     float* lr_part;   // Σ 2^t as rounded for P·V per (row, split): O's denominator
     float* max_part;  // the largest t per (row, split), −inf if none
     int* fallback;    // 1 where the row is left to FlashDecoding, else 0 (written for every row)
-    int rows;         // output rows of the launch: batch · heads_q · n_new, or tokens · heads_q
+    // One per (sequence, kv head, row block) of the launch, zero before it and left zero after:
+    // the splits of a group count themselves in here (last_to_finish, decode.cuh).
+    unsigned* counters;
     float phi;        // φ, natural log (the units of lse)
     float phi_log2;   // φ · log2(e)
     float lo_log2;    // the safe window of max t, log2 units
@@ -416,6 +422,77 @@ typedef Gemv WarpState;
 typedef FlatGemm WarpState;
 #endif
 
+// ---- phase 2: one output row, by one warp -------------------------------------------------------
+//
+// Output row `row` (HeadRows::flat) from every split's partials, which other blocks of this launch
+// wrote (so read from L2, ld.cg); lane i holds columns [i·PER_LANE, (i+1)·PER_LANE) (those below
+// D). Called by every lane of the warp.
+__device__ __forceinline__ void combine_row(const FdppParams& p, size_t row) {
+    const DecodeCall& call = p.call;
+    const int lane = lane_id();
+    const int splits = call.splits;
+    const float* l_s = p.l_part + (size_t)row * splits;
+    const float* lr_s = p.lr_part + (size_t)row * splits;
+    const float* max_s = p.max_part + (size_t)row * splits;
+
+    float l = 0.f, lr = 0.f, t_max = LADDER_NEG_INF;
+    for (int s = lane; s < splits; s += 32) {
+        l += __ldcg(l_s + s);
+        lr += __ldcg(lr_s + s);
+        t_max = fmaxf(t_max, __ldcg(max_s + s));
+    }
+    l = warp_sum(l);
+    lr = warp_sum(lr);
+    t_max = warp_max(t_max);
+
+    // The decision, the CPU rung's: keep the row if its largest exponent is inside the window and
+    // its sum is a positive number; a row without a finite score (max −inf: O = 0, lse = −inf) or
+    // with a NaN (l NaN: the row is NaN) is kept too. Everything else is FlashDecoding's. (The
+    // rounded sum is positive whenever the largest term is inside the default windows; a window
+    // reaching below the 16-bit type's subnormals could round every term to 0: then the row falls
+    // back too.)
+    // (NaN is tested on the bits: under --use_fast_math a compiler may fold l != l to false.)
+    const float inf = __int_as_float(0x7f800000);
+    const bool is_nan = (__float_as_uint(l) & 0x7fffffff) > 0x7f800000;
+    const bool inside = t_max >= p.lo_log2 && t_max <= p.hi_log2 && l > 0.f && l < inf &&
+                        lr > 0.f && lr < inf;
+    const bool keep = inside || is_nan || t_max == LADDER_NEG_INF;
+    if (lane == 0) p.fallback[row] = keep ? 0 : 1;
+    if (!keep) return;  // the whole warp: flash_decoding_split writes this row
+
+    float o[PER_LANE];
+    zero(o);
+    const int col = lane * PER_LANE;
+    const float* acc_s = p.acc_part + (size_t)row * splits * D + col;
+    for (int s = 0; s < splits; ++s) {
+        float x[PER_LANE];
+        if constexpr (D == COLS && (PER_LANE == 2 || PER_LANE % 4 == 0)) {
+            load_f32<PER_LANE, true>(x, acc_s + (size_t)s * D);
+        } else {
+            // Pairs of columns, both below D or both past it (D and col are even).
+#pragma unroll
+            for (int i = 0; i < PER_LANE; i += 2) {
+                const float2 y =
+                    col + i < D ? __ldcg(reinterpret_cast<const float2*>(acc_s + (size_t)s * D + i))
+                                : make_float2(0.f, 0.f);
+                x[i] = y.x, x[i + 1] = y.y;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) o[i] += x[i];
+    }
+    // O's denominator is the sum of P as it multiplied V. lr = 0 only for a row without keys
+    // (O = 0); a NaN makes O NaN.
+    const float inv = lr > 0.f ? 1.f / lr : (lr == 0.f ? 0.f : lr);
+    const OutputRow out(call, call.o_strides, row);
+    u16* dst = call.o + out.at + col;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i += 2)
+        if (D == COLS || col + i < D)
+            *reinterpret_cast<u32*>(dst + i) = pack2(o[i] * inv, o[i + 1] * inv);
+    if (lane == 0) call.lse[out.lse] = l == 0.f ? LADDER_NEG_INF : p.phi + logf(l);
+}
+
 // Launch: grid (splits · row_blocks, heads_kv, batch), block (THREADS, 1, 1), dynamic shared
 // memory max((Q_ROWS + 2·STAGES·BC)·COLS·2, WARPS·ROWS·(RED_STRIDE + 3)·4) bytes: the Q tile and
 // STAGES stages of K and V during the walk, then the same memory as the f32 merge buffer.
@@ -519,75 +596,8 @@ flash_decoding_pp_split(const __grid_constant__ FdppParams p) {
             p.max_part[out] = t_max;
         }
     }
-}
 
-// Launch: grid (ceil(rows / 4), 1, 1), block (128, 1, 1), no shared memory. Warp w of block x
-// combines output row 4x + w; lane i holds columns [i·PER_LANE, (i+1)·PER_LANE) (those below D).
-extern "C" __global__ void __launch_bounds__(128)
-flash_decoding_pp_combine(const __grid_constant__ FdppParams p) {
-    const DecodeCall& call = p.call;
-    const int row = blockIdx.x * 4 + warp_id();
-    if (row >= p.rows) return;  // the whole warp leaves together
-    const int lane = lane_id();
-    const int splits = call.splits;
-    const float* l_s = p.l_part + (size_t)row * splits;
-    const float* lr_s = p.lr_part + (size_t)row * splits;
-    const float* max_s = p.max_part + (size_t)row * splits;
-
-    float l = 0.f, lr = 0.f, t_max = LADDER_NEG_INF;
-    for (int s = lane; s < splits; s += 32) {
-        l += l_s[s];
-        lr += lr_s[s];
-        t_max = fmaxf(t_max, max_s[s]);
-    }
-    l = warp_sum(l);
-    lr = warp_sum(lr);
-    t_max = warp_max(t_max);
-
-    // The decision, the CPU rung's: keep the row if its largest exponent is inside the window and
-    // its sum is a positive number; a row without a finite score (max −inf: O = 0, lse = −inf) or
-    // with a NaN (l NaN: the row is NaN) is kept too. Everything else is FlashDecoding's. (The
-    // rounded sum is positive whenever the largest term is inside the default windows; a window
-    // reaching below the 16-bit type's subnormals could round every term to 0: then the row falls
-    // back too.)
-    // (NaN is tested on the bits: under --use_fast_math a compiler may fold l != l to false.)
-    const float inf = __int_as_float(0x7f800000);
-    const bool is_nan = (__float_as_uint(l) & 0x7fffffff) > 0x7f800000;
-    const bool inside = t_max >= p.lo_log2 && t_max <= p.hi_log2 && l > 0.f && l < inf &&
-                        lr > 0.f && lr < inf;
-    const bool keep = inside || is_nan || t_max == LADDER_NEG_INF;
-    if (lane == 0) p.fallback[row] = keep ? 0 : 1;
-    if (!keep) return;  // the whole warp: flash_decoding_split/combine write this row
-
-    float o[PER_LANE];
-    zero(o);
-    const int col = lane * PER_LANE;
-    const float* acc_s = p.acc_part + (size_t)row * splits * D + col;
-    for (int s = 0; s < splits; ++s) {
-        float x[PER_LANE];
-        if constexpr (D == COLS && (PER_LANE == 2 || PER_LANE % 4 == 0)) {
-            load_f32<PER_LANE>(x, acc_s + (size_t)s * D);
-        } else {
-            // Pairs of columns, both below D or both past it (D and col are even).
-#pragma unroll
-            for (int i = 0; i < PER_LANE; i += 2) {
-                const float2 y = col + i < D
-                                     ? *reinterpret_cast<const float2*>(acc_s + (size_t)s * D + i)
-                                     : make_float2(0.f, 0.f);
-                x[i] = y.x, x[i + 1] = y.y;
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) o[i] += x[i];
-    }
-    // O's denominator is the sum of P as it multiplied V. lr = 0 only for a row without keys
-    // (O = 0); a NaN makes O NaN.
-    const float inv = lr > 0.f ? 1.f / lr : (lr == 0.f ? 0.f : lr);
-    const OutputRow out(call, call.o_strides, row);
-    u16* dst = call.o + out.at + col;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; i += 2)
-        if (D == COLS || col + i < D)
-            *reinterpret_cast<u32*>(dst + i) = pack2(o[i] * inv, o[i + 1] * inv);
-    if (lane == 0) call.lse[out.lse] = l == 0.f ? LADDER_NEG_INF : p.phi + logf(l);
+    // ---- phase 2: the last block of the group adds the splits up, a warp per row ----------------
+    if (!last_to_finish(p.counters, call, row_block)) return;
+    for (int r = warp; r < RB; r += WARPS) combine_row(p, rows.flat(r0 + r));
 }

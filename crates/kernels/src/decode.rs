@@ -75,7 +75,8 @@
 //!
 //! 1. **Asynchronous softmax with a unified max.** Every split subtracts the same `φ`
 //!    ([`DecodeOptions::phi`]) before `exp`, so no split tracks a running max, nothing is
-//!    rescaled, and the combine is a plain sum: `O = Σ_s acc_s / Σ_s l_s`, `lse = φ + ln Σ_s l_s`
+//!    rescaled, and the combine (in the last split block of each row group to finish, one launch)
+//!    is a plain sum: `O = Σ_s acc_s / Σ_s l_s`, `lse = φ + ln Σ_s l_s`
 //!    (the CPU rung `ladder_reference::flash_decoding_pp`, with a given `φ`). `φ` is a property
 //!    of the model, not of the call: the paper sets it per model from offline statistics of the
 //!    softmax inputs, and so should a caller ([`calibrate_phi`] takes a sample of the model's row
@@ -88,8 +89,8 @@
 //!    the result is always right, and such a row is FlashDecoding's, bit for bit. The rule is the
 //!    CPU rung's: rows that see no key (`O = 0`, `lse = −∞`) and rows with a NaN score (NaN) are
 //!    not fallbacks. [`forward_with_stats`] counts the fallback rows (copying one flag per row to
-//!    the host); [`forward`] does not wait for them. The check costs a launch per call even when
-//!    no row falls back.
+//!    the host); [`forward`] does not wait for them. The fallback costs a launch per call even
+//!    when no row falls back (its blocks exit at once).
 //! 2. **Flat GEMM.** With `R = group · n_new ≤ 16` rows per kv head, FlashDecoding's 16-row mma
 //!    tiles are mostly padding. [`Strategy::FlatGemm`] swaps the operands, `Sᵀ = K·Qᵀ` and
 //!    `Oᵀ = Vᵀ·Pᵀ`, so that the keys are the mma's M and the rows pad only to n = 8 (two 8-row

@@ -354,7 +354,7 @@ mod tests {
         }
         let warp = section(PP, "the flat GEMM warp").unwrap();
         assert!(warp.code().contains("struct FlatGemm"), "{warp}");
-        let combine = item(PP, "flash_decoding_pp_combine(const").unwrap();
+        let combine = item(PP, "void combine_row(").unwrap();
         assert!(combine.code().contains("p.fallback[row]"), "{combine}");
     }
 

@@ -7,9 +7,6 @@ use super::*;
 use crate::problem::Strides;
 use crate::score_mod::ModifierArgs;
 
-/// Output rows per block of FlashDecoding++'s combine kernel (one warp each).
-const COMBINE_ROWS_PER_BLOCK: usize = 4;
-
 /// What FlashDecoding's kernel is compiled with beyond the shape: a sliding window
 /// (`FD_WINDOW`), sinks (`FD_SINKS`) and a score modifier (its generated header).
 #[derive(Clone, Copy, Debug, Default)]
@@ -177,14 +174,14 @@ unsafe impl DeviceRepr for Params {}
 /// recomputed the row):
 ///
 /// - FlashDecoding: `flash_decoding_split` (whose last block per group of splits combines them);
-/// - FlashDecoding++: `flash_decoding_pp_split`, `flash_decoding_pp_combine` (which flags the rows
-///   that fall back), then `flash_decoding_split` given the flags, which runs only the blocks
-///   holding a flagged row and writes only the flagged rows. No host round trip: when no row falls
-///   back, that launch is blocks that exit at once.
+/// - FlashDecoding++: `flash_decoding_pp_split` (whose last block per group of splits adds them
+///   up and flags the rows that fall back), then `flash_decoding_split` given the flags, which
+///   runs only the blocks holding a flagged row and writes only the flagged rows. No host round
+///   trip: when no row falls back, that launch is blocks that exit at once.
 ///
 /// Both kernel families write their partials into the same workspaces (FlashDecoding's `O_s`,
-/// `lse_s` where FlashDecoding++ had `acc_s`, `l_s`): the fallback runs after FlashDecoding++'s
-/// combine has read them, in stream order.
+/// `lse_s` where FlashDecoding++ had `acc_s`, `l_s`) and count on the same counters: the fallback
+/// reads or writes nothing before FlashDecoding++'s kernel has ended (it waits for it, pdl.cuh).
 pub(super) fn launch(
     gpu: &Gpu,
     q: &Tensor,
@@ -231,14 +228,12 @@ pub(super) fn launch(
         None => None,
         Some(kernel) => {
             let variant = pp::variant(p.d, p.dtype, kernel, stages, paged);
-            let split = Kernel { variant: variant.clone(), entry: "flash_decoding_pp_split" };
-            let combine = Kernel { variant, entry: "flash_decoding_pp_combine" };
+            let split = Kernel { variant, entry: "flash_decoding_pp_split" };
             let smem = pp::shared_bytes(p.d, kernel, stages);
             gpu.prepare(&split, smem)?;
-            gpu.prepare(&combine, 0)?;
             let row_blocks = r.div_ceil(kernel.rows_per_block());
             let blocks_x = splits.checked_mul(row_blocks).ok_or_else(too_many)?;
-            Some((split, combine, smem, row_blocks, blocks_x))
+            Some((split, smem, row_blocks, blocks_x))
         }
     };
 
@@ -255,7 +250,8 @@ pub(super) fn launch(
     // FlashDecoding++'s fallback flags, one per row (copied back by forward_with_stats).
     let mut flags = match pp_kernel {
         None => None,
-        // SAFETY: flash_decoding_pp_combine writes every row's flag before anything reads it.
+        // SAFETY: flash_decoding_pp_split's combine writes every row's flag before anything
+        // reads it.
         Some(_) => Some(
             unsafe { gpu.stream().alloc::<i32>(rows) }
                 .map_err(KernelError::alloc(rows * std::mem::size_of::<i32>()))?,
@@ -299,9 +295,11 @@ pub(super) fn launch(
     // advanced).
     let rows_per_seq = p.heads_q * p.n_new;
     let elem = p.dtype.size();
-    let combine_threads = 32 * COMBINE_ROWS_PER_BLOCK as u32;
-    // The split kernel's counters: one per (sequence, kv head, row block) of a launch.
-    let counters = fd_row_blocks * p.heads_kv * p.batch.min(MAX_BATCH_PER_LAUNCH);
+    // The split kernels' counters: one per (sequence, kv head, row block) of a launch, for the
+    // kernel with the more row blocks (both leave them zero).
+    let pp_row_blocks = pp_launch.as_ref().map_or(0, |&(_, _, row_blocks, _)| row_blocks);
+    let counters =
+        fd_row_blocks.max(pp_row_blocks) * p.heads_kv * p.batch.min(MAX_BATCH_PER_LAUNCH);
     gpu.with_scratch(counters, workspace, |scratch| {
         // The workspaces' addresses, in the order listed above.
         let o_part_ptr = scratch.floats;
@@ -378,8 +376,7 @@ pub(super) fn launch(
                 first_seq: first as i32,
                 window_left,
             };
-            let combine_grid = grid(chunk_rows.div_ceil(COMBINE_ROWS_PER_BLOCK), 1, 1)?;
-            if let Some((split, combine, smem, row_blocks, blocks_x)) = &pp_launch {
+            if let Some((split, smem, row_blocks, blocks_x)) = &pp_launch {
                 let w = p.window;
                 let pp_params = PpParams {
                     call: DecodeCall { row_blocks: *row_blocks as i32, ..call },
@@ -388,7 +385,7 @@ pub(super) fn launch(
                     lr_part: at(lr_part_ptr, row0 * splits, 4),
                     max_part: at(max_part_ptr, row0 * splits, 4),
                     fallback,
-                    rows: chunk_rows as i32,
+                    counters: scratch.counters,
                     phi: w.phi,
                     phi_log2: w.phi_log2,
                     lo_log2: w.lo_log2,
@@ -401,7 +398,6 @@ pub(super) fn launch(
                     *smem,
                     &pp_params,
                 )?;
-                gpu.launch(combine, combine_grid, combine_threads, 0, &pp_params)?;
             }
             // FlashDecoding: the call itself, or (fallback set) the rows FlashDecoding++ flagged.
             // Programmatic: its blocks start during the previous kernel's tail (pdl.cuh).

@@ -43,7 +43,7 @@ impl PpKernel {
     }
 }
 
-/// The variant (both entry points, `flash_decoding_pp_split` and `flash_decoding_pp_combine`) for
+/// The variant (its entry point `flash_decoding_pp_split`, whose last block per group combines) for
 /// head dimension `d`, element type `dtype`, GEMM shape `kernel`, `stages` K/V stages and a
 /// contiguous or paged cache.
 pub(crate) fn variant(
@@ -153,8 +153,7 @@ impl Window {
     }
 }
 
-/// Mirror of `FdppParams` in `cuda/flash_decoding_pp.cu` (device pointers as `u64`); both kernels
-/// take it.
+/// Mirror of `FdppParams` in `cuda/flash_decoding_pp.cu` (device pointers as `u64`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct PpParams {
@@ -164,7 +163,7 @@ pub(crate) struct PpParams {
     pub lr_part: u64,
     pub max_part: u64,
     pub fallback: u64,
-    pub rows: i32,
+    pub counters: u64,
     pub phi: f32,
     pub phi_log2: f32,
     pub lo_log2: f32,
@@ -181,11 +180,11 @@ mod tests {
 
     #[test]
     fn params_are_laid_out_like_the_cuda_struct() {
-        // The call (2,216 bytes), 5 pointers, an int and 4 floats; 8-byte aligned. (The kernels
-        // check the size too: FD_HOST_PARAMS_BYTES.)
+        // The call (2,216 bytes), 6 pointers and 4 floats; 8-byte aligned. (The kernel checks the
+        // size too: FD_HOST_PARAMS_BYTES.)
         assert_eq!(std::mem::offset_of!(PpParams, acc_part), 2216);
-        assert_eq!(std::mem::offset_of!(PpParams, rows), 2256);
-        assert_eq!(std::mem::offset_of!(PpParams, hi_log2), 2272);
+        assert_eq!(std::mem::offset_of!(PpParams, counters), 2256);
+        assert_eq!(std::mem::offset_of!(PpParams, hi_log2), 2276);
         assert_eq!(std::mem::size_of::<PpParams>(), 2280);
     }
 
