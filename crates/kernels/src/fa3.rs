@@ -687,7 +687,8 @@ const BALANCE_SLACK: f64 = 0.02;
 /// static share-out of the tiles comes out within [`BALANCE_SLACK`] of the most even one
 /// ([`TileOrder::balance`]). All of them past [`MAX_SECTION_QUERY_BLOCKS`] or when fewer than
 /// [`MIN_SECTION_HEADS`] fit.
-/// Without the mask the order ignores it, and none is worked out.
+/// Without the mask, or under a mask modifier (whose block mask orders the tiles), the order
+/// ignores it, and none is worked out.
 ///
 /// The share-out matters as much as the L2: at d = 96, n = 4k, 64 heads, the 8 heads that fit
 /// in 12 MB leave the busiest block with 1.6 × the mean's work (balance 0.62), and the kernel ran
@@ -704,7 +705,10 @@ fn section_heads(
     let heads = (p.heads_q * p.batch).max(1);
     let fit = (budget / kv_per_head).min(heads);
     let q_blocks = p.n_q.div_ceil(br.max(1));
-    let section = if !p.causal || fit < MIN_SECTION_HEADS || q_blocks > MAX_SECTION_QUERY_BLOCKS {
+    // (Under a mask modifier the block mask's order replaces the causal one: nothing to work out.)
+    let causal_order = p.causal && p.mask_mod.is_none();
+    let section = if !causal_order || fit < MIN_SECTION_HEADS || q_blocks > MAX_SECTION_QUERY_BLOCKS
+    {
         heads
     } else {
         let order =
@@ -810,7 +814,8 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
     let mut lse = gpu.output(&p.lse_shape(), DType::F32)?;
     let table = lens.map(|lens| lens.tiles(gpu, tiles.br(), p.causal)).transpose()?;
     // The mask modifier's block mask, at this kernel's tiles (kept until the launch is queued).
-    let (mut mask_args, blocks) = mask_args(gpu, p, (tiles.br(), tiles.bc), Walk::KeysOfQueryTile)?;
+    let (mut mask_args, block_mask) =
+        mask_args(gpu, p, (tiles.br(), tiles.bc), Walk::KeysOfQueryTile)?;
     {
         let s = gpu.stream();
         let (o_ptr, _g3) = o.write_ptr(s)?;
@@ -836,8 +841,8 @@ pub(crate) fn launch(gpu: &Gpu, p: &Problem, l: Launch, mut o: Tensor) -> Result
             if schedule.persistent { work.min(gpu.sm_count() as usize) } else { work };
         // Under a mask modifier the blocks take the query tiles in the order its block mask's
         // counts give (mask_mod::tile_order).
-        if let Some(blocks) = &blocks {
-            blocks.set_tile_order(gpu, (p.batch, p.heads_q, grid_blocks), &mut mask_args)?;
+        if let Some(block_mask) = &block_mask {
+            block_mask.set_tile_order(gpu, (p.batch, p.heads_q, grid_blocks), &mut mask_args)?;
         }
         let packed_batch = lens.zip(table.as_deref());
         let (varlen, _g_varlen) = VarlenParams::of(gpu, packed_batch);
