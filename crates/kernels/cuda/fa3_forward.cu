@@ -524,14 +524,14 @@ __device__ __forceinline__ void pack(const float (&s)[NT][4], PRegs& pk) {
 }
 
 // score_mod(scale · S_j) where a modifier is compiled in, then mask S_j where needed (the
-// sequence tail, the edges of the band, the mask modifier on a `partial` tile), then the online
+// sequence tail, the edges of the band, the mask modifier on a partial tile `kv`), then the online
 // softmax in place: s becomes
 // P = 2^(S·scale_log2 − m) in f32. Returns whether any row's max moved (alpha ≠ 1), in which
 // case O must be rescaled by alpha.
 __device__ __forceinline__ bool softmax_step(float (&s)[NT][4], float (&alpha)[2], RowState& st,
                                              const Fa3ForwardParams& p, const Tile& tile,
                                              float scale_log2, float lift, int row0, int k0,
-                                             bool partial) {
+                                             const KeyTile& kv) {
     const SeqBlock& seq = tile.seq;
     const Band band = ::band(p);
     if constexpr (has_score_mod) {
@@ -548,12 +548,17 @@ __device__ __forceinline__ bool softmax_step(float (&s)[NT][4], float (&alpha)[2
             mask_band(s, h, key_columns(row, k0, seq.n_kv, shift, band), band, LADDER_NEG_INF);
         }
     }
-    if (has_mask_mod && partial) {
+    if (has_mask_mod && kv.partial) {
+        // The tile's bits where the block mask kept them, else the mask asked per entry.
         const MaskAt at{seq.batch, tile.head, 0, 0, seq.n_q, seq.n_kv};
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-            mask_hidden(s, h, row0 + (warp_id() % 4) * 16 + acc_row(2 * h), k0, at, p.mask,
-                        LADDER_NEG_INF);
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + (warp_id() % 4) * 16 + acc_row(2 * h);
+            if (kv.bits >= 0)
+                mask_kept_bits<BC>(s, h, row - tile.q0, kv.bits, p.mask, BR, LADDER_NEG_INF);
+            else
+                mask_hidden(s, h, row, k0, at, p.mask, LADDER_NEG_INF);
+        }
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h)
@@ -671,7 +676,7 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
         wgmma_hold(s);
         release(&t.k_empty[kv.stage()]);
         ++kv.count;
-        softmax_step(s, alpha, st, p, tile, scale_0, lift_0, row0, kv_0.index * BC, kv_0.partial);
+        softmax_step(s, alpha, st, p, tile, scale_0, lift_0, row0, kv_0.index * BC, kv_0);
         if constexpr (!overlap) pack(s, pk);
     }
     for (int j = 1; j < n_tiles; ++j, ++kv.count, ++v_read.count) {
@@ -706,8 +711,7 @@ __device__ __forceinline__ void attend(const Fa3ForwardParams& p, SharedTiles& t
             wgmma_hold(pk);
             release(&t.v_empty[v_read.stage()]);  // V_{j-1}
         }
-        moved = softmax_step(s, alpha, st, p, tile, scale_j, lift_j, row0, kv_j.index * BC,
-                             kv_j.partial);
+        moved = softmax_step(s, alpha, st, p, tile, scale_j, lift_j, row0, kv_j.index * BC, kv_j);
         if constexpr (!overlap) pack(s, pk);
     }
     // Every S = Q·Kᵀ of the tile is done: the producer may load the next tile's Q.

@@ -31,6 +31,8 @@ struct MaskArgs {
     int pad;
     const int* order;  // FA3's forward: the query tiles (b·heads + h)·tiles + tile in the order
                        // its blocks take them (mask_mod.rs's tile_order), or null
+    const int* live_slots;  // beside `live`: where a partial tile's bits are kept, or −1
+    const unsigned* bits;   // [slots][BR][BITS_WORDS<BC>]: bit c of a row's word w is key 32·w + c
 };
 
 // Where a pair sits, as the mask's body sees it.
@@ -44,6 +46,10 @@ struct MaskAt {
 };
 
 constexpr unsigned char TILE_EMPTY = 0, TILE_PARTIAL = 1, TILE_FULL = 2;
+
+// The 32-bit words of one row of a partial tile's kept bits (block_mask.cu): a row starts a word.
+template <int BC>
+constexpr int BITS_WORDS = (BC + 31) / 32;
 
 #ifdef LADDER_MASK_MOD
 constexpr bool has_mask_mod = true;
@@ -59,9 +65,11 @@ __device__ __forceinline__ bool mask_mod(const MaskAt&, const MaskArgs&) { retur
 struct KeyTile {
     int index;
     bool partial;
+    int bits;  // a partial tile's kept bits (block_mask.cu), or −1: ask the mask per entry
 };
 struct KeyWalk {
     const int* live;  // the tile's list (mask modifier only)
+    const int* slots;  // its bits' slots, beside it
     // Positions first … last − 1 name the tiles: the tile itself without a mask modifier (a loop
     // over them is the plain loop over the span), the list's entry with one (first = 0). An empty
     // walk may have last < first.
@@ -74,9 +82,9 @@ struct KeyWalk {
     __device__ __forceinline__ KeyTile at(int pos) const {
         if constexpr (has_mask_mod) {
             const int entry = live[pos];
-            return {entry >> 1, (entry & 1) != 0};
+            return {entry >> 1, (entry & 1) != 0, slots[pos]};
         } else {
-            return {pos, false};
+            return {pos, false, -1};
         }
     }
     // The i-th tile of the walk.
@@ -89,9 +97,9 @@ __device__ __forceinline__ KeyWalk key_walk(const MaskArgs& m, TileSpan span, in
                                             int tile) {
     if constexpr (has_mask_mod) {
         const size_t row = (size_t)batch * m.batch_rows + (size_t)head * m.head_rows + tile;
-        return {m.live + row * m.row_len, 0, m.live_count[row]};
+        return {m.live + row * m.row_len, m.live_slots + row * m.row_len, 0, m.live_count[row]};
     } else {
-        return {nullptr, span.first, span.end};
+        return {nullptr, nullptr, span.first, span.end};
     }
 }
 
@@ -144,6 +152,26 @@ __device__ __forceinline__ void mask_hidden(float (&s)[NT][4], int h, int row, i
                                             const MaskArgs& m, float value) {
     mask_entries<2>(s, 2 * h, [&](int, int) { return row; },
                     [&](int nt, int e) { return k0 + acc_col(nt, e); }, at, m, value);
+}
+
+// Row half h of S (queries on the rows; the 8-column tiles nt of BC keys) from a partial tile's kept
+// bits: `row` is the thread's row of the row half within the tile, `slot` the tile's bits. The
+// thread's keys of 8-column tile nt are 8·nt + 2·(lane % 4) + {0, 1}: all in word nt / 4, so the
+// row's words are loaded once and each entry is a shift.
+template <int BC, int NT>
+__device__ __forceinline__ void mask_kept_bits(float (&s)[NT][4], int h, int row, int slot,
+                                               const MaskArgs& m, int br, float value) {
+    constexpr int WORDS = BITS_WORDS<BC>;
+    const unsigned* at = m.bits + ((size_t)slot * br + row) * WORDS;
+    unsigned w[WORDS];
+#pragma unroll
+    for (int i = 0; i < WORDS; ++i) w[i] = at[i];
+    const int lane_col = 2 * (threadIdx.x % 4);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+            if (!((w[nt / 4] >> ((nt % 4) * 8 + lane_col + i)) & 1)) s[nt][2 * h + i] = value;
 }
 
 #endif  // LADDER_MASK_MOD_CUH

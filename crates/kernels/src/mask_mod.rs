@@ -414,6 +414,8 @@ fn block_mask(
         use cudarc::driver::DevicePtr;
         args.live = blocks.live.device_ptr(gpu.stream()).0;
         args.live_count = blocks.counts.device_ptr(gpu.stream()).0;
+        args.live_slots = blocks.live_slots.device_ptr(gpu.stream()).0;
+        args.bits = blocks.bits.device_ptr(gpu.stream()).0;
     }
     let (tiles, entries) = key.lists();
     // (The sizes fit an int: make_block_mask checked them.)
@@ -431,6 +433,8 @@ pub(crate) struct DeviceBlockMask {
     key: BlockKey,
     live: CudaSlice<i32>,
     counts: CudaSlice<i32>,
+    live_slots: CudaSlice<i32>,
+    bits: CudaSlice<u32>,
     order: Mutex<Option<(TileOrderKey, CudaSlice<i32>)>>,
 }
 
@@ -542,6 +546,10 @@ impl BlockKey {
     }
 }
 
+/// The most memory a block mask keeps partial tiles' bits in (`cuda/block_mask.cu`): 2 KB a tile of
+/// 128 × 128, so 2,048 partial tiles (16 uneven documents in 16k tokens have about 250).
+const BITS_BUDGET_BYTES: usize = 4 << 20;
+
 /// How many block masks a mask keeps (the latest shapes it was called with).
 const BLOCK_MASKS_KEPT: usize = 8;
 
@@ -585,6 +593,19 @@ fn make_block_mask(gpu: &Gpu, mask: &MaskMod, key: BlockKey) -> Result<DeviceBlo
     let kinds = unsafe { s.alloc::<u8>(len.max(1)) }.map_err(KernelError::alloc(len))?;
     let live = unsafe { s.alloc::<i32>(len.max(1)) }.map_err(KernelError::alloc(4 * len))?;
     let counts = unsafe { s.alloc::<i32>(rows.max(1)) }.map_err(KernelError::alloc(4 * rows))?;
+    // The kept bits of partial tiles: a slot per tile (block_mask writes every one), the slots
+    // of the listed ones, and room for as many tiles' bits as BITS_BUDGET_BYTES holds; past it a
+    // partial tile asks the mask per entry. The counter of slots taken starts at zero.
+    let tile_count = key.batches * key.heads * query_tiles * key_tiles;
+    let words = key.br * key.bc.div_ceil(32);
+    let capacity = (BITS_BUDGET_BYTES / (4 * words.max(1))).min(tile_count).max(1);
+    // SAFETY: as above; block_mask writes a slot's bits before a slot is listed.
+    let slots =
+        unsafe { s.alloc::<i32>(tile_count.max(1)) }.map_err(KernelError::alloc(4 * tile_count))?;
+    let live_slots = unsafe { s.alloc::<i32>(len.max(1)) }.map_err(KernelError::alloc(4 * len))?;
+    let bits = unsafe { s.alloc::<u32>(capacity * words) }
+        .map_err(KernelError::alloc(4 * capacity * words))?;
+    let used = s.alloc_zeros::<u32>(1).map_err(KernelError::alloc(4))?;
     let variant = block_mask_variant(mask, key.br, key.bc);
     let classify = Kernel { variant: variant.clone(), entry: "block_mask" };
     let list = Kernel { variant, entry: "block_list" };
@@ -595,6 +616,10 @@ fn make_block_mask(gpu: &Gpu, mask: &MaskMod, key: BlockKey) -> Result<DeviceBlo
         let (kinds_ptr, _g0) = kinds.device_ptr(s);
         let (live_ptr, _g1) = live.device_ptr(s);
         let (counts_ptr, _g2) = counts.device_ptr(s);
+        let (slots_ptr, _g3) = slots.device_ptr(s);
+        let (live_slots_ptr, _g4) = live_slots.device_ptr(s);
+        let (bits_ptr, _g5) = bits.device_ptr(s);
+        let (used_ptr, _g6) = used.device_ptr(s);
         let params = BlockMaskParams {
             mask: mask.args(gpu)?,
             kinds: kinds_ptr,
@@ -608,13 +633,19 @@ fn make_block_mask(gpu: &Gpu, mask: &MaskMod, key: BlockKey) -> Result<DeviceBlo
             rows: int(rows, "rows")?,
             by_key: i32::from(key.walk == Walk::QueriesOfKeyTile),
             band: key.band,
+            slots: slots_ptr,
+            live_slots: live_slots_ptr,
+            bits: bits_ptr,
+            bits_used: used_ptr,
+            bits_capacity: int(capacity, "bits' slots")?,
         };
         let launch = grid(key_tiles, query_tiles, key.batches * key.heads)?;
         gpu.launch(&classify, launch, BLOCK_MASK_THREADS, 0, &params)?;
         let launch = grid(rows.div_ceil(BLOCK_LIST_WARPS), 1, 1)?;
         gpu.launch(&list, launch, 32 * BLOCK_LIST_WARPS as u32, 0, &params)?;
     }
-    Ok(DeviceBlockMask { key, live, counts, order: Mutex::new(None) })
+    // (`slots` and `used` are freed in stream order, after block_list has read them.)
+    Ok(DeviceBlockMask { key, live, counts, live_slots, bits, order: Mutex::new(None) })
 }
 
 /// The block mask kernel of `mask` at tiles of `br` × `bc`.
@@ -639,6 +670,11 @@ struct BlockMaskParams {
     rows: i32,
     by_key: i32,
     band: Band,
+    slots: u64,
+    live_slots: u64,
+    bits: u64,
+    bits_used: u64,
+    bits_capacity: i32,
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers, laid out as its CUDA mirror.
@@ -665,6 +701,9 @@ pub(crate) struct MaskArgs {
     /// The query tiles in the order FA3's persistent blocks take them
     /// ([`DeviceBlockMask::set_tile_order`]), or null.
     pub(crate) order: u64,
+    /// Beside `live`: the slot of a partial tile's kept bits, or −1; and the bits.
+    pub(crate) live_slots: u64,
+    pub(crate) bits: u64,
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers, laid out as its CUDA mirror.
