@@ -126,21 +126,24 @@ extern "C" __global__ void ring_finish(const __grid_constant__ RingParams p) {
          i += (long long)gridDim.x * blockDim.x) {
         const Group g = group_of(i, p);
         const long long row = acc_row(p, g.b, g.h, g.r);
-        float lse = p.lse_acc[row], scale = 1.f;
-        if (p.sinks) {
-            // The sink: one more partial, of lse_s = σ and O_s = 0 (a row that saw no key keeps
-            // it: O = 0, lse = σ).
-            const float sink = p.sinks[g.h], m = fmaxf(lse, sink);
-            const float w0 = combine_weight(lse, m), l = w0 + combine_weight(sink, m);
-            scale = w0 * combine_inverse(l);
-            lse = combine_lse(m, l);
+        float scale = 1.f;
+        if (p.lse_out) {  // the forward's output (a gradient's cast has no lse)
+            float lse = p.lse_acc[row];
+            if (p.sinks) {
+                // The sink: one more partial, of lse_s = σ and O_s = 0 (a row that saw no key
+                // keeps it: O = 0, lse = σ).
+                const float sink = p.sinks[g.h], m = fmaxf(lse, sink);
+                const float w0 = combine_weight(lse, m), l = w0 + combine_weight(sink, m);
+                scale = w0 * combine_inverse(l);
+                lse = combine_lse(m, l);
+            }
+            if (g.c == 0) p.lse_out[row] = lse;
         }
         const float* acc = p.acc + row * p.d + g.c;
         elem_t* out = p.dst + head_offset<elem_t>(p.dst_strides, g.b, g.h) +
                       row_offset<elem_t>(p.dst_strides, g.r) + g.c;
 #pragma unroll
         for (int c = 0; c < 8; ++c) out[c] = from_f32(acc[c] * scale);
-        if (g.c == 0 && p.lse_out) p.lse_out[row] = lse;
     }
 }
 
