@@ -234,9 +234,9 @@ __device__ bool last_to_finish(const FdParams& p, int row_block) {
     return last;
 }
 
-// Rows r0 … r0 + RB − 1 of the kv head, by combine.cuh's rule. Each thread takes 8 columns of a row at a time (4 in
-// each half of the row, so that a warp's float4 loads cover whole 32-byte sectors) and reads the
-// row's lse_s and its columns of O_s for COMBINE_BATCH splits at once. Every read is an L2 round
+// Rows r0 … r0 + RB − 1 of the kv head, by combine.cuh's rule. Each thread takes 8 columns of a
+// row at a time (4 in each half of the row, so that a warp's float4 loads cover whole 32-byte
+// sectors) and reads the row's lse_s and its columns of O_s for COMBINE_BATCH splits at once. Every read is an L2 round
 // trip, and the tail of the call waits for them, so as many go out together as registers allow
 // (two float4 per split: 16 splits of 8 columns are 144 registers, reused from the main loop's),
 // and the batches are merged with the online rule: running max m, running weight sum l, the sums
