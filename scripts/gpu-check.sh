@@ -34,13 +34,15 @@ grep -E "^test result|FAILED|panicked|=== " "$out/tests.log" | tail -40
 # gpu_decode.rs (FlashDecoding and FlashDecoding++: drawn shapes contiguous and paged, every head
 # dim and memory layout, for every strategy and with forced fallbacks, and page tables pointing
 # outside the cache, which must never be followed), gpu_decode_varlen.rs (packed new tokens),
-# gpu_fp8.rs (FA3's FP8 path) and gpu_varlen.rs (packed variable-length batches).
+# gpu_fp8.rs (FA3's FP8 path), gpu_varlen.rs (packed variable-length batches) and gpu_ring.rs
+# (ring attention on simulated ranks: a second stream's copies beside the attention).
 gpu_bin=$(ls .gpu/bin/gpu-* 2>/dev/null | head -1)
 decode_bin=$(ls .gpu/bin/gpu_decode-* 2>/dev/null | head -1)
 decode_varlen_bin=$(ls .gpu/bin/gpu_decode_varlen-* 2>/dev/null | head -1)
 fp8_bin=$(ls .gpu/bin/gpu_fp8-* 2>/dev/null | head -1)
 varlen_bin=$(ls .gpu/bin/gpu_varlen-* 2>/dev/null | head -1)
 decode_mods_bin=$(ls .gpu/bin/gpu_decode_modifiers-* 2>/dev/null | head -1)
+ring_bin=$(ls .gpu/bin/gpu_ring-* 2>/dev/null | head -1)
 sanitize() {  # sanitize NAME BINARY TEST_FILTERS...
   local name=$1 bin=$2; shift 2
   local base; base=$(basename "$bin"); base=${base%-*}
@@ -74,6 +76,9 @@ if command -v compute-sanitizer >/dev/null; then
   if [ -n "$varlen_bin" ]; then  # packed variable-length batches: FA2, FA3 (and FP8) forward, FA2 backward
     sanitize varlen "$varlen_bin" gpu_fa2_varlen_fp16 gpu_fa3_varlen_fp16 gpu_fa3_fp8_varlen \
       gpu_fp8_varlen_quantisation gpu_fa2_varlen_backward_fp16 gpu_fa2_varlen_deterministic
+  fi
+  if [ -n "$ring_bin" ]; then  # ring attention: gather, merge, finish, and the transfer stream
+    sanitize ring "$ring_bin" gpu_ring_fp16 what_the_ring
   fi
 else
   summary+=("compute-sanitizer: not run (no sanitizer on this machine)")

@@ -19,7 +19,7 @@ use candle_core::{
     CudaDevice, CudaStorage, Layout, Result, Shape, Storage, StorageRef, Tensor, bail,
 };
 use half::{bf16, f16};
-use ladder_kernels::{Gpu, GpuConfig, KernelError, Output, fa2, fa3};
+use ladder_kernels::{Gpu, GpuConfig, KernelError, Output, attention};
 
 use crate::op::err;
 
@@ -190,31 +190,17 @@ fn into_storage(op: &str, t: ladder_kernels::Tensor, dev: &CudaDevice) -> Result
     })
 }
 
-/// Whether FlashAttention-3 turned the call down for its own limits (a head dimension, an
-/// alignment, the architecture), so that FlashAttention-2 should take it.
-fn fa3_declined(e: &KernelError) -> bool {
-    matches!(
-        e,
-        KernelError::UnsupportedArch { .. }
-            | KernelError::UnsupportedHeadDim { .. }
-            | KernelError::UnsupportedDtype { .. }
-            | KernelError::SharedMemory { .. }
-            | KernelError::Shape(_)
-    )
-}
-
 /// The forward pass of the rungs' `(q, k, v)` `[batch, heads, seq, d]`: FlashAttention-3 on
-/// Hopper where it takes the call, FlashAttention-2 otherwise.
+/// Hopper where it takes the call, FlashAttention-2 otherwise ([`ladder_kernels::attention`]).
 pub(crate) fn forward(
     gpu: &Gpu,
     (q, k, v): Qkv<'_>,
     opts: &ladder_kernels::Options,
 ) -> std::result::Result<Output, KernelError> {
-    fa3_or_fa2(gpu, || fa3::forward(gpu, q, k, v, opts), || fa2::forward(gpu, q, k, v, opts))
+    attention::forward(gpu, q, k, v, opts)
 }
 
-/// The backward pass of [`forward`]: FlashAttention-3's on Hopper where it takes the call (no
-/// window), FlashAttention-2's otherwise.
+/// The backward pass of [`forward`] ([`ladder_kernels::attention::backward`]).
 pub(crate) fn backward(
     gpu: &Gpu,
     (q, k, v): Qkv<'_>,
@@ -222,26 +208,7 @@ pub(crate) fn backward(
     d_o: &ladder_kernels::Tensor,
     opts: &ladder_kernels::Options,
 ) -> std::result::Result<ladder_kernels::Gradients, KernelError> {
-    let fa2 = || fa2::backward(gpu, q, k, v, out, d_o, opts);
-    if opts.window.is_some() {
-        return fa2();
-    }
-    fa3_or_fa2(gpu, || fa3::backward::backward(gpu, q, k, v, out, d_o, opts), fa2)
-}
-
-/// `fa3` where FlashAttention-3 takes the call on Hopper, else `fa2`.
-fn fa3_or_fa2<R>(
-    gpu: &Gpu,
-    fa3: impl FnOnce() -> std::result::Result<R, KernelError>,
-    fa2: impl FnOnce() -> std::result::Result<R, KernelError>,
-) -> std::result::Result<R, KernelError> {
-    if gpu.arch() == "sm_90a" {
-        match fa3() {
-            Err(e) if fa3_declined(&e) => {}
-            done => return done,
-        }
-    }
-    fa2()
+    attention::backward(gpu, q, k, v, out, d_o, opts)
 }
 
 /// Ladder tensors of the rungs' inputs.
@@ -255,11 +222,7 @@ pub(crate) fn forward_varlen(
     lens: &ladder_kernels::varlen::SeqLens,
     opts: &ladder_kernels::Options,
 ) -> std::result::Result<Output, KernelError> {
-    fa3_or_fa2(
-        gpu,
-        || fa3::forward_varlen(gpu, q, k, v, lens, opts),
-        || fa2::forward_varlen(gpu, q, k, v, lens, opts),
-    )
+    attention::forward_varlen(gpu, q, k, v, lens, opts)
 }
 
 /// `t` as it is when its axes lie in memory in their own order (outermost first) with no two

@@ -103,3 +103,19 @@ fn what_the_ring_does_not_take_is_an_error() {
     let sinks = AttentionOptions::default().with_sinks(vec![0.0]);
     assert!(err(RingOptions::new(sinks, 2), &x).contains("sinks"));
 }
+
+/// The GPU ring (`ladder_kernels::ring`) cuts the sequence exactly as this rung does.
+#[test]
+fn the_gpu_ring_shards_as_the_cpu_rung() {
+    use ladder_kernels::ring as gpu_ring;
+    for n in 0..=40 {
+        for p in 1..=8 {
+            for (cpu, gpu) in [
+                (Sharding::Contiguous, gpu_ring::Sharding::Contiguous),
+                (Sharding::Zigzag, gpu_ring::Sharding::Zigzag),
+            ] {
+                assert_eq!(ring::shards(n, p, cpu), gpu_ring::shards(n, p, gpu), "n {n}, P {p}");
+            }
+        }
+    }
+}

@@ -96,6 +96,7 @@
 // Shared memory: the Q tile and STAGES stages of K and V during the walk; then the same memory as
 // the f32 buffer that merges the warps. (The combine works in registers.)
 
+#include "combine.cuh"
 #include "copy.cuh"
 #include "decode.cuh"
 #include "kv_cache.cuh"
@@ -198,16 +199,15 @@ __device__ __forceinline__ void store_output(const FdParams& p, const HeadRows& 
 
 // ---- the combine (phase 2), in the last block of a group ----------------------------------------
 
-// Rows r0 … r0 + RB − 1 of the kv head: lse = ln Σ_s exp(lse_s), O = Σ_s w_s · O_s / Σ_s w_s with
-// w_s = exp(lse_s − max_s lse_s) ∈ [0, 1]. Each thread takes 8 columns of a row at a time (4 in
-// each half of the row, so that a warp's float4 loads cover whole 32-byte sectors) and reads the
-// row's lse_s and its columns of O_s for COMBINE_BATCH splits at once. Every read is an L2 round
-// trip, and the tail of the call waits for them, so as many go out together as registers allow
-// (two float4 per split: 16 splits of 8 columns are 144 registers, reused from the main loop's),
-// and the batches are merged with the online rule: running max m, running weight sum l, the sums
-// so far rescaled when m grows. (Reading all lse_s first, then the O_s, 4 columns at a
-// time, took a round trip and a barrier more and twice the batches: docs/perf-notes.md,
-// FlashDecoding v4.)
+// Rows r0 … r0 + RB − 1 of the kv head, by combine.cuh's rule. Each thread takes 8 columns of a
+// row at a time (4 in each half of the row, so that a warp's float4 loads cover whole 32-byte
+// sectors) and reads the row's lse_s and its columns of O_s for COMBINE_BATCH splits at once.
+// Every read is an L2 round trip, and the tail of the call waits for them, so as many go out
+// together as registers allow (two float4 per split: 16 splits of 8 columns are 144 registers,
+// reused from the main loop's), and the batches are merged with the online rule: running max m,
+// running weight sum l, the sums so far rescaled when m grows. (Reading all lse_s first, then the
+// O_s, 4 columns at a time, took a round trip and a barrier more and twice the batches:
+// docs/perf-notes.md, FlashDecoding v4.)
 constexpr int COMBINE_BATCH = 16;
 constexpr int COMBINE_COLS = 8;
 
@@ -247,7 +247,7 @@ __device__ void combine_rows(const FdParams& p, const HeadRows& rows, int r0, in
             }
             // No split so far saw a key (m_new = −inf): every weight is 0, nothing to add.
             if (m_new == LADDER_NEG_INF) continue;
-            const float alpha = fast_exp2((m - m_new) * LADDER_LOG2E);  // 0 while m = −inf
+            const float alpha = combine_weight(m, m_new);  // 0 while m = −inf
             l *= alpha;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -256,7 +256,7 @@ __device__ void combine_rows(const FdParams& p, const HeadRows& rows, int r0, in
             }
 #pragma unroll
             for (int b = 0; b < COMBINE_BATCH; ++b) {
-                const float w = fast_exp2((x[b] - m_new) * LADDER_LOG2E);
+                const float w = combine_weight(x[b], m_new);
                 // A weight of 0 adds nothing (as in the CPU rung, not even a NaN of its O_s).
                 if (w == 0.f) continue;
                 l += w;
@@ -281,8 +281,8 @@ __device__ void combine_rows(const FdParams& p, const HeadRows& rows, int r0, in
             }
         }
         // All splits empty (the row sees no key): O = 0, lse = −inf, as everywhere.
-        float inv = l > 0.f ? 1.f / l : 0.f;
-        float lse = l == 0.f ? LADDER_NEG_INF : m + logf(l);
+        float inv = combine_inverse(l);
+        float lse = combine_lse(m, l);
         if (nan) inv = lse = __int_as_float(0x7fc00000);
         store_output(p, rows, r, c, o[0], inv, lse);
         store_output(p, rows, r, c + D / 2, o[1], inv, lse);

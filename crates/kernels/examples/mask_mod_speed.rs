@@ -23,6 +23,9 @@ use ladder_kernels::{
     DType, Gpu, GpuConfig, Gradients, MaskMod, Options, Output, Result, Tensor, fa2, fa3,
 };
 
+mod timing;
+use timing::median_ms;
+
 const D: usize = 128;
 const HEADS: usize = 16;
 const TOKENS: usize = 16384;
@@ -83,19 +86,6 @@ impl Mask {
 type Forward = fn(&Gpu, &Tensor, &Tensor, &Tensor, &Options) -> Result<Output>;
 type Backward =
     fn(&Gpu, &Tensor, &Tensor, &Tensor, &Output, &Tensor, &Options) -> Result<Gradients>;
-
-/// The median of 10 timed calls after 3 warm-up calls, in milliseconds.
-fn median_ms(gpu: &Gpu, mut call: impl FnMut() -> Result<()>) -> Result<f64> {
-    for _ in 0..3 {
-        call()?;
-    }
-    let mut times = Vec::new();
-    for _ in 0..10 {
-        times.push(f64::from(gpu.time_ms(&mut call)?));
-    }
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
-}
 
 fn run() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let mut config = GpuConfig::default();

@@ -25,6 +25,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("mma.cuh", include_str!("../cuda/mma.cuh")),
     ("softmax.cuh", include_str!("../cuda/softmax.cuh")),
     ("mask.cuh", include_str!("../cuda/mask.cuh")),
+    ("combine.cuh", include_str!("../cuda/combine.cuh")),
     ("decode.cuh", include_str!("../cuda/decode.cuh")),
     ("kv_cache.cuh", include_str!("../cuda/kv_cache.cuh")),
     ("barrier.cuh", include_str!("../cuda/barrier.cuh")),
@@ -48,7 +49,7 @@ pub const SCORE_MOD_HEADER: &str = "score_mod_body.cuh";
 pub const MASK_MOD_HEADER: &str = "mask_mod_body.cuh";
 
 /// The crate's kernel files, by stem (the `.cu` file under `cuda/`), with their text.
-const SOURCES: [(&str, &str); 9] = [
+const SOURCES: [(&str, &str); 10] = [
     ("fa1", crate::fa1::SRC),
     ("fa2_forward", crate::fa2::FORWARD_SRC),
     ("fa2_backward", crate::fa2::BACKWARD_SRC),
@@ -58,6 +59,7 @@ const SOURCES: [(&str, &str); 9] = [
     ("flash_decoding", crate::decode::SRC),
     ("flash_decoding_pp", crate::decode::PP_SRC),
     ("block_mask", crate::mask_mod::BLOCK_MASK_SRC),
+    ("ring", crate::ring::SRC),
 ];
 
 /// Every kernel file of the crate, by stem (the `.cu` file under `cuda/`): what

@@ -32,6 +32,10 @@
 //! split across blocks), with FlashDecoding or FlashDecoding++ (a unified max, a flat GEMM, a
 //! GEMV, and a dispatcher that picks): [`decode::forward`].
 //!
+//! **Attention, whichever rung fits** ([`attention::forward`], [`attention::backward`]): FA3 on
+//! Hopper where it takes the call, FA2 otherwise. **Ring attention** ([`ring::forward`]): the
+//! sequence shared among ranks whose K/V slices travel round a ring, on simulated ranks of one GPU.
+//!
 //! **Your own buffers.** [`Tensor::from_cuda_slice`] wraps a cudarc `CudaSlice` (no copy) and
 //! [`Tensor::into_cuda_slice`] hands it back; [`Gpu::from_stream`] runs the kernels on a stream you
 //! already have, in order with your own work.
@@ -46,6 +50,7 @@
 
 #![warn(missing_docs)]
 
+pub mod attention;
 mod compile;
 pub mod decode;
 mod error;
@@ -56,6 +61,7 @@ mod gpu;
 pub mod inspect;
 pub mod mask_mod;
 mod problem;
+pub mod ring;
 pub mod score_mod;
 pub mod sinks;
 mod tensor;
@@ -104,5 +110,6 @@ pub(crate) fn variants(arch: &str) -> Vec<compile::Variant> {
     all.extend(fa3::fp8::variants(arch));
     all.extend(fa3::backward::variants(arch));
     all.extend(decode::variants());
+    all.extend(ring::variants());
     all
 }
