@@ -236,13 +236,13 @@ __device__ bool last_to_finish(const FdParams& p, int row_block) {
 
 // Rows r0 … r0 + RB − 1 of the kv head, by combine.cuh's rule. Each thread takes 8 columns of a
 // row at a time (4 in each half of the row, so that a warp's float4 loads cover whole 32-byte
-// sectors) and reads the row's lse_s and its columns of O_s for COMBINE_BATCH splits at once. Every read is an L2 round
-// trip, and the tail of the call waits for them, so as many go out together as registers allow
-// (two float4 per split: 16 splits of 8 columns are 144 registers, reused from the main loop's),
-// and the batches are merged with the online rule: running max m, running weight sum l, the sums
-// so far rescaled when m grows. (Reading all lse_s first, then the O_s, 4 columns at a
-// time, took a round trip and a barrier more and twice the batches: docs/perf-notes.md,
-// FlashDecoding v4.)
+// sectors) and reads the row's lse_s and its columns of O_s for COMBINE_BATCH splits at once.
+// Every read is an L2 round trip, and the tail of the call waits for them, so as many go out
+// together as registers allow (two float4 per split: 16 splits of 8 columns are 144 registers,
+// reused from the main loop's), and the batches are merged with the online rule: running max m,
+// running weight sum l, the sums so far rescaled when m grows. (Reading all lse_s first, then the
+// O_s, 4 columns at a time, took a round trip and a barrier more and twice the batches:
+// docs/perf-notes.md, FlashDecoding v4.)
 constexpr int COMBINE_BATCH = 16;
 constexpr int COMBINE_COLS = 8;
 
