@@ -41,6 +41,20 @@ fn download(out: &Output, dims: [usize; 4]) -> anyhow::Result<AttentionOutput<f3
     })
 }
 
+/// The case's options for the oracle and the kernels, with one sink per query head if `sinks`.
+fn options(
+    case: &ladder_compare::Case,
+    sinks: bool,
+) -> Result<(ladder_reference::AttentionOptions, Options), TestCaseError> {
+    let (attention, opts) = gpu_check::case_options(case);
+    if !sinks {
+        return Ok((attention, opts));
+    }
+    let values: Vec<f32> = (0..case.shape.heads_q).map(|h| h as f32 * 0.5 - 1.0).collect();
+    let attention = attention.with_sinks(values.iter().map(|&s| f64::from(s)).collect());
+    Ok((attention, opts.with_sinks(Sinks::new(values).map_err(fail)?)))
+}
+
 /// The ring on `ranks` simulated ranks against the oracle and the single-GPU kernel.
 fn check_ring(
     case: &ladder_compare::Case,
@@ -52,12 +66,7 @@ fn check_ring(
 ) -> Result<(), TestCaseError> {
     let Some(gpu) = gpu() else { return Ok(()) };
     let x = device_inputs(case, dtype);
-    let (mut attention, mut opts) = gpu_check::case_options(case);
-    if sinks {
-        let values: Vec<f32> = (0..case.shape.heads_q).map(|h| h as f32 * 0.5 - 1.0).collect();
-        attention = attention.with_sinks(values.iter().map(|&s| f64::from(s)).collect());
-        opts = opts.with_sinks(Sinks::new(values).map_err(fail)?);
-    }
+    let (attention, opts) = options(case, sinks)?;
     let upload = |a: &Array4<f64>| upload_in(gpu, a, dtype, layout).map_err(fail);
     let (q, k, v): (Tensor, Tensor, Tensor) = (upload(&x.q)?, upload(&x.k)?, upload(&x.v)?);
     let ring_opts = RingOptions::new(ranks).with_sharding(sharding);
@@ -103,12 +112,7 @@ fn check_ring_backward(
     let Some(gpu) = gpu() else { return Ok(()) };
     let dtype = DType::F16;
     let x = device_inputs(case, dtype);
-    let (mut attention, mut opts) = gpu_check::case_options(case);
-    if sinks {
-        let values: Vec<f32> = (0..case.shape.heads_q).map(|h| h as f32 * 0.5 - 1.0).collect();
-        attention = attention.with_sinks(values.iter().map(|&s| f64::from(s)).collect());
-        opts = opts.with_sinks(Sinks::new(values).map_err(fail)?);
-    }
+    let (attention, opts) = options(case, sinks)?;
     let upload = |a: &Array4<f64>| upload_in(gpu, a, dtype, layout).map_err(fail);
     let (q, k, v, d_o) = (upload(&x.q)?, upload(&x.k)?, upload(&x.v)?, upload(&x.d_o)?);
     let ring_opts = RingOptions::new(ranks).with_sharding(sharding);
