@@ -12,8 +12,10 @@
 //!   candle-transformers' Qwen2 on the prompts padded to the longest (candle's own model; only the
 //!   prompts' tokens are counted).
 //! - `decode`: after prompts of 8,192 tokens, greedy decoding steps at batch 1 and 16, tokens per
-//!   second: this crate's model (`KvCache::attend`, FlashDecoding) against candle-transformers'
-//!   Qwen2 (its cache grown by `Tensor::cat`, matmul and softmax over it).
+//!   second: this crate's model (`KvCache::attend`, FlashDecoding) against the same model and cache
+//!   with candle's attention (`AttentionPath::Candle`: each token's query against its cached keys,
+//!   matmul and softmax) and candle-transformers' Qwen2 (its cache grown by `Tensor::cat`, matmul
+//!   and softmax over it; it cannot prefill 16 prompts of 8k tokens in 16 bits).
 //! - `op`: `flash_attn` alone at head dim 128, causal and not, 4k–16k tokens, TFLOP/s: this crate's
 //!   against candle's matmul-softmax attention and (feature `bench-candle-flash-attn`)
 //!   candle-flash-attn's.
@@ -241,6 +243,27 @@ fn decode(
         case: case.clone(),
         path: "ladder-candle (KvCache::attend)",
         figure: per_second(batch * steps, ours_t),
+    });
+
+    // The same model and cache, each step's attention candle's (matmul and softmax over the
+    // cached keys): candle's own attention path where candle-transformers' model cannot run.
+    eprintln!("candle_bench: {case}, the same model with candle's attention…");
+    let candle_t = median_of(args.reps, || {
+        ours.set_attention(AttentionPath::Ladder);
+        ours.prefill(&prompts, context + steps + 1)?;
+        ours.set_attention(AttentionPath::Candle);
+        timed(dev, || {
+            let mut next = first.clone();
+            for _ in 0..steps {
+                next = ours.decode(&next)?.argmax(D::Minus1)?.to_vec1()?;
+            }
+            Ok(())
+        })
+    })?;
+    table.push(Row {
+        case: case.clone(),
+        path: "same model, candle's attention (matmul, softmax)",
+        figure: per_second(batch * steps, candle_t),
     });
     drop(ours);
 

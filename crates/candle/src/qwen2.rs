@@ -52,7 +52,9 @@ pub enum AttentionPath {
     Ladder,
     /// candle's own attention, one sequence at a time: `softmax(Q Kᵀ · scale + causal mask) V` with
     /// the key-value heads repeated for their query heads (what candle-transformers' models do),
-    /// differentiable by candle's autograd. Prefill and training only.
+    /// differentiable by candle's autograd. When decoding, each new token's query against its
+    /// sequence's cached keys and values, read out of the [`KvCache`] (as candle-transformers'
+    /// models read their concatenated caches).
     Candle,
 }
 
@@ -142,6 +144,7 @@ enum Pass<'a> {
     },
     Decode {
         cache: &'a mut KvCache,
+        path: AttentionPath,
     },
 }
 
@@ -196,11 +199,26 @@ impl Attention {
                     }
                 }
             }
-            Pass::Decode { cache } => {
+            Pass::Decode { cache, path } => {
                 for b in 0..tokens {
                     cache.append(b, &k.narrow(0, b, 1)?, &v.narrow(0, b, 1)?)?;
                 }
-                cache.attend(&q.unsqueeze(1)?, scale, None)?.squeeze(1)?
+                match path {
+                    AttentionPath::Ladder => {
+                        cache.attend(&q.unsqueeze(1)?, scale, None)?.squeeze(1)?
+                    }
+                    AttentionPath::Candle => {
+                        let each = (0..tokens)
+                            .map(|b| {
+                                let len = cache.lengths()[b];
+                                let held = |t: &Tensor| t.get(b)?.narrow(0, 0, len);
+                                let (k, v) = (held(cache.k())?, held(cache.v())?);
+                                candle_decode_attention(&q.narrow(0, b, 1)?, &k, &v, scale)
+                            })
+                            .collect::<Result<Vec<_>>>()?;
+                        Tensor::cat(&each, 0)?
+                    }
+                }
             }
         };
         o.reshape((tokens, self.heads * self.head_dim))?.apply(&self.o_proj)
@@ -225,6 +243,23 @@ fn candle_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<Te
     let s = (q.matmul(&k.t()?)? * f64::from(scale))?.broadcast_add(&mask)?;
     let p = candle_nn::ops::softmax(&s, D::Minus1)?; // (softmax_last_dim has no backward pass)
     p.matmul(&v.contiguous()?)?.transpose(0, 1)
+}
+
+/// candle's own attention for one new token: `q` `[1, heads, d]` against a sequence's cached `k` and
+/// `v` `[len, kv_heads, d]`, each kv head repeated for its query heads, `softmax(q Kᵀ · scale) V`
+/// (the token sees every cached key, itself included).
+fn candle_decode_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<Tensor> {
+    let (_, heads, d) = q.dims3()?;
+    let (len, kv, _) = k.dims3()?;
+    let group = heads / kv;
+    let repeat = |t: &Tensor| -> Result<Tensor> {
+        let t = t.transpose(0, 1)?; // [kv_heads, len, d]
+        t.unsqueeze(1)?.broadcast_as((kv, group, len, d))?.reshape((heads, len, d))
+    };
+    let q = q.transpose(0, 1)?.contiguous()?; // [heads, 1, d]
+    let s = (q.matmul(&repeat(k)?.t()?)? * f64::from(scale))?;
+    let p = candle_nn::ops::softmax_last_dim(&s)?;
+    p.matmul(&repeat(v)?.contiguous()?)?.transpose(0, 1) // [1, heads, d]
 }
 
 /// The SwiGLU MLP: `down(silu(gate(x)) · up(x))`.
@@ -335,6 +370,12 @@ impl Model {
         Model { path, ..self }
     }
 
+    /// Runs `path`'s attention from now on, the caches kept: a batch prefilled on one path decodes
+    /// on the other.
+    pub fn set_attention(&mut self, path: AttentionPath) {
+        self.path = path;
+    }
+
     /// The final hidden states `[tokens, hidden]` of `prompts` packed back to back (each from
     /// position 0), through every layer's packed attention: a training step's forward pass (its
     /// gradients go back through `flash_attn_varlen`). With `capacity`, each layer's keys and
@@ -405,13 +446,11 @@ impl Model {
     }
 
     /// One decoding step: `tokens[b]` appended to sequence `b` (each at its own position, after its
-    /// cached tokens), attending to its cache; returns the next-token logits `[batch, vocab]`.
+    /// cached tokens), attending to its cache by the model's [`AttentionPath`]; returns the
+    /// next-token logits `[batch, vocab]`.
     pub fn decode(&mut self, tokens: &[u32]) -> Result<Tensor> {
         if self.caches.is_empty() {
             bail!("qwen2: decode needs a prefill first");
-        }
-        if self.path != AttentionPath::Ladder {
-            bail!("qwen2: decoding runs the ladder's attention (AttentionPath::Ladder)");
         }
         let lengths = self.caches[0].lengths().to_vec();
         if tokens.len() != lengths.len() {
@@ -421,7 +460,12 @@ impl Model {
         let positions = Tensor::new(positions, &self.device)?;
         let mut x = self.embed_tokens.forward(&Tensor::new(tokens, &self.device)?)?;
         for (layer, cache) in self.layers.iter().zip(self.caches.iter_mut()) {
-            x = layer.forward(&x, &self.rotary, &positions, Pass::Decode { cache })?;
+            x = layer.forward(
+                &x,
+                &self.rotary,
+                &positions,
+                Pass::Decode { cache, path: self.path },
+            )?;
         }
         x.apply(&self.norm)?.apply(&self.lm_head)
     }

@@ -9,6 +9,8 @@
 //!   the logits meet the rule, with the f32 model and candle's fed the tokens ours chose (the
 //!   tokens that differ from either model's choice are counted and printed: with the logits
 //!   within the rule, only near-ties can differ);
+//! - decoding with candle's attention (`AttentionPath::Candle`) from the same prefill: its logits
+//!   and ours each within the rule, the other as the baseline;
 //! - a training step: every weight's gradient through this crate's backward pass against the same
 //!   model with candle's attention (matmul, mask, softmax) differentiated by candle's autograd in
 //!   the same precision.
@@ -103,6 +105,37 @@ fn prefill_and_64_greedy_steps_meet_the_rule() -> Result<()> {
             "{dtype:?}: {total} greedy tokens; {ties} differ from the f32 model's (ties), \
              {differ_from_candle} from candle's choice on the same history"
         );
+    }
+    Ok(())
+}
+
+/// Decoding with candle's attention (`AttentionPath::Candle`: each token's query against its
+/// cached keys, matmul and softmax) from the ladder's prefill, on the GPU in bf16: at every step its
+/// logits and ours each meet the rule against the f32 model, with the other as the baseline.
+#[test]
+fn decoding_with_candles_attention_meets_the_rule() -> Result<()> {
+    let Some(dev) = cuda("decoding_with_candles_attention_meets_the_rule") else { return Ok(()) };
+    let cfg = config();
+    let (mut exact, varmap) = oracle(&cfg)?;
+    let prompts = prompts(&[5, 77, 130], cfg.vocab_size);
+    let (steps, dtype) = (16, DType::BF16);
+    let capacity = 130 + steps + 1;
+    let vb = frozen_on(&varmap, &dev, dtype)?;
+    let (mut ours, mut candle) = (Model::new(&cfg, vb.clone())?, Model::new(&cfg, vb)?);
+    let mut next: Vec<u32> = ours.prefill(&prompts, capacity)?.argmax(D::Minus1)?.to_vec1()?;
+    candle.prefill(&prompts, capacity)?;
+    candle.set_attention(AttentionPath::Candle);
+    exact.prefill(&prompts, capacity)?;
+    for step in 0..steps {
+        let (o, c, e) = (ours.decode(&next)?, candle.decode(&next)?, exact.decode(&next)?);
+        for p in 0..prompts.len() {
+            let (o, c, e) = (o.i(p)?, c.i(p)?, e.i(p)?);
+            for (name, a, b) in [("ours", &o, &c), ("candle's", &c, &o)] {
+                let (holds, figures) = meets_the_rule(a, b, &e, dtype)?;
+                assert!(holds, "step {step}, prompt {p}: {name} logits: {figures}");
+            }
+        }
+        next = o.argmax(D::Minus1)?.to_vec1()?;
     }
     Ok(())
 }

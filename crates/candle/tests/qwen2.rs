@@ -81,6 +81,32 @@ fn prefill_and_64_greedy_steps_match_candles_qwen2() -> Result<()> {
     Ok(())
 }
 
+/// Decoding with candle's attention (each token's query against its cached keys, matmul and
+/// softmax) gives the logits and the greedy tokens of decoding with the ladder's, from one prefill.
+#[test]
+fn decoding_with_candles_attention_matches_the_ladders() -> Result<()> {
+    let (_, varmap, cfg) = models()?;
+    let weights = || frozen_on(&varmap, &Device::Cpu, DType::F32);
+    let prompts = prompts(&[5, 17, 9], cfg.vocab_size);
+    let steps = 16;
+    let mut ladder = Model::new(&cfg, weights()?)?;
+    let mut candle = Model::new(&cfg, weights()?)?;
+    let first = ladder.prefill(&prompts, 17 + steps + 1)?;
+    candle.prefill(&prompts, 17 + steps + 1)?;
+    candle.set_attention(AttentionPath::Candle);
+    let mut next: Vec<u32> = first.argmax(D::Minus1)?.to_vec1()?;
+    for step in 0..steps {
+        let (ours, theirs) = (ladder.decode(&next)?, candle.decode(&next)?);
+        let (diff, size) = max_diff(&ours, &theirs)?;
+        // f32 logits of a 2-layer model, the attention summed in two orders.
+        assert!(diff <= 1e-4 * size.max(1.0), "step {step}: logits differ by {diff}");
+        let tokens: Vec<u32> = theirs.argmax(D::Minus1)?.to_vec1()?;
+        assert_eq!(ours.argmax(D::Minus1)?.to_vec1::<u32>()?, tokens, "step {step}: tokens differ");
+        next = tokens;
+    }
+    Ok(())
+}
+
 #[test]
 fn a_training_steps_gradients_match_candles_autograd() -> Result<()> {
     let (mut ours, varmap, cfg) = models()?;
