@@ -226,46 +226,30 @@ fn decode(
     let case = format!("decode batch {batch}, {context} context, {steps} steps");
     let first: Vec<u32> = vec![1; batch];
 
-    eprintln!("candle_bench: {case}, ladder-candle…");
-    let mut ours = Model::new(cfg, weights.clone())?;
-    let ours_t = median_of(args.reps, || {
-        ours.prefill(&prompts, context + steps + 1)?;
-        timed(dev, || {
-            let mut next = first.clone();
-            for _ in 0..steps {
-                next = ours.decode(&next)?.argmax(D::Minus1)?.to_vec1()?;
-            }
-            Ok(())
-        })
-    })?;
-
-    table.push(Row {
-        case: case.clone(),
-        path: "ladder-candle (KvCache::attend)",
-        figure: per_second(batch * steps, ours_t),
-    });
-
-    // The same model and cache, each step's attention candle's (matmul and softmax over the
-    // cached keys): candle's own attention path where candle-transformers' model cannot run.
-    eprintln!("candle_bench: {case}, the same model with candle's attention…");
-    let candle_t = median_of(args.reps, || {
-        ours.set_attention(AttentionPath::Ladder);
-        ours.prefill(&prompts, context + steps + 1)?;
-        ours.set_attention(AttentionPath::Candle);
-        timed(dev, || {
-            let mut next = first.clone();
-            for _ in 0..steps {
-                next = ours.decode(&next)?.argmax(D::Minus1)?.to_vec1()?;
-            }
-            Ok(())
-        })
-    })?;
-    table.push(Row {
-        case: case.clone(),
-        path: "same model, candle's attention (matmul, softmax)",
-        figure: per_second(batch * steps, candle_t),
-    });
-    drop(ours);
+    // The same model and cache on both attention paths: ours (FlashDecoding over the cache), and
+    // candle's (matmul and softmax over the cached keys), candle's own attention path where
+    // candle-transformers' model cannot run. Both prefill with the ladder's attention.
+    let mut model = Model::new(cfg, weights.clone())?;
+    for (path, label) in [
+        (AttentionPath::Ladder, "ladder-candle (KvCache::attend)"),
+        (AttentionPath::Candle, "same model, candle's attention (matmul, softmax)"),
+    ] {
+        eprintln!("candle_bench: {case}, {label}…");
+        let t = median_of(args.reps, || {
+            model.set_attention(AttentionPath::Ladder);
+            model.prefill(&prompts, context + steps + 1)?;
+            model.set_attention(path);
+            timed(dev, || {
+                let mut next = first.clone();
+                for _ in 0..steps {
+                    next = model.decode(&next)?.argmax(D::Minus1)?.to_vec1()?;
+                }
+                Ok(())
+            })
+        })?;
+        table.push(Row { case: case.clone(), path: label, figure: per_second(batch * steps, t) });
+    }
+    drop(model);
 
     eprintln!("candle_bench: {case}, candle-transformers' Qwen2…");
     let mut theirs = candle_qwen2::ModelForCausalLM::new(&candle_config(cfg), weights.clone())?;

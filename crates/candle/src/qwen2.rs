@@ -228,14 +228,8 @@ impl Attention {
 /// candle's own causal attention on one sequence: `q` `[n, heads, d]`, `k` and `v` `[n, kv_heads,
 /// d]`, each kv head repeated for its query heads, `softmax(Q Kᵀ · scale + mask) V`.
 fn candle_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<Tensor> {
-    let (n, heads, d) = q.dims3()?;
-    let group = heads / k.dim(1)?;
-    let repeat = |t: &Tensor| -> Result<Tensor> {
-        let t = t.transpose(0, 1)?; // [kv_heads, n, d]
-        let kv = t.dim(0)?;
-        t.unsqueeze(1)?.broadcast_as((kv, group, n, d))?.reshape((heads, n, d))
-    };
-    let (q, k, v) = (q.transpose(0, 1)?.contiguous()?, repeat(k)?, repeat(v)?);
+    let (n, heads, _) = q.dims3()?;
+    let (q, k, v) = (q.transpose(0, 1)?.contiguous()?, repeat_kv(k, heads)?, repeat_kv(v, heads)?);
     let mask: Vec<f32> = (0..n)
         .flat_map(|i| (0..n).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
         .collect();
@@ -249,17 +243,19 @@ fn candle_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<Te
 /// `v` `[len, kv_heads, d]`, each kv head repeated for its query heads, `softmax(q Kᵀ · scale) V`
 /// (the token sees every cached key, itself included).
 fn candle_decode_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<Tensor> {
-    let (_, heads, d) = q.dims3()?;
-    let (len, kv, _) = k.dims3()?;
-    let group = heads / kv;
-    let repeat = |t: &Tensor| -> Result<Tensor> {
-        let t = t.transpose(0, 1)?; // [kv_heads, len, d]
-        t.unsqueeze(1)?.broadcast_as((kv, group, len, d))?.reshape((heads, len, d))
-    };
+    let heads = q.dim(1)?;
     let q = q.transpose(0, 1)?.contiguous()?; // [heads, 1, d]
-    let s = (q.matmul(&repeat(k)?.t()?)? * f64::from(scale))?;
+    let s = (q.matmul(&repeat_kv(k, heads)?.t()?)? * f64::from(scale))?;
     let p = candle_nn::ops::softmax_last_dim(&s)?;
-    p.matmul(&repeat(v)?.contiguous()?)?.transpose(0, 1) // [1, heads, d]
+    p.matmul(&repeat_kv(v, heads)?.contiguous()?)?.transpose(0, 1) // [1, heads, d]
+}
+
+/// `t` `[len, kv_heads, d]` as `[heads, len, d]`, each kv head repeated for its group of query
+/// heads (what candle-transformers' `repeat_kv` does).
+fn repeat_kv(t: &Tensor, heads: usize) -> Result<Tensor> {
+    let (len, kv, d) = t.dims3()?;
+    let t = t.transpose(0, 1)?; // [kv_heads, len, d]
+    t.unsqueeze(1)?.broadcast_as((kv, heads / kv, len, d))?.reshape((heads, len, d))
 }
 
 /// The SwiGLU MLP: `down(silu(gate(x)) · up(x))`.
