@@ -59,7 +59,8 @@ the ladder's modifiers: crates/compare/src/modifiers.rs) gives `flex` the same f
 `score_mod`, counting the FLOPs of the unmodified case; its first call is then checked against the
 same modifier applied to the scores of one (batch, head) slice by hand. `--mask-mod` (documents:N,
 prefix-lm:P, as `ladder run --mask-mod`: N near-equal documents, key j in document j·N // n, or a
-prefix of P keys seen by every query) adds the same mask to `flex`'s `mask_mod` (and its
+prefix of P keys seen by every query; ragged:N, N documents alternately 100 tokens longer and
+shorter than n / N, the last taking the rest, as mask_mod_speed's uneven documents) adds the same mask to `flex`'s `mask_mod` (and its
 BlockMask, made once per shape outside the timed region, as FlexAttention advises), counting
 TFLOP/s on the pairs the mask attends; its first call is checked against SDPA with the dense mask.
 
@@ -244,13 +245,25 @@ def score_mod_fn(torch, spec, heads, shift):
 
 def parse_mask_mod(text):
     """documents:N (N near-equal documents: key j in document j·N // n, as the ladder's
-    MaskSpec), prefix-lm:P, or none."""
+    MaskSpec), ragged:N (uneven documents, ragged_lengths), prefix-lm:P, or none."""
     if text == "none":
         return None
     name, _, value = text.partition(":")
-    if name not in ("documents", "prefix-lm") or not value.isdigit() or (name == "documents" and int(value) < 1):
-        raise argparse.ArgumentTypeError(f"a mask modifier is documents:N (N >= 1) or prefix-lm:P, got {text!r}")
+    if (name not in ("documents", "ragged", "prefix-lm") or not value.isdigit()
+            or (name in ("documents", "ragged") and int(value) < 1)):
+        raise argparse.ArgumentTypeError(
+            f"a mask modifier is documents:N, ragged:N (N >= 1) or prefix-lm:P, got {text!r}")
     return f"{name}:{int(value)}"
+
+
+def ragged_lengths(docs, n):
+    """Document lengths alternately 100 tokens longer and shorter than n // docs, the last taking
+    what is left (mask_mod_speed's Ragged): boundaries inside the kernels' tiles."""
+    lens = [n // docs + 100 if i % 2 == 0 else n // docs - 100 for i in range(docs)]
+    lens[-1] = n - sum(lens[:-1])
+    if min(lens) < 1:
+        raise SystemExit(f"ragged:{docs} needs more than {100 * docs} tokens, got {n}")
+    return lens
 
 
 def mask_mod_pairs(spec, n, causal):
@@ -258,9 +271,12 @@ def mask_mod_pairs(spec, n, causal):
     a whole mask, meant without --causal: with it, the causal pairs."""
     name, _, value = spec.partition(":")
     value = int(value)
-    if name == "documents":
-        start = [-(-i * n // value) for i in range(value + 1)]
-        lens = [b - a for a, b in zip(start, start[1:])]
+    if name in ("documents", "ragged"):
+        if name == "documents":
+            start = [-(-i * n // value) for i in range(value + 1)]
+            lens = [b - a for a, b in zip(start, start[1:])]
+        else:
+            lens = ragged_lengths(value, n)
         return sum(x * (x + 1) // 2 if causal else x * x for x in lens)
     if causal:
         return n * (n + 1) // 2
@@ -302,7 +318,7 @@ def parse_args(argv=None):
                         "none; once per modifier [none]; modified cases run on the peers that take "
                         "one (flex)")
     p.add_argument("--mask-mod", action="append", type=parse_mask_mod,
-                   help="a mask modifier (documents:N, prefix-lm:P: as `ladder run --mask-mod`) or "
+                   help="a mask modifier (documents:N, prefix-lm:P: as `ladder run --mask-mod`; ragged:N) or "
                         "none; once per modifier [none]; masked cases run on the peers that take "
                         "one (flex), their TFLOP/s counting the pairs the mask attends")
     p.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
@@ -562,8 +578,12 @@ def mask_mod_rows(torch, spec, n_q, n_kv):
         return None
     name, _, value = spec.partition(":")
     value, shift = int(value), n_kv - n_q
-    if name == "documents":
-        ids = torch.arange(n_kv, device="cuda") * value // n_kv
+    if name in ("documents", "ragged"):
+        if name == "documents":
+            ids = torch.arange(n_kv, device="cuda") * value // n_kv
+        else:
+            lens = torch.tensor(ragged_lengths(value, n_kv), device="cuda")
+            ids = torch.repeat_interleave(torch.arange(value, device="cuda"), lens)
         return lambda q_idx, kv_idx: ids[(q_idx + shift).clamp(min=0)] == ids[kv_idx]
     return lambda q_idx, kv_idx: (kv_idx < value) | (kv_idx <= q_idx + shift)
 

@@ -255,6 +255,8 @@ fn decode(
     let mut theirs = candle_qwen2::ModelForCausalLM::new(&candle_config(cfg), weights.clone())?;
     let ids: Vec<u32> = prompts.iter().flatten().copied().collect();
     let ids = Tensor::from_vec(ids, (batch, context), dev)?;
+    // At batch 16 its one-call prefill of 16 × 8k tokens fails inside candle: the row says so,
+    // and the benchmark goes on.
     let theirs_t = median_of(args.reps, || {
         theirs.clear_kv_cache();
         // Its prefill in one call: candle-transformers' Qwen2 cannot prefill in chunks in 16 bits
@@ -269,12 +271,15 @@ fn decode(
             }
             Ok(())
         })
-    })?;
-    table.push(Row {
-        case,
-        path: "candle-transformers Qwen2 (cat cache)",
-        figure: per_second(batch * steps, theirs_t),
     });
+    let figure = match theirs_t {
+        Ok(t) => per_second(batch * steps, t),
+        Err(e) => {
+            let error = e.to_string();
+            format!("cannot run: {}", error.lines().next().unwrap_or("an error"))
+        }
+    };
+    table.push(Row { case, path: "candle-transformers Qwen2 (cat cache)", figure });
     Ok(())
 }
 
