@@ -53,15 +53,10 @@
 // token sees, [len − n_new − left, len), from a tile boundary: the keys before it are never read.
 // Without them (the default variant) every use folds away.
 //
-// FlashDecoding++'s fallback. flash_decoding_pp.cu flags the rows whose scores leave its safe
-// window; the host then launches this kernel with `fallback` pointing at the flags: a block none
-// of whose rows is flagged returns at once, and only flagged rows are written, each exactly what
-// a FlashDecoding call with the same split count computes.
-//
 // The combine. The last of a group's blocks to finish combines its splits: each counts itself in
 // on a counter once its partials are written (last_to_finish, decode.cuh, which FlashDecoding++
-// shares). Blocks of a group all return early together or none does (FlashDecoding++'s fallback
-// flags are per row, and a group's splits share their rows), so a count is never left short.
+// shares). Blocks of a group all return early together or none does (a group's splits share
+// their rows), so a count is never left short.
 //
 // Inside a split block: the block walks the chunk in tiles of BC = 64 keys, K and V in a
 // STAGES-deep cp.async pipeline (STAGES − 1 tiles in flight while one is read). Each of the 4
@@ -153,10 +148,6 @@ struct FdParams {
     DecodeCall call;
     float* o_part;
     float* lse_part;
-    // FlashDecoding++'s fallback (flash_decoding_pp.cu), or null: one int per output row, non-zero
-    // where the row must be recomputed here. When set, only those rows are written (a block none
-    // of whose rows is flagged returns at once); the other rows keep what FlashDecoding++ wrote.
-    const int* fallback;
     // One per (sequence, kv head, row block) of a launch, zero before the launch and left zero
     // after it: the splits of a group count themselves in here (see "The combine").
     unsigned* counters;
@@ -181,11 +172,6 @@ static_assert(sizeof(FdParams) == FD_HOST_PARAMS_BYTES, "the host's mirror of Fd
 // difference between the contiguous and the paged kernel.
 
 // ---- the output: one row's O and lse ------------------------------------------------------------
-
-// Whether output row `row` is this launch's to write: all rows, or FlashDecoding++'s flagged ones.
-__device__ __forceinline__ bool writes_row(const FdParams& p, size_t row) {
-    return p.fallback == nullptr || p.fallback[row] != 0;
-}
 
 // Columns c … c+3 of row r of the kv head (output row rows.flat(r)), o · inv rounded to the
 // inputs' dtype (and the row's lse with the first columns).
@@ -218,7 +204,6 @@ __device__ void combine_rows(const FdParams& p, const HeadRows& rows, int r0, in
         // Columns c … c + 3 and c + D/2 … c + D/2 + 3 of row r.
         const int r = r0 + i / PER_ROW, c = (i % PER_ROW) * 4;
         const size_t row = rows.flat(r);
-        if (!writes_row(p, row)) continue;
         const float* lse_s = p.lse_part + row * splits;
         const float4* o_s = reinterpret_cast<const float4*>(p.o_part + row * splits * D + c);
         float m = LADDER_NEG_INF, l = 0.f;
@@ -327,15 +312,6 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
     // start as soon as every block of this one is running: it too waits here before reading.
     wait_for_prior_grids();
     allow_next_grid();
-
-    // FlashDecoding++'s fallback: a block whose rows all passed there has nothing to do. (Every
-    // thread takes the same branch: __syncthreads_or gives all of them the same answer.)
-    if (p.fallback != nullptr) {
-        bool flagged = false;
-        for (int r = threadIdx.x; r < RB; r += THREADS)
-            flagged |= p.fallback[rows.flat(r0 + r)] != 0;
-        if (!__syncthreads_or(flagged)) return;
-    }
 
     // One past the last key each of the thread's rows sees, within this chunk: the causal limit of
     // its token, or the chunk's end. Rows of every tile at or past min_limit need the mask.
@@ -546,7 +522,7 @@ flash_decoding_split(const __grid_constant__ FdParams p) {
             lse_s = __int_as_float(call.splits == 1 ? 0x7fc00000 : 0x7f800000);
         }
         if (call.splits == 1) {  // nothing to combine: this is the row's O and lse
-            if (writes_row(p, rows.flat(r0 + r))) store_output(p, rows, r0 + r, c, o, inv, lse_s);
+            store_output(p, rows, r0 + r, c, o, inv, lse_s);
             continue;
         }
         const size_t out = rows.flat(r0 + r) * call.splits + split;

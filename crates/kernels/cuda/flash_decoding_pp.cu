@@ -38,12 +38,12 @@
 // The safe window. 2^t must neither overflow the 16-bit P it is rounded to nor leave every term
 // of a row tiny. A row whose largest exponent max_s t leaves [lo, hi] (log2 units; the host's
 // default is ±ln(MAX)/2 of the element type, ±5.5 in natural units for fp16 and ±44 for bf16), or
-// whose sum came out infinite or zero, falls back: the combine writes 1 into fallback[row] instead
-// of the row, and the host then launches flash_decoding_split with that array, which runs only the
-// blocks holding a flagged row and writes only the flagged rows (the FlashDecoding path, exact for
-// any scores; launched programmatically, its blocks wait for this kernel's end). This is the CPU rung's rule: a row that saw no key
-// (max = −inf) is O = 0, lse = −inf, and a row with a NaN score (its sum is NaN) is NaN; neither
-// falls back.
+// whose sum came out infinite or zero, falls back: the combine writes 1 into fallback[row] (the
+// count forward_with_stats reports) instead of the row, and the same last block recomputes it: it
+// walks the whole sequence once more, the row subtracting the largest exponent the combine found
+// (an exact softmax, FlashDecoding's arithmetic in one split), in this launch, with no second
+// kernel and no host round trip. This is the CPU rung's rule: a row that saw no key (max = −inf)
+// is O = 0, lse = −inf, and a row with a NaN score (its sum is NaN) is NaN; neither falls back.
 //
 // ---- flat GEMM (FDPP_GEMV = 0) ------------------------------------------------------------------
 //
@@ -89,6 +89,7 @@
 #include "decode.cuh"
 #include "kv_cache.cuh"
 #include "mma.cuh"
+#include "pdl.cuh"
 #include "softmax.cuh"
 #include "types.cuh"
 
@@ -217,10 +218,11 @@ struct FlatGemm {
     float l[NT][2];          // this thread's part of each row's Σ 2^t
     float lr[NT][2];         // the same sum of the 16-bit P that multiplies V
     float t_max[NT][2];      // the largest exponent this thread computed for each row
+    float ref[NT][2];        // what each row subtracts before exp2: φ·log2(e), or its own max
     int limit[NT][2];        // one past the last key each of the thread's rows sees
 
     __device__ __forceinline__ FlatGemm(const u16* sQ, const u16* sK, const u16* sV, int r0,
-                                        int n_new, int len, int k_end)
+                                        int n_new, int len, int k_end, float phi_log2)
         : kA(a_operand<COLS>(sK, 0)), vA(a_operand_trans<COLS>(sV)) {
         // Qᵀ as B (k = d, n = rows): Q's tile rows are B's n, so the B load of K in FlashDecoding
         // (b_operand) reads it; registers 0, 1 are rows 0-7, registers 2, 3 rows 8-15.
@@ -235,6 +237,13 @@ struct FlatGemm {
                 q[kk][nt][1] = b[2 * nt + 1];
             }
         }
+        restart(r0, n_new, len, k_end, phi_log2, nullptr);
+    }
+
+    // A fresh walk over keys up to k_end, each row subtracting φ·log2(e) plus its `shift` (block
+    // row r: shift[r]; none: 0).
+    __device__ __forceinline__ void restart(int r0, int n_new, int len, int k_end, float phi_log2,
+                                            const float* shift) {
         zero(o);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
@@ -242,6 +251,7 @@ struct FlatGemm {
             for (int i = 0; i < 2; ++i) {
                 l[nt][i] = lr[nt][i] = 0.f;
                 t_max[nt][i] = LADDER_NEG_INF;
+                ref[nt][i] = phi_log2 + (shift ? shift[acc_col(nt, i)] : 0.f);
                 // Token t of the row sees keys j ≤ len − n_new + t (bottom-right causal).
                 const int token = (r0 + acc_col(nt, i)) % n_new;
                 limit[nt][i] = min(len - n_new + token + 1, k_end);
@@ -250,8 +260,7 @@ struct FlatGemm {
 
     // One tile: the warp's 16 keys are tile rows kw … kw + 15, keys key0 … key0 + 15; `masked`
     // when some of them lie past a row's limit.
-    __device__ __forceinline__ void step(int kw, int key0, bool masked, float scale_log2,
-                                         float phi_log2) {
+    __device__ __forceinline__ void step(int kw, int key0, bool masked, float scale_log2) {
         // ---- Sᵀ = K_w·Qᵀ: 16 keys × 8·NT rows ---------------------------------------------------
         float st[NT][4];
         zero(st);
@@ -271,7 +280,7 @@ struct FlatGemm {
             float p[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float t = fmaf(st[nt][e], scale_log2, -phi_log2);
+                float t = fmaf(st[nt][e], scale_log2, -ref[nt][e % 2]);
                 if (masked && key0 + acc_row(e) >= limit[nt][e % 2]) t = LADDER_NEG_INF;
                 t_max[nt][e % 2] = fmaxf(t_max[nt][e % 2], t);
                 p[e] = fast_exp2(t);
@@ -340,10 +349,11 @@ struct Gemv {
     float o[PER_LANE];     // the output's columns lane·PER_LANE … +PER_LANE, unnormalised
     float l;          // Σ 2^t over this lane's keys (lanes < 16; lanes ≥ 16 hold the same keys)
     float t_max;      // the largest exponent this lane computed
+    float ref;        // what the row subtracts before exp2: φ·log2(e), or its own max
     int limit;        // one past the last key the row sees
 
     __device__ __forceinline__ Gemv(const u16* sQ, const u16* sK, const u16* sV, int r0, int n_new,
-                                    int len, int k_end)
+                                    int len, int k_end, float phi_log2)
         : sK(sK), sV(sV) {
         const int h = lane_id() / 16;
 #pragma unroll
@@ -355,14 +365,20 @@ struct Gemv {
             unpack2(x.z, q[8 * c + 4], q[8 * c + 5]);
             unpack2(x.w, q[8 * c + 6], q[8 * c + 7]);
         }
+        restart(r0, n_new, len, k_end, phi_log2, nullptr);
+    }
+
+    // A fresh walk over keys up to k_end, the row subtracting φ·log2(e) plus `shift[0]` (none: 0).
+    __device__ __forceinline__ void restart(int r0, int n_new, int len, int k_end, float phi_log2,
+                                            const float* shift) {
         zero(o);
         l = 0.f;
         t_max = LADDER_NEG_INF;
+        ref = phi_log2 + (shift ? shift[0] : 0.f);
         limit = min(len - n_new + r0 % n_new + 1, k_end);
     }
 
-    __device__ __forceinline__ void step(int kw, int key0, bool masked, float scale_log2,
-                                         float phi_log2) {
+    __device__ __forceinline__ void step(int kw, int key0, bool masked, float scale_log2) {
         const int lane = lane_id(), j = lane % 16, h = lane / 16;
         // ---- s_j = q·k_j: each lane half of d (8 columns per 16-byte load), then one shuffle ----
         // Two partial sums (even and odd columns) halve the chain of dependent FMAs.
@@ -384,7 +400,7 @@ struct Gemv {
         s += __shfl_xor_sync(0xffffffff, s, 16);
 
         // ---- p_j = 2^t with the unified max, kept in f32 (no tensor core needs it in 16 bits) ---
-        float t = fmaf(s, scale_log2, -phi_log2);
+        float t = fmaf(s, scale_log2, -ref);
         if (masked && key0 + j >= limit) t = LADDER_NEG_INF;
         t_max = fmaxf(t_max, t);
         const float p = fast_exp2(t);
@@ -426,8 +442,9 @@ typedef FlatGemm WarpState;
 //
 // Output row `row` (HeadRows::flat) from every split's partials, which other blocks of this launch
 // wrote (so read from L2, ld.cg); lane i holds columns [i·PER_LANE, (i+1)·PER_LANE) (those below
-// D). Called by every lane of the warp.
-__device__ __forceinline__ void combine_row(const FdppParams& p, size_t row) {
+// D). Called by every lane of the warp; returns (to all of them) whether the row falls back,
+// leaving it unwritten, its largest exponent in *t_row.
+__device__ __forceinline__ bool combine_row(const FdppParams& p, size_t row, float* t_row) {
     const DecodeCall& call = p.call;
     const int lane = lane_id();
     const int splits = call.splits;
@@ -457,8 +474,11 @@ __device__ __forceinline__ void combine_row(const FdppParams& p, size_t row) {
     const bool inside = t_max >= p.lo_log2 && t_max <= p.hi_log2 && l > 0.f && l < inf &&
                         lr > 0.f && lr < inf;
     const bool keep = inside || is_nan || t_max == LADDER_NEG_INF;
-    if (lane == 0) p.fallback[row] = keep ? 0 : 1;
-    if (!keep) return;  // the whole warp: flash_decoding_split writes this row
+    if (lane == 0) {
+        p.fallback[row] = keep ? 0 : 1;
+        *t_row = t_max;
+    }
+    if (!keep) return true;  // the whole warp: the block walks the row again (below)
 
     float o[PER_LANE];
     zero(o);
@@ -491,17 +511,82 @@ __device__ __forceinline__ void combine_row(const FdppParams& p, size_t row) {
         if (D == COLS || col + i < D)
             *reinterpret_cast<u32*>(dst + i) = pack2(o[i] * inv, o[i + 1] * inv);
     if (lane == 0) call.lse[out.lse] = l == 0.f ? LADDER_NEG_INF : p.phi + logf(l);
+    return false;
+}
+
+// ---- the walk: one pass of a block's warps over a range of keys ---------------------------------
+//
+// The K/V pipeline of flash_decoding_split (kv_cache.cuh): STAGES − 1 tiles in flight while one is
+// read; group g of commits holds tile g (after any group committed before the walk).
+template <class Pipeline>
+__device__ __forceinline__ void start_walk(Pipeline& kv) {
+#pragma unroll
+    for (int t = 0; t < STAGES - 1; ++t) {
+        long long start[GROUPS];
+        kv.starts(t, start);
+        kv.load(t, start);
+    }
+}
+
+// Every tile of the walk: find where tile j + STAGES − 1 lies, wait for tile j, one barrier (every
+// warp is done with tile j − 1, whose stage the next copy reuses). Tiles reaching past `min_limit`
+// (token 0's limit, the smallest) need the causal mask. Ends with every copy landed and a barrier.
+template <class Pipeline>
+__device__ __forceinline__ void walk(Pipeline& kv, WarpState& w, int min_limit, float scale_log2) {
+    const int warp = warp_id();
+    for (int j = 0; j < kv.n_tiles; ++j) {
+        long long next[GROUPS];
+        kv.starts(j + STAGES - 1, next);
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        kv.load(j + STAGES - 1, next);
+        const int k0 = kv.k_begin + j * BC;
+        w.step((j % STAGES) * BC + warp * 16, k0 + warp * 16, k0 + BC > min_limit, scale_log2);
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+}
+
+// Row r's sums over the warps of the merge buffer.
+__device__ __forceinline__ void merged_sums(const Merge& m, int r, float& l, float& lr,
+                                            float& t_max) {
+    l = lr = 0.f;
+    t_max = LADDER_NEG_INF;
+#pragma unroll
+    for (int v = 0; v < WARPS; ++v) {
+        l += m.l[v * ROWS + r];
+        lr += m.lr[v * ROWS + r];
+        t_max = fmaxf(t_max, m.t_max[v * ROWS + r]);
+    }
+}
+
+// Columns c … c + 3 of row r summed over the warps of the merge buffer.
+__device__ __forceinline__ float4 merged_columns(const Merge& m, int r, int c) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int v = 0; v < WARPS; ++v) {
+        const float4 x = *reinterpret_cast<const float4*>(m.acc + (v * ROWS + r) * RED_STRIDE + c);
+        acc.x += x.x;
+        acc.y += x.y;
+        acc.z += x.z;
+        acc.w += x.w;
+    }
+    return acc;
 }
 
 // Launch: grid (splits · row_blocks, heads_kv, batch), block (THREADS, 1, 1), dynamic shared
 // memory max((Q_ROWS + 2·STAGES·BC)·COLS·2, WARPS·ROWS·(RED_STRIDE + 3)·4) bytes: the Q tile and
 // STAGES stages of K and V during the walk, then the same memory as the f32 merge buffer.
+// Launched programmatically (pdl.cuh), as flash_decoding_split.
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
 flash_decoding_pp_split(const __grid_constant__ FdppParams p) {
     extern __shared__ __align__(128) u16 smem[];
     u16* sQ = smem;                     // [Q_ROWS][COLS]
     u16* sK = sQ + Q_ROWS * COLS;       // [STAGES][BC][COLS]
     u16* sV = sK + STAGES * BC * COLS;  // [STAGES][BC][COLS]
+    // The last block's fallback rows: which, and each one's largest exponent (its new reference).
+    __shared__ int falls[ROWS];
+    __shared__ float t_row[ROWS];
 
     const DecodeCall& call = p.call;
     const int split = blockIdx.x / call.row_blocks, row_block = blockIdx.x % call.row_blocks;
@@ -516,41 +601,22 @@ flash_decoding_pp_split(const __grid_constant__ FdppParams p) {
     const int len = call.lengths[batch];
     const CacheRows<PAGED> cache(call, batch, kv_head);
     const KeyChunk keys = key_chunk<BC>(len, call.splits, split);  // as FlashDecoding's splits
-    const int k_begin = keys.begin, k_end = keys.end, n_tiles = keys.tiles;
-    // Token 0's limit, the smallest: tiles reaching past it need the mask.
-    const int min_limit = min(len - n_new + 1, k_end);
 
-    // The K/V pipeline, as in flash_decoding_split (kv_cache.cuh); group g of commits holds tile
-    // g − 1 (group 0 is Q, below).
+    // Nothing above touches memory: the blocks may start during the previous call's tail, and
+    // wait here for it (the workspaces and counters are the same from call to call).
+    wait_for_prior_grids();
+    allow_next_grid();
+
     KvPipeline<BC, THREADS, STAGES, PAGED> kv(cache, call, sK, sV, keys);
     // Q in a commit group of its own, first: the warps copy it into registers before the walk,
     // while the first K/V tiles are still in flight.
     load_head_rows<Q_ROWS, THREADS>(sQ, call.q, call.q_strides, rows, r0, RB);
     cp_async_commit();
-#pragma unroll
-    for (int t = 0; t < STAGES - 1; ++t) {
-        long long start[GROUPS];
-        kv.starts(t, start);
-        kv.load(t, start);
-    }
+    start_walk(kv);
     cp_async_wait<STAGES - 1>();  // Q has landed (the STAGES − 1 younger K/V groups may not)
     __syncthreads();
-    WarpState w(sQ, sK, sV, r0, n_new, len, k_end);
-
-    for (int j = 0; j < n_tiles; ++j) {
-        // Exactly flash_decoding_split's loop: find where tile j + STAGES − 1 lies, wait for tile
-        // j, one barrier (every warp is done with tile j − 1, whose stage the next copy reuses).
-        long long next[GROUPS];
-        kv.starts(j + STAGES - 1, next);
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();
-        kv.load(j + STAGES - 1, next);
-        const int k0 = k_begin + j * BC;
-        w.step((j % STAGES) * BC + warp * 16, k0 + warp * 16, k0 + BC > min_limit, call.scale_log2,
-               p.phi_log2);
-    }
-    cp_async_wait<0>();
-    __syncthreads();
+    WarpState w(sQ, sK, sV, r0, n_new, len, keys.end, p.phi_log2);
+    walk(kv, w, min(len - n_new + 1, keys.end), call.scale_log2);
     // Paged: whether any thread of the block met a page outside the cache.
     const bool bad_page = PAGED && __syncthreads_or(kv.bad);
 
@@ -567,20 +633,9 @@ flash_decoding_pp_split(const __grid_constant__ FdppParams p) {
     for (int i = threadIdx.x; i < RB * (D / 4); i += THREADS) {
         const int r = i / (D / 4);
         const int c = (i % (D / 4)) * 4;
-        float l = 0.f, lr = 0.f, t_max = LADDER_NEG_INF;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int v = 0; v < WARPS; ++v) {
-            l += m.l[v * ROWS + r];
-            lr += m.lr[v * ROWS + r];
-            t_max = fmaxf(t_max, m.t_max[v * ROWS + r]);
-            const float4 x =
-                *reinterpret_cast<const float4*>(m.acc + (v * ROWS + r) * RED_STRIDE + c);
-            acc.x += x.x;
-            acc.y += x.y;
-            acc.z += x.z;
-            acc.w += x.w;
-        }
+        float l, lr, t_max;
+        merged_sums(m, r, l, lr, t_max);
+        float4 acc = merged_columns(m, r, c);
         // A page outside the cache: NaN sums, which make the row NaN in the combine (a NaN row
         // does not fall back), whatever the other splits hold.
         if (bad_page) {
@@ -599,5 +654,50 @@ flash_decoding_pp_split(const __grid_constant__ FdppParams p) {
 
     // ---- phase 2: the last block of the group adds the splits up, a warp per row ----------------
     if (!last_to_finish(p.counters, call, row_block)) return;
-    for (int r = warp; r < RB; r += WARPS) combine_row(p, rows.flat(r0 + r));
+    bool fell = false;
+    for (int r = warp; r < ROWS; r += WARPS) {
+        const bool f = r < RB && combine_row(p, rows.flat(r0 + r), &t_row[r]);
+        if (lane_id() == 0) {
+            falls[r] = f;
+            if (!f) t_row[r] = 0.f;  // rows kept: the walk below subtracts φ (and writes nothing)
+        }
+        fell |= f;
+    }
+    if (!__syncthreads_or(fell)) return;
+
+    // ---- the fallback, in this launch: the rows whose largest exponent left the window ---------
+    //
+    // Their partials are unusable (2^t overflowed the 16-bit P, or every term of the row was
+    // tiny), but the combine found each row's largest exponent over all the splits. This block
+    // walks the whole sequence once more, each fallback row subtracting exactly that maximum (an
+    // exact softmax: the largest term is 2^0 = 1, as FlashDecoding's), and writes those rows.
+    // Rare by the choice of φ (decode::calibrate_phi); when φ misses every row, a call costs about
+    // what a FlashDecoding call with one split would.
+    const KeyChunk all = key_chunk<BC>(len, 1, 0);
+    KvPipeline<BC, THREADS, STAGES, PAGED> kv_all(cache, call, sK, sV, all);
+    start_walk(kv_all);
+    w.restart(r0, n_new, len, all.end, p.phi_log2, t_row);
+    walk(kv_all, w, min(len - n_new + 1, all.end), call.scale_log2);
+    const bool bad_page_all = PAGED && __syncthreads_or(kv_all.bad);
+    w.store(m, warp);
+    __syncthreads();
+    for (int i = threadIdx.x; i < RB * (D / 4); i += THREADS) {
+        const int r = i / (D / 4);
+        const int c = (i % (D / 4)) * 4;
+        if (!falls[r]) continue;
+        float l, lr, t_max;
+        merged_sums(m, r, l, lr, t_max);
+        const float4 acc = merged_columns(m, r, c);
+        // O's denominator: the sum of P as it multiplied V (see "Why two sums"); positive, as
+        // the row's largest term is 1.
+        const float nan = __int_as_float(0x7fc00000);
+        const float inv = bad_page_all ? nan : 1.f / lr;
+        const size_t row = rows.flat(r0 + r);
+        const OutputRow out(call, call.o_strides, row);
+        u16* dst = call.o + out.at + c;
+        *reinterpret_cast<u32*>(dst) = pack2(acc.x * inv, acc.y * inv);
+        *reinterpret_cast<u32*>(dst + 2) = pack2(acc.z * inv, acc.w * inv);
+        if (c == 0)
+            call.lse[out.lse] = bad_page_all ? nan : p.phi + t_row[r] * LADDER_LN2 + logf(l);
+    }
 }

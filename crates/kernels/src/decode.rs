@@ -84,13 +84,13 @@
 //!    default, [`DEFAULT_PHI`] = 0, suits scores within a few units of 0). A row whose largest score `s` has `s − φ` outside the safe window
 //!    ([`DecodeOptions::safe_range`], by default `±ln(MAX)/2` of the element type:
 //!    [`default_safe_range`], ±5.5 for fp16, ±44 for bf16), or whose sum is infinite or zero, is
-//!    flagged by the combine and recomputed by FlashDecoding's kernels, which then run only the
-//!    blocks holding a flagged row (the others exit at once) and write only the flagged rows:
-//!    the result is always right, and such a row is FlashDecoding's, bit for bit. The rule is the
-//!    CPU rung's: rows that see no key (`O = 0`, `lse = −∞`) and rows with a NaN score (NaN) are
-//!    not fallbacks. [`forward_with_stats`] counts the fallback rows (copying one flag per row to
-//!    the host); [`forward`] does not wait for them. The fallback costs a launch per call even
-//!    when no row falls back (its blocks exit at once).
+//!    flagged by the combine and recomputed by the same block in the same launch: it walks the
+//!    whole sequence once more, the row subtracting its own largest score (an exact softmax, as
+//!    FlashDecoding's), so the result is always right. The rule is the CPU rung's: rows that see
+//!    no key (`O = 0`, `lse = −∞`) and rows with a NaN score (NaN) are not fallbacks.
+//!    [`forward_with_stats`] counts the fallback rows (copying one flag per row to the host);
+//!    [`forward`] does not wait for them. A call in which no row falls back is one kernel, like
+//!    FlashDecoding's; a `φ` that misses every row costs about a FlashDecoding call with one split.
 //! 2. **Flat GEMM.** With `R = group · n_new ≤ 16` rows per kv head, FlashDecoding's 16-row mma
 //!    tiles are mostly padding. [`Strategy::FlatGemm`] swaps the operands, `Sᵀ = K·Qᵀ` and
 //!    `Oᵀ = Vᵀ·Pᵀ`, so that the keys are the mma's M and the rows pad only to n = 8 (two 8-row
@@ -129,8 +129,6 @@
 //! Q and O from the strides (`HeadRows` in `cuda/decode.cuh`) and each group of 16 keys from the
 //! cache's (`CacheRows` in `cuda/kv_cache.cuh`); K and V share one set of strides, since one
 //! offset per group addresses both.
-
-use cudarc::driver::CudaSlice;
 
 use crate::compile::Variant;
 use crate::error::{KernelError, Result};
@@ -462,7 +460,7 @@ pub fn forward<'a>(
     let cache = cache.into();
     let call = check_call(gpu, q, &cache, opts)?;
     let mut out = call.new_output(gpu, q)?;
-    launch(gpu, q, cache, &call, &mut out)?;
+    launch(gpu, q, cache, &call, &mut out, false)?;
     Ok(out)
 }
 
@@ -499,11 +497,11 @@ pub fn forward_into<'a>(
 ) -> Result<()> {
     let cache = cache.into();
     let call = check_call(gpu, q, &cache, opts)?;
-    launch(gpu, q, cache, &call, out).map(|_| ())
+    launch(gpu, q, cache, &call, out, false).map(|_| ())
 }
 
 /// [`forward`], and what it did: the kernel and split count that ran, and for FlashDecoding++ the
-/// number of rows recomputed by the FlashDecoding fallback.
+/// number of rows that fell back (recomputed against their own largest score).
 ///
 /// Counting the fallback rows copies one flag per output row back to the host, so this call
 /// waits for the GPU to finish it; [`forward`] does not wait.
@@ -533,17 +531,7 @@ pub fn forward_with_stats<'a>(
     let cache = cache.into();
     let call = check_call(gpu, q, &cache, opts)?;
     let mut out = call.new_output(gpu, q)?;
-    let fallback = launch(gpu, q, cache, &call, &mut out)?;
-    let fallback_rows = match &fallback {
-        None => None,
-        Some(flags) => {
-            let flags = flags
-                .stream()
-                .clone_dtoh(flags)
-                .map_err(KernelError::driver("copying the fallback flags to the host"))?;
-            Some(flags.iter().filter(|&&f| f != 0).count())
-        }
-    };
+    let fallback_rows = launch(gpu, q, cache, &call, &mut out, true)?;
     Ok((out, DecodeStats { plan: call.plan, fallback_rows }))
 }
 
@@ -588,7 +576,7 @@ pub fn forward_varlen<'a>(
     let cache = cache.into();
     let call = check_any(gpu, q, Some(new_tokens), &cache, opts)?;
     let mut out = call.new_output(gpu, q)?;
-    launch(gpu, q, cache, &call, &mut out)?;
+    launch(gpu, q, cache, &call, &mut out, false)?;
     Ok(out)
 }
 
@@ -604,7 +592,7 @@ pub fn forward_varlen_into<'a>(
 ) -> Result<()> {
     let cache = cache.into();
     let call = check_any(gpu, q, Some(new_tokens), &cache, opts)?;
-    launch(gpu, q, cache, &call, out).map(|_| ())
+    launch(gpu, q, cache, &call, out, false).map(|_| ())
 }
 
 /// A call that passed its checks: its shapes, strides, modifiers and plan (kernel and split

@@ -108,10 +108,10 @@ pub const GEMV_MAX_ROWS: usize = 1;
 /// once per block.
 pub const FLAT_GEMM_MAX_ROWS: usize = 16;
 /// Cache entries per call (longest length × batch × kv heads) below which the automatic choice is
-/// FlashDecoding whatever the rows: such a call moves a few MB in a few microseconds, and
-/// FlashDecoding++'s fallback check (two more launches, whose blocks exit at once when no row fell
-/// back) costs about as much as the rescaling it saves. `1 << 16` entries are 32 MB of K and V at
-/// `d = 128` in fp16 (about 7 µs at 4.8 TB/s).
+/// FlashDecoding whatever the rows: such a call moves a few MB in a few microseconds, where the
+/// rescaling FlashDecoding++ saves is worth less than its larger workspace (two sums and a maximum
+/// per split). `1 << 16` entries are 32 MB of K and V at `d = 128` in fp16 (about 7 µs at
+/// 4.8 TB/s).
 pub const PP_MIN_KEYS: usize = 1 << 16;
 
 /// Whether the automatic choice ever takes FlashDecoding++'s kernels. Measured on the H200

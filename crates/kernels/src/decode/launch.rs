@@ -1,7 +1,7 @@
 //! The launches of a checked call: the kernels' variants and parameter struct, and the sequence
 //! of launches FlashDecoding and FlashDecoding++ make.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
+use cudarc::driver::{DevicePtr, DeviceRepr};
 
 use super::*;
 use crate::problem::Strides;
@@ -158,7 +158,6 @@ pub(super) struct Params {
     pub(super) call: DecodeCall,
     pub(super) o_part: u64,
     pub(super) lse_part: u64,
-    pub(super) fallback: u64,
     pub(super) counters: u64,
     pub(super) mods: ModifierArgs,
     pub(super) first_seq: i32,
@@ -169,26 +168,26 @@ pub(super) struct Params {
 // size the kernel checks against FD_HOST_PARAMS_BYTES).
 unsafe impl DeviceRepr for Params {}
 
-/// The launches of one checked call ([`check_call`]), into `out` (checked here); returns
-/// FlashDecoding++'s fallback flags when it ran (one `i32` per output row, 1 where FlashDecoding
-/// recomputed the row):
+/// The launch of one checked call ([`check_call`]), into `out` (checked here); with
+/// `count_fallbacks`, returns how many rows fell back when FlashDecoding++ ran (copying its flags,
+/// one `i32` per output row, to the host: the call then waits for the GPU):
 ///
 /// - FlashDecoding: `flash_decoding_split` (whose last block per group of splits combines them);
 /// - FlashDecoding++: `flash_decoding_pp_split` (whose last block per group of splits adds them
-///   up and flags the rows that fall back), then `flash_decoding_split` given the flags, which
-///   runs only the blocks holding a flagged row and writes only the flagged rows. No host round
-///   trip: when no row falls back, that launch is blocks that exit at once.
+///   up, flags the rows that fall back and recomputes those rows itself, each against its own
+///   largest score).
 ///
-/// Both kernel families write their partials into the same workspaces (FlashDecoding's `O_s`,
-/// `lse_s` where FlashDecoding++ had `acc_s`, `l_s`) and count on the same counters: the fallback
-/// reads or writes nothing before FlashDecoding++'s kernel has ended (it waits for it, pdl.cuh).
+/// One kernel per call (per chunk of sequences), launched programmatically (pdl.cuh): its blocks
+/// may start during the previous call's tail and wait for it before they touch memory, since
+/// every call uses the same workspaces and counters.
 pub(super) fn launch(
     gpu: &Gpu,
     q: &Tensor,
     cache: Cache<'_>,
     Call { shape: p, score_mod, sinks, plan, stages, q_strides, kv_strides, new_starts }: &Call,
     out: &mut Output,
-) -> Result<Option<CudaSlice<i32>>> {
+    count_fallbacks: bool,
+) -> Result<Option<usize>> {
     for (name, t) in [("o", &out.o), ("lse", &out.lse)] {
         gpu.check_context(t, name)?;
     }
@@ -206,7 +205,7 @@ pub(super) fn launch(
     let stages = *stages;
     let paged = table.is_some();
 
-    // FlashDecoding's kernels: the whole call, or FlashDecoding++'s fallback.
+    // FlashDecoding's kernel (and its row blocks, which size the counters either way).
     let (m_tiles, fd_row_blocks) = (m_tiles(r, p.d), row_blocks(r, p.d));
     let fd_blocks_x = splits.checked_mul(fd_row_blocks).ok_or_else(too_many)?;
     let modifiers = Modifiers {
@@ -214,15 +213,21 @@ pub(super) fn launch(
         sinks: sinks.is_some(),
         score_mod: score_mod.as_ref(),
     };
-    let fd = split_variant(p.d, p.dtype, m_tiles, stages, paged, &modifiers);
-    let fd_split = Kernel { variant: fd, entry: "flash_decoding_split" };
-    let fd_smem = split_shared_bytes(p.d, m_tiles, stages);
-    gpu.prepare(&fd_split, fd_smem)?;
-    // FlashDecoding++'s, when it runs.
+    // FlashDecoding++'s kernel, when it runs; FlashDecoding's otherwise.
     let pp_kernel = match plan.strategy {
         Strategy::Gemv => Some(PpKernel::Gemv),
         Strategy::FlatGemm => Some(PpKernel::flat(r, p.d)),
         _ => None,
+    };
+    let fd_launch = match pp_kernel {
+        Some(_) => None,
+        None => {
+            let fd = split_variant(p.d, p.dtype, m_tiles, stages, paged, &modifiers);
+            let fd_split = Kernel { variant: fd, entry: "flash_decoding_split" };
+            let fd_smem = split_shared_bytes(p.d, m_tiles, stages);
+            gpu.prepare(&fd_split, fd_smem)?;
+            Some((fd_split, fd_smem))
+        }
     };
     let pp_launch = match pp_kernel {
         None => None,
@@ -241,22 +246,14 @@ pub(super) fn launch(
     // output rows (numbered as `HeadRows::flat` in cuda/decode.cuh numbers them): O_s
     // (FlashDecoding) or acc_s (FlashDecoding++) [rows, splits, d], lse_s or l_s [rows, splits];
     // FlashDecoding++ also the sum of P as rounded and the largest exponent per split [rows,
-    // splits] each. Every element a kernel reads was written
-    // earlier in the call. FlashDecoding with one split writes O and lse directly: none.
+    // splits] each, and its fallback flags, one i32 per row (in the same scratch memory: an
+    // allocation per call would stand between one call's kernel and the next in the stream, where
+    // the programmatic launch wants the kernels back to back). Every element a kernel reads was
+    // written earlier in the call. FlashDecoding with one split writes O and lse directly: none.
     let rows = p.rows();
     let parts = if splits > 1 || pp_kernel.is_some() { rows * splits } else { 0 };
-    let pp_parts = if pp_kernel.is_some() { 2 * parts } else { 0 };
+    let pp_parts = if pp_kernel.is_some() { 2 * parts + rows } else { 0 };
     let workspace = parts * (p.d + 1) + pp_parts;
-    // FlashDecoding++'s fallback flags, one per row (copied back by forward_with_stats).
-    let mut flags = match pp_kernel {
-        None => None,
-        // SAFETY: flash_decoding_pp_split's combine writes every row's flag before anything
-        // reads it.
-        Some(_) => Some(
-            unsafe { gpu.stream().alloc::<i32>(rows) }
-                .map_err(KernelError::alloc(rows * std::mem::size_of::<i32>()))?,
-        ),
-    };
     // The modifiers' parameters (their tables stay on the device between calls).
     let mods = ModifierArgs::of(gpu, score_mod.as_ref(), sinks.as_ref(), p.scale)?;
     // At most MAX_LENGTH (checked), which fits in i32.
@@ -270,13 +267,6 @@ pub(super) fn launch(
     let (table_ptr, _g7) = match table {
         Some(t) => {
             let (ptr, guard) = t.table.device_ptr(s);
-            (ptr, Some(guard))
-        }
-        None => (0, None),
-    };
-    let (flags_ptr, _g9) = match &mut flags {
-        Some(f) => {
-            let (ptr, guard) = f.device_ptr_mut(s);
             (ptr, Some(guard))
         }
         None => (0, None),
@@ -300,12 +290,13 @@ pub(super) fn launch(
     let pp_row_blocks = pp_launch.as_ref().map_or(0, |&(_, _, row_blocks, _)| row_blocks);
     let counters =
         fd_row_blocks.max(pp_row_blocks) * p.heads_kv * p.batch.min(MAX_BATCH_PER_LAUNCH);
-    gpu.with_scratch(counters, workspace, |scratch| {
+    let fallback_rows = gpu.with_scratch(counters, workspace, |scratch| {
         // The workspaces' addresses, in the order listed above.
         let o_part_ptr = scratch.floats;
         let lse_part_ptr = o_part_ptr + (4 * parts * p.d) as u64;
         let lr_part_ptr = lse_part_ptr + (4 * parts) as u64;
         let max_part_ptr = lr_part_ptr + (4 * parts) as u64;
+        let flags_ptr = max_part_ptr + (4 * parts) as u64;
         for first in (0..p.batch).step_by(MAX_BATCH_PER_LAUNCH) {
             let n = (p.batch - first).min(MAX_BATCH_PER_LAUNCH);
             // The chunk's first output row and its rows (decode.cuh numbers packed rows
@@ -340,7 +331,6 @@ pub(super) fn launch(
                 *dst = len as i32;
             }
             let at = |ptr: u64, elements: usize, size: usize| ptr + (elements * size) as u64;
-            let fallback = if pp_kernel.is_some() { at(flags_ptr, row0, 4) } else { 0 };
             let call = DecodeCall {
                 q: at(q_ptr, q_off, elem),
                 k: at(k_ptr, kv0, elem),
@@ -369,7 +359,6 @@ pub(super) fn launch(
                 call,
                 o_part: at(o_part_ptr, row0 * splits * p.d, 4),
                 lse_part: at(lse_part_ptr, row0 * splits, 4),
-                fallback,
                 counters: scratch.counters,
                 mods,
                 // At most the batch, which fits in i32 (the rows do, checked).
@@ -384,14 +373,14 @@ pub(super) fn launch(
                     l_part: params.lse_part,
                     lr_part: at(lr_part_ptr, row0 * splits, 4),
                     max_part: at(max_part_ptr, row0 * splits, 4),
-                    fallback,
+                    fallback: at(flags_ptr, row0, 4),
                     counters: scratch.counters,
                     phi: w.phi,
                     phi_log2: w.phi_log2,
                     lo_log2: w.lo_log2,
                     hi_log2: w.hi_log2,
                 };
-                gpu.launch(
+                gpu.launch_programmatic(
                     split,
                     grid(*blocks_x, p.heads_kv, n)?,
                     32 * WARPS as u32,
@@ -399,18 +388,28 @@ pub(super) fn launch(
                     &pp_params,
                 )?;
             }
-            // FlashDecoding: the call itself, or (fallback set) the rows FlashDecoding++ flagged.
-            // Programmatic: its blocks start during the previous kernel's tail (pdl.cuh).
-            gpu.launch_programmatic(
-                &fd_split,
-                grid(fd_blocks_x, p.heads_kv, n)?,
-                32 * WARPS as u32,
-                fd_smem,
-                &params,
-            )?;
+            if let Some((fd_split, fd_smem)) = &fd_launch {
+                gpu.launch_programmatic(
+                    fd_split,
+                    grid(fd_blocks_x, p.heads_kv, n)?,
+                    32 * WARPS as u32,
+                    *fd_smem,
+                    &params,
+                )?;
+            }
         }
-        Ok(())
+        if !(count_fallbacks && pp_kernel.is_some()) {
+            return Ok(None);
+        }
+        // Copied while the scratch memory is still this call's.
+        let mut flags = vec![0i32; rows];
+        // SAFETY: flags_ptr addresses `rows` i32 of the scratch buffer, written by this call's
+        // kernels on this stream; the host waits for the copy before reading `flags`.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut flags, flags_ptr, s.cu_stream()) }
+            .map_err(KernelError::driver("copying the fallback flags to the host"))?;
+        s.synchronize().map_err(KernelError::driver("copying the fallback flags to the host"))?;
+        Ok(Some(flags.iter().filter(|&&f| f != 0).count()))
     })?;
-    drop((_g0, _g1, _g2, _g5, _g6, _g7, _g9));
-    Ok(flags)
+    drop((_g0, _g1, _g2, _g5, _g6, _g7));
+    Ok(fallback_rows)
 }
