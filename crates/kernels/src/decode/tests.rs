@@ -118,11 +118,11 @@ fn params_are_laid_out_like_the_cuda_struct() {
     assert_eq!(std::mem::offset_of!(DecodeCall, lengths), 160);
     assert_eq!(std::mem::offset_of!(DecodeCall, new_starts), 1184);
     assert_eq!(std::mem::size_of::<DecodeCall>(), 2216);
-    // FlashDecoding's: the call, 4 pointers, the modifiers' 80 bytes (score_mod.cuh), 2 ints.
+    // FlashDecoding's: the call, 3 pointers, the modifiers' 80 bytes (score_mod.cuh), 2 ints.
     assert_eq!(std::mem::offset_of!(Params, o_part), 2216);
-    assert_eq!(std::mem::offset_of!(Params, mods), 2248);
-    assert_eq!(std::mem::offset_of!(Params, first_seq), 2328);
-    assert_eq!(std::mem::size_of::<Params>(), 2336);
+    assert_eq!(std::mem::offset_of!(Params, mods), 2240);
+    assert_eq!(std::mem::offset_of!(Params, first_seq), 2320);
+    assert_eq!(std::mem::size_of::<Params>(), 2328);
 }
 
 fn desc(shape: &[usize], dtype: DType) -> Desc<'_> {
