@@ -297,7 +297,7 @@ pub enum GpuRung {
     /// FlashDecoding (`ladder_kernels::decode::forward`): new tokens against a KV cache.
     FlashDecoding,
     /// FlashDecoding++ (`ladder_kernels::decode::forward` with a FlashDecoding++ strategy):
-    /// unified max, flat GEMM or GEMV, rows out of range recomputed by FlashDecoding.
+    /// unified max, flat GEMM or GEMV, rows out of range recomputed against their own largest score.
     FlashDecodingPp,
 }
 

@@ -736,7 +736,7 @@ enum RowFate {
     NoKey,
     /// The largest score minus `φ` lies inside the window: kept.
     Kept,
-    /// Outside the window: recomputed by FlashDecoding.
+    /// Outside the window: recomputed against its own largest score.
     FallsBack,
     /// Within 10⁻³ (relative) of an edge of the window: the kernel's `f32` scores may go either
     /// way.

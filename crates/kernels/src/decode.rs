@@ -246,8 +246,9 @@ pub struct DecodeOptions {
     /// [`DEFAULT_PHI`]. Ignored by FlashDecoding.
     pub phi: f32,
     /// FlashDecoding++'s safe window `(lo, hi)`: a row whose largest score `s` has `s − φ` outside
-    /// `[lo, hi]` is recomputed by FlashDecoding. `None`: `±ln(MAX)/2` of the element type
-    /// ([`default_safe_range`]: ±5.55 for fp16, ±44.4 for bf16); `hi` may be at most `ln(MAX)`.
+    /// `[lo, hi]` is recomputed against its own largest score. `None`: `±ln(MAX)/2` of the
+    /// element type ([`default_safe_range`]: ±5.55 for fp16, ±44.4 for bf16); `hi` may be at most
+    /// `ln(MAX)`.
     pub safe_range: Option<(f32, f32)>,
     /// A sliding window ([`crate::Window`]; none by default): each new token sees the `left`
     /// keys before its own position and itself, Mistral's and Gemma's local layers with

@@ -144,7 +144,7 @@ pub struct BenchArgs {
     #[arg(long, value_enum)]
     pub(super) pp_kernel: Option<PpKernelArg>,
     /// FlashDecoding++ only: the unified max φ (`DecodeOptions::phi`) [default: 0]. Rows whose
-    /// scores leave its window are recomputed by FlashDecoding; their count is in bench.json.
+    /// scores leave its window are recomputed (in the same launch); their count is in bench.json.
     #[arg(long)]
     pub(super) phi: Option<f32>,
     /// Decode only: new tokens per sequence (1 … 16; more than one is speculative decoding,

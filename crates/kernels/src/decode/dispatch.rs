@@ -20,7 +20,8 @@ use crate::error::{KernelError, Result};
 /// max, or FlashDecoding++'s unified max `φ` with one of its two GEMM shapes for few rows, the
 /// *flat GEMM* (tensor cores, the query rows padded to 8 instead of 16) and the *GEMV* (CUDA
 /// cores, one query row). All of them compute the same attention within the tolerance rule; a
-/// FlashDecoding++ row whose scores leave `φ`'s safe window is recomputed by FlashDecoding.
+/// FlashDecoding++ row whose scores leave `φ`'s safe window is recomputed against its own
+/// largest score.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Strategy {
     /// The heuristic dataflow picks one of the others ([`dispatch`]).
