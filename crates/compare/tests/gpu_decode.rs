@@ -978,8 +978,9 @@ fn check_fallbacks(
             let what = format!("{case:?} {strategy} splits {splits:?} φ {phi} window {range:?}");
             let (out, stats) = launch_with(gpu, case, &dev, &opts);
             assert_fallback_count(&what, stats.fallback_rows, &fates);
-            // The fallback rows are written in the same launch: into an output of NaN, the call
-            // leaves the same bits as into a fresh one (no row is left to a later launch).
+            // Into an output of NaN the caller keeps, the call leaves forward_with_stats' bits (whose
+            // outputs the test Gpu poisons too): a row the launch never wrote stays NaN and fails
+            // the oracle's check below.
             let o_shape = [case.batch(), case.heads_q, case.n_new, case.d];
             let mut poisoned = Output {
                 o: nan_tensor(gpu, &o_shape, case.dtype),

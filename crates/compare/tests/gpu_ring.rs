@@ -2,12 +2,13 @@
 //! the float64 oracle on the whole sequence and against the single-GPU kernel on the same
 //! sequence (`ladder_kernels::attention`: FA3 on Hopper where it takes the call, FA2 otherwise).
 //!
-//! Each case draws a sequence of 1 to 300 tokens (lengths that neither the ranks nor `2P`
-//! divide, and shorter than `2P`, so that some chunks are empty), 1 to 5 ranks, the zigzag or the
+//! Each case draws a sequence of 1 to 300 tokens (mostly lengths that neither the ranks nor `2P`
+//! divide; now and then shorter than `2P`, so that some chunks are empty), 1 to 5 ranks, the zigzag or the
 //! contiguous sharding, causal or not, GQA, every head dimension FA2 takes (FA3 declines some,
 //! and those chunk pairs run on FA2), sinks or none, Q, K and V in any of the checks' layouts, fp16
-//! and bf16. The outputs are poisoned before every launch, so a row the merge or the finish
-//! misses shows as NaN. The backward pass (head dimensions up to 128) is held the same way: its
+//! and bf16. The outputs are poisoned before every launch, so a row the finish never writes
+//! shows as NaN (a pair the merge misses leaves its rows short of that pair's keys, which the
+//! oracle's comparison catches). The backward pass (head dimensions up to 128) is held the same way: its
 //! dQ, dK, dV (and the sinks' gradient) to the float64 oracle's and to the whole sequence's
 //! backward on one GPU.
 //!
@@ -239,11 +240,22 @@ fn what_the_ring_does_not_take_is_an_error() {
     let run = |k: &Tensor, opts: &Options, ring: &RingOptions| {
         ring::forward(gpu, &x, k, k, opts, ring).expect_err("refused").to_string()
     };
-    assert!(run(&x, &Options::causal(), &RingOptions::new(0)).contains("at least 1 rank"));
+    assert!(run(&x, &Options::causal(), &RingOptions::new(0)).contains("ranks, got 0"));
+    let too_many = RingOptions::new(ring::MAX_RANKS + 1);
+    assert!(run(&x, &Options::causal(), &too_many).contains("ranks, got"));
     assert!(run(&short, &Options::causal(), &ring).contains("n_q = n_kv"));
     let windowed = Options::causal().with_window(Window::left(8));
     assert!(run(&x, &windowed, &ring).contains("ring"));
     let x32 = t(64, DType::F32);
     let r = ring::forward(gpu, &x32, &x32, &x32, &Options::causal(), &ring);
     assert!(matches!(r, Err(KernelError::UnsupportedDtype { rung: "ring", .. })), "{r:?}");
+    // The backward kernels stop at d = 128: refused before the walk, naming the ring.
+    let wide = gpu.zeros(&[1, 2, 64, 136], DType::F16).expect("alloc");
+    let o = gpu.zeros(&[1, 2, 64, 136], DType::F16).expect("alloc");
+    let out = Output { o, lse: gpu.zeros(&[1, 2, 64], DType::F32).expect("alloc") };
+    let r = ring::backward(gpu, &wide, &wide, &wide, &out, &wide, &Options::causal(), &ring);
+    assert!(
+        matches!(r, Err(KernelError::UnsupportedHeadDim { rung: "ring", d: 136, .. })),
+        "{r:?}"
+    );
 }

@@ -142,7 +142,7 @@ struct FdppParams {
     float* l_part;    // Σ 2^t per (row, split): lse and the decision
     float* lr_part;   // Σ 2^t as rounded for P·V per (row, split): O's denominator
     float* max_part;  // the largest t per (row, split), −inf if none
-    int* fallback;    // 1 where the row is left to FlashDecoding, else 0 (written for every row)
+    int* fallback;    // 1 where the row fell back (recomputed in this launch), else 0; every row
     // One per (sequence, kv head, row block) of the launch, zero before it and left zero after:
     // the splits of a group count themselves in here (last_to_finish, decode.cuh).
     unsigned* counters;
@@ -464,7 +464,7 @@ __device__ __forceinline__ bool combine_row(const FdppParams& p, size_t row, flo
 
     // The decision, the CPU rung's: keep the row if its largest exponent is inside the window and
     // its sum is a positive number; a row without a finite score (max −inf: O = 0, lse = −inf) or
-    // with a NaN (l NaN: the row is NaN) is kept too. Everything else is FlashDecoding's. (The
+    // with a NaN (l NaN: the row is NaN) is kept too. Everything else falls back. (The
     // rounded sum is positive whenever the largest term is inside the default windows; a window
     // reaching below the 16-bit type's subnormals could round every term to 0: then the row falls
     // back too.)

@@ -4,8 +4,9 @@
 //! ([`crate::ring`]), calls when it wants attention rather than a particular rung.
 //!
 //! FA3 declines with the errors of its own limits ([`KernelError::UnsupportedArch`],
-//! `UnsupportedHeadDim`, `UnsupportedDtype`, `SharedMemory`, `Shape`); any other error (a bad
-//! input, a device failure) is returned as it is, not retried on FA2.
+//! `UnsupportedHeadDim`, `UnsupportedDtype`, `SharedMemory`, `Shape`), and the call goes to FA2;
+//! a shape error of a bad input is among them, and FA2 then reports it in its own words. Any
+//! other error (a device failure) is returned as it is, not retried on FA2.
 
 use crate::error::{KernelError, Result};
 use crate::{Gpu, Gradients, Options, Output, Tensor, fa2, fa3, varlen::SeqLens};

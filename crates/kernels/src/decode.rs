@@ -320,9 +320,9 @@ impl Default for DecodeOptions {
 pub struct DecodeStats {
     /// The kernel that ran and its split count.
     pub plan: Plan,
-    /// FlashDecoding++: the rows whose scores left `φ`'s safe window and were recomputed by
-    /// FlashDecoding (as `ladder_reference::RunStats::fallback_rows` counts them); `None` when
-    /// FlashDecoding ran.
+    /// FlashDecoding++: the rows whose scores left `φ`'s safe window and were recomputed, in the
+    /// same launch, against their own largest score (as `ladder_reference::RunStats::fallback_rows`
+    /// counts them); `None` when FlashDecoding ran.
     pub fallback_rows: Option<usize>,
 }
 

@@ -109,7 +109,7 @@ pub fn forward(
     ring: &RingOptions,
 ) -> Result<Output> {
     let p = Problem::new(gpu, q, k, v, opts)?;
-    check(&p, ring)?;
+    check(&p, ring, crate::fa2::HEAD_DIMS)?;
     let kernels = RingKernels::new(gpu, p.dtype)?;
     let (b, hq, n, d) = (p.batch, p.heads_q, p.n_q, p.d);
     let mut acc = gpu.zeros(&[b, hq, n, d], DType::F32)?;
@@ -150,7 +150,7 @@ pub fn backward(
     ring: &RingOptions,
 ) -> Result<Gradients> {
     let p = Problem::new(gpu, q, k, v, opts)?;
-    check(&p, ring)?;
+    check(&p, ring, crate::fa2::BACKWARD_HEAD_DIMS)?;
     p.require_like(gpu, "out.o", &out.o, q.shape(), p.dtype)?;
     p.require_like(gpu, "d_o", d_o, q.shape(), p.dtype)?;
     p.require_like(gpu, "out.lse", &out.lse, &[p.batch, p.heads_q, p.n_q], DType::F32)?;
@@ -233,42 +233,79 @@ fn walk(
     // The stream the slices travel on, beside the one the attention runs on.
     let transfer =
         gpu.stream().fork().map_err(KernelError::driver("creating the ring's transfer stream"))?;
-    for step in 0..ranks {
-        // The next step's slices, on their way while this step attends: rank r's is rank r − 1's.
-        let incoming = if step + 1 < ranks { Some(send(gpu, &transfer, &held)?) } else { None };
-        for (r, (queries, [k_held, v_held])) in shards.iter().zip(&held).enumerate() {
-            let keys = &shards[(r + ranks - step) % ranks];
-            for qc in queries {
-                let mut at = 0; // the key chunk's first row in the held slice
-                for kc in keys {
-                    let offset = at;
-                    at += kc.len();
-                    let Some(square) = meets(p.causal, qc, kc) else { continue };
-                    attend(ChunkPair {
-                        q: qc.clone(),
-                        k_rows: kc.clone(),
-                        k: k_held.narrow(2, offset, kc.len())?,
-                        v: v_held.narrow(2, offset, kc.len())?,
-                        square,
-                    })?;
-                }
+    // The next step's slices, on their way while a step attends: rank r's is rank r − 1's. Kept
+    // out here so that, on an error, they outlive the join below.
+    let mut incoming: Option<Vec<[Tensor; 2]>> = None;
+    let steps = (|| -> Result<()> {
+        for step in 0..ranks {
+            incoming = if step + 1 < ranks { Some(send(gpu, &transfer, &held)?) } else { None };
+            attend_step(p, &shards, step, &held, &mut attend)?;
+            if let Some(next) = incoming.take() {
+                // The next step reads the copies: the attention stream waits for them.
+                gpu.stream()
+                    .join(&transfer)
+                    .map_err(KernelError::driver("waiting for the ring's transfers"))?;
+                held = next;
             }
         }
-        if let Some(next) = incoming {
-            // The next step reads the copies: the attention stream waits for them.
-            gpu.stream()
-                .join(&transfer)
-                .map_err(KernelError::driver("waiting for the ring's transfers"))?;
-            held = next;
+        Ok(())
+    })();
+    // On every exit, an error's included, the attention stream waits for the copies queued on the
+    // transfer stream before any slice they read or write is freed (a buffer's free is queued on
+    // the attention stream).
+    let joined = gpu
+        .stream()
+        .join(&transfer)
+        .map_err(KernelError::driver("waiting for the ring's transfers"));
+    steps.and(joined)
+}
+
+/// Step `step` of the ring: `attend` on every chunk pair the mask leaves, rank by rank, each rank
+/// holding the slice of rank `r − step`.
+fn attend_step(
+    p: &Problem,
+    shards: &[Vec<Range<usize>>],
+    step: usize,
+    held: &[[Tensor; 2]],
+    attend: &mut impl FnMut(ChunkPair) -> Result<()>,
+) -> Result<()> {
+    let ranks = shards.len();
+    for (r, (queries, [k_held, v_held])) in shards.iter().zip(held).enumerate() {
+        let keys = &shards[(r + ranks - step) % ranks];
+        for qc in queries {
+            let mut at = 0; // the key chunk's first row in the held slice
+            for kc in keys {
+                let offset = at;
+                at += kc.len();
+                let Some(square) = meets(p.causal, qc, kc) else { continue };
+                attend(ChunkPair {
+                    q: qc.clone(),
+                    k_rows: kc.clone(),
+                    k: k_held.narrow(2, offset, kc.len())?,
+                    v: v_held.narrow(2, offset, kc.len())?,
+                    square,
+                })?;
+            }
         }
     }
     Ok(())
 }
 
-/// What the ring refuses, whatever the rung underneath would take.
-fn check(p: &Problem, ring: &RingOptions) -> Result<()> {
-    if ring.ranks == 0 {
-        return Err(KernelError::Shape("a ring needs at least 1 rank".to_string()));
+/// The most ranks a ring takes: far past any GPU count, and small enough that `2 · ranks` chunks
+/// and `ranks²` chunk pairs stay well inside `usize`.
+pub const MAX_RANKS: usize = 1 << 16;
+
+/// What the ring refuses, whatever the rung underneath would take: `head_dims` are those of the
+/// pass (the backward kernels stop at 128), checked here rather than at the first chunk pair.
+fn check(p: &Problem, ring: &RingOptions, head_dims: &'static [usize]) -> Result<()> {
+    if ring.ranks == 0 || ring.ranks > MAX_RANKS {
+        return Err(KernelError::Shape(format!(
+            "a ring takes 1 to {MAX_RANKS} ranks, got {}",
+            ring.ranks
+        )));
+    }
+    if !head_dims.contains(&p.d) {
+        return Err(KernelError::UnsupportedHeadDim { rung: "ring", d: p.d, supported: head_dims });
     }
     if p.n_q != p.n_kv {
         return Err(KernelError::Shape(format!(
@@ -293,18 +330,27 @@ fn send(gpu: &Gpu, transfer: &Arc<CudaStream>, held: &[[Tensor; 2]]) -> Result<V
         .map(|[k, v]| Ok([gpu.output(k.shape(), k.dtype())?, gpu.output(v.shape(), v.dtype())?]))
         .collect::<Result<Vec<[Tensor; 2]>>>()?;
     transfer.join(gpu.stream()).map_err(KernelError::driver("ordering the ring's transfers"))?;
-    for (r, to) in next.iter_mut().enumerate() {
-        for (from, to) in held[(r + ranks - 1) % ranks].iter().zip(to.iter_mut()) {
-            let bytes = from.len() * from.dtype().size();
-            let (src, _read) = from.read_ptr(transfer);
-            let (dst, _write) = to.write_ptr(transfer)?;
-            // SAFETY: both are whole packed slices of `bytes` bytes (`gather`'s, or an earlier
-            // copy's), alive until the attention stream has waited for this copy.
-            unsafe {
-                cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, transfer.cu_stream())
+    let copies = (|| -> Result<()> {
+        for (r, to) in next.iter_mut().enumerate() {
+            for (from, to) in held[(r + ranks - 1) % ranks].iter().zip(to.iter_mut()) {
+                let bytes = from.len() * from.dtype().size();
+                let (src, _read) = from.read_ptr(transfer);
+                let (dst, _write) = to.write_ptr(transfer)?;
+                // SAFETY: both are whole packed slices of `bytes` bytes (`gather`'s, or an
+                // earlier copy's), alive until the attention stream has waited for this copy.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, transfer.cu_stream())
+                }
+                .map_err(KernelError::driver("passing a K/V slice along the ring"))?;
             }
-            .map_err(KernelError::driver("passing a K/V slice along the ring"))?;
         }
+        Ok(())
+    })();
+    if let Err(e) = copies {
+        // The copies already queued write into `next`, which is freed on the attention stream:
+        // it waits for them first (the copy's error is the one worth reporting).
+        let _ = gpu.stream().join(transfer);
+        return Err(e);
     }
     Ok(next)
 }
@@ -358,7 +404,7 @@ pub(crate) fn variants() -> Vec<Variant> {
 /// own here).
 fn int(x: usize, what: &str) -> Result<i32> {
     i32::try_from(x)
-        .map_err(|_| KernelError::Shape(format!("the ring's {what} ({x}) exceed an int")))
+        .map_err(|_| KernelError::Shape(format!("the ring's {what} ({x}) exceed i32::MAX")))
 }
 
 /// The grid of a loop over `items` work items of `per_item` threads each.
@@ -476,10 +522,8 @@ impl RingKernels {
     ) -> Result<Output> {
         let mut lse = gpu.output(&[p.batch, p.heads_q, p.n_q], DType::F32)?;
         let sinks = match &p.sinks {
-            Some(sinks) => {
-                sinks.check(p.heads_q)?;
-                gpu.table(sinks.shared())?
-            }
+            // Checked against the heads by Problem::new.
+            Some(sinks) => gpu.table(sinks.shared())?,
             None => 0,
         };
         let o = {

@@ -1,5 +1,5 @@
-//! The launches of a checked call: the kernels' variants and parameter struct, and the sequence
-//! of launches FlashDecoding and FlashDecoding++ make.
+//! The launch of a checked call: FlashDecoding's kernel variants and parameter struct, and the
+//! one kernel per chunk of sequences that FlashDecoding or FlashDecoding++ launches.
 
 use cudarc::driver::{DevicePtr, DeviceRepr};
 
