@@ -231,7 +231,8 @@ fn gpu_decode_forward_into_equals_forward() {
 }
 
 /// Calls launched back to back, each reading as its query what the call before it wrote: on
-/// Hopper the split kernel is launched programmatically (`GpuConfig::programmatic_launch`, on by
+/// Hopper the split kernel (FlashDecoding's, and FlashDecoding++'s two kernels, also with every
+/// row falling back) is launched programmatically (`GpuConfig::programmatic_launch`, on by
 /// default), so its blocks start while the previous call finishes, and must wait for it before
 /// reading. The chain runs on a `Gpu` of its own (its own stream, no poisoning, no synchronising
 /// launches: nothing between two calls but the calls), issued from a thread that has not used the
@@ -266,8 +267,16 @@ fn gpu_decode_a_call_reads_what_the_call_before_it_wrote() {
             own.synchronize().expect("sync");
             outs
         };
-        for splits in [Some(1), Some(5)] {
-            let opts = case.decode_options(DecodeStrategy::FlashDecoding, splits, 0.0);
+        let runs = [
+            (DecodeStrategy::FlashDecoding, 0.0),
+            (DecodeStrategy::Gemv, 0.0),
+            (DecodeStrategy::FlatGemm, 0.0),
+            (DecodeStrategy::FlatGemm, 100.0),
+        ];
+        for ((strategy, phi), splits) in runs.into_iter().flat_map(|r| [(r, Some(1)), (r, Some(5))])
+        {
+            let what = format!("{case:?} {strategy} φ {phi} splits {splits:?}");
+            let opts = case.decode_options(strategy, splits, phi);
             let chain = |outs: &mut Vec<Output>, wait: bool| {
                 for i in 0..outs.len() {
                     let (done, rest) = outs.split_at_mut(i);
@@ -286,11 +295,11 @@ fn gpu_decode_a_call_reads_what_the_call_before_it_wrote() {
             own.synchronize().expect("sync");
             for (i, (a, b)) in fast.iter().zip(&waited).enumerate() {
                 let (a, b) = (bytes(a), bytes(b));
-                assert!(a == b, "{case:?} splits {splits:?}: call {i} of the chain differs");
+                assert!(a == b, "{what}: call {i} of the chain differs");
             }
             // Not a chain of NaN: the last call's output is finite.
             let o = waited[7].o.to_f32_vec().expect("download");
-            assert!(o.iter().all(|v| v.is_finite()), "{case:?}: NaN in the chain");
+            assert!(o.iter().all(|v| v.is_finite()), "{what}: NaN in the chain");
         }
     }
 }
