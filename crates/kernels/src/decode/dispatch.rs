@@ -120,7 +120,10 @@ pub const PP_MIN_KEYS: usize = 1 << 16;
 /// shapes, 2026-11-30): they tie FlashDecoding where the card's bandwidth is the limit (4.49 vs
 /// 4.52 TB/s at B1 32/32 128k, 4.62 vs 4.63 at B16 32/32 32k) and lose on short calls (3.13 vs
 /// 3.44 at B1 32/32 8k, 1.23 vs 2.16 at B1 32/8 8k), so `Auto` stays with FlashDecoding on this
-/// card; the table below is what it would do with this switched on (and what
+/// card. With FlashDecoding++'s fallback moved into its one launch (H100, 2026-12-06,
+/// `docs/results/history/h100-fdpp-in-launch`) it ties FlashDecoding (0.96–1.00× on the reference
+/// shapes with one new token) but still wins nowhere, and loses 21 % with 16 rows per kv head at
+/// batch 1: still off. The table below is what it would do with this switched on (and what
 /// [`Strategy::FlashDecodingPp`] picks between its two kernels).
 pub const PP_IN_AUTO: bool = false;
 
