@@ -354,8 +354,10 @@ mod tests {
         }
         let warp = section(PP, "the flat GEMM warp").unwrap();
         assert!(warp.code().contains("struct FlatGemm"), "{warp}");
-        let combine = item(PP, "void combine_row(").unwrap();
+        let combine = item(PP, "bool combine_row(").unwrap();
         assert!(combine.code().contains("p.fallback[row]"), "{combine}");
+        let fallback = section(PP, "the fallback, in this launch").unwrap();
+        assert!(fallback.code().contains("w.restart("), "{fallback}");
     }
 
     #[test]
