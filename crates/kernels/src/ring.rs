@@ -238,7 +238,9 @@ fn walk(
     let mut incoming: Option<Vec<[Tensor; 2]>> = None;
     let steps = (|| -> Result<()> {
         for step in 0..ranks {
-            incoming = if step + 1 < ranks { Some(send(gpu, &transfer, &held)?) } else { None };
+            if step + 1 < ranks {
+                send(gpu, &transfer, &held, &mut incoming)?;
+            }
             attend_step(p, &shards, step, &held, &mut attend)?;
             if let Some(next) = incoming.take() {
                 // The next step reads the copies: the attention stream waits for them.
@@ -319,40 +321,40 @@ fn check(p: &Problem, ring: &RingOptions, head_dims: &'static [usize]) -> Result
     p.require_no_mask_mod("ring")
 }
 
-/// Every rank's next slice, rank `r − 1`'s, copied on the `transfer` stream: the buffers are
-/// allocated on the attention stream, which the transfer stream waits for (the allocations, and
-/// the step before's reads of the slices the copies read), so the copies overlap this step's
-/// attention.
-fn send(gpu: &Gpu, transfer: &Arc<CudaStream>, held: &[[Tensor; 2]]) -> Result<Vec<[Tensor; 2]>> {
+/// Every rank's next slice, rank `r − 1`'s, copied on the `transfer` stream into `next` (the
+/// caller's, so that on an error the buffers outlive its join of the transfer stream): the
+/// buffers are allocated on the attention stream, which the transfer stream waits for (the
+/// allocations, and the step before's reads of the slices the copies read), so the copies overlap
+/// this step's attention.
+fn send(
+    gpu: &Gpu,
+    transfer: &Arc<CudaStream>,
+    held: &[[Tensor; 2]],
+    next: &mut Option<Vec<[Tensor; 2]>>,
+) -> Result<()> {
     let ranks = held.len();
-    let mut next = held
-        .iter()
-        .map(|[k, v]| Ok([gpu.output(k.shape(), k.dtype())?, gpu.output(v.shape(), v.dtype())?]))
-        .collect::<Result<Vec<[Tensor; 2]>>>()?;
+    let next = next.insert(
+        held.iter()
+            .map(|[k, v]| {
+                Ok([gpu.output(k.shape(), k.dtype())?, gpu.output(v.shape(), v.dtype())?])
+            })
+            .collect::<Result<Vec<[Tensor; 2]>>>()?,
+    );
     transfer.join(gpu.stream()).map_err(KernelError::driver("ordering the ring's transfers"))?;
-    let copies = (|| -> Result<()> {
-        for (r, to) in next.iter_mut().enumerate() {
-            for (from, to) in held[(r + ranks - 1) % ranks].iter().zip(to.iter_mut()) {
-                let bytes = from.len() * from.dtype().size();
-                let (src, _read) = from.read_ptr(transfer);
-                let (dst, _write) = to.write_ptr(transfer)?;
-                // SAFETY: both are whole packed slices of `bytes` bytes (`gather`'s, or an
-                // earlier copy's), alive until the attention stream has waited for this copy.
-                unsafe {
-                    cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, transfer.cu_stream())
-                }
-                .map_err(KernelError::driver("passing a K/V slice along the ring"))?;
+    for (r, to) in next.iter_mut().enumerate() {
+        for (from, to) in held[(r + ranks - 1) % ranks].iter().zip(to.iter_mut()) {
+            let bytes = from.len() * from.dtype().size();
+            let (src, _read) = from.read_ptr(transfer);
+            let (dst, _write) = to.write_ptr(transfer)?;
+            // SAFETY: both are whole packed slices of `bytes` bytes (`gather`'s, or an earlier
+            // copy's), alive until the attention stream has waited for this copy.
+            unsafe {
+                cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, transfer.cu_stream())
             }
+            .map_err(KernelError::driver("passing a K/V slice along the ring"))?;
         }
-        Ok(())
-    })();
-    if let Err(e) = copies {
-        // The copies already queued write into `next`, which is freed on the attention stream:
-        // it waits for them first (the copy's error is the one worth reporting).
-        let _ = gpu.stream().join(transfer);
-        return Err(e);
     }
-    Ok(next)
+    Ok(())
 }
 
 /// A `[batch, heads, rows, d]` tensor as `ring.cu` reads it.
