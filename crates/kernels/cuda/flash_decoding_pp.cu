@@ -517,17 +517,8 @@ __device__ __forceinline__ bool combine_row(const FdppParams& p, size_t row, flo
 // ---- the walk: one pass of a block's warps over a range of keys ---------------------------------
 //
 // The K/V pipeline of flash_decoding_split (kv_cache.cuh): STAGES − 1 tiles in flight while one is
-// read; group g of commits holds tile g (after any group committed before the walk).
-template <class Pipeline>
-__device__ __forceinline__ void start_walk(Pipeline& kv) {
-#pragma unroll
-    for (int t = 0; t < STAGES - 1; ++t) {
-        long long start[GROUPS];
-        kv.starts(t, start);
-        kv.load(t, start);
-    }
-}
-
+// read (KvPipeline::prime starts them; group g of its commits holds tile g).
+//
 // Every tile of the walk: find where tile j + STAGES − 1 lies, wait for tile j, one barrier (every
 // warp is done with tile j − 1, whose stage the next copy reuses). Tiles reaching past `min_limit`
 // (token 0's limit, the smallest) need the causal mask. Ends with every copy landed and a barrier.
@@ -612,7 +603,7 @@ flash_decoding_pp_split(const __grid_constant__ FdppParams p) {
     // while the first K/V tiles are still in flight.
     load_head_rows<Q_ROWS, THREADS>(sQ, call.q, call.q_strides, rows, r0, RB);
     cp_async_commit();
-    start_walk(kv);
+    kv.prime();
     cp_async_wait<STAGES - 1>();  // Q has landed (the STAGES − 1 younger K/V groups may not)
     __syncthreads();
     WarpState w(sQ, sK, sV, r0, n_new, len, keys.end, p.phi_log2);
@@ -675,7 +666,7 @@ flash_decoding_pp_split(const __grid_constant__ FdppParams p) {
     // what a FlashDecoding call with one split would.
     const KeyChunk all = key_chunk<BC>(len, 1, 0);
     KvPipeline<BC, THREADS, STAGES, PAGED> kv_all(cache, call, sK, sV, all);
-    start_walk(kv_all);
+    kv_all.prime();
     w.restart(r0, n_new, len, all.end, p.phi_log2, t_row);
     walk(kv_all, w, min(len - n_new + 1, all.end), call.scale_log2);
     const bool bad_page_all = PAGED && __syncthreads_or(kv_all.bad);

@@ -168,6 +168,17 @@ struct KvPipeline {
             start[g] = cache.start(k_begin + tile * BC + g * KEY_GROUP, k_end, bad);
     }
 
+    // The first STAGES − 1 tiles on their way: the walk's first STAGES − 1 commit groups, one tile
+    // each, so that tile j has landed once at most STAGES − 2 younger groups are pending.
+    __device__ __forceinline__ void prime() {
+#pragma unroll
+        for (int t = 0; t < STAGES - 1; ++t) {
+            long long start[GROUPS];
+            starts(t, start);
+            load(t, start);
+        }
+    }
+
     __device__ __forceinline__ void load(int tile, const long long (&start)[GROUPS]) const {
         if (tile < n_tiles) {
             const int stage = tile % STAGES;
