@@ -193,6 +193,37 @@ fn out_of_memory_is_an_error_and_the_gpu_stays_usable() {
     assert!(out.o.to_f32_vec().expect("copy").iter().all(|v| v.is_finite()));
 }
 
+/// The memory a call frees stays in the device's pool across a synchronisation
+/// (`Gpu::keep_freed_memory`, set by `Gpu::with_config`), so the next call does not map it again.
+#[test]
+fn freed_memory_stays_in_the_pool() {
+    use ladder_kernels::cudarc::driver::sys;
+    let Some(gpu) = gpu() else { return };
+    let attribute = |attr| -> u64 {
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        let mut value = 0u64;
+        gpu.context().bind_to_thread().expect("bind");
+        // SAFETY: the device's current pool, and a u64 for the two attributes read below.
+        unsafe {
+            sys::cuDeviceGetMemPool(&mut pool, gpu.context().cu_device()).result().expect("pool");
+            sys::cuMemPoolGetAttribute(pool, attr, (&mut value as *mut u64).cast())
+                .result()
+                .expect("attribute");
+        }
+        value
+    };
+    use sys::CUmemPool_attribute::{
+        CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+    };
+    assert_eq!(attribute(CU_MEMPOOL_ATTR_RELEASE_THRESHOLD), u64::MAX);
+    // 256 MiB allocated, freed and synchronised: still reserved by the pool.
+    let big = gpu.zeros(&[64 << 20], DType::F32).expect("256 MiB");
+    drop(big);
+    gpu.synchronize().expect("synchronize");
+    let reserved = attribute(CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
+    assert!(reserved >= 256 << 20, "the pool kept {reserved} bytes");
+}
+
 /// Which query rows a NaN in row `j` of K or V reaches: every row that sees key `j`.
 fn sees(i: usize, j: usize, n_q: usize, n_kv: usize, causal: bool) -> bool {
     !causal || j + n_q <= i + n_kv

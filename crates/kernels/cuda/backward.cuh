@@ -31,8 +31,8 @@ struct BackwardParams {
     float* delta;      // [batch·heads_q·n_q_pad]
     float* lse2;       // [batch·heads_q·n_q_pad], lse·log2(e)
     float* dq_acc;     // [batch, heads_q, n_q, D] f32
-    float* dk_acc;     // [batch, heads_q, n_kv, D] f32 (per query head)
-    float* dv_acc;     // [batch, heads_q, n_kv, D] f32 (per query head)
+    float* dk_acc;     // [batch, heads_q, n_kv, D] f32 (per query head), or null (dkv_written)
+    float* dv_acc;     // [batch, heads_q, n_kv, D] f32 (per query head), or null (dkv_written)
     u16* dq;           // outputs
     u16* dk;
     u16* dv;
@@ -43,6 +43,9 @@ struct BackwardParams {
     int n_q;
     int n_kv;
     int n_q_pad;  // n_q rounded up to a multiple of BR
+    // The main kernel wrote dK and dV, scaled, in 16 bits (FA3's, without GQA): dk_acc and dv_acc
+    // are null and finish converts dQ only.
+    int dkv_written;
     float scale;
     float scale_log2;  // scale · log2(e)
     Band band;         // FA2_WINDOW only: the sliding window (mask.cuh)

@@ -708,6 +708,7 @@ fa2_backward_dq(const __grid_constant__ BackwardParams p) {
 #endif  // FA2_DETERMINISTIC
 
 // ---- finish: dQ = scale·dQ_acc; dK = scale·Σ_group dK_acc; dV = Σ_group dV_acc; to 16 bits ------
+// (dQ only where the main kernel wrote dK and dV itself: p.dkv_written.)
 // One warp per row of an output (grid-stride over the rows), its lanes two adjacent columns each:
 // a row's place in the strided output is worked out once per row, not per element, and the
 // contiguous accumulators are read in order.
@@ -719,7 +720,7 @@ extern "C" __global__ void fa2_backward_finish(const __grid_constant__ BackwardP
     const float* __restrict__ dk_acc = p.dk_acc;
     const float* __restrict__ dv_acc = p.dv_acc;
     const long long dq_rows = (long long)p.batch * p.heads_q * p.n_q;
-    const long long dkv_rows = (long long)p.batch * p.heads_kv * p.n_kv;
+    const long long dkv_rows = p.dkv_written ? 0 : (long long)p.batch * p.heads_kv * p.n_kv;
     const int group = p.heads_q / p.heads_kv;
     const long long head_len = (long long)p.n_kv * D;  // elements of one query head's dK_acc
     const int lane = lane_id();

@@ -4,9 +4,9 @@
 // consumers (setmaxnreg).
 //
 // This is the main kernel only. The preparation (D = rowsum(dO ∘ O), lse in base 2, dQ's f32
-// accumulator zeroed), the deterministic dQ pass and the finish (scale, sum over a GQA group,
-// convert) are FA2's kernels, launched around this one with the same parameter block
-// (backward.cuh): the two rungs read and write the same arrays.
+// accumulator zeroed), the deterministic dQ pass and the finish (dQ's scale and conversion, and
+// with GQA dK's and dV's sum over the group) are FA2's kernels, launched around this one with the
+// same parameter block (backward.cuh): the two rungs read and write the same arrays.
 //
 // One block per (K/V tile of BC keys, query head, batch entry). K_j and V_j land once; the block
 // then walks the query tiles i that can see them, recomputing P from lse instead of storing it:
@@ -20,13 +20,15 @@
 //          lse2_i, D_i       -> q_full       Pᵀ  = 2^(scale_log2·Sᵀ − lse2_i), masked
 //                                            dSᵀ = Pᵀ ∘ (dPᵀ − D_i)
 //                                            dSᵀ -> shared memory; both warpgroups meet
-//                                            dV_wg += Pᵀ dO_i,  dK_wg += dSᵀ Q_i      (wgmma, rs)
 //                                            dQ_i[:, cols_wg] = dS K_j[:, cols_wg]   (wgmma, ss)
-//                                              -> shared memory; one thread has the copy
-//                                              engine add the tile to dQ's f32 accumulator
+//                                            dV_wg += Pᵀ dO_i,  dK_wg += dSᵀ Q_i      (wgmma, rs)
+//                                            dQ_i -> shared memory (under dV, dK); one
+//                                              thread has the copy engine add the tile to
+//                                              dQ's f32 accumulator
 //                                            release the stage
-//                                          dK_wg, dV_wg -> their f32 accumulators (finish sums
-//                                            the GQA group, scales and converts)
+//                                          dK_wg, dV_wg -> dK, dV, scaled, in 16 bits; with GQA
+//                                            to f32 accumulators (finish sums the group, scales
+//                                            and converts)
 //
 // As in fa2_backward.cu the products are taken with the key index on the rows (Sᵀ, dPᵀ, dSᵀ):
 // dK and dV accumulate in the consumers' registers, and Pᵀ, dSᵀ come out of the first products
@@ -57,7 +59,8 @@
 //   FA3B_D (any multiple of 8 up to 128), FA3B_STAGES, FA3B_CAUSAL, FA3B_DETERMINISTIC,
 //   LADDER_SCORE_MOD (score_mod.cuh), LADDER_MASK_MOD (mask_mod.cuh: producer and consumers
 //   walk the query tiles the block mask lists as live for the block's keys, in its order, and
-//   the consumers ask the mask per entry on the partial ones),
+//   the consumers read a partial one's kept bits, or ask the mask per entry where none were
+//   kept),
 //   FA3B_HOST_SHARED_BYTES, FA3B_HOST_PARAMS_BYTES (the host's sizes, checked below)
 
 #include "backward.cuh"
@@ -215,16 +218,31 @@ __device__ __forceinline__ void issue_dq(float (&dq)[N / 8][4], const u16* ds, c
         Wgmma<N / 8, 1, 1>::ss(dq, desc_n_major<BC>(ds, ks), desc_n_major<BC>(k_cols, ks), ks > 0);
 }
 
-// dQ_i's columns [C0, C0 + N) of this warpgroup: the product, then its entries into dQ's shared
-// tile (f32, 32-column blocks with the copy engine's 128-byte swizzle: 16-byte chunks permuted by
-// row mod 8, so the quad's and the warp's rows land in different banks).
+// dV += Pᵀ dO_i and dK += dSᵀ Q_i: the tiles' rows (queries) are the reduction. Issued, not
+// waited.
+__device__ __forceinline__ void issue_dkv(float (&dv)[D / 8][4], float (&dk)[D / 8][4],
+                                          const u32 (&pt)[NQ][2], const u32 (&dst)[NQ][2],
+                                          const u16* q, const u16* d_o) {
+    wgmma_pv<BR, D>(dv, pt, d_o);
+    wgmma_pv<BR, D>(dk, dst, q);
+}
+
+// dQ_i's columns [C0, C0 + N) of this warpgroup, then dV and dK: dQ's product goes first so that
+// its entries go into dQ's shared tile (f32, 32-column blocks with the copy engine's 128-byte
+// swizzle: 16-byte chunks permuted by row mod 8, so the quad's and the warp's rows land in
+// different banks) while the tensor cores take dV and dK. dV and dK are left in flight.
 template <int N, int C0>
-__device__ __forceinline__ void dq_step(float* sdq, const u16* ds, const u16* k) {
+__device__ __forceinline__ void dq_then_dkv(float* sdq, const u16* ds, const u16* k,
+                                            float (&dv)[D / 8][4], float (&dk)[D / 8][4],
+                                            const u32 (&pt)[NQ][2], const u32 (&dst)[NQ][2],
+                                            const u16* q, const u16* d_o) {
     float dq[N / 8][4];
     wgmma_fence();
     issue_dq<N, C0>(dq, ds, k);
     wgmma_commit();
-    wgmma_wait<0>();
+    issue_dkv(dv, dk, pt, dst, q, d_o);
+    wgmma_commit();
+    wgmma_wait<1>();
     wgmma_hold(dq);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -265,13 +283,21 @@ __device__ void consumer(const Fa3BackwardParams& p, SharedTiles& t, const Work&
     for (int at = w.walk.start(); at < w.walk.end(); ++at, ++pos.count) {
         const KeyTile tile = w.walk.at(at);
         const int stage = pos.stage(), i0 = tile.index * BR;
-        // The mask modifier on a partial tile, asked here (Pᵀ: keys on the rows, queries on the
-        // columns), before the products' register peak, and applied to Pᵀ below.
+        // The mask modifier on a partial tile, from its kept bits or else asked here (Pᵀ: keys on
+        // the rows, queries on the columns), before the products' register peak, and applied to
+        // Pᵀ below. (With a score modifier as well, the bits' loads made the d = 128 variants
+        // spill, wherever they were placed: those ask the mask.)
         unsigned long long hidden = 0;
-        if (has_mask_mod && tile.partial)
-            hidden = hidden_entries<4, NQ>(0, [&](int nt, int e) { return i0 + acc_col(nt, e); },
-                                           [&](int, int e) { return warp_key0 + acc_row(e); },
-                                           MaskAt{w.seq.batch, w.head, 0, 0, b.n_q, b.n_kv}, b.mask);
+        if (has_mask_mod && tile.partial) {
+            if (!has_score_mod && tile.bits >= 0)
+                hidden = hidden_kept_bits_t<BC, NQ>(warp_key0 - w.k0 + acc_row(0), tile.bits,
+                                                    b.mask, BR);
+            else
+                hidden = hidden_entries<4, NQ>(
+                    0, [&](int nt, int e) { return i0 + acc_col(nt, e); },
+                    [&](int, int e) { return warp_key0 + acc_row(e); },
+                    MaskAt{w.seq.batch, w.head, 0, 0, b.n_q, b.n_kv}, b.mask);
+        }
         mbar_wait(&t.q_full[stage], pos.parity());
 
         // Sᵀ = K Q_iᵀ and dPᵀ = V dO_iᵀ, issued together; Pᵀ is computed under the second.
@@ -330,16 +356,12 @@ __device__ void consumer(const Fa3BackwardParams& p, SharedTiles& t, const Work&
             // dQ's shared tile is written below: the copy engine must have read the last one.
             if (threadIdx.x == DQ_ISSUER) tma_store_wait_read();
             named_sync(DS_BARRIER, 128 * CONSUMERS);
-        }
 
-        // dV += Pᵀ dO_i and dK += dSᵀ Q_i: the tiles' rows (queries) are the reduction.
-        wgmma_fence();
-        wgmma_pv<BR, D>(dv, pt, t.d_o[stage]);
-        wgmma_pv<BR, D>(dk, dst, t.q[stage]);
-        wgmma_commit();
-        if constexpr (!deterministic) {
-            if (wg == 0) dq_step<DQ_COLS0, 0>(t.dq, ds, t.k);
-            else dq_step<DQ_COLS1, DQ_SPLIT>(t.dq, ds, t.k);
+            if (wg == 0)
+                dq_then_dkv<DQ_COLS0, 0>(t.dq, ds, t.k, dv, dk, pt, dst, t.q[stage], t.d_o[stage]);
+            else
+                dq_then_dkv<DQ_COLS1, DQ_SPLIT>(t.dq, ds, t.k, dv, dk, pt, dst, t.q[stage],
+                                                t.d_o[stage]);
             tma_store_fence();
             named_sync(DQ_BARRIER, 128 * CONSUMERS);
             if (threadIdx.x == DQ_ISSUER) {  // rows past n_q are outside the map: not added
@@ -349,6 +371,10 @@ __device__ void consumer(const Fa3BackwardParams& p, SharedTiles& t, const Work&
                                       w.seq.batch);
                 tma_store_commit();
             }
+        } else {
+            wgmma_fence();
+            issue_dkv(dv, dk, pt, dst, t.q[stage], t.d_o[stage]);
+            wgmma_commit();
         }
         wgmma_wait<0>();
         wgmma_hold(dv);
@@ -361,7 +387,29 @@ __device__ void consumer(const Fa3BackwardParams& p, SharedTiles& t, const Work&
     // The copy engine reads dQ's last tile from shared memory, which must outlive it.
     if (!deterministic && threadIdx.x == DQ_ISSUER) tma_store_wait_all();
 
-    // dK_j, dV_j of this query head, unscaled, f32: finish sums the group and scales dK.
+    // dK_j, dV_j of this query head: without GQA the head's own gradients, scaled and converted
+    // here (a quad's four threads write 16 adjacent bytes of a row, which L2 merges into whole
+    // sectors); with GQA unscaled f32 shares, which finish sums over the group, scales and
+    // converts.
+    if (b.dkv_written) {
+        u16* gk = head_base(b.dk, b.dk_strides, w.seq.batch, w.kv_head);
+        u16* gv = head_base(b.dv, b.dv_strides, w.seq.batch, w.kv_head);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int key = warp_key0 + acc_row(2 * h);
+            if (key >= b.n_kv) continue;
+            u16* rk = gk + (long long)key * b.dk_strides.row;
+            u16* rv = gv + (long long)key * b.dv_strides.row;
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt) {
+                const int col = acc_col(dt, 0);
+                *reinterpret_cast<u32*>(rk + col) =
+                    pack2(dk[dt][2 * h] * b.scale, dk[dt][2 * h + 1] * b.scale);
+                *reinterpret_cast<u32*>(rv + col) = pack2(dv[dt][2 * h], dv[dt][2 * h + 1]);
+            }
+        }
+        return;
+    }
     const long long key_rows = key_rows_offset(false, b.varlen, w.seq, b.heads_q, w.head, b.n_kv);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

@@ -174,4 +174,30 @@ __device__ __forceinline__ void mask_kept_bits(float (&s)[NT][4], int h, int row
             if (!((w[nt / 4] >> ((nt % 4) * 8 + lane_col + i)) & 1)) s[nt][2 * h + i] = value;
 }
 
+// hidden_entries' bits for Sᵀ (the backward's: keys on the rows, EN = 4 entries of each of the
+// NT 8-column tiles of queries) from a partial tile's kept bits instead of the mask: `key` is the
+// thread's first key row within the tile (its other is key + 8, in the same 32-key word, since a
+// warp's 16 rows start on a multiple of 16), `slot` the tile's bits, `br` their rows (queries).
+// One word per query column of the thread: 2·NT loads.
+template <int BC, int NT>
+__device__ __forceinline__ unsigned long long hidden_kept_bits_t(int key, int slot,
+                                                                 const MaskArgs& m, int br) {
+    static_assert(4 * NT <= 64, "one bit per entry");
+    constexpr int WORDS = BITS_WORDS<BC>;
+    const unsigned* at = m.bits + (size_t)slot * br * WORDS + key / 32;
+    const int lane_col = 2 * (threadIdx.x % 4);
+    unsigned long long hidden = 0;
+    // Column c of the thread's 2·NT: 8-column tile c / 2, entries e = c % 2 (key) and 2 + c % 2
+    // (key + 8). Not unrolled: unrolled, the loads are live at once and FA3's backward with a
+    // score modifier spills.
+#pragma unroll 1
+    for (int c = 0; c < 2 * NT; ++c) {
+        const int nt = c / 2, i = c % 2;
+        const unsigned w = ~at[(nt * 8 + lane_col + i) * WORDS] >> (key % 32);
+        hidden |= (unsigned long long)(w & 1) << (4 * nt + i);
+        hidden |= (unsigned long long)((w >> 8) & 1) << (4 * nt + 2 + i);
+    }
+    return hidden;
+}
+
 #endif  // LADDER_MASK_MOD_CUH

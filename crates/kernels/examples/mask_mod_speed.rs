@@ -16,7 +16,9 @@
 //! `FA3_TILES=bc,consumers,stages` runs FA3 on those tiles instead of its own (an experiment;
 //! `fa3::Fa3Tiles`), `FA3_SCHEDULE=no-persistent` (or `no-pingpong`, `no-overlap`, comma-separated)
 //! on that schedule (`fa3::Schedule`); `ONLY=TEXT` runs only the rows whose `rung n mask` contains TEXT (e.g.
-//! `ONLY="fa3 16384 Documents(16)"`, one case to profile). Without a GPU it says so and exits with status 1. Each figure is the median of 10 calls timed
+//! `ONLY="fa3 16384 Documents(16)"`, one case to profile); `RELEASE_FREED_MEMORY=1` gives the calls'
+//! temporaries back to the system at every synchronisation (`GpuConfig::release_freed_memory`,
+//! the driver's default) to show what keeping them saves. Without a GPU it says so and exits with status 1. Each figure is the median of 10 calls timed
 //! with CUDA events, after 3 warm-up calls.
 
 use ladder_kernels::{
@@ -108,6 +110,9 @@ fn run() -> std::result::Result<(), Box<dyn std::error::Error>> {
             }
         }
         config = config.tune(schedule);
+    }
+    if std::env::var_os("RELEASE_FREED_MEMORY").is_some() {
+        config = config.release_freed_memory(true);
     }
     let gpu = Gpu::with_config(config)?;
     println!(

@@ -479,6 +479,7 @@ pub(crate) struct BackwardParams {
     n_q: i32,
     n_kv: i32,
     n_q_pad: i32,
+    dkv_written: i32,
     scale: f32,
     scale_log2: f32,
     band: Band,
@@ -549,6 +550,9 @@ pub(crate) struct MainPass<'a> {
     pub(crate) tiles: (usize, usize),
     /// Launches it (after the preparation, on the same stream).
     pub(crate) launch: &'a dyn Fn(&BackwardParams) -> Result<()>,
+    /// Whether it writes dK and dV itself, scaled and in 16 bits, where there is no GQA group to
+    /// sum (FA3's): then no f32 accumulators for them, and the finish converts dQ only.
+    pub(crate) writes_dkv: bool,
 }
 
 /// The backward kernels on the checked problem `p` (packed when `lens` is given), with FA2's
@@ -610,7 +614,8 @@ pub(crate) fn backward_problem(
     // f32 accumulators: dQ gathers the key tiles' shares (atomically, or from the dQ pass); dK, dV
     // are per query head and summed over the group by the finishing kernel.
     let mut dq_acc = gpu.output(&[heads, n_q, p.d], DType::F32)?;
-    let kv_per_q_head = [heads, n_kv, p.d];
+    let dkv_written = p.heads_q == p.heads_kv && main_pass.as_ref().is_some_and(|m| m.writes_dkv);
+    let kv_per_q_head = if dkv_written { [0, 0, 0] } else { [heads, n_kv, p.d] };
     let mut dk_acc = gpu.output(&kv_per_q_head, DType::F32)?;
     let mut dv_acc = gpu.output(&kv_per_q_head, DType::F32)?;
     let mut dq = gpu.output_like(q, p.dtype)?;
@@ -684,6 +689,7 @@ pub(crate) fn backward_problem(
             n_q: n_q as i32,
             n_kv: n_kv as i32,
             n_q_pad: n_q_pad_i,
+            dkv_written: dkv_written as i32,
             scale: p.scale,
             scale_log2: p.scale_log2(),
             band: p.band(),
@@ -731,8 +737,9 @@ pub(crate) fn backward_problem(
         }
 
         // 3. Scale, sum the GQA groups, convert: a warp per row, grid-stride over the rows of the
-        //    larger of dQ and dK.
-        let finish_rows = (heads * n_q).max(batch * p.heads_kv * n_kv);
+        //    larger of dQ and dK (dQ's alone where the main kernel wrote dK and dV).
+        let dkv_rows = if dkv_written { 0 } else { batch * p.heads_kv * n_kv };
+        let finish_rows = (heads * n_q).max(dkv_rows);
         let blocks = finish_rows.div_ceil(8).min(gpu.sm_count() as usize * 16);
         gpu.launch(&finish, grid(blocks, 1, 1)?, 256, 0, &params)?;
     }

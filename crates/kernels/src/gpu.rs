@@ -77,6 +77,7 @@ pub struct GpuConfig {
     nvrtc_options: Vec<String>,
     kernel_cache: KernelCache,
     no_programmatic_launch: bool,
+    release_freed_memory: bool,
     /// The rungs' knobs ([`GpuConfig::tune`]), at most one of each type.
     tuning: Vec<Arc<dyn AnyTuning>>,
     /// Kernel files compiled from other text ([`GpuConfig::kernel_source`]).
@@ -220,6 +221,15 @@ impl GpuConfig {
         self.no_programmatic_launch = !on;
         self
     }
+
+    /// Give memory the kernels free back to the system at every synchronisation (the CUDA
+    /// driver's default), instead of keeping it in the device's memory pool for the next call
+    /// (what [`Gpu::with_config`] sets otherwise: [`Gpu::keep_freed_memory`]). On: every call
+    /// maps its temporaries afresh, which the GPU waits for.
+    pub fn release_freed_memory(mut self, on: bool) -> GpuConfig {
+        self.release_freed_memory = on;
+        self
+    }
 }
 
 /// The `N` comma-separated counts of a tile specification such as `2,64,4` (spaces allowed), or
@@ -312,7 +322,42 @@ impl Gpu {
         // `context()` / `stream()` say so to callers who make their own buffers.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
-        Gpu::open(stream, config)
+        let release = config.release_freed_memory;
+        let gpu = Gpu::open(stream, config)?;
+        if !release {
+            gpu.keep_freed_memory()?;
+        }
+        Ok(gpu)
+    }
+
+    /// Keep the memory that buffers free in the device's memory pool, for the next allocations
+    /// to reuse, rather than giving it back to the system at the next synchronisation (the
+    /// driver's default release threshold, 0). The rungs allocate their outputs and temporaries
+    /// at each call (a backward pass at n = 16k, 16 heads, d = 128: 670 MB of f32 accumulators);
+    /// given back at every synchronisation, each call maps them again while the GPU waits — about
+    /// a millisecond, as long as a whole masked backward. [`Gpu::with_config`] calls this (unless
+    /// [`GpuConfig::release_freed_memory`]); a [`Gpu::from_stream`] leaves a framework's pool as
+    /// it set it, and may call this. The setting is the device's, for every context of the
+    /// process; PyTorch's caching allocator keeps freed memory likewise.
+    pub fn keep_freed_memory(&self) -> Result<()> {
+        use cudarc::driver::sys;
+        let failed = || KernelError::driver("keeping the memory pool's freed memory");
+        self.ctx.bind_to_thread().map_err(KernelError::driver("binding the context"))?;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        let mut keep = u64::MAX;
+        // SAFETY: `pool` receives the device's current pool, and the attribute's value is the
+        // u64 the driver reads for the release threshold.
+        unsafe {
+            sys::cuDeviceGetMemPool(&mut pool, self.ctx.cu_device()).result().map_err(failed())?;
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut keep as *mut u64).cast(),
+            )
+            .result()
+            .map_err(failed())?;
+        }
+        Ok(())
     }
 
     /// Use a stream you already have (from cudarc, or a framework built on it): the kernels run on

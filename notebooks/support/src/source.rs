@@ -409,15 +409,16 @@ mod tests {
         const K: &str = "crates/kernels/cuda/fa3_backward.cu";
         let producer = section(K, "producer").unwrap();
         assert!(producer.code().contains("bulk_load(t.lse2[stage]"), "{producer}");
-        for needle in ["void store_ds(", "void issue_dq(", "void dq_step("] {
+        for needle in ["void store_ds(", "void issue_dkv(", "void issue_dq(", "void dq_then_dkv("] {
             assert!(item(K, needle).is_ok(), "{needle}");
         }
         let first =
             lines(K, "// Sᵀ = K Q_iᵀ and dPᵀ = V dO_iᵀ, issued together", "pack_p(dp, dst);");
         assert!(first.unwrap().code().contains("wgmma_wait<1>()"));
-        let second =
-            lines(K, "// dV += Pᵀ dO_i and dK += dSᵀ Q_i", "mbar_arrive(&t.q_empty[stage]);");
-        assert!(second.unwrap().code().contains("tma_reduce_add_4d"));
+        let second = lines(K, "u16* ds = t.ds[pos.count & 1];", "mbar_arrive(&t.q_empty[stage]);");
+        let second = second.unwrap();
+        assert!(second.code().contains("tma_reduce_add_4d"), "{second}");
+        assert!(second.code().contains("dq_then_dkv<DQ_COLS0, 0>"), "{second}");
         let shared = lines(
             "crates/kernels/cuda/backward.cuh",
             "// FA2's backward (fa2_backward.cu) is four kernels",
