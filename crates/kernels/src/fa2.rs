@@ -548,11 +548,9 @@ pub(crate) struct MainPass<'a> {
     /// Query rows per step of its walk (lse2 and D are padded to whole tiles of them) and keys
     /// per block: the tiles of its block mask.
     pub(crate) tiles: (usize, usize),
-    /// Launches it (after the preparation, on the same stream).
+    /// Launches it (after the preparation, on the same stream). Without GQA it writes dK and dV
+    /// itself, scaled and in 16 bits (`dkv_written`), as FA3's does.
     pub(crate) launch: &'a dyn Fn(&BackwardParams) -> Result<()>,
-    /// Whether it writes dK and dV itself, scaled and in 16 bits, where there is no GQA group to
-    /// sum (FA3's): then no f32 accumulators for them, and the finish converts dQ only.
-    pub(crate) writes_dkv: bool,
 }
 
 /// The backward kernels on the checked problem `p` (packed when `lens` is given), with FA2's
@@ -612,9 +610,10 @@ pub(crate) fn backward_problem(
     let mut delta = gpu.output(&[heads * n_q_pad], DType::F32)?;
     let mut lse2 = gpu.output(&[heads * n_q_pad], DType::F32)?;
     // f32 accumulators: dQ gathers the key tiles' shares (atomically, or from the dQ pass); dK, dV
-    // are per query head and summed over the group by the finishing kernel.
+    // are per query head and summed over the group by the finishing kernel, except where another
+    // rung's main kernel (FA3's) writes them itself, without a GQA group to sum.
     let mut dq_acc = gpu.output(&[heads, n_q, p.d], DType::F32)?;
-    let dkv_written = p.heads_q == p.heads_kv && main_pass.as_ref().is_some_and(|m| m.writes_dkv);
+    let dkv_written = p.heads_q == p.heads_kv && main_pass.is_some();
     let kv_per_q_head = if dkv_written { [0, 0, 0] } else { [heads, n_kv, p.d] };
     let mut dk_acc = gpu.output(&kv_per_q_head, DType::F32)?;
     let mut dv_acc = gpu.output(&kv_per_q_head, DType::F32)?;

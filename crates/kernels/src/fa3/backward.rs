@@ -14,8 +14,8 @@
 //! deterministic dQ pass and the finish (dQ's scale and conversion; with GQA the sum of `dK`, `dV`
 //! over each group) are FA2's kernels with the same parameter block (`cuda/backward.cuh`), so both
 //! rungs' gradients come out of the same arrays. Without GQA the main kernel writes `dK` and `dV`
-//! itself, scaled and in 16 bits, as FA3 does: no f32 round trip through memory for them. `Options::deterministic` drops dQ from the main kernel and computes it in FA2's fixed
-//! order.
+//! itself, scaled and in 16 bits, as FA3 does: no f32 round trip through memory for them.
+//! `Options::deterministic` drops dQ from the main kernel and computes it in FA2's fixed order.
 //!
 //! Head dims: every multiple of 8 up to 128 ([`BACKWARD_HEAD_DIMS`]); `dK` and `dV` of 64 keys
 //! by `d` columns live in each consumer's registers, which past 128 columns they outgrow. Any
@@ -172,7 +172,7 @@ pub fn backward(
         let blocks = grid(p.n_kv.div_ceil(BC), p.heads_q, p.batch)?;
         gpu.launch(&kernel, blocks, THREADS, smem, &params)
     };
-    let main = MainPass { tiles: (BR, BC), launch: &launch, writes_dkv: true };
+    let main = MainPass { tiles: (BR, BC), launch: &launch };
     fa2::backward_problem(gpu, &p, (q, k, v), (out, d_o), None, opts.deterministic, Some(main))
 }
 
