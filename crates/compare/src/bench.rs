@@ -382,6 +382,7 @@ fn run_decode_case(
         splits: plan.splits,
         strategy: plan.pp_strategy,
         phi: plan.phi,
+        atomic_sums: plan.pp_atomic_sums,
         ..DecodeOptions::default()
     };
     // What `decode::forward` picks: the same plan on the same shape.
@@ -409,6 +410,7 @@ fn run_decode_case(
     extra.insert("splits_from".into(), json!(from));
     if strategy.is_pp() && measured {
         extra.insert("phi".into(), json!(plan.phi));
+        extra.insert("atomic_sums".into(), json!(plan.pp_atomic_sums));
         if let Ok(stats) = timing::decode_stats(rung, gpu, sets, n_new, lengths, opts) {
             extra.insert("fallback_rows".into(), json!(stats.fallback_rows));
         }

@@ -1092,6 +1092,68 @@ fn gpu_decode_pp_fallback_rows_are_flash_decodings() {
     }
 }
 
+/// FlashDecoding++ with atomic sums (`DecodeOptions::atomic_sums`: each split adds its partials
+/// into one sum per row as it finishes): every call within tolerance of the oracle and of the
+/// split-order sums, with the same plan and fallback count, for each kernel and split count
+/// (40 splits: more than a combine batch); rows that all fall back (`φ` = 100) the split order's
+/// bits, recomputed. The sums live from call to call and each call clears what it added: the calls
+/// alternate shapes, orders and `φ`, and every one is checked, so sums a call left behind would
+/// show in the next.
+#[test]
+fn gpu_decode_pp_atomic_sums_match_the_split_order() {
+    let Some(gpu) = gpu() else { return };
+    for dtype in [DType::F16, DType::BF16] {
+        for case in cases(dtype).into_iter().chain(large_cases(dtype)) {
+            let x = case.inputs();
+            let dev = upload(gpu, &case, &x, Layout::Contiguous);
+            let expected: Vec<Option<Expected>> = (0..case.batch())
+                .map(|b| (case.lengths[b] > 0).then(|| expected_for(&case, &x, b)))
+                .collect();
+            for strategy in [DecodeStrategy::Gemv, DecodeStrategy::FlatGemm] {
+                for splits in [None, Some(3), Some(40)] {
+                    for phi in [0.0, 100.0] {
+                        let ordered = case.decode_options(strategy, splits, phi);
+                        let atomic = DecodeOptions { atomic_sums: true, ..ordered.clone() };
+                        let what = format!("{case:?} {strategy} splits {splits:?} φ {phi}");
+                        let (want, want_stats) = launch_with(gpu, &case, &dev, &ordered);
+                        let want_host = to_host(&case, &want);
+                        for call in 0..2 {
+                            let what = format!("{what}, atomic sums, call {call}");
+                            let (got, stats) = launch_with(gpu, &case, &dev, &atomic);
+                            assert_eq!(stats, want_stats, "{what}");
+                            if phi == 100.0 {
+                                assert!(bytes(&got) == bytes(&want), "{what}: not the same bits");
+                            }
+                            let (o, lse) = to_host(&case, &got);
+                            for (b, expected) in expected.iter().enumerate() {
+                                let Some(expected) = expected else {
+                                    assert_empty(&what, &o, &lse, b);
+                                    continue;
+                                };
+                                let seq = sequence(&o, &lse, b);
+                                let verdict = expected.judge(&seq);
+                                assert!(
+                                    verdict.pass,
+                                    "{what}, sequence {b} vs oracle: O {} (tol {}), lse {} \
+                                     (tol {})",
+                                    verdict.o, expected.o, verdict.lse, expected.lse
+                                );
+                                let order = sequence(&want_host.0, &want_host.1, b);
+                                let pair = judge_between(&seq, &order, expected, expected);
+                                assert!(
+                                    pair.pass,
+                                    "{what}, sequence {b} vs split order: O {}, lse {}",
+                                    pair.o, pair.lse
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The fallback count is the CPU rung's on the same problem: with `φ` far away every row that
 /// sees a key falls back, on drawn shapes and layouts.
 fn check_drawn_fallbacks(drawn: &Drawn, phi: f32) -> Result<(), TestCaseError> {

@@ -162,6 +162,10 @@ __device__ __forceinline__ unsigned count_in(unsigned* counter) {
     return old;
 }
 
+// The splits whose partials a combine reads at once: each read is an L2 round trip that the tail
+// of the call waits for, so as many go out together as registers allow.
+constexpr int COMBINE_BATCH = 16;
+
 // Whether this block is the last of its group of splits to finish: counters has one per (sequence,
 // kv head, row block) of the launch (grid (splits · row_blocks, heads_kv, batch)). Every thread
 // of the block calls it, after writing its partials; the barrier after the count orders thread

@@ -194,7 +194,6 @@ __device__ __forceinline__ void store_output(const FdParams& p, const HeadRows& 
 // running weight sum l, the sums so far rescaled when m grows. (Reading all lse_s first, then the
 // O_s, 4 columns at a time, took a round trip and a barrier more and twice the batches:
 // docs/perf-notes.md, FlashDecoding v4.)
-constexpr int COMBINE_BATCH = 16;
 constexpr int COMBINE_COLS = 8;
 
 __device__ void combine_rows(const FdParams& p, const HeadRows& rows, int r0, int RB) {

@@ -30,10 +30,17 @@
 //
 // max_s is each thread's own fmax of the exponents it computed: it is never reduced across
 // threads inside the loop, and the exponentials never wait for it; it serves only the decision
-// below. (The paper adds the partials with atomics as they come; here they go through a workspace
-// and are summed in a fixed order, so that a call gives the same bits every time.) Where
-// FlashDecoding's combine must first find the largest lse_s and weigh every split by it, this one
-// reads the splits' sums once and adds them: the unified max is what makes it a plain sum.
+// below. Where FlashDecoding's combine must first find the largest lse_s and weigh every split by
+// it, this one only adds: the unified max is what makes it a plain sum, and a plain sum can be
+// taken as the splits come. Two ways (FdppParams::sums):
+//
+//   in split order (the default): each split writes its partials to a workspace, and the last
+//       block reads them all and adds them in split order, so a call gives the same bits every
+//       time;
+//   atomic (the paper's): each split adds its partials into one sum per row with atomics as it
+//       finishes (red.add, in L2), and the last block reads one row of sums instead of one per
+//       split, and clears them for the next call. The order of the additions, and so the last
+//       bits of O, may change from call to call.
 //
 // The safe window. 2^t must neither overflow the 16-bit P it is rounded to nor leave every term
 // of a row tiny. A row whose largest exponent max_s t leaves [lo, hi] (log2 units; the host's
@@ -133,6 +140,41 @@ static_assert(BC == 16 * WARPS, "each warp owns 16 keys of a tile");
 // past D are zeros of the copy, and never stored).
 constexpr int PER_LANE = COLS / 32;
 
+// The splits' partials added as they come (see "the unified max" above), one of each per output
+// row; t_max as an ordered key (max_key), so that an unsigned atomic max takes the largest float.
+struct AtomicSums {
+    float* acc;        // [output rows, D]  Σ_s acc_s
+    float* l;          // [output rows]     Σ_s l_s
+    float* lr;         // [output rows]     Σ_s lr_s
+    unsigned* t_max;   // [output rows]     max_s max_s, as max_key (0, the cleared value: none)
+};
+
+// A float's key in an unsigned order that is the floats' order (negative floats below positive
+// ones, each the more negative the smaller); 0 lies below every float's key.
+__device__ __forceinline__ unsigned max_key(float x) {
+    const unsigned b = __float_as_uint(x);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float from_max_key(unsigned k) {
+    if (k == 0) return LADDER_NEG_INF;
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// Four consecutive floats added into global memory by one vector reduction in L2 (sm_90; four
+// scalar ones before). dst is 16-byte aligned.
+__device__ __forceinline__ void red_add4(float* dst, float4 v) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(v.x), "f"(v.y),
+                 "f"(v.z), "f"(v.w)
+                 : "memory");
+#else
+    atomicAdd(dst, v.x);
+    atomicAdd(dst + 1, v.y);
+    atomicAdd(dst + 2, v.z);
+    atomicAdd(dst + 3, v.w);
+#endif
+}
+
 // The call (decode.cuh), and these kernels' own: workspaces, f32, acc_part [output rows, splits,
 // D] (unnormalised), l_part, lr_part and max_part [output rows, splits]; fallback [output rows];
 // the rows numbered as HeadRows::flat numbers them. Both kernels take the same struct.
@@ -146,6 +188,9 @@ struct FdppParams {
     // One per (sequence, kv head, row block) of the launch, zero before it and left zero after:
     // the splits of a group count themselves in here (last_to_finish, decode.cuh).
     unsigned* counters;
+    // The atomic sums, over the splits, per output row: zero before the launch and left zero
+    // after (the combine clears what it reads); null to sum in split order.
+    AtomicSums sums;
     float phi;        // φ, natural log (the units of lse)
     float phi_log2;   // φ · log2(e)
     float lo_log2;    // the safe window of max t, log2 units
@@ -438,6 +483,31 @@ typedef Gemv WarpState;
 typedef FlatGemm WarpState;
 #endif
 
+// A lane's PER_LANE columns of an f32 row of D (col = lane · PER_LANE), read from L2 (other blocks
+// of this launch wrote them); columns past D read as 0.
+__device__ __forceinline__ void load_lane_columns(float (&x)[PER_LANE], const float* src) {
+    if constexpr (D == COLS && (PER_LANE == 2 || PER_LANE % 4 == 0)) {
+        load_f32<PER_LANE, true>(x, src);
+    } else {
+        // Pairs of columns, both below D or both past it (D and the lane's first column are even).
+        const int col = lane_id() * PER_LANE;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i += 2) {
+            const float2 y = col + i < D ? __ldcg(reinterpret_cast<const float2*>(src + i))
+                                         : make_float2(0.f, 0.f);
+            x[i] = y.x, x[i + 1] = y.y;
+        }
+    }
+}
+
+// Zeros into the lane's columns (those below D) of an f32 row: the atomic sums, cleared.
+__device__ __forceinline__ void clear_lane_columns(float* dst) {
+    const int col = lane_id() * PER_LANE;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i += 2)
+        if (D == COLS || col + i < D) __stcg(reinterpret_cast<float2*>(dst + i), make_float2(0.f, 0.f));
+}
+
 // ---- phase 2: one output row, by one warp -------------------------------------------------------
 //
 // Output row `row` (HeadRows::flat) from every split's partials, which other blocks of this launch
@@ -448,19 +518,40 @@ __device__ __forceinline__ bool combine_row(const FdppParams& p, size_t row, flo
     const DecodeCall& call = p.call;
     const int lane = lane_id();
     const int splits = call.splits;
-    const float* l_s = p.l_part + (size_t)row * splits;
-    const float* lr_s = p.lr_part + (size_t)row * splits;
-    const float* max_s = p.max_part + (size_t)row * splits;
+    const bool atomic = p.sums.acc != nullptr;
+    const int col = lane * PER_LANE;
 
     float l = 0.f, lr = 0.f, t_max = LADDER_NEG_INF;
-    for (int s = lane; s < splits; s += 32) {
-        l += __ldcg(l_s + s);
-        lr += __ldcg(lr_s + s);
-        t_max = fmaxf(t_max, __ldcg(max_s + s));
+    float o[PER_LANE];
+    zero(o);
+    if (atomic) {
+        // One row of sums, read and cleared for the next call (every lane reads the row's three
+        // scalars; lane 0 clears them once all have).
+        float* acc = p.sums.acc + (size_t)row * D + col;
+        load_lane_columns(o, acc);
+        clear_lane_columns(acc);
+        l = __ldcg(p.sums.l + row);
+        lr = __ldcg(p.sums.lr + row);
+        t_max = from_max_key(__ldcg(p.sums.t_max + row));
+        __syncwarp();
+        if (lane == 0) {
+            __stcg(p.sums.l + row, 0.f);
+            __stcg(p.sums.lr + row, 0.f);
+            __stcg(p.sums.t_max + row, 0u);
+        }
+    } else {
+        const float* l_s = p.l_part + (size_t)row * splits;
+        const float* lr_s = p.lr_part + (size_t)row * splits;
+        const float* max_s = p.max_part + (size_t)row * splits;
+        for (int s = lane; s < splits; s += 32) {
+            l += __ldcg(l_s + s);
+            lr += __ldcg(lr_s + s);
+            t_max = fmaxf(t_max, __ldcg(max_s + s));
+        }
+        l = warp_sum(l);
+        lr = warp_sum(lr);
+        t_max = warp_max(t_max);
     }
-    l = warp_sum(l);
-    lr = warp_sum(lr);
-    t_max = warp_max(t_max);
 
     // The decision, the CPU rung's: keep the row if its largest exponent is inside the window and
     // its sum is a positive number; a row without a finite score (max −inf: O = 0, lse = −inf) or
@@ -480,26 +571,23 @@ __device__ __forceinline__ bool combine_row(const FdppParams& p, size_t row, flo
     }
     if (!keep) return true;  // the whole warp: the block walks the row again (below)
 
-    float o[PER_LANE];
-    zero(o);
-    const int col = lane * PER_LANE;
-    const float* acc_s = p.acc_part + (size_t)row * splits * D + col;
-    for (int s = 0; s < splits; ++s) {
-        float x[PER_LANE];
-        if constexpr (D == COLS && (PER_LANE == 2 || PER_LANE % 4 == 0)) {
-            load_f32<PER_LANE, true>(x, acc_s + (size_t)s * D);
-        } else {
-            // Pairs of columns, both below D or both past it (D and col are even).
+    if (!atomic) {
+        // BATCH splits' loads in flight at a time (COMBINE_BATCH, decode.cuh, where 64 floats a
+        // lane leave the registers to spare), added in split order.
+        constexpr int BATCH = PER_LANE <= 4 ? COMBINE_BATCH : COMBINE_BATCH * 4 / PER_LANE;
+        const float* acc_s = p.acc_part + (size_t)row * splits * D + col;
+        for (int s0 = 0; s0 < splits; s0 += BATCH) {
+            float x[BATCH][PER_LANE];
 #pragma unroll
-            for (int i = 0; i < PER_LANE; i += 2) {
-                const float2 y =
-                    col + i < D ? __ldcg(reinterpret_cast<const float2*>(acc_s + (size_t)s * D + i))
-                                : make_float2(0.f, 0.f);
-                x[i] = y.x, x[i + 1] = y.y;
+            for (int b = 0; b < BATCH; ++b) {
+                if (s0 + b < splits) load_lane_columns(x[b], acc_s + (size_t)(s0 + b) * D);
+                else zero(x[b]);
             }
-        }
 #pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) o[i] += x[i];
+            for (int b = 0; b < BATCH; ++b)
+#pragma unroll
+                for (int i = 0; i < PER_LANE; ++i) o[i] += x[b][i];
+        }
     }
     // O's denominator is the sum of P as it multiplied V. lr = 0 only for a row without keys
     // (O = 0); a NaN makes O NaN.
@@ -634,12 +722,22 @@ flash_decoding_pp_split(const __grid_constant__ FdppParams p) {
             acc = make_float4(nan, nan, nan, nan);
             l = lr = nan;
         }
-        const size_t out = rows.flat(r0 + r) * call.splits + split;
-        *reinterpret_cast<float4*>(p.acc_part + out * D + c) = acc;
-        if (c == 0) {
-            p.l_part[out] = l;
-            p.lr_part[out] = lr;
-            p.max_part[out] = t_max;
+        const size_t row = rows.flat(r0 + r);
+        if (p.sums.acc) {
+            red_add4(p.sums.acc + row * D + c, acc);
+            if (c == 0) {
+                atomicAdd(p.sums.l + row, l);
+                atomicAdd(p.sums.lr + row, lr);
+                atomicMax(p.sums.t_max + row, max_key(t_max));
+            }
+        } else {
+            const size_t out = row * call.splits + split;
+            *reinterpret_cast<float4*>(p.acc_part + out * D + c) = acc;
+            if (c == 0) {
+                p.l_part[out] = l;
+                p.lr_part[out] = lr;
+                p.max_part[out] = t_max;
+            }
         }
     }
 

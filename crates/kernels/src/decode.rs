@@ -163,7 +163,7 @@ pub use dispatch::{
     PP_MIN_KEYS, Plan, Strategy, Workload, blocks_per_split, dispatch, plan, split_count,
 };
 pub use pp::default_safe_range;
-use pp::{PpKernel, PpParams, Window};
+use pp::{AtomicSums, PpKernel, PpParams, Window};
 
 pub(crate) const SRC: &str = include_str!("../cuda/flash_decoding.cu");
 
@@ -262,6 +262,13 @@ pub struct DecodeOptions {
     pub score_mod: Option<ScoreMod>,
     /// Attention sinks ([`Sinks`]: one logit per query head in every row's softmax, gpt-oss).
     pub sinks: Option<Sinks>,
+    /// How FlashDecoding++ adds its splits' partials up: `false` (the default) in split order,
+    /// through a workspace the last block reads, so that a call gives the same bits every time;
+    /// `true` as the paper does, each split adding its partials into one sum per row with atomics
+    /// as it finishes, the last block reading one row of sums instead of one per split (the order
+    /// of the additions, and so the last bits of O, may change from call to call). Ignored by
+    /// FlashDecoding, whose combine must first find the largest of the splits' maxima.
+    pub atomic_sums: bool,
 }
 
 impl DecodeOptions {
@@ -311,6 +318,7 @@ impl Default for DecodeOptions {
             window: crate::Window::default(),
             score_mod: None,
             sinks: None,
+            atomic_sums: false,
         }
     }
 }
@@ -613,6 +621,8 @@ struct Call {
     /// Packed new tokens ([`forward_varlen`]): each sequence's first row of Q, and one past the
     /// last (`batch + 1` entries).
     new_starts: Option<Vec<usize>>,
+    /// FlashDecoding++ adds its splits' partials with atomics ([`DecodeOptions::atomic_sums`]).
+    atomic_sums: bool,
 }
 
 /// A call's checks, before anything is allocated or launched: the inputs on this `Gpu`'s stream,
@@ -709,7 +719,18 @@ fn check_any(
     };
     let plan = plan(strategy, opts.splits, &work, gpu.sm_count() as usize)?;
     let (score_mod, sinks) = (opts.score_mod.clone(), opts.sinks.clone());
-    Ok(Call { shape, score_mod, sinks, plan, stages, q_strides, kv_strides, new_starts })
+    let atomic_sums = opts.atomic_sums;
+    Ok(Call {
+        shape,
+        score_mod,
+        sinks,
+        plan,
+        stages,
+        q_strides,
+        kv_strides,
+        new_starts,
+        atomic_sums,
+    })
 }
 
 impl Call {

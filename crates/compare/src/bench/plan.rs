@@ -147,6 +147,10 @@ pub struct BenchArgs {
     /// scores leave its window are recomputed (in the same launch); their count is in bench.json.
     #[arg(long)]
     pub(super) phi: Option<f32>,
+    /// FlashDecoding++ only: add the splits' partials with atomics as they come
+    /// (`DecodeOptions::atomic_sums`, the paper's way) instead of in split order.
+    #[arg(long)]
+    pub(super) pp_atomic_sums: bool,
     /// Decode only: new tokens per sequence (1 … 16; more than one is speculative decoding,
     /// causal among themselves), comma-separated [default: 1,4 on the reference shapes, 1 on the
     /// sweep].
@@ -301,6 +305,8 @@ pub(super) struct Plan {
     /// FlashDecoding++'s strategy (`--pp-kernel`, or by the rows) and `φ` (`--phi`).
     pub(super) pp_strategy: decode::Strategy,
     pub(super) phi: f32,
+    /// `--pp-atomic-sums`.
+    pub(super) pp_atomic_sums: bool,
     /// `--new-tokens` (empty: the defaults per shape).
     pub(super) new_tokens: Vec<usize>,
     /// `--page-size` (empty: the defaults per shape).
@@ -458,6 +464,7 @@ impl Plan {
             splits: a.splits,
             pp_strategy,
             phi: a.phi.unwrap_or(decode::DEFAULT_PHI),
+            pp_atomic_sums: a.pp_atomic_sums,
             new_tokens: a.new_tokens.clone(),
             layouts: a.page_size.clone(),
         })
@@ -832,6 +839,7 @@ mod tests {
         assert_eq!(p.case_count(), 2 * (5 * 2 * 3 + (p.decode.len() - 5)), "two decoding rungs");
         assert_eq!(p.splits, None);
         assert_eq!((p.pp_strategy, p.phi), (decode::Strategy::FlashDecodingPp, 0.0));
+        assert!(!p.pp_atomic_sums);
         let notes = p.notes().join("\n");
         assert!(notes.contains("heuristic") && notes.contains("2 shape(s) left out"), "{notes}");
         assert!(notes.contains("pages of 16, pages of 64 on the reference shapes"), "{notes}");
@@ -904,8 +912,9 @@ mod tests {
         let pp = pp.unwrap();
         assert_eq!(pp.decode_rungs(), [GpuRung::FlashDecodingPp]);
         assert_eq!((pp.pp_strategy, pp.phi), (decode::Strategy::Gemv, 2.5));
-        let flat = plan(&["--direction", "decode", "--pp-kernel", "flat-gemm"]).unwrap();
-        assert_eq!(flat.pp_strategy, decode::Strategy::FlatGemm);
+        let flat = plan(&["--direction", "decode", "--pp-kernel", "flat-gemm", "--pp-atomic-sums"]);
+        let flat = flat.unwrap();
+        assert_eq!((flat.pp_strategy, flat.pp_atomic_sums), (decode::Strategy::FlatGemm, true));
         let e = plan(&["--direction", "decode", "--phi", "inf"]).unwrap_err().to_string();
         assert!(e.contains("--phi"), "{e}");
         assert!(plan(&["--direction", "sideways"]).is_err());

@@ -184,7 +184,17 @@ pub(super) fn launch(
     gpu: &Gpu,
     q: &Tensor,
     cache: Cache<'_>,
-    Call { shape: p, score_mod, sinks, plan, stages, q_strides, kv_strides, new_starts }: &Call,
+    Call {
+        shape: p,
+        score_mod,
+        sinks,
+        plan,
+        stages,
+        q_strides,
+        kv_strides,
+        new_starts,
+        atomic_sums,
+    }: &Call,
     out: &mut Output,
     count_fallbacks: bool,
 ) -> Result<Option<usize>> {
@@ -290,7 +300,13 @@ pub(super) fn launch(
     let pp_row_blocks = pp_launch.as_ref().map_or(0, |&(_, _, row_blocks, _)| row_blocks);
     let counters =
         fd_row_blocks.max(pp_row_blocks) * p.heads_kv * p.batch.min(MAX_BATCH_PER_LAUNCH);
-    let fallback_rows = gpu.with_scratch(counters, workspace, |scratch| {
+    // FlashDecoding++'s atomic sums, after the counters (16-byte aligned) in the same memory,
+    // which is zero when allocated and which every kernel leaves zero. With one split there is
+    // nothing to add up: the workspace's round trip costs the same as the sums'.
+    let sums_at = counters.next_multiple_of(4);
+    let atomic = *atomic_sums && pp_kernel.is_some() && splits > 1;
+    let words = if atomic { sums_at + AtomicSums::words(rows, p.d) } else { counters };
+    let fallback_rows = gpu.with_scratch(words, workspace, |scratch| {
         // The workspaces' addresses, in the order listed above.
         let o_part_ptr = scratch.floats;
         let lse_part_ptr = o_part_ptr + (4 * parts * p.d) as u64;
@@ -375,6 +391,11 @@ pub(super) fn launch(
                     max_part: at(max_part_ptr, row0 * splits, 4),
                     fallback: at(flags_ptr, row0, 4),
                     counters: scratch.counters,
+                    sums: if atomic {
+                        AtomicSums::at(scratch.counters + 4 * sums_at as u64, rows, p.d, row0)
+                    } else {
+                        AtomicSums::default()
+                    },
                     phi: w.phi,
                     phi_log2: w.phi_log2,
                     lo_log2: w.lo_log2,

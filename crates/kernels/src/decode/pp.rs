@@ -164,6 +164,7 @@ pub(crate) struct PpParams {
     pub max_part: u64,
     pub fallback: u64,
     pub counters: u64,
+    pub sums: AtomicSums,
     pub phi: f32,
     pub phi_log2: f32,
     pub lo_log2: f32,
@@ -174,18 +175,50 @@ pub(crate) struct PpParams {
 // size the kernels check against FD_HOST_PARAMS_BYTES).
 unsafe impl DeviceRepr for PpParams {}
 
+/// Mirror of `AtomicSums` in `cuda/flash_decoding_pp.cu`: where the splits add their partials
+/// with atomics, per output row (Σ acc_s over `d` floats, then Σ l_s, Σ lr_s and the largest
+/// exponent as an ordered key), all zero at rest; null pointers to sum in split order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct AtomicSums {
+    pub acc: u64,
+    pub l: u64,
+    pub lr: u64,
+    pub t_max: u64,
+}
+
+impl AtomicSums {
+    /// 32-bit words the sums of `rows` output rows at head dimension `d` take.
+    pub(crate) fn words(rows: usize, d: usize) -> usize {
+        rows * (d + 3)
+    }
+
+    /// The sums of `rows` rows at head dimension `d` laid out from `base` (16-byte aligned, so
+    /// that each row of `acc` is when `d` is a multiple of 4), first row `row0`.
+    pub(crate) fn at(base: u64, rows: usize, d: usize, row0: usize) -> AtomicSums {
+        let f = |start: usize, per_row: usize| base + (4 * (start + row0 * per_row)) as u64;
+        AtomicSums {
+            acc: f(0, d),
+            l: f(rows * d, 1),
+            lr: f(rows * (d + 1), 1),
+            t_max: f(rows * (d + 2), 1),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn params_are_laid_out_like_the_cuda_struct() {
-        // The call (2,216 bytes), 6 pointers and 4 floats; 8-byte aligned. (The kernel checks the
-        // size too: FD_HOST_PARAMS_BYTES.)
+        // The call (2,216 bytes), 6 pointers, the 4 of the atomic sums and 4 floats; 8-byte
+        // aligned. (The kernel checks the size too: FD_HOST_PARAMS_BYTES.)
         assert_eq!(std::mem::offset_of!(PpParams, acc_part), 2216);
         assert_eq!(std::mem::offset_of!(PpParams, counters), 2256);
-        assert_eq!(std::mem::offset_of!(PpParams, hi_log2), 2276);
-        assert_eq!(std::mem::size_of::<PpParams>(), 2280);
+        assert_eq!(std::mem::offset_of!(PpParams, sums), 2264);
+        assert_eq!(std::mem::offset_of!(PpParams, hi_log2), 2308);
+        assert_eq!(std::mem::size_of::<PpParams>(), 2312);
     }
 
     #[test]
