@@ -18,7 +18,7 @@
 //       max_s = max_{j∈s} t_j,       with P_j = 2^(t_j) as it multiplies V (below)
 //   phase 2, in the same kernel: the last of a group's split blocks to finish (last_to_finish,
 //   decode.cuh, FlashDecoding's rule), one warp per output row:
-//       O = Σ_s acc_s / Σ_s lr_s,   lse = φ + ln Σ_s l_s        (plain sums, in split order)
+//       O = Σ_s acc_s / Σ_s lr_s,   lse = φ + ln Σ_s l_s        (plain sums: see below)
 //
 // Why two sums: the flat GEMM rounds 2^t to 16 bits (P) before it multiplies V, and with no max
 // subtracted the largest term is no longer exactly 1. Dividing by the sum of the unrounded terms
@@ -150,7 +150,7 @@ struct AtomicSums {
 };
 
 // A float's key in an unsigned order that is the floats' order (negative floats below positive
-// ones, each the more negative the smaller); 0 lies below every float's key.
+// ones, each the more negative the smaller); 0 lies below every non-NaN float's key.
 __device__ __forceinline__ unsigned max_key(float x) {
     const unsigned b = __float_as_uint(x);
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
