@@ -410,9 +410,8 @@ fn run_decode_case(
     extra.insert("splits_from".into(), json!(from));
     if strategy.is_pp() && measured {
         extra.insert("phi".into(), json!(plan.phi));
-        // With one split there is nothing to add: the kernel takes its workspace then.
-        let one_split = resolved.as_ref().is_ok_and(|p| p.splits == 1);
-        extra.insert("atomic_sums".into(), json!(plan.pp_atomic_sums && !one_split));
+        let atomic = resolved.as_ref().is_ok_and(|p| p.sums_atomically(plan.pp_atomic_sums));
+        extra.insert("atomic_sums".into(), json!(atomic));
         if let Ok(stats) = timing::decode_stats(rung, gpu, sets, n_new, lengths, opts) {
             extra.insert("fallback_rows".into(), json!(stats.fallback_rows));
         }

@@ -162,6 +162,15 @@ pub struct Plan {
     pub splits: usize,
 }
 
+impl Plan {
+    /// Whether a call of this plan asked for [`super::DecodeOptions::atomic_sums`] adds its
+    /// splits' partials with atomics: FlashDecoding++ with more than one split (with one there is
+    /// nothing to add, and the workspace's round trip costs the same as the sums').
+    pub fn sums_atomically(self, atomic_sums: bool) -> bool {
+        atomic_sums && self.strategy.is_pp() && self.splits > 1
+    }
+}
+
 /// The heuristic dataflow: the kernel and split count of an automatic call, from the rows per kv
 /// head (query heads per kv head × new tokens), the longest sequence, `batch · heads_kv`, the
 /// head dimension and whether the cache is paged ([`Workload`]), and the device's SM count.
@@ -293,6 +302,16 @@ mod tests {
     /// The same, paged.
     fn paged(rows_per_kv_head: usize, max_len: usize, batch_heads_kv: usize) -> Workload {
         Workload { paged: true, ..work(rows_per_kv_head, max_len, batch_heads_kv) }
+    }
+
+    #[test]
+    fn atomic_sums_only_for_flash_decoding_pp_with_splits_to_add() {
+        let plan = |strategy, splits| Plan { strategy, splits };
+        assert!(plan(Strategy::FlatGemm, 2).sums_atomically(true));
+        assert!(plan(Strategy::Gemv, 16).sums_atomically(true));
+        assert!(!plan(Strategy::Gemv, 16).sums_atomically(false));
+        assert!(!plan(Strategy::FlatGemm, 1).sums_atomically(true));
+        assert!(!plan(Strategy::FlashDecoding, 16).sums_atomically(true));
     }
 
     #[test]

@@ -301,10 +301,9 @@ pub(super) fn launch(
     let counters =
         fd_row_blocks.max(pp_row_blocks) * p.heads_kv * p.batch.min(MAX_BATCH_PER_LAUNCH);
     // FlashDecoding++'s atomic sums, after the counters (16-byte aligned) in the same memory,
-    // which is zero when allocated and which every kernel leaves zero. With one split there is
-    // nothing to add up: the workspace's round trip costs the same as the sums'.
+    // which is zero when allocated and which every kernel leaves zero.
     let sums_at = counters.next_multiple_of(4);
-    let atomic = *atomic_sums && pp_kernel.is_some() && splits > 1;
+    let atomic = plan.sums_atomically(*atomic_sums);
     let words = if atomic { sums_at + AtomicSums::words(rows, p.d) } else { counters };
     let fallback_rows = gpu.with_scratch(words, workspace, |scratch| {
         // The workspaces' addresses, in the order listed above.
